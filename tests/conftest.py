@@ -13,3 +13,7 @@ def run_v1(code:str, timeout=600) -> subprocess.CompletedProcess:
     r = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     if r.returncode: print(r.stdout, r.stderr, sep='\n')
     return r
+
+# Tiny CPU models: one thread is as fast and does not stall when the 2 cores are shared.
+import torch
+torch.set_num_threads(1)
