@@ -214,6 +214,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'fastai_accum.cli._parser': ('cli.html#_parser', 'fastai_accum/cli.py'),
                                   'fastai_accum.cli.command': ('cli.html#command', 'fastai_accum/cli.py'),
                                   'fastai_accum.cli.main': ('cli.html#main', 'fastai_accum/cli.py')},
+            'fastai_accum.distributed': { 'fastai_accum.distributed.fix_distributed_dl': ( 'distributed.html#fix_distributed_dl',
+                                                                                           'fastai_accum/distributed.py')},
             'fastai_accum.repro': { 'fastai_accum.repro.Divergence': ('repro.html#divergence', 'fastai_accum/repro.py'),
                                     'fastai_accum.repro.Divergence.__bool__': ('repro.html#divergence.__bool__', 'fastai_accum/repro.py'),
                                     'fastai_accum.repro.Divergence.__repr__': ('repro.html#divergence.__repr__', 'fastai_accum/repro.py'),

@@ -8,19 +8,14 @@ from torch import nn
 from torch.utils.data import TensorDataset
 from fastai.basics import Learner, DataLoaders, DataLoader, SGD, MSELossFlat, Callback
 import fastai.distributed
-from fastai.distributed import DistributedDL
 from fastai_accum.all import *
+from fastai_accum.distributed import fix_distributed_dl
 
 torch.set_num_threads(1)
 mode, outdir = sys.argv[1], sys.argv[2]
 rank = int(os.environ['RANK'])
 
-def _cpu_broadcast(self, t, rank):
-    "fastai's DistributedDL broadcasts through .cuda() (NCCL only); on CPU/gloo broadcast a CPU tensor."
-    t = torch.LongTensor(t)
-    torch.distributed.broadcast(t, rank)
-    return t.tolist()
-DistributedDL._broadcast = _cpu_broadcast
+fix_distributed_dl()  # the project's fix: fastai's DistributedDL broadcasts through .cuda() (NCCL only)
 
 from dist_helpers import data, mlp, bn_net
 

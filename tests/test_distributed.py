@@ -62,3 +62,10 @@ def test_crashed_rank_fails_loudly_instead_of_hanging(tmp_path):
     r = launch('crash', tmp_path, timeout=240)  # a hang would raise TimeoutExpired and fail the test
     assert r.returncode != 0
     assert 'rank 1 crashed mid-window' in r.stdout + r.stderr
+
+def test_example_script_runs_under_torchrun(tmp_path):
+    script = Path(__file__).parents[1]/'nbs'/'train_distributed.py'
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2', str(script), '--epochs', '1']
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**__import__('os').environ, 'OMP_NUM_THREADS': '1'})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert 'world=2 micro_bs=2 n_step=16 effective batch=64' in r.stdout
