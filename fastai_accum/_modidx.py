@@ -30,6 +30,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                                       'fastai_accum/batchnorm.py'),
                                         'fastai_accum.batchnorm.AccumulateBatchNorm._setup_accumulation': ( 'batchnorm.html#accumulatebatchnorm._setup_accumulation',
                                                                                                             'fastai_accum/batchnorm.py'),
+                                        'fastai_accum.batchnorm.AccumulateBatchNorm._sync_group': ( 'batchnorm.html#accumulatebatchnorm._sync_group',
+                                                                                                    'fastai_accum/batchnorm.py'),
                                         'fastai_accum.batchnorm.AccumulateBatchNorm.extra_repr': ( 'batchnorm.html#accumulatebatchnorm.extra_repr',
                                                                                                    'fastai_accum/batchnorm.py'),
                                         'fastai_accum.batchnorm.AccumulateBatchNorm.forward': ( 'batchnorm.html#accumulatebatchnorm.forward',
