@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['fastai_major']
 
-# %% ../nbs/99_all.ipynb #98f83f91
+# %% ../nbs/99_all.ipynb #b7ad9e4d
 import importlib
 import fastai_accum.stats, fastai_accum.batchnorm, fastai_accum.window, fastai_accum.callback_v1, fastai_accum.repro, fastai_accum.distributed
 from .stats import *
@@ -15,20 +15,20 @@ from .callback_v1 import *
 from .repro import *
 from .distributed import *
 
-# %% ../nbs/99_all.ipynb #6a1680dd
+# %% ../nbs/99_all.ipynb #c71ed641
 def fastai_major() -> int|None:
     "Major version of the installed fastai (1 or 2), `None` if fastai is not installed."
     try: import fastai
     except ImportError: return None
     return int(fastai.__version__.split('.')[0])
 
-# %% ../nbs/99_all.ipynb #e3311dfa
+# %% ../nbs/99_all.ipynb #99983a4c
 _modules = [fastai_accum.stats, fastai_accum.batchnorm, fastai_accum.window, fastai_accum.callback_v1, fastai_accum.repro, fastai_accum.distributed]
 if fastai_major() == 1:
     GradientAccumulation = GradientAccumulationV1
     _extra = ['GradientAccumulation']
 elif fastai_major() is not None:
-    _modules += [importlib.import_module(f'fastai_accum.{m}') for m in ('callback', 'bn_tools')]
+    _modules += [importlib.import_module(f'fastai_accum.{m}') for m in ('callback', 'bn_tools', 'check')]
     for _m in _modules[6:]: globals().update({k: getattr(_m, k) for k in _m.__all__})
     _extra = []
 __all__ = [name for mod in _modules for name in mod.__all__] + _extra + ['fastai_major']
