@@ -198,3 +198,12 @@ def test_bad_arguments():
         with pytest.raises(ValueError, match=msg): GradientAccumulation(**kw)
     learn = make_learner(16, mlp)
     with pytest.raises(ValueError, match='larger than the effective batch'): learn.fit(1, cbs=GradientAccumulation(n_acc=8))
+
+def test_preflight_table_printed_once(capsys):
+    ga = GradientAccumulation(n_step=4)
+    learn = make_learner(2, bn_net, image=True, cbs=ga)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1, lr=0.01)
+    out = capsys.readouterr().out
+    assert out.count('GradientAccumulation: 2 BatchNorm layers, 1 with < 32 values per channel') == 1
+    assert "previous window's means" in out and 'micro-batch, mapped to the window' in out
+    assert bn_preflight(learn.model, torch.randn(2, 3, 4, 4)).values_per_channel.tolist() == [32, 2]
