@@ -277,3 +277,17 @@ def test_report_and_context_manager_restore(monkeypatch):
     assert 'CUBLAS_WORKSPACE_CONFIG' not in os.environ
     assert torch.equal(torch.rand(3), expected)
     assert dls.train.rng.getstate() == rng0 and 'generator' not in dls.train.fake_l.__dict__
+
+def test_find_divergence_on_learner_with_gradient_accumulation_is_clean():
+    "The finder replays one fixed batch: GradientAccumulation (whose window pre-pass reads other batches) is left out."
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+    from fastai.basics import Learner, DataLoaders, DataLoader, CrossEntropyLossFlat
+    from fastai_accum.all import GradientAccumulation, find_divergence
+    x = torch.randn(64, 3, 8, 8); y = (x.mean((1, 2, 3)) > 0).long()
+    dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=4, shuffle=True), DataLoader(TensorDataset(x, y), bs=64))
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), cbs=GradientAccumulation(n_step=4))
+    d = find_divergence(learn)
+    assert 'no divergence' in str(d).lower()
