@@ -77,11 +77,12 @@ class RecordBNInputs(Callback):
     def after_epoch(self): self.window = 0
     def after_fit(self): [h.remove() for h in self.hooks]
 
-@pytest.mark.parametrize('policy', ['micro', 'window'])
-def test_bn_running_stats_equal_float64_reference_from_same_windows(policy):
+@pytest.mark.parametrize('policy,count', [('micro', dict(n_step=4)), ('window', dict(n_step=4)), ('window', dict(n_acc=8))],
+                         ids=['micro', 'window', 'window_n_acc'])
+def test_bn_running_stats_equal_float64_reference_from_same_windows(policy, count):
     rec = RecordBNInputs()
     learn = make_learner(2, bn_net, image=True)
-    learn.fit(2, lr=0.01, cbs=[GradientAccumulation(n_step=4, policy=policy), rec])  # 36 micro-batches/epoch: 9 windows
+    learn.fit(2, lr=0.01, cbs=[GradientAccumulation(policy=policy, **count), rec])  # 36 micro-batches/epoch: 9 windows
     for bn, items in rec.records.items():
         ref = nn.BatchNorm1d(bn.num_features).double()
         windows = {}
