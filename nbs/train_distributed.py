@@ -48,3 +48,4 @@ if __name__ == '__main__':
         learn.fit_one_cycle(args.epochs, 3e-3)
     if rank_distrib() == 0:
         print(f'world={world} micro_bs={args.micro_bs} n_step={n_step} effective batch={args.micro_bs * n_step * world}')
+    if torch.distributed.is_initialized(): torch.distributed.destroy_process_group()  # clean gloo/NCCL shutdown

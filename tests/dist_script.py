@@ -75,3 +75,9 @@ elif mode == 'crash':
     learn = learner(bn_net, image=True)
     with learn.distrib_ctx(cpu=True, sync_bn=False):
         learn.fit(1, lr=0.01, cbs=[GradientAccumulation(n_step=4), Crash()])
+
+# Tear the process group down before exit: gloo's threads otherwise can abort the interpreter at shutdown (SIGABRT,
+# "terminate called without an active exception"), failing a run that finished.
+if torch.distributed.is_initialized():
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
