@@ -8,10 +8,11 @@ import warnings
 import torch
 from fastai.basics import *
 from fastai.callback.fp16 import MixedPrecision
-import itertools, time
+import itertools, math, random, time
 from contextlib import nullcontext
 from torch.nn.parallel import DistributedDataParallel
 from .batchnorm import wrap_bn, bn_layers, window_prepasses, bn_preflight
+from .exact import cat_batches, plan_exact, saved_on_host, random_state_kept, ExactModeMemoryError
 from .window import AccumulationWindow, WindowSteps, check_accumulation_args, _check_count, scale_grads, drop_window
 
 # %% auto #0
@@ -30,11 +31,22 @@ def _loss_reduction(loss_func) -> str:
 # %% ../nbs/03_callback.ipynb #6e448510
 class WindowLoader:
     "Iterate `dl` reading one accumulation window ahead; `window` holds the current window's batches."
-    def __init__(self, dl, n_step:int|None=None, n_acc:int|None=None): self.dl, self.n_step, self.n_acc, self.window = dl, n_step, n_acc, []
-    def __len__(self): return len(self.dl)
+    def __init__(self, dl, # the training DataLoader
+                 n_step:int|None=None, # micro-batches per window
+                 n_acc:int|None=None, # or: samples per window
+                 exact:bool=False, # yield each window as one concatenated batch (the 'exact' policy)
+                 partial:str='step', # with `exact`: 'drop' leaves out an incomplete last window
+                ):
+        self.dl, self.n_step, self.n_acc, self.exact, self.partial, self.window = dl, n_step, n_acc, exact, partial, []
     def __getattr__(self, k):
         if k == 'dl': raise AttributeError(k)
         return getattr(self.dl, k)
+
+    def __len__(self):
+        if not self.exact: return len(self.dl)
+        bs = getattr(self.dl, 'bs', None) or 1
+        per = self.n_step or max(1, math.ceil(self.n_acc / bs))  # micro-batches per window
+        return len(self.dl) // per if self.partial == 'drop' else math.ceil(len(self.dl) / per)
 
     def _windows(self):
         it = iter(self.dl)
@@ -48,18 +60,24 @@ class WindowLoader:
             if not window: return
             yield window
 
+    def _full(self, window) -> bool:
+        if self.n_step is not None: return len(window) >= self.n_step
+        return sum(map(find_bs, window)) >= self.n_acc
+
     def __iter__(self):
         for window in self._windows():
             self.window = window
-            yield from window
+            if not self.exact: yield from window
+            elif self.partial == 'step' or self._full(window): yield cat_batches(window)
         self.window = []
 
 # %% ../nbs/03_callback.ipynb #c2ce77c4
 class WindowPrefetch(Callback):
     "Installs `WindowLoader` as `learn.dl` after every other DataLoader wrapper (e.g. fastai's `DistributedDL`)."
     order,run_valid = 12,False  # after DistributedTrainer (11)
-    def __init__(self, n_step=None, n_acc=None): self.n_step, self.n_acc, self.loader = n_step, n_acc, None
-    def before_train(self): self.learn.dl = self.loader = WindowLoader(self.learn.dl, self.n_step, self.n_acc)
+    def __init__(self, n_step=None, n_acc=None, exact=False, partial='step'): store_attr(); self.loader = None
+    def before_train(self):
+        self.learn.dl = self.loader = WindowLoader(self.learn.dl, self.n_step, self.n_acc, self.exact, self.partial)
 
 # %% ../nbs/03_callback.ipynb #0f7ffa5e
 class GradientAccumulation(WindowSteps, Callback):
@@ -70,14 +88,17 @@ class GradientAccumulation(WindowSteps, Callback):
                  n_step:int|None=None, # micro-batches per optimizer step
                  n_acc:int|None=None,  # or: samples per optimizer step (the effective batch size), as fastai's `n_acc`
                  wrap:bool=True,       # make the model's BatchNorm layers `AccumulateBatchNorm` in `before_fit`
-                 policy:str='auto',    # how wrapped BatchNorm layers normalize training micro-batches (`bn_policies`)
+                 policy:str='auto',    # 'exact' (each window one batch), a BatchNorm policy (`bn_policies`), or 'auto'
                  partial:str='step',   # incomplete window at the end of an epoch: 'step' (scaled exactly) or 'drop'
                  prepasses:int|None=None, # 'window' policy: no-grad passes over each window (default: 1 if it fits one chunk in one process, else 2)
                  prepass_bs:int|None=None, # 'window' policy: samples per pre-pass forward (default: the whole window at once)
                  sync_each_batch:bool=False, # under DDP, all-reduce gradients after every micro-batch, not once per window
                  preflight:bool=True,  # print the BatchNorm pre-flight table (`bn_preflight`) at the first micro-batch
+                 offload:bool|None=None, # 'exact' policy: saved activations in host memory (default: only if they do not fit on the accelerator)
+                 device_memory:int|None=None, # 'exact' policy: accelerator bytes it may use (default: 80% of what is free)
+                 host_memory:int|None=None, # 'exact' policy: host bytes it may use (default: half of what is available)
                 ):
-        check_accumulation_args(n_step, n_acc, policy, partial)
+        check_accumulation_args(n_step, n_acc, policy, partial, exact_ok=True)
         _check_count('prepasses', prepasses); _check_count('prepass_bs', prepass_bs)
         store_attr()
         self.losses = L()
@@ -85,6 +106,7 @@ class GradientAccumulation(WindowSteps, Callback):
     def before_fit(self):
         self.window = AccumulationWindow(self.n_step, self.n_acc, _loss_reduction(self.learn.loss_func))
         self._check_batch_size()
+        self.exact = self._choose_exact()
         self._find_bns()
         for m in self.bns: m.grad_pool.reset()  # each fit starts afresh: nothing of an earlier fit steers this one
         self.n_steps, self.losses, self._ends_window, self._final = 0, L(), False, False
@@ -92,13 +114,40 @@ class GradientAccumulation(WindowSteps, Callback):
         self._warn_lr_find()
         self._clear()
         self._guard_interrupts()
-        if self._needs_window and not hasattr(self.learn, 'window_prefetch'):
-            self.learn.add_cb(WindowPrefetch(self.n_step, self.n_acc))
+        if (self._needs_window or self.exact) and not hasattr(self.learn, 'window_prefetch'):
+            self.learn.add_cb(WindowPrefetch(self.n_step, self.n_acc, self.exact, self.partial))
+
+    def _choose_exact(self) -> bool:
+        "Train each window as one batch? 'exact': yes, if it fits; 'auto': if the model has BatchNorm and the window fits without host offload."
+        self.plan = None
+        if self.policy not in ('exact', 'auto'): return False
+        model = self._inner_model()
+        if self.policy == 'auto' and not any(m.training for m in bn_layers(model)): return False
+        b = self._peek_batch()
+        window = self.n_acc or self.n_step * find_bs(b)
+        self.plan = plan_exact(model, self._inputs(b), window, self.device_memory, self.host_memory, self.offload)
+        if self.policy == 'exact':
+            if not self.plan.fits:
+                raise ExactModeMemoryError(f"GradientAccumulation(policy='exact'): {self.plan.describe()}. Lower n_step/n_acc, "
+                    "free memory, set the budget with device_memory=/host_memory=, or use policy='window' (memory of one micro-batch).")
+            return True
+        return self.plan.fits and not self.plan.offload
+
+    def _peek_batch(self):
+        "The first training micro-batch, read without changing what the DataLoader or any random generator gives later."
+        dl = self.dls.train
+        rng = getattr(dl, 'rng', None)
+        state = rng.getstate() if isinstance(rng, random.Random) else None
+        with random_state_kept(): b = dl.one_batch() if hasattr(dl, 'one_batch') else next(iter(dl))
+        if state is not None: rng.setstate(state); dl.rng = rng  # iterating replaced fastai's `dl.rng`
+        return self.learn._set_device(b)
 
     def _find_bns(self):
         "Wrap (if asked) and collect the accumulating BatchNorm layers (again in before_train: fastai's DistributedTrainer converts BatchNorm to SyncBatchNorm after our before_fit)."
         model = self.learn.model
-        if self.wrap:  # also sets our policy on layers wrapped before (wrap=False keeps per-layer choices)
+        if self.exact:  # one batch per window: already-wrapped layers normalize it with its own statistics
+            for m in bn_layers(model, accumulating=True): m.policy = 'micro'
+        elif self.wrap:  # also sets our policy on layers wrapped before (wrap=False keeps per-layer choices)
             with warnings.catch_warnings():
                 warnings.simplefilter('ignore')  # a model without BatchNorm accumulates fine: no warning
                 wrap_bn(model, self.policy)
@@ -114,6 +163,10 @@ class GradientAccumulation(WindowSteps, Callback):
     def _warn_lr_find(self):
         finder = getattr(self.learn, 'lr_finder', None)
         if finder is None: return
+        if self.exact:  # every iteration is a step; lr_find sized its epochs in micro-batches: give it enough windows
+            windows = max(1, len(WindowLoader(self.dls.train, self.n_step, self.n_acc, True, self.partial)))
+            self.learn.n_epoch = max(self.learn.n_epoch, finder.num_it // windows + 1)
+            return
         per_step = self.n_step or max(1, self.n_acc // max(1, getattr(self.dls.train, 'bs', 1)))
         if finder.num_it / per_step < 20:
             warnings.warn(f"lr_find with gradient accumulation makes one optimizer step per window: num_it={finder.num_it} "
@@ -127,12 +180,20 @@ class GradientAccumulation(WindowSteps, Callback):
         ddp = self._ddp()
         if ddp is not None:  # DDP decides in its forward whether this backward all-reduces
             ddp.require_backward_grad_sync = self.sync_each_batch or self._will_end_window()
-        if self.preflight and self.bns and not getattr(self, '_preflight_done', False): self._show_preflight()
+        if self.preflight and (self.bns or self.exact) and not getattr(self, '_preflight_done', False): self._show_preflight()
         if self._needs_window and self.window.empty: self._prepass()
+        if self.exact: self._enter_offload()
 
     def _show_preflight(self):
         self._preflight_done = True
         if getattr(self.learn, 'lr_finder', None) is not None or rank_distrib(): return
+        if self.exact:
+            print(f"GradientAccumulation: policy {self.policy!r} -> 'exact': each window trains as one batch (BatchNorm exact: "
+                  f"forward, backward, running statistics); {self.plan.describe()}.")
+            return
+        if self.plan is not None:
+            print(f"GradientAccumulation: policy 'auto' -> window BatchNorm: 'exact' would need host offload or more memory "
+                  f"({self.plan.describe()}).")
         t = bn_preflight(self._inner_model(), *self.learn.xb)
         print(f"GradientAccumulation: {len(t)} BatchNorm layers, {int(t.at_risk.sum())} with < 32 values per channel "
               f"per micro-batch; policy {self.policy!r}:")
@@ -149,6 +210,7 @@ class GradientAccumulation(WindowSteps, Callback):
 
     def _will_end_window(self) -> bool:
         "Predicted before the forward: does this micro-batch complete the window (or the epoch)?"
+        if self.exact: return True
         if self.learn.iter == self.learn.n_iter - 1: return True
         if self.n_step is not None: return self.window.n_micro + 1 >= self.n_step
         return self.window.n_seen + find_bs(self.learn.yb) >= self.n_acc
@@ -171,7 +233,21 @@ class GradientAccumulation(WindowSteps, Callback):
         if ac is None or not getattr(ac, '_enabled', False): return nullcontext()
         return torch.autocast(ac.device, dtype=ac.fast_dtype)
 
+    def _enter_offload(self):
+        "'exact' policy: the forward's saved activations go where the plan says (host memory or left on the device)."
+        self._offload = saved_on_host(self.plan)
+        self._offload.__enter__()
+
+    def _exit_offload(self):
+        offload, self._offload = getattr(self, '_offload', None), None
+        if offload is not None: offload.__exit__(None, None, None)
+
     def after_loss(self):
+        self._exit_offload()  # the backward unpacks what the forward saved; nothing more to pack
+        if self.exact:  # the batch is the whole window: its loss is the big batch's, unweighted
+            self.window.add(find_bs(self.learn.yb), self.learn.loss)
+            self._final = True
+            return
         w = self.window.add(find_bs(self.learn.yb), self.learn.loss)
         if w != 1.: self.learn.loss_grad = self.learn.loss_grad * w
         self._final = self.window.full or self.learn.iter == self.learn.n_iter - 1
@@ -182,7 +258,7 @@ class GradientAccumulation(WindowSteps, Callback):
                 scale_grads(self._params(), f)
                 self.learn.loss_grad = self.learn.loss_grad * f
 
-    def _dropped(self): return self.partial == 'drop' and not self.window.full
+    def _dropped(self): return self.partial == 'drop' and not self.exact and not self.window.full
 
     def before_step(self):
         if not self._final: raise CancelBatchException()  # keep accumulating: no step, no zero_grad
@@ -191,7 +267,10 @@ class GradientAccumulation(WindowSteps, Callback):
             raise CancelBatchException()
         self._ends_window = True
 
+    def after_cancel_batch(self): self._exit_offload()
+
     def after_batch(self):
+        self._exit_offload()
         if self._ends_window: self._finish_window()
 
     # A window never outlives its epoch or fit, however they end
@@ -208,6 +287,7 @@ class GradientAccumulation(WindowSteps, Callback):
 
     def _clear(self):
         "Drop any partial window: accumulated gradients and pending BatchNorm statistics."
+        self._exit_offload()
         if getattr(self, 'window', None) is None: return
         if not self.window.empty and self.learn.opt is not None: self.learn.opt.zero_grad()
         drop_window(self.bns)

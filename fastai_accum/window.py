@@ -87,10 +87,16 @@ class AccumulationWindow:
     def __repr__(self): return f'{type(self).__name__}(n_micro={self.n_micro}, n_seen={self.n_seen}, full={self.full})'
 
 # %% ../nbs/02_window.ipynb #7eec4d18
-def check_accumulation_args(n_step, n_acc, policy, partial):
+def check_accumulation_args(n_step, n_acc, policy, partial,
+                            exact_ok:bool=False, # does the caller support the 'exact' policy (each window one batch)?
+                           ):
     "Validate the arguments both callbacks (fastai v2 and v1) share, at construction rather than at fit time."
     AccumulationWindow(n_step, n_acc)
-    _check_policy(policy)
+    if not (exact_ok and policy == 'exact'):
+        try: _check_policy(policy)
+        except ValueError as e:
+            hint = ", or 'exact' (each window trained as one batch)" if exact_ok else " ('exact' needs the fastai v2 callback)"
+            raise ValueError(f"{e}{hint}") from None
     if partial not in ('step', 'drop'): raise ValueError(f"partial must be 'step' or 'drop', got {partial!r}")
 
 # %% ../nbs/02_window.ipynb #59ee1a5c

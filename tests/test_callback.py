@@ -14,12 +14,13 @@ def make_data(n=72, d=6, seed=0):
     x = torch.randn(n, d, generator=g); y = (x @ torch.randn(d, 1, generator=g) + 0.1*torch.randn(n, 1, generator=g))
     return x, y
 
-def make_learner(bs, model_fn, n=72, opt_func=SGD, seed=0, cbs=None, image=False, **kw):
+def make_learner(bs, model_fn, n=72, opt_func=SGD, seed=0, cbs=None, image=False, dtype=torch.float32, **kw):
     x, y = make_data(n, seed=seed)
+    x, y = x.to(dtype), y.to(dtype)
     if image: x = x.repeat_interleave(8, 1).view(n, 3, 4, 4)  # 48 values -> (3,4,4)
     dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=bs), DataLoader(TensorDataset(x[:16], y[:16]), bs=bs))
     torch.manual_seed(seed)
-    return Learner(dls, model_fn(), loss_func=MSELossFlat(), opt_func=opt_func, cbs=cbs, **kw)
+    return Learner(dls, model_fn().to(dtype), loss_func=MSELossFlat(), opt_func=opt_func, cbs=cbs, **kw)
 
 def mlp(): return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
 def bn_net(): return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
@@ -160,7 +161,7 @@ def test_validation_never_accumulates_and_window_losses_recorded():
     assert [bn.num_batches_tracked.item() for bn in bn_layers(learn.model)] == tracked
 
 def test_stays_wrapped_after_fit_and_unwrap_gives_plain_bn():
-    learn = make_learner(2, bn_net, image=True, cbs=GradientAccumulation(n_step=2))
+    learn = make_learner(2, bn_net, image=True, cbs=GradientAccumulation(n_step=2, policy='window'))
     learn.fit(1, lr=0.01)
     assert all(isinstance(m, AccumulateBatchNorm) for m in bn_layers(learn.model))
     assert unwrap_bn(learn.model) == 2 and type(learn.model[1]) is nn.BatchNorm2d
@@ -170,7 +171,7 @@ def test_stays_wrapped_after_fit_and_unwrap_gives_plain_bn():
 
 def test_fit_one_cycle_fine_tune_lr_find_and_bnfreeze():
     def splitter(m): return [list(m[:2].parameters()), list(m[2:].parameters())]
-    learn = make_learner(2, bn_net, image=True, cbs=GradientAccumulation(n_step=4), splitter=splitter)
+    learn = make_learner(2, bn_net, image=True, cbs=GradientAccumulation(n_step=4, policy='window'), splitter=splitter)
     learn.fit_one_cycle(1, 1e-2)
     learn.fine_tune(1, 1e-2, freeze_epochs=1)
     assert no_pending_state(learn)
@@ -201,7 +202,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match='larger than the effective batch'): learn.fit(1, cbs=GradientAccumulation(n_acc=8))
 
 def test_preflight_table_printed_once(capsys):
-    ga = GradientAccumulation(n_step=4)
+    ga = GradientAccumulation(n_step=4, policy='window')
     learn = make_learner(2, bn_net, image=True, cbs=ga)
     with learn.no_bar(), learn.no_logging(): learn.fit(1, lr=0.01)
     out = capsys.readouterr().out
