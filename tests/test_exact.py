@@ -136,3 +136,21 @@ def test_wrapped_layers_train_exactly_under_exact():
     acc.fit(1, lr=0.05); big.fit(1, lr=0.05)
     assert all(m.policy == 'micro' for m in bn_layers(acc.model))
     assert rel(params(acc), params(big)) <= 1e-6 and rel(bn_stats(acc), bn_stats(big)) <= 1e-6
+
+def test_exact_under_ddp_one_allreduce_per_window_equals_plain_ddp(tmp_path):
+    "2 ranks (gloo): micro 2 x 4 under 'exact' == plain DDP at batch 8; 4 windows x 2 epochs = 8 gradient all-reduces."
+    import os, subprocess, sys
+    from pathlib import Path
+    script = Path(__file__).parent/'dist_exact_script.py'
+    out = {}
+    for mode in ('exact', 'reference'):
+        (tmp_path/mode).mkdir()
+        r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2', str(script),
+                            mode, str(tmp_path/mode)], capture_output=True, text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        out[mode] = [torch.load(tmp_path/mode/f'rank{i}.pt', weights_only=False) for i in range(2)]
+    (e0, e1), (r0, _) = out['exact'], out['reference']
+    assert e0['allreduces'] == e1['allreduces'] == r0['allreduces'] == 8
+    for p0, p1, pr in zip(e0['params'], e1['params'], r0['params']):
+        assert torch.equal(p0, p1)
+        assert ((p0 - pr).abs().max() / pr.abs().max()).item() <= 1e-6
