@@ -154,3 +154,13 @@ def test_exact_under_ddp_one_allreduce_per_window_equals_plain_ddp(tmp_path):
     for p0, p1, pr in zip(e0['params'], e1['params'], r0['params']):
         assert torch.equal(p0, p1)
         assert ((p0 - pr).abs().max() / pr.abs().max()).item() <= 1e-6
+
+def test_gpu_benchmark_script_runs_on_cpu():
+    "nbs/bench_exact_gpu.py is for an accelerator; a tiny CPU run keeps it from rotting."
+    import os, subprocess, sys
+    from pathlib import Path
+    script = Path(__file__).parents[1]/'nbs'/'bench_exact_gpu.py'
+    r = subprocess.run([sys.executable, str(script), '--device', 'cpu', '--model', 'resnet18', '--size', '16', '--windows', '4',
+                        '--reps', '1'], capture_output=True, text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert 'exact_time_vs_naive_w4=' in r.stdout and 'estimate: device' in r.stdout
