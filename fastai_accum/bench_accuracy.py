@@ -19,8 +19,9 @@ from .batchnorm import bn_policies
 from .callback import GradientAccumulation
 
 # %% auto #0
-__all__ = ['bench_models', 'digits_data', 'bn_head', 'simple_cnn_bn', 'ResBlock', 'small_resnet', 'vgg_bn', 'train_one',
-           'AccuracyResults', 'bench_accuracy', 'add_accuracy_args', 'default_policy', 'accuracy_main']
+__all__ = ['bench_models', 'digits_data', 'bn_head', 'simple_cnn_bn', 'ResBlock', 'small_resnet', 'vgg_bn', 'vision_resnet18',
+           'timm_mobilenetv3', 'train_one', 'AccuracyResults', 'bench_accuracy', 'add_accuracy_args', 'default_policy',
+           'accuracy_main']
 
 # %% ../nbs/20_bench_accuracy.ipynb #0b9edb0c
 def digits_data(size:int=32, # image side after bilinear upsampling
@@ -65,12 +66,25 @@ def vgg_bn(nc=10):
     return nn.Sequential(*_conv_bn(1, 16), *_conv_bn(16, 16), nn.MaxPool2d(2), *_conv_bn(16, 32), *_conv_bn(32, 32), nn.MaxPool2d(2),
                          *_conv_bn(32, 64), nn.MaxPool2d(2), nn.AdaptiveAvgPool2d(1), *bn_head(64, nc))
 
-bench_models = dict(simple_cnn=simple_cnn_bn, small_resnet=small_resnet, vgg_bn=vgg_bn)
+def vision_resnet18(nc=10):
+    "fastai `vision_learner`'s model: torchvision resnet18 body (random init, 1 input channel) and `create_head` (BatchNorm1d)."
+    from fastai.vision.learner import create_vision_model
+    from torchvision.models import resnet18
+    return create_vision_model(resnet18, nc, pretrained=False, n_in=1)
+
+def timm_mobilenetv3(nc=10):
+    "timm's mobilenetv3_small_100 (BatchNormAct2d layers), random init, 1 input channel (`pip install fastai_accum[timm]`)."
+    try: import timm
+    except ImportError: raise ImportError("the mobilenetv3 benchmark model needs timm: pip install 'fastai_accum[timm]'") from None
+    return timm.create_model('mobilenetv3_small_100', pretrained=False, num_classes=nc, in_chans=1)
+
+bench_models = dict(simple_cnn=simple_cnn_bn, small_resnet=small_resnet, vgg_bn=vgg_bn,  # small nets
+                    resnet18=vision_resnet18, mobilenetv3=timm_mobilenetv3)  # deep nets (`--models resnet18,mobilenetv3`)
 
 # %% ../nbs/20_bench_accuracy.ipynb #0acff67b
 def _settings(policies=None):
     pol = list(bn_policies if policies is None else policies)
-    return ['bs64', 'naive', 'forum', 'groupnorm'] + [f'ours:{p}' for p in pol if p not in ('running', 'frozen', 'auto')]
+    return ['bs64', 'naive', 'forum', 'groupnorm'] + [f'ours:{p}' for p in pol + ['exact'] if p not in ('running', 'frozen', 'auto')]
 
 def _learner(setting, model_fn, data, micro_bs, eff_bs, opt, seed):
     (xt, yt), (xv, yv) = data
