@@ -33,7 +33,8 @@ setuptools.setup(
     include_package_data=True,
     python_requires='>=' + min_python,
     install_requires=cfg['requirements'].split(),
-    extras_require={'dev': cfg['dev_requirements'].split()},
+    # every `<name>_requirements` key of settings.ini is an extra: [dev], [timm]
+    extras_require={k[:-len('_requirements')]: v.split() for k, v in cfg.items() if k.endswith('_requirements') and k != 'requirements'},
     entry_points={'console_scripts': cfg['console_scripts'].split(),
                   'nbdev': [f"{cfg['lib_name']}={cfg['lib_name']}._modidx:d"]},
     zip_safe=False,

@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_batchnorm.ipynb #3f4c9b79
 from __future__ import annotations
-import copy, warnings
+import copy, warnings, weakref
 import torch
 from torch import nn, Tensor
 import torch.nn.functional as F
@@ -12,11 +12,13 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules._functions import SyncBatchNorm as sync_batch_norm
 import torch.distributed as dist
 from .stats import ChannelStats, all_reduce_stats
+from .staged import trace_model, StagedGraph, ByteMeter
 
 # %% auto #0
 __all__ = ['bn_policies', 'auto_policy', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'AccumulateBatchNorm1d',
            'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'accumulating_class',
-           'bn_layers', 'wrap_bn', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'window_prepasses', 'bn_preflight']
+           'bn_layers', 'wrap_bn', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'PrepassPlan', 'prepass_plan',
+           'prepass_info', 'window_prepasses', 'bn_preflight']
 
 # %% ../nbs/01_batchnorm.ipynb #6839b6a1
 bn_policies = ('micro', 'running', 'frozen', 'window', 'auto')
@@ -102,7 +104,8 @@ class AccumulateBatchNorm(_BatchNorm):
 
     def _clear_window_state(self):
         self.window_stats = None  # (mean, biased var) of this window's input, set by the pre-passes ('window' policy)
-        self._prepass, self._prepass_stats = None, None
+        self._prepass, self._prepass_stats, self._chunk_stats = None, None, None
+        self._prepass_sync, self._prepass_group = False, None
 
     @property
     def policy(self) -> str: return self._policy
@@ -160,6 +163,9 @@ class AccumulateBatchNorm(_BatchNorm):
         if self.window_stats is None: return self._normalize_micro(x)  # no pre-pass ran: behave as 'micro'
         mean, var = self.window_stats
         if x.numel() // x.shape[1] >= GradPool.min_micro: return self._renormalize(x, mean, var)
+        # plain tensors in: a tensor subclass (fastai's TensorImage, also in statistics pooled from it) would make the
+        # output a view of the Function's, which an in-place activation after this layer (fastai's head) may not modify
+        x, mean, var = (t.as_subclass(Tensor) if type(t) is not Tensor else t for t in (x, mean, var))
         return WindowNormFunction.apply(x, self.weight, self.bias, mean, var, self)
 
     def _renormalize(self, x, mean, var):
@@ -177,25 +183,48 @@ class AccumulateBatchNorm(_BatchNorm):
 
     @torch.no_grad()
     def _normalize_prepass(self, x):
-        if self._prepass == 'micro':  # first pass: the micro-batch's own statistics, pooled for free
-            n = x.numel() // x.shape[1]
-            if n < 2: raise ValueError(f"{self.layer_name}: BatchNorm got {n} value per channel in a pre-pass forward")
+        if self._prepass == 'staged':  # the staged pre-pass closed this call's window: normalize with its statistics
+            mean, var = self.window_stats
+            return F.batch_norm(x, mean, var, self.weight, self.bias, False, 0., self.eps)
+        n = x.numel() // x.shape[1]
+        if n < 2: raise ValueError(f"{self.layer_name}: BatchNorm got {n} value per channel in a pre-pass forward")
+        if not self._prepass_sync:  # one forward over the whole window: BatchNorm's own, its moments pooled for free
             mean, var = torch.zeros(2, self.num_features, device=x.device, dtype=self.running_mean.dtype)
             out = F.batch_norm(x, mean, var, self.weight, self.bias, True, 1.0, self.eps)
             self._prepass_stats.add_moments(n, mean, var)
             return out
-        self._prepass_stats.add(x)  # later passes: normalize with the previous pass's window statistics
+        st = ChannelStats()  # across processes: merge the input's moments over every rank's window first (as SyncBatchNorm)
+        st.add(x)
+        self._close_prepass(st)
         mean, var = self.window_stats
         return F.batch_norm(x, mean, var, self.weight, self.bias, False, 0., self.eps)
 
-    def _begin_prepass(self, first:bool):
-        self._prepass, self._prepass_stats = ('micro' if first else 'window'), ChannelStats()
+    def _begin_prepass(self,
+                       mode:str='whole', # 'whole': the window in one forward; 'staged': chunks fed by `StagedGraph`
+                       sync:bool=False, # merge each call's statistics across the processes of `group` before normalizing
+                       group=None):
+        self._prepass, self._prepass_sync, self._prepass_group = mode, sync, group
+        self._prepass_stats, self._chunk_stats = ChannelStats(), ChannelStats()
+
+    def _observe_prepass(self, x:Tensor):
+        "Staged pre-pass: one chunk of this call's window input."
+        self._chunk_stats.add(x)
+
+    @torch.no_grad()
+    def _close_prepass(self, st:ChannelStats|None=None):
+        "This call has seen its whole window (`st`, default: the observed chunks): fix the statistics it normalizes with."
+        if st is None: st, self._chunk_stats = self._chunk_stats, ChannelStats()
+        if self._prepass_sync:  # one small collective per layer call per window
+            all_reduce_stats([st], [self.num_features], self._prepass_group, self.running_mean.device)
+        if st.count: self.window_stats = (st.mean.to(self.running_mean.dtype), st.biased_var.to(self.running_mean.dtype))
+        self._prepass_stats.merge(st)
 
     def _end_prepass(self):
-        st, self._prepass, self._prepass_stats = self._prepass_stats, None, None
+        st, self._prepass, self._prepass_stats, self._chunk_stats = self._prepass_stats, None, None, None
         if not st.count: return
         self.window_stats = (st.mean.to(self.running_mean.dtype), st.biased_var.to(self.running_mean.dtype))
-        self.pending = st  # the last pass's statistics are the window's: update_stats commits them
+        st.merged = self._prepass_sync  # already every process's window: the commit must not merge it again
+        self.pending = st  # the pre-pass's statistics are the window's: update_stats commits them
 
     def _normalize_with_running_stats(self, x):
         return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0., self.eps)
@@ -324,32 +353,165 @@ def _chunks(xbs:list, chunk:int|None) -> list:
     if cur: out.append(cur)
     return [tuple(torch.cat(ts) for ts in zip(*c)) if len(c) > 1 else c[0] for c in out]
 
+def _window_layer(m) -> bool:
+    return isinstance(m, AccumulateBatchNorm) and m.policy == 'window' and m.track_running_stats
+
+# %% ../nbs/01_batchnorm.ipynb #4f47d376
+_traces = weakref.WeakKeyDictionary()  # model -> torch.fx graph with every BatchNorm a leaf, or why tracing failed
+_plans = weakref.WeakKeyDictionary()   # model -> {(input shapes, dtype, memory): PrepassPlan}
+_last_run = weakref.WeakKeyDictionary() # model -> what the last `window_prepasses` did
+
+def _trace(model):
+    if model not in _traces:
+        try: _traces[model] = trace_model(model, lambda m: isinstance(m, _BatchNorm))
+        except Exception as e:
+            why = f'{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ""}'[:300]
+            _traces[model] = why
+            warnings.warn(f"window_prepasses: torch.fx cannot trace {type(model).__name__} ({why}); its pre-pass runs "
+                          "the whole window in one forward: exact, but its activations grow with the window.")
+    return _traces[model]
+
+def _saved_bytes(model, xb) -> int:
+    "Bytes autograd saves for backward in one forward of `xb` (distinct storages, parameters and buffers excluded)."
+    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    seen = {}
+    def pack(t):
+        try:
+            s = t.untyped_storage()
+            if s.data_ptr() not in skip: seen[s.data_ptr()] = s.nbytes()
+        except Exception: pass
+        return t
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(*xb)
+    del out
+    return sum(seen.values())
+
+class PrepassPlan:
+    "How `window_prepasses` runs a model's pre-pass within a memory budget, from one micro-batch's measured sizes."
+    def __init__(self, model, xb, memory=None):
+        self.bs = xb[0].shape[0]
+        self.graph = _trace(model)
+        self.traced = not isinstance(self.graph, str)
+        self.reason = None if self.traced else self.graph
+        modes = {m: m.training for m in model.modules()}
+        try:
+            model.eval()  # measuring changes nothing: running statistics, no dropout, no pooled moments
+            with torch.no_grad():
+                if self.traced: whole, stage = StagedGraph(model, self.graph, _window_layer).measure(xb)
+                else: whole, stage = _largest_activation(model, xb), None
+            self.train_bytes = _saved_bytes(model, xb)  # what training at this micro-batch holds for backward
+        finally:
+            for m, t in modes.items(): m.training = t
+        self.whole_per_sample, self.stage_per_sample = whole / self.bs, None if stage is None else stage / self.bs
+        self.memory = memory
+        self.budget = (self.train_bytes or whole) if memory is None else memory
+        per = max(self.whole_per_sample, 1e-9)
+        big = 2**62  # no cap: any window
+        self.max_whole = int(min(self.budget / per, big))  # the largest window one forward keeps within the budget
+        self.chunk = None if stage is None else max(1, int(min(self.budget / max(self.stage_per_sample, 1e-9), big)))
+
+    def choose(self, n:int) -> tuple[str, int|None]:
+        "('whole', None) or ('staged', samples per chunk) for a window of `n` samples."
+        if n <= self.max_whole or not self.traced: return 'whole', None
+        return 'staged', min(self.chunk, n)
+
+    def describe(self, n:int|None=None) -> str:
+        "The chosen mode in words, for the pre-flight table."
+        budget = f"{self.budget/2**20:.1f} MiB" + (' = training at this micro-batch' if self.memory is None else ' cap')
+        if not self.traced: return f"whole window (not traceable: {self.reason})"
+        if n is not None:
+            mode, chunk = self.choose(n)
+            return f"whole window of {n}" if mode == 'whole' else f"staged, {n} in chunks of {chunk} ({budget})"
+        return f"whole window up to {self.max_whole} samples, else staged in chunks of {self.chunk} ({budget})"
+
+    def __repr__(self): return f'{type(self).__name__}({self.describe()})'
+
+def _largest_activation(model, xb) -> int:
+    "Largest leaf-module input + output in one forward: a lower bound on what a forward holds (untraceable models)."
+    peak = [0]
+    def hook(m, inp, out):
+        peak[0] = max(peak[0], sum(t.untyped_storage().nbytes() for t in (*inp, out) if isinstance(t, Tensor)))
+    hooks = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
+    try: model(*xb)
+    finally:
+        for h in hooks: h.remove()
+    return peak[0]
+
+def prepass_plan(model:nn.Module, # a model with `AccumulateBatchNorm` layers
+                 xb:tuple, # one micro-batch of model inputs (sizes are measured on it)
+                 memory:int|None=None, # bytes the pre-pass may hold on the device (default: what training holds at this micro-batch)
+                ) -> PrepassPlan:
+    "The pre-pass plan of `model` for micro-batches shaped like `xb` (measured once, then cached)."
+    key = (tuple((tuple(t.shape[1:]), t.dtype, str(t.device)) for t in xb if isinstance(t, Tensor)), memory,
+           tuple(id(m) for m in bn_layers(model) if _window_layer(m)))
+    plans = _plans.setdefault(model, {})
+    if key not in plans: plans[key] = PrepassPlan(model, xb, memory)
+    return plans[key]
+
+def prepass_info(model:nn.Module) -> dict|None:
+    "What the last `window_prepasses` on `model` did: mode, chunk, samples, and measured bytes when it was metered."
+    return _last_run.get(model)
+
+# %% ../nbs/01_batchnorm.ipynb #713d978c
 @torch.no_grad()
 def window_prepasses(model:nn.Module, # a model with `AccumulateBatchNorm` layers under the 'window' policy
                      xbs:list, # the window's micro-batch inputs, each a tuple of model inputs
-                     passes:int|None=None, # pre-passes (default: 1 if the window fits in one chunk, else 2)
-                     chunk:int|None=None, # samples per pre-pass forward (default: the whole window in one forward)
-                     group=None, # under data parallelism: merge each pass's statistics across this process group
+                     passes:int|None=None, # deprecated: the pre-pass is exact in one pass (other values warn and are ignored)
+                     chunk:int|None=None, # samples per chunk of a staged pre-pass (default: chosen within `memory`)
+                     group=None, # under data parallelism: the process group whose windows make one (default: the world)
+                     memory:int|None=None, # bytes the pre-pass may hold on the device (default: what training holds at the micro-batch)
+                     store=None, # where a staged pre-pass keeps values across BatchNorm layers (default: 'cpu' for an accelerator)
+                     meter:bool=False, # count the activation bytes of the run (`prepass_info`)
                     ) -> int:
-    "Run the no-grad pre-passes that give every 'window' layer its window statistics; returns how many layers."
-    layers = [m for m in bn_layers(model, accumulating=True)
-              if m.policy == 'window' and m.training and m.track_running_stats]
+    "One exact no-grad pre-pass that gives every 'window' layer its window statistics; returns how many layers."
+    layers = [m for m in bn_layers(model, accumulating=True) if _window_layer(m) and m.training]
     if not layers or not xbs: return 0
-    chunks = _chunks(xbs, chunk)
-    synced = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-    # one chunk holding the whole window is BatchNorm on the concatenated window: exact for every layer in one pass;
-    # across processes each pass normalizes with local chunk statistics first, so it needs the fixed-point iteration
-    if passes is None: passes = 1 if len(chunks) == 1 and not synced else 2
-    for p in range(passes):
-        for m in layers: m._begin_prepass(first=p == 0)
-        try:
-            for xb in chunks: model(*xb)
-            if synced:
-                all_reduce_stats([m._prepass_stats for m in layers], [m.num_features for m in layers], group,
-                                 layers[0].running_mean.device)  # window statistics over every process's window
-        finally:
-            for m in layers: m._end_prepass()
+    if passes not in (None, 1):
+        warnings.warn(f"window_prepasses: passes={passes} is ignored: the pre-pass is exact in one pass "
+                      "(the fixed-point passes over chunks it replaces diverge on deep nets)")
+    n = sum(xb[0].shape[0] for xb in xbs)
+    sync = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    if chunk is not None:
+        mode = 'whole' if chunk >= n else 'staged'
+        graph = _trace(model) if mode == 'staged' else None
+        if isinstance(graph, str): mode, chunk = 'whole', None  # not traceable (warned): the whole window at once
+    else:
+        plan = prepass_plan(model, xbs[0], memory)
+        (mode, chunk), graph = plan.choose(n), plan.graph
+    barriers = set(layers)
+    if mode == 'staged':
+        sg = StagedGraph(model, graph, lambda m: m in barriers)
+        hidden = barriers - {sg.modules[sg.nodes[i].target] for i in sg.barriers}
+        if hidden:  # a BatchNorm inside a module the tracer keeps whole: no barrier can stop there
+            warnings.warn(f"window_prepasses: {len(hidden)} BatchNorm layer(s) of {type(model).__name__} are not nodes "
+                          "of its torch.fx graph; the pre-pass runs the whole window in one forward")
+            mode, chunk = 'whole', None
+    info = _last_run[model] = dict(mode=mode, chunk=chunk, samples=n, sync=sync)
+    dev = layers[0].running_mean.device
+    if store is None and dev.type != 'cpu': store = 'cpu'
+    for m in layers: m._begin_prepass(mode, sync, group)
+    try:
+        if mode == 'whole':
+            xb = _chunks(xbs, None)[0]
+            if meter: info['device_bytes'] = _metered_forward(model, xb)
+            else: model(*xb)
+        else:
+            dm, hm = (ByteMeter(), ByteMeter()) if meter else (None, None)
+            sg.run(
+                _chunks(xbs, chunk), lambda m, x: m._observe_prepass(x), lambda m: m._close_prepass(),
+                store=store, meter=dm, stored=hm)
+            if meter: info.update(device_bytes=dm.peak, stored_bytes=hm.peak)
+    finally:
+        for m in layers: m._end_prepass()
     return len(layers)
+
+def _metered_forward(model, xb) -> int:
+    "Run `model(*xb)`; the peak activation bytes of the forward (traced: from the graph's liveness; else leaf modules)."
+    graph = _trace(model)
+    if isinstance(graph, str): return _largest_activation(model, xb)
+    bm = ByteMeter()
+    StagedGraph(model, graph, lambda m: isinstance(m, _BatchNorm)).forward(xb, bm)  # up to the last BatchNorm
+    return bm.peak
 
 # %% ../nbs/01_batchnorm.ipynb #e0cc0a8b
 def _treatment(m, n:int) -> tuple[str, str]:
@@ -361,9 +523,13 @@ def _treatment(m, n:int) -> tuple[str, str]:
 
 def bn_preflight(model:nn.Module, # the model (its state is not changed: the forward runs in eval mode, no grad)
                  *xb, # one micro-batch of model inputs
+                 window:int|None=None, # samples per window, to name the pre-pass mode chosen for it ('window' policy)
+                 memory:int|None=None, # the pre-pass's memory cap in bytes, as given to `window_prepasses`
                 ):
-    "A table of the model's BatchNorm layers: values per channel per micro-batch, risk, and what the policy does."
+    "A table of the model's BatchNorm layers: values per channel per micro-batch, risk, what the policy does, and how the pre-pass runs."
     import pandas as pd
+    plan = prepass_plan(model, xb, memory) if any(map(_window_layer, bn_layers(model))) else None
+    prepass = plan.describe(window) if plan is not None else '-'
     names = {mod: name for name, mod in model.named_modules()}
     modes = {mod: mod.training for mod in model.modules()}
     rows, hooks = [], []
@@ -372,7 +538,8 @@ def bn_preflight(model:nn.Module, # the model (its state is not changed: the for
         fwd, bwd = _treatment(mod, n)
         rows.append(dict(layer=names[mod] or type(mod).__name__, type=type(mod).__name__, channels=mod.num_features,
                          values_per_channel=n, at_risk=n < GradPool.min_micro,
-                         policy=getattr(mod, 'policy', 'plain BN'), forward=fwd, backward=bwd))
+                         policy=getattr(mod, 'policy', 'plain BN'), forward=fwd, backward=bwd,
+                         prepass=prepass if _window_layer(mod) else '-'))
     for mod in bn_layers(model): hooks.append(mod.register_forward_pre_hook(hook))
     try:
         model.eval()  # shapes are all we need: eval mode touches no statistics

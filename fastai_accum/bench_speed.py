@@ -13,14 +13,16 @@ from torch.utils.data import TensorDataset
 from fastai.basics import *
 from fastai.callback.progress import *
 from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
-from .batchnorm import bn_policies, wrap_bn, window_prepasses
+from .batchnorm import bn_policies, wrap_bn, window_prepasses, prepass_plan, prepass_info, reset_bn_stats
 from .callback import GradientAccumulation
+from .exact import choose_exact
 
 # %% auto #0
-__all__ = ['bench_models', 'summary_keys', 'small_cnn', 'resnet18_32', 'synthetic_dls', 'default_policy', 'speed_variants',
-           'time_variants', 'median_ratio', 'SavedTensorMeter', 'saved_bytes_peak', 'cuda_peak_bytes', 'prepass_peak',
-           'tensor_bytes_alive', 'leak_per_1000', 'allreduce_counts', 'format_summary', 'parse_summary', 'SpeedResults',
-           'bench_speed', 'add_speed_args', 'speed_main']
+__all__ = ['bench_models', 'prepass_models_fns', 'summary_keys', 'small_cnn', 'resnet18_32', 'synthetic_dls', 'default_policy',
+           'speed_variants', 'time_variants', 'median_ratio', 'SavedTensorMeter', 'saved_bytes_peak', 'cuda_peak_bytes',
+           'efficientnet_b0', 'prepass_peak', 'tensor_bytes_alive', 'leak_per_1000', 'allreduce_counts',
+           'format_summary', 'parse_summary', 'SpeedResults', 'auto_choice', 'bench_speed', 'add_speed_args',
+           'speed_main']
 
 # %% ../nbs/21_bench_speed.ipynb #ceeb1340
 def small_cnn(n_out:int=10, # classes
@@ -101,9 +103,8 @@ def default_policy() -> str:
     return inspect.signature(GradientAccumulation).parameters['policy'].default
 
 def speed_variants() -> list:
-    "Names of the timed training setups, `plain` first: `ours:<policy>` for each of `bn_policies` and the default."
-    pols = list(bn_policies) + [p for p in [default_policy()] if p not in bn_policies]
-    return ['plain', 'naive', 'seed'] + [f'ours:{p}' for p in pols]
+    "Names of the timed training setups, `plain` first: `ours:<policy>` for each BatchNorm policy and 'exact' ('auto' picks one of them, see `auto_choice`)."
+    return ['plain', 'naive', 'seed'] + [f'ours:{p}' for p in bn_policies if p != 'auto'] + ['ours:exact']
 
 def _make_learner(variant:str, model_fn, bs:int, n_step:int, n_micro:int, device=None, seed:int=0) -> Learner:
     "A fresh Learner for `variant` with `n_micro` training micro-batches of `bs` samples (`full`: `n_micro` batches of `bs*n_step`)."
@@ -132,7 +133,7 @@ class _TrainTimer(Callback):
     def before_train(self): _sync(self.device); self.t0 = time.perf_counter()
     def after_train(self):
         _sync(self.device)
-        self.times.append((time.perf_counter() - self.t0) / self.n_iter)
+        self.times.append((time.perf_counter() - self.t0) / len(self.dls.train))  # per micro-batch ('exact': n_iter counts windows)
 
 # %% ../nbs/21_bench_speed.ipynb #1f04fb73
 def time_variants(model_fn, # builds the model
@@ -232,30 +233,44 @@ def cuda_peak_bytes(learn:Learner, # a learner on a CUDA device
     return torch.cuda.max_memory_allocated() - base
 
 # %% ../nbs/21_bench_speed.ipynb #94530eda
+def efficientnet_b0(n_out:int=10, # classes
+                   ) -> nn.Module:
+    "torchvision's efficientnet_b0 with random weights: 49 BatchNorm layers in sequence, the deep case of the pre-pass."
+    from torchvision.models import efficientnet_b0 as f
+    return f(weights=None, num_classes=n_out)
+
+prepass_models_fns = {'resnet18': resnet18_32, 'efficientnet_b0': efficientnet_b0, 'small_cnn': small_cnn}
+
 @torch.no_grad()
 def prepass_peak(model_fn, # builds the model
                  bs:int=2, # micro-batch size
                  n_step:int=8, # micro-batches per window
                  device='cpu', # where to run
+                 size:int=32, # image height and width
+                 memory:int|None=None, # the pre-pass's memory cap (default: what training holds at the micro-batch)
                 ) -> dict:
-    "Transient activation bytes of the 'window' policy's pre-pass over one window (CUDA: allocator peak; CPU: an estimate)."
+    "The 'window' policy's pre-pass over one window in its default mode: activation bytes on the device (counted from the traced graph's liveness), mode, time vs the whole window in one forward."
     torch.manual_seed(0)
     model = model_fn().to(device)
     wrap_bn(model, 'window'); model.train()
-    xbs = [(torch.randn(bs, 3, 32, 32, device=device),) for _ in range(n_step)]
-    if torch.device(device).type == 'cuda':
-        window_prepasses(model, xbs); torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        window_prepasses(model, xbs); torch.cuda.synchronize()
-        return dict(bytes=torch.cuda.max_memory_allocated() - base, how='CUDA max_memory_allocated')
-    peak = [0]
-    def hook(m, inp, out):
-        peak[0] = max(peak[0], sum(t.numel() * t.element_size() for t in (*inp, out) if torch.is_tensor(t)))
-    hooks = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
-    try: window_prepasses(model, xbs)
-    finally:
-        for h in hooks: h.remove()
-    return dict(bytes=peak[0], how='CPU estimate: largest layer input + output')
+    xbs = [(torch.randn(bs, 3, size, size, device=device),) for _ in range(n_step)]
+    plan = prepass_plan(model, xbs[0], memory)
+    window_prepasses(model, xbs, memory=memory, meter=True)
+    info = dict(prepass_info(model))
+    sync = (lambda: torch.cuda.synchronize()) if torch.device(device).type == 'cuda' else noop
+    def timed(**kw):
+        ts = []
+        for _ in range(2 if bs * n_step <= 64 else 1):
+            sync(); t = time.perf_counter(); window_prepasses(model, xbs, **kw); sync(); ts.append(time.perf_counter() - t)
+        return min(ts)
+    t_default, t_whole = timed(memory=memory), timed(memory=float('inf'))
+    reset_bn_stats(model)
+    return dict(mode=info['mode'], chunk=info['chunk'], samples=bs * n_step, bytes=info['device_bytes'],
+                stored_bytes=info.get('stored_bytes', 0), train_bytes=plan.train_bytes,
+                whole_bytes=plan.whole_per_sample * bs * n_step, ratio=info['device_bytes'] / plan.train_bytes,
+                whole_ratio=plan.whole_per_sample * bs * n_step / plan.train_bytes, time_vs_whole=t_default / t_whole,
+                how='activations on the device from the traced graph (values freed after their last use; values kept across '
+                    'BatchNorm layers are in host memory on an accelerator, counted apart)')
 
 # %% ../nbs/21_bench_speed.ipynb #f7985979
 def tensor_bytes_alive(extra:dict|None=None, # more storages, `{key: nbytes}` (e.g. `SavedTensorMeter.storages`)
@@ -277,8 +292,8 @@ class _LeakProbe(Callback):
     def __init__(self, meter, k0): self.meter, self.k0, self.marks = meter, k0, []
     def after_batch(self):
         if not self.training: return
-        i = self.iter + 1
-        if i in (self.k0, self.n_iter): self.marks.append((i, tensor_bytes_alive(self.meter.storages)))
+        i = (self.iter + 1) * (len(self.dls.train) // self.n_iter)  # micro-batches so far ('exact': an iteration is a window)
+        if i == self.k0 or self.iter + 1 == self.n_iter: self.marks.append((i, tensor_bytes_alive(self.meter.storages)))
 
 def leak_per_1000(variant:str, # a name from `speed_variants()`
                   model_fn, # builds the model
@@ -357,7 +372,7 @@ def allreduce_counts(models=('small_cnn',), # names in `bench_models`
 
 # %% ../nbs/21_bench_speed.ipynb #eb45c013
 summary_keys = ('overhead_ratio', 'memory_ratio_vs_micro', 'memory_ratio_vs_full', 'leak_bytes_per_1000',
-                'allreduce_per_window', 'default_policy_time_ratio')
+                'allreduce_per_window', 'default_policy_time_ratio', 'prepass_memory_ratio')
 
 def format_summary(summary:dict) -> str:
     "The machine-readable line: `key=value` for every key of `summary_keys`, in order, 3 decimals."
@@ -392,13 +407,14 @@ class SpeedResults:
     def __repr__(self): return self.report()
 
 # %% ../nbs/21_bench_speed.ipynb #fa0a2027
-def _resolved(policy:str) -> str:
-    "The policy an `AccumulateBatchNorm` actually runs when given `policy` (e.g. what 'auto' stands for)."
-    bn = nn.BatchNorm1d(1)
-    wrap_bn(bn, policy)
-    return bn.policy
+def auto_choice(model_fn, bs:int, n_step:int, device='cpu') -> str:
+    "What the default policy ('auto') trains `model_fn`'s windows of `n_step` micro-batches with here: 'exact' or 'window'."
+    learn = _make_learner('plain', model_fn, bs, n_step, n_step, device)
+    exact, _ = choose_exact('auto', learn.model, lambda: tuple(learn.dls.train.one_batch()[:1]), n_step)  # the callback's decision
+    return 'exact' if exact else 'window'
 
-_defaults = dict(quick=dict(repeats=5, windows=1, leak_micro=160), full=dict(repeats=7, windows=4, leak_micro=1000))
+_defaults = dict(quick=dict(repeats=5, windows=1, leak_micro=160, prepass_windows=(16, 64), prepass_size=64),
+                 full=dict(repeats=7, windows=4, leak_micro=1000, prepass_windows=(16, 64, 256), prepass_size=128))
 
 def bench_speed(models=('small_cnn', 'resnet18'), # names in `bench_models`
                 device=None, # 'cpu' or 'cuda' (default: CUDA if available)
@@ -411,6 +427,9 @@ def bench_speed(models=('small_cnn', 'resnet18'), # names in `bench_models`
                 quick:bool=False, # smaller defaults: under 3 minutes on 2 CPU cores
                 threads:int|None=1, # torch CPU threads while measuring (None: leave as is)
                 verbose:bool=False, # print progress
+                prepass_models=('resnet18', 'efficientnet_b0'), # names in `prepass_models_fns` for the pre-pass memory figures
+                prepass_windows=None, # window sizes (samples) of the pre-pass figures (default: 16, 64 quick; 16, 64, 256 full)
+                prepass_size:int|None=None, # image size of the pre-pass figures (default: 64 quick, 128 full)
                ) -> SpeedResults:
     "Time, memory, leak and communication of accumulation with exact BatchNorm vs plain, naive and the seed's."
     import pandas as pd
@@ -418,6 +437,8 @@ def bench_speed(models=('small_cnn', 'resnet18'), # names in `bench_models`
     d = _defaults['quick' if quick else 'full']
     repeats, windows = repeats or d['repeats'], windows or d['windows']
     leak_micro = leak_micro or d['leak_micro']
+    prepass_windows, prepass_size = prepass_windows or d['prepass_windows'], prepass_size or d['prepass_size']
+    prepass_models = [prepass_models] if isinstance(prepass_models, str) else list(prepass_models)
     leak_micro = max(n_step, leak_micro // n_step * n_step)
     device = str(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
     models = [models] if isinstance(models, str) else list(models)
@@ -428,6 +449,7 @@ def bench_speed(models=('small_cnn', 'resnet18'), # names in `bench_models`
     if threads: torch.set_num_threads(threads)
     log = print if verbose else noop
     variants, pol = speed_variants(), default_policy()
+    chosen = {name: auto_choice(bench_models[name], micro_bs, n_step, device) for name in models}  # what 'auto' runs
     ours = [v for v in variants if v.startswith('ours:')]
     rows, raw, notes = [], dict(times={}, saved={}, cuda={}, prepass={}, leak={}, comm=None), []
     try:
@@ -440,7 +462,6 @@ def bench_speed(models=('small_cnn', 'resnet18'), # names in `bench_models`
                                           for v in variants + ['full']}
             if cuda: raw['cuda'][name] = {v: cuda_peak_bytes(_make_learner(v, fn, micro_bs, n_step, 2 * n_step, device))
                                           for v in variants + ['full']}
-            raw['prepass'][name] = prepass_peak(fn, micro_bs, n_step, device)
             if name == models[0]:
                 log(f'[{name}] leak over {leak_micro} micro-batches')
                 raw['leak'][name] = {v: leak_per_1000(v, fn, micro_bs, n_step, leak_micro, device) for v in variants}
@@ -457,6 +478,11 @@ def bench_speed(models=('small_cnn', 'resnet18'), # names in `bench_models`
                            leak_B_per_1000=leak[v] - leak['plain'] if leak and v in leak else None)
                 if cuda: row['cuda_peak_MB'] = raw['cuda'][name][v] / 2**20
                 rows.append(row)
+        for name in prepass_models:
+            for w in prepass_windows:
+                log(f'[{name}] pre-pass memory, window of {w} at {prepass_size}px')
+                raw['prepass'][f'{name}/{w}'] = prepass_peak(prepass_models_fns[name], micro_bs, max(1, w // micro_bs),
+                                                             device, prepass_size)
         if comm:
             log('all-reduce count: 2 CPU processes')
             try: raw['comm'] = allreduce_counts(models if not quick else models[:1], micro_bs, n_step, 2, pol)
@@ -469,13 +495,15 @@ def bench_speed(models=('small_cnn', 'resnet18'), # names in `bench_models`
         name, v = key.split('/')
         table.loc[(name, v), 'allreduce_per_window'] = c['rounds'] / max(c['windows'], 1)
     def worst(col, vs): return max(table.loc[(m, v), col] for m in models for v in vs)
+    ours_mem = [v for v in ours if v != 'ours:exact']  # 'exact' holds the window's activations by design (= full)
     comm_ours = [c['rounds'] / max(c['windows'], 1) for k, c in (raw['comm'] or {}).items() if k.endswith(f'/ours:{pol}')]
     leak0 = raw['leak'][models[0]]
     summary = dict(overhead_ratio=worst('time_vs_plain', ['ours:micro']),
-                   memory_ratio_vs_micro=worst('mem_vs_micro', ours), memory_ratio_vs_full=worst('mem_vs_full', ours),
+                   memory_ratio_vs_micro=worst('mem_vs_micro', ours_mem), memory_ratio_vs_full=worst('mem_vs_full', ours_mem),
                    leak_bytes_per_1000=max(leak0[v] - leak0['plain'] for v in ours),
                    allreduce_per_window=max(comm_ours) if comm_ours else float('nan'),
-                   default_policy_time_ratio=worst('time_vs_naive', [f'ours:{pol}']))
+                   default_policy_time_ratio=max(table.loc[(m, f'ours:{chosen[m]}'), 'time_vs_naive'] for m in models),
+                   prepass_memory_ratio=max((p['ratio'] for p in raw['prepass'].values()), default=float('nan')))
     # notes: what the reader needs to read the table
     notes.append(f"variants: plain = plain BN, no accumulation, bs {micro_bs} (steps every micro-batch); naive = fastai "
                  f"GradientAccumulation(n_acc={micro_bs*n_step}), plain BN; seed = the forum's AccumulateBatchNorm "
@@ -484,13 +512,21 @@ def bench_speed(models=('small_cnn', 'resnet18'), # names in `bench_models`
     notes.append('time ratios: median over repeats of the ratio within a repeat; summary ratios are the worst over models. '
                  'plain runs the optimizer (Adam) after every micro-batch, the others once per window: time_vs_plain < 1 '
                  'means the saved steps outweigh the overhead; time_vs_naive isolates the BatchNorm handling')
-    aliases = [f'ours:{p} = ours:{_resolved(p)}' for p in dict.fromkeys(bn_policies + (pol,)) if _resolved(p) != p]
-    if aliases: notes.append(f"today {', '.join(aliases)} (what the policy resolves to)")
+    notes.append("the default policy 'auto' ran " + ', '.join(f"ours:{c} on {m}" for m, c in chosen.items()) +
+                 " ('exact' where the window fits in free memory without host offload); memory ratios leave 'exact' out: "
+                 "it holds the window's activations, as the full batch does")
     notes.append('saved_MB: peak bytes autograd holds for backward (saved-tensor hooks, distinct storages, parameters '
                  'excluded)' + ('' if cuda else '; CPU run: no allocator peak, saved-tensor bytes only'))
-    for name, p in raw['prepass'].items():
-        notes.append(f"{name}: 'window' pre-pass transient activations {p['bytes']/2**20:.2f} MB ({p['how']}) = "
-                     f"{p['bytes']/raw['saved'][name]['ours:window']:.2f}x the micro-batch's saved bytes (pre-passes save nothing)")
+    if raw['prepass']:
+        notes.append(f"prepass_memory_ratio: the 'window' pre-pass's peak activation bytes on the device / what training "
+                     f"holds for backward at micro-batch {micro_bs}, worst over models and windows ({prepass_size}px; "
+                     f"{next(iter(raw['prepass'].values()))['how']}):")
+        for key, p in raw['prepass'].items():
+            mode = p['mode'] if p['mode'] == 'whole' else f"staged, chunks of {p['chunk']}"
+            notes.append(f"  {key}: {mode}: {p['bytes']/2**20:.1f} MiB = {p['ratio']:.2f}x training's "
+                         f"{p['train_bytes']/2**20:.1f} MiB (whole window in one forward: {p['whole_ratio']:.2f}x); "
+                         f"kept across BatchNorm layers {p['stored_bytes']/2**20:.1f} MiB; time {p['time_vs_whole']:.2f}x "
+                         f"the whole-window forward's")
     notes.append(f"leak_B_per_1000 ({models[0]}, {leak_micro} micro-batches): growth of live tensor bytes minus a plain "
                  f"fit's ({_cell(leak0['plain'], '{:.0f}')} B/1000: fastai's Recorder keeps one loss tensor per micro-batch); "
                  f"seed: {(leak0['seed'] - leak0['plain']) / 2**20:.1f} MiB per 1000 micro-batches (the BatchNorm inputs of "

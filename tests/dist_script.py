@@ -67,6 +67,24 @@ elif mode in ('bn', 'bn_window'):
     torch.save(dict(inputs=rec.inputs, stats=rec.stats,
                     final=[(bn.running_mean, bn.running_var) for bn in bn_layers(learn.model)]), f'{outdir}/rank{rank}.pt')
 
+elif mode.startswith('prepass_sync'):  # one pre-pass, each BatchNorm merging its input moments across ranks
+    from dist_helpers import DeepResNet, deep_window
+    from fastai_accum.window import commit_window
+    torch.distributed.init_process_group('gloo')
+    torch.manual_seed(0)
+    net = DeepResNet().double(); wrap_bn(net, 'window'); net.train()
+    window = deep_window(rank)
+    calls, gather = [0], torch.distributed.all_gather
+    def counting(*a, **k): calls[0] += 1; return gather(*a, **k)
+    torch.distributed.all_gather = counting
+    chunk = 2 if mode == 'prepass_sync_staged' else None
+    window_prepasses(net, window, chunk=chunk, memory=None if chunk else float('inf'))
+    info = prepass_info(net)
+    stats = [tuple(t.clone() for t in bn.window_stats) for bn in bn_layers(net)]
+    commit_window(bn_layers(net))
+    torch.save(dict(window=window, stats=stats, calls=calls[0], info=info,
+                    running=[(bn.running_mean.clone(), bn.running_var.clone()) for bn in bn_layers(net)]), f'{outdir}/rank{rank}.pt')
+
 elif mode == 'crash':
     class Crash(Callback):
         order = 100

@@ -240,7 +240,7 @@ def _small_convnet():
     return nn.Sequential(*blk(1, 8), *blk(8, 16), *blk(16, 16), nn.Flatten(), nn.Linear(64, 16, bias=False),
                          nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
 
-@pytest.mark.parametrize('passes,chunk', [(1, None), (4, 2)], ids=['one_forward', 'micro_chunks_depth_passes'])
+@pytest.mark.parametrize('passes,chunk', [(1, None), (None, 2)], ids=['one_forward', 'staged_micro_chunks'])
 def test_window_forward_matches_bn_on_concatenated_window(passes, chunk):
     torch.manual_seed(0)
     net = _small_convnet(); big = copy.deepcopy(net)
@@ -281,3 +281,14 @@ def test_auto_policy_resolves_and_window_falls_back_to_micro_without_prepass():
     x = torch.randn(2, 3, 4, 4)
     torch.testing.assert_close(bn(x), F.batch_norm(x, None, None, bn.weight, bn.bias, True, 0., bn.eps))
     assert bn.pending.count == 32
+
+def test_window_policy_with_tensor_subclass_and_inplace_activation():
+    "fastai's TensorImage through a small-count 'window' layer followed by ReLU(inplace=True) (vision_learner's head)."
+    from fastai.torch_core import TensorImage
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                        nn.Linear(4, 4), nn.BatchNorm1d(4), nn.ReLU(inplace=True), nn.Linear(4, 1))
+    wrap_bn(net, 'window')
+    xbs = [(TensorImage(torch.randn(2, 3, 8, 8)),) for _ in range(4)]
+    window_prepasses(net, xbs)
+    net(*xbs[0]).sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in net.parameters())

@@ -57,6 +57,28 @@ def test_bn_stats_identical_across_ranks_and_equal_union_reference(mode, tmp_pat
         assert ((m.double() - ref.running_mean).abs().max() / ref.running_mean.abs().max()).item() <= 1e-5
         assert ((v.double() - ref.running_var).abs().max() / ref.running_var.abs().max()).item() <= 1e-5
 
+@pytest.mark.parametrize('mode', ['prepass_sync_staged', 'prepass_sync_whole'])
+def test_one_prepass_gives_exact_cross_rank_window_statistics(mode, tmp_path):
+    "2 ranks x a window of 8 on a net with 24 BatchNorm levels: one pre-pass, one collective per layer, exact stats."
+    from dist_helpers import DeepResNet
+    r0, r1 = results(mode, tmp_path)
+    torch.manual_seed(0)
+    ref = DeepResNet().double().train()
+    bns = [m for m in ref.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    assert len(bns) == 24
+    assert r0['info']['mode'] == ('staged' if mode.endswith('staged') else 'whole') and r0['info']['sync']
+    assert r0['calls'] == r1['calls'] == len(bns)  # one all-gather per layer (commit merges nothing again)
+    seen = []
+    hooks = [bn.register_forward_pre_hook(lambda m, i: seen.append(i[0].detach())) for bn in bns]
+    with torch.no_grad(): ref(torch.cat([xb[0] for r in (r0, r1) for xb in r['window']]))  # one process, the union
+    for h in hooks: h.remove()
+    for x, (m0, v0), (m1, v1), (rm, rv), bn in zip(seen, r0['stats'], r1['stats'], r0['running'], bns):
+        dims = [0] + list(range(2, x.dim()))
+        var, mean = torch.var_mean(x, dims, correction=0)
+        assert torch.equal(m0, m1) and torch.equal(v0, v1)
+        assert (m0 - mean).abs().max() <= 1e-6 * var.sqrt().max() and ((v0 - var) / var).abs().max() <= 1e-6
+        assert (rm - bn.running_mean).abs().max() <= 1e-6 and ((rv - bn.running_var) / bn.running_var).abs().max() <= 1e-6
+
 def test_crashed_rank_fails_loudly_instead_of_hanging(tmp_path):
     r = launch('crash', tmp_path, timeout=240)  # a hang would raise TimeoutExpired and fail the test
     assert r.returncode != 0
