@@ -8,15 +8,15 @@ import warnings
 import torch
 from fastai.basics import *
 from fastai.callback.fp16 import MixedPrecision
-import itertools, math, random, time
+import random, time
 from contextlib import nullcontext
 from torch.nn.parallel import DistributedDataParallel
 from .batchnorm import wrap_bn, bn_layers, window_prepasses, bn_preflight
-from .exact import cat_batches, plan_exact, saved_on_host, random_state_kept, ExactModeMemoryError
-from .window import AccumulationWindow, WindowSteps, check_accumulation_args, _check_count, scale_grads, drop_window
+from .exact import choose_exact, plan_exact, saved_on_host, random_state_kept, ExactModeMemoryError
+from .window import AccumulationWindow, WindowSteps, check_accumulation_args, _check_count, scale_grads, drop_window, WindowLoader
 
 # %% auto #0
-__all__ = ['WindowLoader', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['WindowPrefetch', 'GradientAccumulation']
 
 # %% ../nbs/03_callback.ipynb #bc9e3207
 _cancels = (CancelBatchException, CancelStepException, CancelBackwardException, CancelEpochException,
@@ -27,49 +27,6 @@ def _loss_reduction(loss_func) -> str:
     r = getattr(loss_func, 'reduction', None)
     if r is None: r = getattr(getattr(loss_func, 'func', None), 'reduction', 'mean')
     return 'sum' if r == 'sum' else 'mean'
-
-# %% ../nbs/03_callback.ipynb #6e448510
-class WindowLoader:
-    "Iterate `dl` reading one accumulation window ahead; `window` holds the current window's batches."
-    def __init__(self, dl, # the training DataLoader
-                 n_step:int|None=None, # micro-batches per window
-                 n_acc:int|None=None, # or: samples per window
-                 exact:bool=False, # yield each window as one concatenated batch (the 'exact' policy)
-                 partial:str='step', # with `exact`: 'drop' leaves out an incomplete last window
-                ):
-        self.dl, self.n_step, self.n_acc, self.exact, self.partial, self.window = dl, n_step, n_acc, exact, partial, []
-    def __getattr__(self, k):
-        if k == 'dl': raise AttributeError(k)
-        return getattr(self.dl, k)
-
-    def __len__(self):
-        if not self.exact: return len(self.dl)
-        bs = getattr(self.dl, 'bs', None) or 1
-        per = self.n_step or max(1, math.ceil(self.n_acc / bs))  # micro-batches per window
-        return len(self.dl) // per if self.partial == 'drop' else math.ceil(len(self.dl) / per)
-
-    def _windows(self):
-        it = iter(self.dl)
-        while True:
-            if self.n_step is not None: window = list(itertools.islice(it, self.n_step))
-            else:
-                window, seen = [], 0
-                for b in it:
-                    window.append(b); seen += find_bs(b)
-                    if seen >= self.n_acc: break
-            if not window: return
-            yield window
-
-    def _full(self, window) -> bool:
-        if self.n_step is not None: return len(window) >= self.n_step
-        return sum(map(find_bs, window)) >= self.n_acc
-
-    def __iter__(self):
-        for window in self._windows():
-            self.window = window
-            if not self.exact: yield from window
-            elif self.partial == 'step' or self._full(window): yield cat_batches(window)
-        self.window = []
 
 # %% ../nbs/03_callback.ipynb #c2ce77c4
 class WindowPrefetch(Callback):
@@ -90,8 +47,9 @@ class GradientAccumulation(WindowSteps, Callback):
                  wrap:bool=True,       # make the model's BatchNorm layers `AccumulateBatchNorm` in `before_fit`
                  policy:str='auto',    # 'exact' (each window one batch), a BatchNorm policy (`bn_policies`), or 'auto'
                  partial:str='step',   # incomplete window at the end of an epoch: 'step' (scaled exactly) or 'drop'
-                 prepasses:int|None=None, # 'window' policy: no-grad passes over each window (default: 1 if it fits one chunk in one process, else 2)
-                 prepass_bs:int|None=None, # 'window' policy: samples per pre-pass forward (default: the whole window at once)
+                 prepasses:int|None=None, # deprecated: the 'window' pre-pass is exact in one pass
+                 prepass_bs:int|None=None, # 'window' policy: samples per chunk of a staged (memory-bounded, exact) pre-pass (default: chosen within `prepass_memory`)
+                 prepass_memory:int|None=None, # 'window' policy: bytes the pre-pass may hold on the device (default: what training holds at the micro-batch)
                  sync_each_batch:bool=False, # under DDP, all-reduce gradients after every micro-batch, not once per window
                  preflight:bool=True,  # print the BatchNorm pre-flight table (`bn_preflight`) at the first micro-batch
                  offload:bool|None=None, # 'exact' policy: saved activations in host memory (default: only if they do not fit on the accelerator)
@@ -119,19 +77,9 @@ class GradientAccumulation(WindowSteps, Callback):
 
     def _choose_exact(self) -> bool:
         "Train each window as one batch? 'exact': yes, if it fits; 'auto': if the model has BatchNorm and the window fits without host offload."
-        self.plan = None
-        if self.policy not in ('exact', 'auto'): return False
-        model = self._inner_model()
-        if self.policy == 'auto' and not any(m.training for m in bn_layers(model)): return False
-        b = self._peek_batch()
-        window = self.n_acc or self.n_step * find_bs(b)
-        self.plan = plan_exact(model, self._inputs(b), window, self.device_memory, self.host_memory, self.offload)
-        if self.policy == 'exact':
-            if not self.plan.fits:
-                raise ExactModeMemoryError(f"GradientAccumulation(policy='exact'): {self.plan.describe()}. Lower n_step/n_acc, "
-                    "free memory, set the budget with device_memory=/host_memory=, or use policy='window' (memory of one micro-batch).")
-            return True
-        return self.plan.fits and not self.plan.offload
+        exact, self.plan = choose_exact(self.policy, self._inner_model(), lambda: self._inputs(self._peek_batch()), self.n_step,
+                                        self.n_acc, self.device_memory, self.host_memory, self.offload)
+        return exact
 
     def _peek_batch(self):
         "The first training micro-batch, read without changing what the DataLoader or any random generator gives later."
@@ -188,16 +136,12 @@ class GradientAccumulation(WindowSteps, Callback):
         self._preflight_done = True
         if getattr(self.learn, 'lr_finder', None) is not None or rank_distrib(): return
         if self.exact:
-            print(f"GradientAccumulation: policy {self.policy!r} -> 'exact': each window trains as one batch (BatchNorm exact: "
-                  f"forward, backward, running statistics); {self.plan.describe()}.")
+            print(self._exact_message())
             return
         if self.plan is not None:
             print(f"GradientAccumulation: policy 'auto' -> window BatchNorm: 'exact' would need host offload or more memory "
                   f"({self.plan.describe()}).")
-        t = bn_preflight(self._inner_model(), *self.learn.xb)
-        print(f"GradientAccumulation: {len(t)} BatchNorm layers, {int(t.at_risk.sum())} with < 32 values per channel "
-              f"per micro-batch; policy {self.policy!r}:")
-        print(t.drop(columns=['type', 'channels']).to_string(index=False))
+        print(self._preflight_table(self._inner_model(), self.learn.xb))
 
     def _ddp(self):
         m = self.learn.model
@@ -217,10 +161,8 @@ class GradientAccumulation(WindowSteps, Callback):
 
     def _prepass(self):
         "Pre-passes over the window that starts with this micro-batch (the 'window' policy)."
-        t = time.perf_counter()
         xbs = [self.learn.xb] + [self._inputs(b) for b in self.learn.window_prefetch.loader.window[1:]]
-        with self._autocast(): window_prepasses(self._inner_model(), xbs, self.prepasses, self.prepass_bs)
-        self.prepass_time += time.perf_counter() - t
+        self._prepass_window(self._inner_model(), xbs, self._autocast())
 
     def _inputs(self, b):
         b = self.learn._set_device(b)

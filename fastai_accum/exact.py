@@ -9,28 +9,14 @@ import contextlib, random
 from dataclasses import dataclass
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from .batchnorm import bn_layers
+from .window import cat_batches
 
 # %% auto #0
-__all__ = ['cat_batches', 'random_state_kept', 'leaves_no_trace', 'fmt_bytes', 'Footprint', 'measure_footprint',
-           'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'saved_on_host']
-
-# %% ../nbs/02a_exact.ipynb #3cc90ed3
-def cat_batches(batches:list, # micro-batches, each a tuple (or list) of tensors
-               ) -> tuple:
-    "One batch: `batches` concatenated along the batch dimension, element by element."
-    batches = [tuple(b) for b in batches]
-    if len(batches) == 1: return batches[0]
-    sizes = {len(b) for b in batches}
-    if len(sizes) > 1: raise ValueError(f"cat_batches: micro-batches hold different numbers of elements {sorted(sizes)}")
-    out = []
-    for i, parts in enumerate(zip(*batches)):
-        bad = next((p for p in parts if not torch.is_tensor(p)), None)
-        if bad is not None: raise TypeError(f"cat_batches: element {i} of a micro-batch is a {type(bad).__name__}; "
-                                            "the 'exact' policy joins micro-batches of tensors only")
-        out.append(torch.cat(parts))
-    return tuple(out)
+__all__ = ['random_state_kept', 'leaves_no_trace', 'fmt_bytes', 'Footprint', 'measure_footprint', 'ExactModeMemoryError',
+           'ExactPlan', 'free_memory', 'plan_exact', 'auto_picks_exact', 'saved_on_host', 'choose_exact']
 
 # %% ../nbs/02a_exact.ipynb #ba19ca8e
 @contextlib.contextmanager
@@ -80,6 +66,7 @@ def measure_footprint(model:nn.Module, # the model (nothing in it changes)
                      ) -> Footprint:
     "Per-sample bytes saved for the backward and largest layer working set, from one training forward on `xb`."
     bs = xb[0].shape[0]
+    if bs < 2: xb, bs = tuple(torch.cat([t, t]) if torch.is_tensor(t) else t for t in xb), 2  # BatchNorm needs 2 values to train
     seen, saved, largest = set(), 0, 0
     def pack(t):
         nonlocal saved
@@ -170,7 +157,41 @@ def plan_exact(model:nn.Module, # the model to train
     if offload is None and plan.on_accelerator and not plan.fits: plan.offload = True
     return plan
 
+def auto_picks_exact(plan:ExactPlan) -> bool:
+    "The default policy's rule: train windows as one batch when that fits the budgets without moving saved activations to the host."
+    return plan.fits and not plan.offload
+
 def saved_on_host(plan:ExactPlan):
     "The context that keeps saved activations in host memory when `plan` says so (pinned on CUDA)."
     if not plan.offload: return contextlib.nullcontext()
     return torch.autograd.graph.save_on_cpu(pin_memory=plan.device == 'cuda')
+
+# %% ../nbs/02a_exact.ipynb #95035e37
+def choose_exact(policy:str, # the callback's policy: 'exact', 'auto' or a BatchNorm policy
+                 model:nn.Module, # the model to train
+                 peek, # called without arguments: one training micro-batch's model inputs (only when needed)
+                 n_step:int|None=None, # micro-batches per window
+                 n_acc:int|None=None, # or: samples per window
+                 device_memory:int|None=None, # accelerator bytes it may use (`plan_exact`)
+                 host_memory:int|None=None, # host bytes it may use
+                 offload:bool|None=None, # saved activations in host memory
+                 name:str='GradientAccumulation', # the callback, for the error message
+                ) -> tuple:
+    "(train each window as one batch?, the `ExactPlan` or None): 'exact' if it fits (else `ExactModeMemoryError`); 'auto' if the model has BatchNorm and the window fits without offload."
+    if policy not in ('exact', 'auto'): return False, None
+    if policy == 'auto' and not any(m.training for m in bn_layers(model)): return False, None
+    xb = peek()
+    plan = plan_exact(model, xb, n_acc or n_step * xb[0].shape[0], device_memory, host_memory, offload)
+    if policy == 'exact':
+        if not plan.fits:
+            raise ExactModeMemoryError(f"{name}(policy='exact'): {plan.describe()}. Lower n_step/n_acc, free memory, set the "
+                                       "budget with device_memory=/host_memory=, or use policy='window' (memory of one micro-batch).")
+        return True, plan
+    return _agreed(auto_picks_exact(plan)), plan
+
+def _agreed(exact:bool) -> bool:
+    "Under data parallelism every rank must train the same way: exact only if every rank's window fits (one all-reduce)."
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1: return exact
+    flag = torch.tensor([float(exact)], device='cuda' if dist.get_backend() == 'nccl' else 'cpu')
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())

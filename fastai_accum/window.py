@@ -5,15 +5,17 @@ shared by the fastai v2 callback and the fastai v1 adapter (no fastai import her
 
 # %% ../nbs/02_window.ipynb #21e8f46b
 from __future__ import annotations
+import itertools, math, time
+from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from .stats import all_reduce_stats
-from .batchnorm import _check_policy
+from .batchnorm import _check_policy, window_prepasses, bn_preflight
 
 # %% auto #0
 __all__ = ['AccumulationWindow', 'check_accumulation_args', 'scale_grads', 'world_size', 'commit_window', 'drop_window',
-           'WindowSteps']
+           'WindowSteps', 'batch_size', 'cat_batches', 'WindowLoader']
 
 # %% ../nbs/02_window.ipynb #6b430344
 def _check_count(name, value):
@@ -134,3 +136,92 @@ class WindowSteps:
         if self.window.loss is not None: self.losses.append(self.window.loss.item())
         self.n_steps += 1
         self.window.reset()
+
+    def _prepass_window(self, model, # the model to run (under DDP: the module inside)
+                        xbs:list, # the window's micro-batch inputs, each a list of model inputs
+                        autocast=None, # the training forward's autocast context, if any
+                       ):
+        "The 'window' policy's pre-pass over the window that starts now (needs `prepasses`, `prepass_bs`, `prepass_memory`); timed in `prepass_time`."
+        t = time.perf_counter()
+        with autocast or nullcontext(): window_prepasses(model, xbs, self.prepasses, self.prepass_bs, memory=self.prepass_memory)
+        self.prepass_time += time.perf_counter() - t
+
+    def _exact_message(self) -> str:
+        "What the pre-flight says when each window trains as one batch (needs `policy`, `plan`)."
+        return (f"GradientAccumulation: policy {self.policy!r} -> 'exact': each window trains as one batch (BatchNorm exact: "
+                f"forward, backward, running statistics); {self.plan.describe()}.")
+
+    def _preflight_table(self, model, xb) -> str:
+        "The BatchNorm pre-flight table (`bn_preflight` on micro-batch `xb`, naming the pre-pass mode) as both callbacks print it."
+        t = bn_preflight(model, *xb, window=self.n_acc or self.n_step * batch_size(xb), memory=self.prepass_memory)
+        return (f"GradientAccumulation: {len(t)} BatchNorm layers, {int(t.at_risk.sum())} with < 32 values per channel "
+                f"per micro-batch; policy {self.policy!r}:\n" + t.drop(columns=['type', 'channels']).to_string(index=False))
+
+# %% ../nbs/02_window.ipynb #9dde4a43
+def batch_size(b) -> int:
+    "Samples in batch `b`: the first dimension of its first item, looking inside tuples, lists and dicts (as fastai's `find_bs`)."
+    while not hasattr(b, 'shape'):
+        if isinstance(b, dict): b = next(iter(b.values()))
+        elif isinstance(b, (list, tuple)) and b: b = b[0]
+        else: return len(b)
+    return b.shape[0]
+
+
+# %% ../nbs/02_window.ipynb #16ec58b3
+def cat_batches(batches:list, # micro-batches, each a tuple (or list) of tensors
+               ) -> tuple:
+    "One batch: `batches` concatenated along the batch dimension, element by element."
+    batches = [tuple(b) for b in batches]
+    if len(batches) == 1: return batches[0]
+    sizes = {len(b) for b in batches}
+    if len(sizes) > 1: raise ValueError(f"cat_batches: micro-batches hold different numbers of elements {sorted(sizes)}")
+    out = []
+    for i, parts in enumerate(zip(*batches)):
+        bad = next((p for p in parts if not torch.is_tensor(p)), None)
+        if bad is not None: raise TypeError(f"cat_batches: element {i} of a micro-batch is a {type(bad).__name__}; "
+                                            "the 'exact' policy joins micro-batches of tensors only")
+        out.append(torch.cat(parts))
+    return tuple(out)
+
+# %% ../nbs/02_window.ipynb #6e8baaad
+class WindowLoader:
+    "Iterate `dl` reading one accumulation window ahead; `window` holds the current window's batches."
+    def __init__(self, dl, # the training DataLoader
+                 n_step:int|None=None, # micro-batches per window
+                 n_acc:int|None=None, # or: samples per window
+                 exact:bool=False, # yield each window as one concatenated batch (the 'exact' policy)
+                 partial:str='step', # with `exact`: 'drop' leaves out an incomplete last window
+                ):
+        self.dl, self.n_step, self.n_acc, self.exact, self.partial, self.window = dl, n_step, n_acc, exact, partial, []
+    def __getattr__(self, k):
+        if k == 'dl': raise AttributeError(k)
+        return getattr(self.dl, k)
+
+    def __len__(self):
+        if not self.exact: return len(self.dl)
+        bs = getattr(self.dl, 'bs', None) or 1
+        per = self.n_step or max(1, math.ceil(self.n_acc / bs))  # micro-batches per window
+        return len(self.dl) // per if self.partial == 'drop' else math.ceil(len(self.dl) / per)
+
+    def _windows(self):
+        it = iter(self.dl)
+        while True:
+            if self.n_step is not None: window = list(itertools.islice(it, self.n_step))
+            else:
+                window, seen = [], 0
+                for b in it:
+                    window.append(b); seen += batch_size(b)
+                    if seen >= self.n_acc: break
+            if not window: return
+            yield window
+
+    def _full(self, window) -> bool:
+        if self.n_step is not None: return len(window) >= self.n_step
+        return sum(map(batch_size, window)) >= self.n_acc
+
+    def __iter__(self):
+        for window in self._windows():
+            self.window = window
+            if not self.exact: yield from window
+            elif self.partial == 'step' or self._full(window): yield cat_batches(window)
+        self.window = []

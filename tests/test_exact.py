@@ -137,18 +137,26 @@ def test_wrapped_layers_train_exactly_under_exact():
     assert all(m.policy == 'micro' for m in bn_layers(acc.model))
     assert rel(params(acc), params(big)) <= 1e-6 and rel(bn_stats(acc), bn_stats(big)) <= 1e-6
 
-def test_exact_under_ddp_one_allreduce_per_window_equals_plain_ddp(tmp_path):
-    "2 ranks (gloo): micro 2 x 4 under 'exact' == plain DDP at batch 8; 4 windows x 2 epochs = 8 gradient all-reduces."
+def _launch(mode, outdir):
     import os, subprocess, sys
     from pathlib import Path
     script = Path(__file__).parent/'dist_exact_script.py'
-    out = {}
-    for mode in ('exact', 'reference'):
-        (tmp_path/mode).mkdir()
-        r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2', str(script),
-                            mode, str(tmp_path/mode)], capture_output=True, text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        out[mode] = [torch.load(tmp_path/mode/f'rank{i}.pt', weights_only=False) for i in range(2)]
+    outdir.mkdir()
+    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2', str(script),
+                        mode, str(outdir)], capture_output=True, text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return [torch.load(outdir/f'rank{i}.pt', weights_only=False) for i in range(2)]
+
+def test_auto_under_ddp_trains_the_same_way_on_every_rank(tmp_path):
+    "Rank 1 cannot fit the window as one batch: 'auto' then picks window BatchNorm on both ranks (no mismatch, no hang)."
+    r0, r1 = _launch('auto_disagree', tmp_path/'auto')
+    assert r0['exact'] is False and r1['exact'] is False
+    assert r0['allreduces'] == r1['allreduces'] == 8
+    for p0, p1 in zip(r0['params'], r1['params']): assert torch.equal(p0, p1)
+
+def test_exact_under_ddp_one_allreduce_per_window_equals_plain_ddp(tmp_path):
+    "2 ranks (gloo): micro 2 x 4 under 'exact' == plain DDP at batch 8; 4 windows x 2 epochs = 8 gradient all-reduces."
+    out = {mode: _launch(mode, tmp_path/mode) for mode in ('exact', 'reference')}
     (e0, e1), (r0, _) = out['exact'], out['reference']
     assert e0['allreduces'] == e1['allreduces'] == r0['allreduces'] == 8
     for p0, p1, pr in zip(e0['params'], e1['params'], r0['params']):
@@ -164,3 +172,9 @@ def test_gpu_benchmark_script_runs_on_cpu():
                         '--reps', '1'], capture_output=True, text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert r.returncode == 0, r.stderr[-3000:]
     assert 'exact_time_vs_naive_w4=' in r.stdout and 'estimate: device' in r.stdout
+
+def test_exact_at_micro_batch_1_equals_big_batch():
+    "Micro-batches of 1 sample (BatchNorm cannot train on them): 8 of them as one window equal a batch of 8."
+    acc, big, ga = exact_and_big(n=64, micro=1, n_step=8)
+    acc.fit(1, lr=0.05); big.fit(1, lr=0.05)
+    assert ga.exact and rel(params(acc), params(big)) <= 1e-6 and rel(bn_stats(acc), bn_stats(big)) <= 1e-6
