@@ -14,16 +14,18 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 from fastcore.basics import patch
 from fastcore.meta import delegates
+from fastprogress.fastprogress import progress_bar
 from fastai.learner import Learner
 from fastai.losses import BaseLoss
 from fastai.torch_core import TensorBase
 from .batchnorm import (AccumulateBatchNorm, auto_policy, bn_policies, bn_layers, wrap_bn, unwrap_bn,
                                     update_bn_stats, window_prepasses, _forward_is_known)
 from .window import AccumulationWindow, scale_grads
+from .exact import cat_batches, leaves_no_trace, choose_exact
 from .callback import GradientAccumulation, _loss_reduction
 
 # %% auto #0
-__all__ = ['AccumulationReport', 'check_accumulation']
+__all__ = ['check_policies', 'AccumulationReport', 'resolve_auto', 'check_accumulation', 'GradientScreen', 'gradient_screen']
 
 # %% ../nbs/06_check.ipynb #e881e78c
 def _is_bn_node(fn) -> bool:
@@ -97,6 +99,7 @@ class AccumulationReport:
     cause:str          # 'none' (they match), 'batchnorm' (explained by BatchNorm) or 'other'
     diagnosis:str      # the finding, in words
     dropout:list=field(default_factory=list) # dropout-like modules of the model
+    grad_layers:dict=field(default_factory=dict) # {module: (L2 rel err, cosine)} of its parameters' gradients together
     notes:list=field(default_factory=list)   # anything else worth knowing, one line each
 
     @property
@@ -119,6 +122,8 @@ class AccumulationReport:
                             'bn_forward': g.groupby('module', sort=False).bn_forward.any(),
                             'bn_backward': g.groupby('module', sort=False).bn_backward.any()})
         out['n_params'] = out.n_params.fillna(0).astype(int)
+        out['grad_l2_err'] = [self.grad_layers.get(m, (math.nan, math.nan))[0] for m in out.index]
+        out['grad_cosine'] = [self.grad_layers.get(m, (math.nan, math.nan))[1] for m in out.index]
         worst = out[['grad_rel_diff', 'stats_rel_diff']].max(axis=1)
         return out.loc[worst.sort_values(ascending=False, kind='stable').index].rename_axis('module').reset_index()
 
@@ -233,20 +238,25 @@ def _run_full(model, batch, n_inp, loss_func, seed, device, analyse=False):
     loss.backward()
     return loss.detach().double().item(), loss.dtype, flow
 
-def _run_window(model, micro, n_inp, loss_func, seed, device, policy, reduction, prepasses, prepass_bs, loss_weight_fn,
-                quiet=False):
-    "One accumulated window over the micro-batches, weighted as `GradientAccumulation` does; returns the weighted loss."
+def _prepare(model, policy, quiet=False):
+    "Set up the BatchNorm layers of `model` (a copy) for `policy`: plain for 'naive', one batch per window for 'exact'."
+    if policy == 'naive': unwrap_bn(model); return  # plain BatchNorm on each micro-batch, statistics updated by each
     if bn_layers(model):  # (a model without BatchNorm needs no wrapping, and no warning that there is nothing to wrap)
         with warnings.catch_warnings():
             if quiet: warnings.simplefilter('ignore')  # said once, by the first run
-            wrap_bn(model, policy)
-    for m in bn_layers(model, accumulating=True): m.reset_stats(); m.grad_pool.reset()  # a first window, from scratch
-    window = AccumulationWindow(n_step=len(micro), loss_reduction=reduction)
+            wrap_bn(model, 'micro' if policy == 'exact' else policy)  # 'exact': the callback's layers normalize the one batch
+    for m in bn_layers(model, accumulating=True): m.grad_pool.reset()  # a fit's first window, from scratch
+
+def _accumulate(model, micro, n_inp, loss_func, seed, device, policy, reduction, prepasses, prepass_bs, loss_weight_fn):
+    "Train one window of `micro` without stepping, weighted as `GradientAccumulation` does, statistics committed; returns the weighted loss."
+    for m in bn_layers(model, accumulating=True): m.reset_stats()
+    parts = [cat_batches(micro)] if policy == 'exact' else micro  # 'exact': the window as one batch, as the callback trains it
+    window = AccumulationWindow(n_step=len(parts), loss_reduction=reduction)
     if any(m.policy == 'window' for m in bn_layers(model, accumulating=True)):
-        with _seeded(seed, device): window_prepasses(model, [mb[:n_inp] for mb in micro], prepasses, prepass_bs)
+        with _seeded(seed, device): window_prepasses(model, [mb[:n_inp] for mb in parts], prepasses, prepass_bs)
     objective = 0.
     with _seeded(seed, device):
-        for mb in micro:
+        for mb in parts:
             bs = mb[0].shape[0]
             loss = loss_func(model(*mb[:n_inp]), *mb[n_inp:])
             w = window.add(bs, loss)
@@ -257,6 +267,18 @@ def _run_window(model, micro, n_inp, loss_func, seed, device, policy, reduction,
     scale_grads(list(model.parameters()), f)
     update_bn_stats(model)
     return objective * f
+
+def _run_window(model, micro, n_inp, loss_func, seed, device, policy, reduction, prepasses, prepass_bs, loss_weight_fn,
+                previous=None, quiet=False):
+    "One accumulated window over `micro` under `policy`, after the `previous` window if given; returns the weighted loss."
+    _prepare(model, policy, quiet)
+    run = lambda mbs: _accumulate(model, mbs, n_inp, loss_func, seed, device, policy, reduction, prepasses, prepass_bs,
+                                  loss_weight_fn)
+    if previous is not None:  # as a fit past its first window: the previous window's backward terms pooled, nothing else kept
+        with leaves_no_trace(model): run(previous)
+        for p in model.parameters(): p.grad = None
+    return run(micro)
+
 
 # %% ../nbs/06_check.ipynb #fc02ba7a
 def _grad_diff(a:Tensor|None, b:Tensor|None, floor:float) -> tuple:
@@ -278,6 +300,12 @@ def _whole_grad(ga:dict, gb:dict) -> tuple:
     err = (va - vb).norm().item() / nb if nb else (0. if na == 0 else math.inf)
     cos = (va @ vb).item() / (na * nb) if na and nb else float(na == nb)
     return err, cos
+
+def _layer_grads(ga:dict, gb:dict, owner) -> dict:
+    "`_whole_grad` per module (`owner(name)` of each parameter): {module: (L2 rel err, cosine)}."
+    groups = {}
+    for n in gb: groups.setdefault(owner(n), []).append(n)
+    return {m: _whole_grad({n: ga.get(n) for n in ns}, {n: gb[n] for n in ns}) for m, ns in groups.items()}
 
 def _stat_diffs(a:tuple, b:tuple) -> list:
     "Rows (kind, ref_max, abs_diff, rel_diff) comparing the BatchNorm statistics `a` (accumulated) with `b` (big batch)."
@@ -303,6 +331,9 @@ def _diagnose(rows:pd.DataFrame, policy:str, tol:float, has_bn:bool, dropout_on:
     if mx <= tol:
         return 'none', (f"the accumulated window matches the big batch (max rel diff {mx:.3g} <= tol {tol:g}): "
                         + ("gradients, loss and BatchNorm running statistics agree." if has_bn else "gradients and loss agree."))
+    if has_bn and rows.rel_diff_bn_eval.isna().all():
+        return 'unexplained', (f"the accumulated window differs from the big batch (max rel diff {mx:.3g} > tol {tol:g}); "
+                               "not attributed (explain=False skips the run with BatchNorm in eval mode).")
     grads, stats = rows[rows.kind.isin(('grad', 'loss'))], rows[rows.kind.isin(_STAT_KINDS)]
     params = rows[rows.kind == 'grad']
     drop = (f" Dropout is active in {len(dropout_on)} module(s) ({', '.join(dropout_on[:3])}{', ...' if len(dropout_on) > 3 else ''}):"
@@ -321,7 +352,7 @@ def _diagnose(rows:pd.DataFrame, policy:str, tol:float, has_bn:bool, dropout_on:
                          f"(max {ev:.3g}, most in {_where(params if len(params) else grads, 'rel_diff_bn_eval')}); "
                          f"{_other_causes}.{lossw}{drop}")
     # gradients are BatchNorm's doing; the statistics of a layer whose input passes through no other BatchNorm must match
-    if policy != 'frozen':
+    if policy not in ('frozen', 'naive'):
         first = stats[(stats.bn_forward == False) & (stats.rel_diff > tol)]
         if len(first):
             return 'other', (f"the gradients are explained by BatchNorm (they match with BatchNorm in eval mode: max "
@@ -329,19 +360,23 @@ def _diagnose(rows:pd.DataFrame, policy:str, tol:float, has_bn:bool, dropout_on:
                              "through no other BatchNorm: its window statistics were not committed exactly once (is it "
                              "wrapped? wrap_bn leaves BatchNorm subclasses with their own forward unwrapped, and those "
                              "update per micro-batch).")
-    what = {'micro': 'BatchNorm micro-batch normalization', 'window': "BatchNorm (the window policy's approximate backward)"
+    what = {'micro': 'BatchNorm micro-batch normalization', 'window': "BatchNorm (the window policy's approximate backward)",
+            'naive': 'BatchNorm micro-batch normalization (naive accumulation)',
+            'exact': "BatchNorm, although 'exact' trains the window as one batch (rounding?)"
            }.get(policy, 'BatchNorm normalizing with running statistics')
     msg = (f"explained by {what}: with every BatchNorm in eval mode in both runs the differences vanish "
            f"(max {ev:.3g} <= tol {tol:g}); largest difference in {_where(grads)}.")
     g = params
     fwd, bwd = g.bn_forward.astype(bool), g.bn_backward.astype(bool)
     free, not_before = g[~fwd & ~bwd], g[~bwd]
-    if policy == 'micro':
+    if policy in ('micro', 'naive'):
         msg += (f" Under 'micro' each micro-batch of {n_micro} samples is normalized with its own statistics instead of "
                 f"those of all {n_big}, so every activation after the first BatchNorm differs, and so does every "
                 "gradient that uses one or flows through BatchNorm statistics")
         msg += (f"; the {len(free)} parameters whose gradient does neither match (max {free.rel_diff.max():.3g})."
                 if len(free) else '.')
+        if policy == 'naive': msg += (" Naive accumulation also updates the running statistics once per micro-batch "
+                                      f"({n_big // max(n_micro, 1)} momentum steps per window), so they differ from the first BatchNorm on.")
         msg += " policy='window' normalizes the forward with the window's statistics instead."
     elif policy == 'window':
         v = not_before.rel_diff.max() if len(not_before) else 0.
@@ -353,20 +388,33 @@ def _diagnose(rows:pd.DataFrame, policy:str, tol:float, has_bn:bool, dropout_on:
                 f" the gradient through each BatchNorm's statistics is projected with each micro-batch's own "
                 f"statistics (micro-batches of {n_micro}; layers with fewer than 32 values per channel use the previous "
                 "window's means), so the parameters before a BatchNorm differ.")
-    else:
+    elif policy != 'exact':
         msg += f" Under {policy!r} training forwards normalize with the running statistics, not the batch's."
-    if len(stats) and stats.rel_diff.max() > tol:
+    if len(stats) and stats.rel_diff.max() > tol and policy != 'naive':
         msg += (f" Running statistics differ by up to {stats.rel_diff.max():.3g}, in layers whose input passes through "
                 "another BatchNorm (they see differently normalized inputs).") if policy != 'frozen' else (
                 " The 'frozen' policy does not update the running statistics.")
     return 'batchnorm', msg
+
+# %% ../nbs/06_check.ipynb #c7a1e0b2
+check_policies = bn_policies + ('exact', 'naive') # what `check_accumulation` can run: BatchNorm policies, the callback's 'exact', fastai's plain accumulation
+
+def resolve_auto(model:nn.Module, # the model, BatchNorm layers in the mode training will use
+                 xb:tuple, # one micro-batch of its inputs (measured; nothing changes)
+                 window:int, # samples per window
+                ) -> tuple:
+    "(policy, why): what `GradientAccumulation(policy='auto')` trains `model` with, as its `before_fit` decides."
+    exact, plan = choose_exact('auto', model, lambda: xb, n_acc=window)  # the callback's own decision
+    if plan is None: return auto_policy, f"policy 'auto' is {auto_policy!r}: no BatchNorm in training mode"
+    if exact: return 'exact', f"policy 'auto' is 'exact' here, as in GradientAccumulation: {plan.describe()}"
+    return auto_policy, f"policy 'auto' is {auto_policy!r} here: 'exact' would need host offload or more memory ({plan.describe()})"
 
 # %% ../nbs/06_check.ipynb #6355f5b4
 def check_accumulation(learn_or_model:Learner|nn.Module, # a fastai `Learner` (its `model` and `loss_func`) or a plain model
                        batch:tuple|list|None=None, # (inputs..., targets...), as `learn.dls.one_batch()`; default: a Learner's first training window
                        n_step:int|None=None, # micro-batches to split `batch` into; default: from the Learner's `GradientAccumulation`
                        loss_func=None, # the loss (required for a plain model); default: `learn.loss_func`
-                       policy:str|None=None, # BatchNorm policy of the accumulated run; default: the Learner's `GradientAccumulation` policy, else 'micro'
+                       policy:str|None=None, # one of `check_policies`; default: the Learner's `GradientAccumulation` policy, else 'micro'
                        tol:float=1e-6, # largest relative difference that counts as a match
                        dtype:torch.dtype|None=torch.float64, # run the copies in this dtype (`None`: the model's own)
                        seed:int=0, # torch seed every run starts from (the caller's random state is restored)
@@ -375,6 +423,8 @@ def check_accumulation(learn_or_model:Learner|nn.Module, # a fastai `Learner` (i
                        prepasses:int|None=None, # 'window' policy: pre-passes, as `GradientAccumulation(prepasses=...)`
                        prepass_bs:int|None=None, # 'window' policy: samples per pre-pass forward
                        loss_weight_fn=None, # `f(bs, window) -> weight` replacing each micro-batch's loss weight (to test this check)
+                       previous:tuple|list|None=None, # the window before `batch`: accumulated first (then forgotten but for the backward's pooled terms), as in a fit past its first window
+                       explain:bool=True, # also run both with BatchNorm in eval mode, to attribute differences (False: half the cost)
                       ) -> AccumulationReport:
     "Compare one accumulated window of `n_step` micro-batches with `batch` as one big batch, from copies of the model."
     learn = learn_or_model if isinstance(learn_or_model, Learner) else None
@@ -389,8 +439,7 @@ def check_accumulation(learn_or_model:Learner|nn.Module, # a fastai `Learner` (i
     if isinstance(n_step, bool) or not isinstance(n_step, int) or n_step < 1:
         raise ValueError(f"check_accumulation: n_step must be a positive integer, got {n_step!r}")
     if policy is None: policy = cb.policy if cb is not None else 'micro'
-    if policy not in bn_policies: raise ValueError(f"Unknown BatchNorm policy {policy!r}; choose one of {bn_policies}")
-    if policy == 'auto': policy = auto_policy
+    if policy not in check_policies: raise ValueError(f"Unknown BatchNorm policy {policy!r}; choose one of {check_policies}")
     if cb is not None and prepasses is None: prepasses = cb.prepasses
     if cb is not None and prepass_bs is None: prepass_bs = cb.prepass_bs
     if batch is None:
@@ -406,6 +455,15 @@ def check_accumulation(learn_or_model:Learner|nn.Module, # a fastai `Learner` (i
     dt = dtype or p0.dtype
     batch = tuple(t.to(device, dt) if t.is_floating_point() else t.to(device) for t in batch)
     micro = _split(batch, n_step)
+    if previous is not None:
+        if not isinstance(previous, (tuple, list)) or len(previous) != len(batch) or not all(isinstance(t, Tensor) for t in previous):
+            raise TypeError("check_accumulation: `previous` must be a tuple of tensors like `batch`")
+        previous = _split(tuple(t.to(device, dt) if t.is_floating_point() else t.to(device) for t in previous), n_step)
+    notes = []
+    if policy == 'auto':
+        policy, why = resolve_auto(model, tuple(t.to(p0.dtype) if t.is_floating_point() else t for t in micro[0][:n_inp]),
+                                   batch[0].shape[0])
+        notes.append(why)
     reduction = _loss_reduction(loss_func)
     call_loss = _loss_in(loss_func, dt)
     bns = [m for m in bn_layers(model)]
@@ -417,7 +475,7 @@ def check_accumulation(learn_or_model:Learner|nn.Module, # a fastai `Learner` (i
     def runs(bn_eval):
         a = _copy(model, dtype, dropout, bn_eval)
         obj = _run_window(a, micro, n_inp, call_loss, seed, device, policy, reduction, prepasses, prepass_bs, loss_weight_fn,
-                          quiet=bn_eval)
+                          previous, quiet=bn_eval)
         ga, sa = _grads(a), _stats(a); del a
         b = _copy(model, dtype, dropout, bn_eval)
         loss, ldt, flow = _run_full(b, batch, n_inp, call_loss, seed, device, analyse=not bn_eval)
@@ -451,7 +509,7 @@ def check_accumulation(learn_or_model:Learner|nn.Module, # a fastai `Learner` (i
                      abs_diff=d, rel_diff=rel, rel_diff_bn_eval=math.nan, bn_forward=None, bn_backward=None))
     df = pd.DataFrame(rows)
     ev_max = None
-    if has_bn:
+    if has_bn and explain:
         obj_e, ga_e, _, loss_e, ldt_e, gb_e, _, _ = runs(True)
         gmax_e = max([g.abs().max().item() for g in gb_e.values() if g is not None and g.numel()] or [0.])
         floor_e = math.sqrt(torch.finfo(dt).eps) * gmax_e
@@ -462,7 +520,6 @@ def check_accumulation(learn_or_model:Learner|nn.Module, # a fastai `Learner` (i
         ev_max = float(df.loc[sel, 'rel_diff_bn_eval'].max())
     n_micro = micro[0][0].shape[0]
     cause, diagnosis = _diagnose(df, policy, tol, has_bn, drops if dropout else [], n_micro, batch[0].shape[0])
-    notes = []
     if drops and not dropout: notes.append(f"{len(drops)} dropout-like module(s) ran in eval mode in every run "
                                            f"({', '.join(drops[:3])}{', ...' if len(drops) > 3 else ''}); dropout=True keeps them active")
     unwrapped = [n for n, m in model.named_modules() if isinstance(m, _BatchNorm) and not isinstance(m, AccumulateBatchNorm)
@@ -473,10 +530,13 @@ def check_accumulation(learn_or_model:Learner|nn.Module, # a fastai `Learner` (i
     if nostats: notes.append(f"{len(nostats)} BatchNorm layer(s) without running statistics ({', '.join(nostats[:3])}) "
                              "normalize with batch statistics even in eval mode, so run (c) cannot freeze them")
     if policy == 'window': notes.append("'window' policy: the window pre-passes ran before the accumulated forwards, as in "
-                                        "GradientAccumulation; the backward's pooled window terms start empty, as in a fit's first window")
+                                        "GradientAccumulation; " + ("the backward's pooled window terms start empty, as in a fit's first window"
+                                        if previous is None else "the backward's pooled window terms are those of `previous`, "
+                                        "accumulated first with the same weights (in a fit: one step earlier's)"))
     if ldt != dt: notes.append(f"the loss returns {str(ldt).replace('torch.', '')}: loss differences below its rounding count as zero")
     return AccumulationReport(df, policy, n_step, batch[0].shape[0], tol, str(dt).replace('torch.', ''),
-                              float(df.rel_diff.max()), ev_max, *_whole_grad(ga, gb), cause, diagnosis, drops, notes)
+                              float(df.rel_diff.max()), ev_max, *_whole_grad(ga, gb), cause, diagnosis, drops,
+                              _layer_grads(ga, gb, owner), notes)
 
 # %% ../nbs/06_check.ipynb #d19ad8eb
 @patch
@@ -487,3 +547,84 @@ def check_accumulation(self:Learner,
                        **kwargs) -> AccumulationReport:
     "Does accumulating `n_step` micro-batches of `batch` match it as one batch? See `check_accumulation`."
     return check_accumulation(self, batch, n_step, **kwargs)
+
+# %% ../nbs/06_check.ipynb #d3e5a002
+@dataclass
+class GradientScreen:
+    "What `gradient_screen` measured: one window's gradient per policy against the big batch's, at points of a big-batch run."
+    reports:dict # {(step, policy): AccumulationReport}
+    n_step:int   # micro-batches per window
+    window:int   # samples per window
+
+    @property
+    def table(self) -> pd.DataFrame:
+        "One row per (step, policy): the policy run ('auto' resolved), whole-gradient cosine and L2 relative error, the worst module's cosine."
+        rows = []
+        for (step, pol), r in self.reports.items():
+            lay = r.layers.dropna(subset=['grad_cosine'])
+            lay = lay[lay.n_params > 0]
+            worst = lay.loc[lay.grad_cosine.idxmin()] if len(lay) else None
+            rows.append(dict(step=step, policy=pol, ran=r.policy, cosine=r.grad_cosine, rel_err=r.grad_rel_err,
+                             worst_module=None if worst is None else worst.module,
+                             worst_cosine=math.nan if worst is None else worst.grad_cosine,
+                             modules_below_0_9=int((lay.grad_cosine < 0.9).sum())))
+        return pd.DataFrame(rows)
+
+    def cosines(self) -> pd.DataFrame:
+        "Whole-gradient cosine, policies by steps."
+        return self.table.pivot(index='policy', columns='step', values='cosine').loc[list(dict.fromkeys(p for _, p in self.reports))]
+
+    def layers(self, step:int, policy:str) -> pd.DataFrame:
+        "Per-module agreement at `step` under `policy` (`AccumulationReport.layers`), worst cosine first."
+        return self.reports[step, policy].layers.sort_values('grad_cosine', kind='stable').reset_index(drop=True)
+
+    def __repr__(self): return self.table.to_string(index=False, float_format=lambda v: f'{v:.4g}')
+    def _repr_markdown_(self): return _md_table(self.table)
+
+# %% ../nbs/06_check.ipynb #d3e5a003
+def _batches(data):
+    "Endless iterator over the batches of `data` (a list of batches or a DataLoader), restarting it when exhausted."
+    while True:
+        n = 0
+        for b in data: n += 1; yield tuple(b)
+        if not n: raise ValueError("gradient_screen: `batches` is empty")
+
+def gradient_screen(model:nn.Module, # the model at its starting point (copied: nothing in it changes)
+                    batches, # window-sized batches (inputs..., targets...): a list or a DataLoader, read in order (cycled)
+                    n_step:int, # micro-batches each window is split into
+                    loss_func, # the loss
+                    policies=('naive', 'micro', 'window', 'exact'), # accumulation policies compared (`check_policies`)
+                    at=(0, 50), # measure after these many big-batch optimizer steps (0: the starting point, a fit's first window)
+                    opt_func=torch.optim.AdamW, # optimizer of the big-batch training between measurements: `opt_func(params, lr=lr)`
+                    lr:float=1e-3, # its learning rate
+                    dtype:torch.dtype|None=None, # dtype of the measurements (`None`: the model's own); training runs in the model's
+                    progress:bool=True, # show a progress bar over training steps and measurements
+                    **kwargs, # more `check_accumulation` arguments: `seed`, `n_inp`, `prepasses`, `loss_weight_fn`, `explain`...
+                   ) -> GradientScreen:
+    "Train a copy of `model` with big batches; at each step of `at`, compare the next window's accumulated gradient per policy with its big-batch gradient."
+    bad = [p for p in policies if p not in check_policies]
+    if bad: raise ValueError(f"gradient_screen: unknown policies {bad}; choose from {check_policies}")
+    at = sorted(set(at))
+    if not at or at[0] < 0: raise ValueError(f"gradient_screen: `at` needs steps >= 0, got {at!r}")
+    kwargs.setdefault('explain', False)
+    m = copy.deepcopy(model)
+    unwrap_bn(m); m.train()  # big-batch training: plain BatchNorm
+    opt = opt_func([p for p in m.parameters() if p.requires_grad], lr=lr)
+    data, reports, prev, n_inp = _batches(batches), {}, None, kwargs.get('n_inp')
+    todo = [('train', k) for k in range(at[-1])] + [('check', k, p) for k in at for p in policies]
+    todo.sort(key=lambda t: (t[1], t[0] == 'train'))  # at step k: measure, then train on the same batch
+    batch = None
+    for t in (progress_bar(todo, leave=False) if progress else todo):
+        if batch is None or t[1] != step: step, prev, batch = t[1], batch, next(data)
+        if t[0] == 'check':
+            reports[step, t[2]] = check_accumulation(m, batch, n_step, loss_func, policy=t[2], dtype=dtype,
+                                                     previous=prev, **kwargs)
+            continue
+        ni = n_inp if n_inp is not None else len(batch) - 1
+        dev = next(m.parameters()).device
+        xb, yb = [t.to(dev) for t in batch[:ni]], [t.to(dev) for t in batch[ni:]]
+        opt.zero_grad()
+        loss_func(m(*xb), *yb).backward()
+        opt.step()
+    first = next(iter(reports.values()))
+    return GradientScreen(reports, n_step, first.n_samples)

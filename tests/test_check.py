@@ -12,7 +12,7 @@ from torch.utils.data import TensorDataset
 import fastai_accum.window
 from fastai_accum.batchnorm import AccumulateBatchNorm, bn_layers
 from fastai_accum.callback import GradientAccumulation
-from fastai_accum.check import check_accumulation, AccumulationReport
+from fastai_accum.check import check_accumulation, AccumulationReport, gradient_screen
 
 
 @pytest.fixture(autouse=True, scope='module')
@@ -171,8 +171,8 @@ def test_learner_defaults_and_untouched_state():
     assert not learn.model.training
 
 def test_learner_after_accumulated_fit():
-    "A model trained with GradientAccumulation has wrapped BN layers: checked as they are, left wrapped."
-    learn = learner(cbs=GradientAccumulation(n_step=2))
+    "A model trained with GradientAccumulation('window') has wrapped BN layers: checked as they are, left wrapped."
+    learn = learner(cbs=GradientAccumulation(n_step=2, policy='window'))
     learn.fit(1, 1e-2)
     assert all(isinstance(m, AccumulateBatchNorm) for m in bn_layers(learn.model))
     before = _state(learn)
@@ -199,3 +199,74 @@ def test_bad_input():
         check_accumulation(model, tabular(), 4, nn.CrossEntropyLoss(), policy='ghost')
     with pytest.raises(ValueError, match='at least 2 samples'):  # 'micro' BN cannot normalize 1-sample micro-batches
         check_accumulation(nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4)), tabular(4), 4, nn.CrossEntropyLoss())
+
+
+# --- policies beyond BatchNorm's: the callback's 'exact' and 'auto', fastai's naive accumulation --------------------
+
+def test_exact_auto_and_naive():
+    model, data = conv_net(bn=True), images()
+    exact = check_accumulation(model, data, 4, nn.CrossEntropyLoss(), policy='exact')
+    assert exact.ok and exact.cause == 'none' and exact.grad_cosine == pytest.approx(1, abs=1e-12)
+    auto = check_accumulation(model, data, 4, nn.CrossEntropyLoss(), policy='auto')  # the window fits: as the callback, 'exact'
+    assert auto.policy == 'exact' and auto.ok and any("policy 'auto' is 'exact'" in n for n in auto.notes)
+    naive, micro = (check_accumulation(model, data, 4, nn.CrossEntropyLoss(), policy=p) for p in ('naive', 'micro'))
+    assert naive.grad_cosine == pytest.approx(micro.grad_cosine, abs=1e-12)  # the same gradient ...
+    rows = naive.rows.set_index('name')  # ... but running statistics updated by every micro-batch, even the first layer's
+    assert rows.loc['1.num_batches_tracked', 'abs_diff'] == 3 and rows.loc['1.running_var', 'rel_diff'] > 1e-6
+    assert naive.cause == 'batchnorm' and 'once per micro-batch' in naive.diagnosis
+
+def test_per_module_agreement():
+    r = check_accumulation(conv_net(bn=True), images(), 4, nn.CrossEntropyLoss(), policy='micro', explain=False)
+    lay = r.layers.set_index('module')
+    assert lay.loc['11', 'grad_cosine'] < 1 and lay.loc['0', 'grad_l2_err'] > 0
+    assert set(r.grad_layers) == {'0', '1', '3', '4', '8', '9', '11'}
+    assert r.max_rel_diff_bn_eval is None and r.cause == 'unexplained'
+
+def test_previous_window_fills_the_backward_terms():
+    "With `previous`, the 'window' policy's small layers project with the previous window's means, not this one's so far."
+    model, (x, y) = conv_net(bn=True), images(64)
+    first = check_accumulation(model, (x[32:], y[32:]), 4, nn.CrossEntropyLoss(), policy='window')
+    later = check_accumulation(model, (x[32:], y[32:]), 4, nn.CrossEntropyLoss(), policy='window', previous=(x[:32], y[:32]))
+    assert later.grad_cosine != first.grad_cosine and 'pooled window terms are those of `previous`' in later.notes[-1]
+    # only the gradient moves: the forward, the loss and the committed statistics are this window's, exactly
+    for r in (first, later):
+        assert r.rows.set_index('name').loc['<loss>', 'rel_diff'] <= 1e-6
+        assert r.rows[r.rows.kind.isin(['running_mean', 'running_var'])].rel_diff.max() <= 1e-12
+    with pytest.raises(TypeError, match='previous'): check_accumulation(model, (x, y), 4, nn.CrossEntropyLoss(), previous=x)
+
+
+# --- gradient_screen -----------------------------------------------------------------------------------------------
+
+def windows(n=6, bs=32):
+    x, y = images(n * bs, seed=1)
+    return [(x[i:i + bs], y[i:i + bs]) for i in range(0, n * bs, bs)]
+
+def test_gradient_screen():
+    model = conv_net(bn=True)
+    before = copy.deepcopy(model.state_dict())
+    s = gradient_screen(model, windows(), 4, nn.CrossEntropyLoss(), at=(0, 5), lr=1e-2, progress=False)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # the model itself is not trained
+    t = s.table.set_index(['step', 'policy'])
+    assert list(s.cosines().index) == ['naive', 'micro', 'window', 'exact'] and list(s.cosines().columns) == [0, 5]
+    for k in (0, 5):
+        assert t.loc[(k, 'exact'), 'cosine'] == pytest.approx(1, abs=1e-6) and t.loc[(k, 'exact'), 'rel_err'] < 1e-5
+        assert t.loc[(k, 'naive'), 'cosine'] == pytest.approx(t.loc[(k, 'micro'), 'cosine'], abs=1e-6)
+        assert t.loc[(k, 'micro'), 'cosine'] < 0.99
+    assert s.reports[0, 'window'].notes[-1].endswith("first window") and 'previous' in s.reports[5, 'window'].notes[-1]
+    # the points differ: training moved the model between them
+    assert t.loc[(0, 'micro'), 'cosine'] != t.loc[(5, 'micro'), 'cosine']
+    lay = s.layers(5, 'micro')
+    assert lay.grad_cosine.is_monotonic_increasing and {'grad_cosine', 'grad_l2_err'} <= set(lay.columns)
+    with pytest.raises(ValueError, match='unknown policies'): gradient_screen(model, windows(), 4, nn.CrossEntropyLoss(), policies=('ghost',))
+
+@pytest.mark.parametrize('weight,cos_max,err_min', [
+    (lambda bs, w: 1., 1.01, 14.9),                      # every micro-batch weighted 1, not 1/16: direction kept, size x16
+    (lambda bs, w: float(w.n_micro == 16) / 16, 0.7, 0.9), # only the last micro-batch: the direction is lost (measured 0.44, 0.56)
+])
+def test_gradient_screen_catches_broken_weighting(weight, cos_max, err_min):
+    "A window of 32 in 16 micro-batches of 2, a BatchNorm-free net (accumulation exact): a broken weighting shows."
+    s = gradient_screen(conv_net(bn=False), windows(2), 16, nn.CrossEntropyLoss(), policies=('micro',), at=(0, 1),
+                        progress=False, loss_weight_fn=weight)
+    assert (s.table.cosine < cos_max).all() and (s.table.rel_err > err_min).all()
+    assert gradient_screen(conv_net(bn=False), windows(2), 16, nn.CrossEntropyLoss(), policies=('micro',), at=(0,),
+                           progress=False).table.cosine[0] == pytest.approx(1, abs=1e-9)
