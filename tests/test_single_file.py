@@ -1,0 +1,51 @@
+"The copy-paste file: in sync with the modules, and alone (fastai_accum not importable) bit for bit the package's callback."
+import subprocess, sys, textwrap
+from pathlib import Path
+import pytest, torch
+from fastai_accum.single_file import single_file_source
+
+ROOT = Path(__file__).parents[1]
+FILE = ROOT/'fastai_accum_single.py'
+
+def test_in_sync():
+    assert FILE.exists() and FILE.read_text() == single_file_source(), \
+        'fastai_accum_single.py is out of date: run `fastai-accum build-single-file` in the repository root'
+
+TRAIN = '''
+import sys, torch
+torch.set_num_threads(1)
+source, policy, out = sys.argv[1], sys.argv[2], sys.argv[3]
+if source == 'file':
+    sys.modules['fastai_accum'] = None  # as on Kaggle: the package is not installed
+    try: import fastai_accum
+    except ImportError: pass
+    else: raise SystemExit('fastai_accum is importable')
+    exec(compile(open('fastai_accum_single.py').read(), 'fastai_accum_single.py', 'exec'))  # as a pasted notebook cell
+    assert 'fastai_accum' not in str(GradientAccumulation.__module__)
+else:
+    from fastai_accum.callback import GradientAccumulation
+from torch import nn
+from torch.utils.data import TensorDataset
+from fastai.basics import Learner, DataLoaders, DataLoader, SGD, MSELossFlat, set_seed
+set_seed(0)
+x = torch.randn(48, 6); y = x[:, :1] * 2 + 0.1 * torch.randn(48, 1)
+dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=4, shuffle=True), DataLoader(TensorDataset(x[:8], y[:8]), bs=4))
+model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+learn = Learner(dls, model, loss_func=MSELossFlat(), opt_func=SGD)
+kw = {} if policy == 'default' else dict(policy=policy)
+learn.fit(2, lr=0.05, cbs=GradientAccumulation(n_step=4, preflight=False, **kw))
+torch.save({k: v.clone() for k, v in learn.model.state_dict().items()}, out)
+'''
+
+@pytest.mark.parametrize('policy', ['default', 'window'])
+def test_alone_matches_package_bit_for_bit(policy, tmp_path):
+    script = tmp_path/'train.py'; script.write_text(TRAIN)
+    (tmp_path/'fastai_accum_single.py').write_text(FILE.read_text())
+    for source in ('file', 'package'):
+        r = subprocess.run([sys.executable, '-I', str(script), source, policy, str(tmp_path/f'{source}.pt')] if source == 'file'
+                           else [sys.executable, str(script), source, policy, str(tmp_path/f'{source}.pt')],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    a, b = torch.load(tmp_path/'file.pt'), torch.load(tmp_path/'package.pt')
+    assert a.keys() == b.keys()
+    for k in a: assert torch.equal(a[k], b[k]), k
