@@ -10,10 +10,9 @@ from fastai.basics import *
 from fastai.callback.fp16 import MixedPrecision
 import random, time
 from contextlib import nullcontext
-from torch.nn.parallel import DistributedDataParallel
-from .batchnorm import wrap_bn, bn_layers, window_prepasses, bn_preflight
-from .exact import choose_exact, plan_exact, saved_on_host, random_state_kept, ExactModeMemoryError
-from .window import AccumulationWindow, WindowSteps, check_accumulation_args, _check_count, scale_grads, drop_window, WindowLoader
+from .exact import random_state_kept
+from .window import check_accumulation_args, _check_count, WindowLoader
+from .loop import Accumulation
 
 # %% auto #0
 __all__ = ['WindowPrefetch', 'GradientAccumulation']
@@ -37,7 +36,7 @@ class WindowPrefetch(Callback):
         self.learn.dl = self.loader = WindowLoader(self.learn.dl, self.n_step, self.n_acc, self.exact, self.partial)
 
 # %% ../nbs/03_callback.ipynb #0f7ffa5e
-class GradientAccumulation(WindowSteps, Callback):
+class GradientAccumulation(Callback):
     "Accumulate gradients over windows of micro-batches, weighting by samples, with exact BatchNorm statistics"
     order,run_valid = MixedPrecision.order-4,False
 
@@ -59,27 +58,33 @@ class GradientAccumulation(WindowSteps, Callback):
         check_accumulation_args(n_step, n_acc, policy, partial, exact_ok=True)
         _check_count('prepasses', prepasses); _check_count('prepass_bs', prepass_bs)
         store_attr()
-        self.losses = L()
+        self.acc, self.train_time = None, 0.
+
+    # What the core keeps, read through the callback (`learn.gradient_accumulation.losses`, `.exact`, ...)
+    losses = property(lambda self: L(self.acc.losses) if self.acc is not None else L())
+    n_steps = property(lambda self: self.acc.n_steps if self.acc is not None else 0)
+    prepass_time = property(lambda self: self.acc.prepass_time if self.acc is not None else 0.)
+    exact = property(lambda self: getattr(self.acc, 'exact', None))
+    plan = property(lambda self: getattr(self.acc, 'plan', None))
+    window = property(lambda self: getattr(self.acc, 'window', None))
+    bns = property(lambda self: getattr(self.acc, 'bns', None))
 
     def before_fit(self):
-        self.window = AccumulationWindow(self.n_step, self.n_acc, _loss_reduction(self.learn.loss_func))
         self._check_batch_size()
-        self.exact = self._choose_exact()
-        self._find_bns()
+        self.acc = Accumulation(self.learn.model, self.n_step, self.n_acc, self.policy, self.partial,
+                                _loss_reduction(self.learn.loss_func), inputs=self._inputs, autocast=self._autocast,
+                                wrap=self.wrap, prepass_bs=self.prepass_bs, prepass_memory=self.prepass_memory,
+                                sync_each_batch=self.sync_each_batch, offload=self.offload, device_memory=self.device_memory,
+                                host_memory=self.host_memory, merge_exact=False, name='GradientAccumulation')
+        self.acc.prepasses = self.prepasses
+        self.acc.setup(self._peek_batch)  # 'exact' or not (measuring a peeked micro-batch only if it must), wrap BatchNorm
         for m in self.bns: m.grad_pool.reset()  # each fit starts afresh: nothing of an earlier fit steers this one
-        self.n_steps, self.losses, self._ends_window, self._final = 0, L(), False, False
-        self.prepass_time, self.train_time = 0., 0.
+        self.train_time, self._final, self._drop = 0., False, False
         self._warn_lr_find()
         self._clear()
         self._guard_interrupts()
-        if (self._needs_window or self.exact) and not hasattr(self.learn, 'window_prefetch'):
+        if (self.acc.needs_window or self.exact) and not hasattr(self.learn, 'window_prefetch'):
             self.learn.add_cb(WindowPrefetch(self.n_step, self.n_acc, self.exact, self.partial))
-
-    def _choose_exact(self) -> bool:
-        "Train each window as one batch? 'exact': yes, if it fits; 'auto': if the model has BatchNorm and the window fits without host offload."
-        exact, self.plan = choose_exact(self.policy, self._inner_model(), lambda: self._inputs(self._peek_batch()), self.n_step,
-                                        self.n_acc, self.device_memory, self.host_memory, self.offload)
-        return exact
 
     def _peek_batch(self):
         "The first training micro-batch, read without changing what the DataLoader or any random generator gives later."
@@ -89,18 +94,6 @@ class GradientAccumulation(WindowSteps, Callback):
         with random_state_kept(): b = dl.one_batch() if hasattr(dl, 'one_batch') else next(iter(dl))
         if state is not None: rng.setstate(state); dl.rng = rng  # iterating replaced fastai's `dl.rng`
         return self.learn._set_device(b)
-
-    def _find_bns(self):
-        "Wrap (if asked) and collect the accumulating BatchNorm layers (again in before_train: fastai's DistributedTrainer converts BatchNorm to SyncBatchNorm after our before_fit)."
-        model = self.learn.model
-        if self.exact:  # one batch per window: already-wrapped layers normalize it with its own statistics
-            for m in bn_layers(model, accumulating=True): m.policy = 'micro'
-        elif self.wrap:  # also sets our policy on layers wrapped before (wrap=False keeps per-layer choices)
-            with warnings.catch_warnings():
-                warnings.simplefilter('ignore')  # a model without BatchNorm accumulates fine: no warning
-                wrap_bn(model, self.policy)
-        self.bns = bn_layers(model, accumulating=True)
-        self._needs_window = any(m.policy == 'window' for m in self.bns)
 
     def _check_batch_size(self):
         bs = getattr(getattr(self.dls, 'train', None), 'bs', None)
@@ -122,47 +115,34 @@ class GradientAccumulation(WindowSteps, Callback):
 
     def before_train(self):
         self._t0 = time.perf_counter()
-        self._find_bns()
+        self.acc.use_model(self.learn.model)  # fastai's DistributedTrainer wrapped it in DDP (and made SyncBatchNorm) after our before_fit
+        self.acc.find_bns()
 
     def before_batch(self):
-        ddp = self._ddp()
-        if ddp is not None:  # DDP decides in its forward whether this backward all-reduces
-            ddp.require_backward_grad_sync = self.sync_each_batch or self._will_end_window()
         if self.preflight and (self.bns or self.exact) and not getattr(self, '_preflight_done', False): self._show_preflight()
-        if self._needs_window and self.window.empty: self._prepass()
-        if self.exact: self._enter_offload()
+        if self.acc.needs_window and self.window.empty: self.acc.start_window(self._window())
+        bs = find_bs(self.learn.yb)
+        fills = self.window.fills(bs)
+        ends = self.exact or fills or self.learn.iter == self.learn.n_iter - 1  # the window (or the epoch) ends here
+        self._drop = ends and self.partial == 'drop' and not self.exact and not fills
+        self._final = ends and not self._drop
+        self.acc.start_micro(bs, self._final)  # DDP's gradient sync, the 'exact' plan's offload
+        if self._drop and self.acc.ddp is not None: self.acc.ddp.require_backward_grad_sync = True  # as every window's end
+
+    def _window(self) -> list:
+        "The window that starts with this micro-batch (the 'window' policy's pre-pass runs over it)."
+        return [self.learn.xb + self.learn.yb] + list(self.learn.window_prefetch.loader.window[1:])
 
     def _show_preflight(self):
         self._preflight_done = True
         if getattr(self.learn, 'lr_finder', None) is not None or rank_distrib(): return
         if self.exact:
-            print(self._exact_message())
+            print(self.acc._exact_message())
             return
         if self.plan is not None:
             print(f"GradientAccumulation: policy 'auto' -> window BatchNorm: 'exact' would need host offload or more memory "
                   f"({self.plan.describe()}).")
-        print(self._preflight_table(self._inner_model(), self.learn.xb))
-
-    def _ddp(self):
-        m = self.learn.model
-        return m if isinstance(m, DistributedDataParallel) else None
-
-    def _inner_model(self):
-        "The model under DDP, for forwards that must not trigger DDP's buffer broadcast or gradient hooks."
-        ddp = self._ddp()
-        return self.learn.model if ddp is None else ddp.module
-
-    def _will_end_window(self) -> bool:
-        "Predicted before the forward: does this micro-batch complete the window (or the epoch)?"
-        if self.exact: return True
-        if self.learn.iter == self.learn.n_iter - 1: return True
-        if self.n_step is not None: return self.window.n_micro + 1 >= self.n_step
-        return self.window.n_seen + find_bs(self.learn.yb) >= self.n_acc
-
-    def _prepass(self):
-        "Pre-passes over the window that starts with this micro-batch (the 'window' policy)."
-        xbs = [self.learn.xb] + [self._inputs(b) for b in self.learn.window_prefetch.loader.window[1:]]
-        self._prepass_window(self._inner_model(), xbs, self._autocast())
+        print(self.acc._preflight_table(self.acc.module, self.learn.xb))
 
     def _inputs(self, b):
         b = self.learn._set_device(b)
@@ -175,45 +155,15 @@ class GradientAccumulation(WindowSteps, Callback):
         if ac is None or not getattr(ac, '_enabled', False): return nullcontext()
         return torch.autocast(ac.device, dtype=ac.fast_dtype)
 
-    def _enter_offload(self):
-        "'exact' policy: the forward's saved activations go where the plan says (host memory or left on the device)."
-        self._offload = saved_on_host(self.plan)
-        self._offload.__enter__()
-
-    def _exit_offload(self):
-        offload, self._offload = getattr(self, '_offload', None), None
-        if offload is not None: offload.__exit__(None, None, None)
-
     def after_loss(self):
-        self._exit_offload()  # the backward unpacks what the forward saved; nothing more to pack
-        if self.exact:  # the batch is the whole window: its loss is the big batch's, unweighted
-            self.window.add(find_bs(self.learn.yb), self.learn.loss)
-            self._final = True
-            return
-        w = self.window.add(find_bs(self.learn.yb), self.learn.loss)
-        if w != 1.: self.learn.loss_grad = self.learn.loss_grad * w
-        self._final = self.window.full or self.learn.iter == self.learn.n_iter - 1
-        if self._final and not self._dropped():
-            # before the last backward, so that under DDP the all-reduced gradient is already the global mean
-            f = self.window.correction(device=self.learn.loss_grad.device)
-            if f != 1.:
-                scale_grads(self._params(), f)
-                self.learn.loss_grad = self.learn.loss_grad * f
-
-    def _dropped(self): return self.partial == 'drop' and not self.exact and not self.window.full
+        f = self.acc.loss_factor(self.learn.loss)  # the micro-batch's weight; at the window's end also the correction
+        if f != 1.: self.learn.loss_grad = self.learn.loss_grad * f
 
     def before_step(self):
-        if not self._final: raise CancelBatchException()  # keep accumulating: no step, no zero_grad
-        if self._dropped():
-            self._clear()
-            raise CancelBatchException()
-        self._ends_window = True
+        if self._drop: self._clear()
+        if not self._final: raise CancelBatchException()  # keep accumulating (or drop): no step, no zero_grad
 
-    def after_cancel_batch(self): self._exit_offload()
-
-    def after_batch(self):
-        self._exit_offload()
-        if self._ends_window: self._finish_window()
+    def after_batch(self): self.acc.end_micro()  # at the window's end: commit BatchNorm statistics
 
     # A window never outlives its epoch or fit, however they end
     def after_train(self):
@@ -225,16 +175,12 @@ class GradientAccumulation(WindowSteps, Callback):
         self.learn.__dict__.pop('_do_epoch', None)
         if hasattr(self.learn, 'window_prefetch'): self.learn.remove_cb(self.learn.window_prefetch)
 
-    def _params(self): return [p for p, *_ in self.learn.opt.all_params(with_grad=True)]
-
     def _clear(self):
-        "Drop any partial window: accumulated gradients and pending BatchNorm statistics."
-        self._exit_offload()
-        if getattr(self, 'window', None) is None: return
+        "Drop any partial window: accumulated gradients (also the optimizer's) and pending BatchNorm statistics."
+        if self.acc is None: return
         if not self.window.empty and self.learn.opt is not None: self.learn.opt.zero_grad()
-        drop_window(self.bns)
-        self.window.reset()
-        self._ends_window = self._final = False
+        self.acc.clear()
+        self._final = self._drop = False
 
     def _guard_interrupts(self):
         "fastai runs no event after an exception it does not expect (e.g. KeyboardInterrupt): clean up on the way out."

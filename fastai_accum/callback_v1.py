@@ -8,10 +8,9 @@ import functools, os, sys, warnings
 from pathlib import Path
 import torch
 from torch.nn.utils import parameters_to_vector
-from .batchnorm import wrap_bn, bn_layers
-from .exact import choose_exact, saved_on_host, random_state_kept
-from .window import (AccumulationWindow, WindowSteps, WindowLoader, check_accumulation_args, _check_count,
-                                 scale_grads, drop_window)
+from .exact import random_state_kept
+from .window import WindowLoader, check_accumulation_args, _check_count, scale_grads
+from .loop import Accumulation
 
 
 # %% auto #0
@@ -56,7 +55,7 @@ def _add_model_grads(mp):
 
 
 # %% ../nbs/03a_callback_v1.ipynb #4622f4db
-class GradientAccumulationV1(WindowSteps):
+class GradientAccumulationV1:
     "fastai v1 callback (use through `callback_fns`): accumulate gradients over windows with exact BatchNorm statistics."
     _order = -25  # before fastai v1's MixUp (-20), Recorder (-10), and MixedPrecision (999)
 
@@ -78,9 +77,17 @@ class GradientAccumulationV1(WindowSteps):
         _check_count('prepasses', prepasses); _check_count('prepass_bs', prepass_bs)
         self.learn, self.n_step, self.n_acc, self.wrap, self.policy, self.partial = learn, n_step, n_acc, wrap, policy, partial
         self.prepasses, self.prepass_bs, self.prepass_memory, self.preflight = prepasses, prepass_bs, prepass_memory, preflight
-        self.offload, self.device_memory, self.host_memory, self.exact, self.plan, self._offload = offload, device_memory, host_memory, False, None, None
-        self.n_steps, self.losses, self.window, self._ends_window = 0, [], None, False
-        self.bns, self.mp, self.loader, self._patched, self.prepass_time = [], None, None, [], 0.
+        self.offload, self.device_memory, self.host_memory = offload, device_memory, host_memory
+        self.acc, self.mp, self.loader, self._patched, self._final, self._drop = None, None, None, [], False, False
+
+    # What the core (`Accumulation`) keeps, read through the callback
+    n_steps = property(lambda self: self.acc.n_steps if self.acc is not None else 0)
+    losses = property(lambda self: self.acc.losses if self.acc is not None else [])
+    prepass_time = property(lambda self: self.acc.prepass_time if self.acc is not None else 0.)
+    exact = property(lambda self: bool(getattr(self.acc, 'exact', False)))
+    plan = property(lambda self: getattr(self.acc, 'plan', None))
+    window = property(lambda self: getattr(self.acc, 'window', None))
+    bns = property(lambda self: getattr(self.acc, 'bns', []))
 
     def __getattr__(self, name):
         # fastai v1 calls every on_<event>; those we do not handle are no-ops (as in its `Callback` base class)
@@ -89,28 +96,23 @@ class GradientAccumulationV1(WindowSteps):
 
     def on_train_begin(self, **kwargs):
         learn = self.learn
-        self.window = AccumulationWindow(self.n_step, self.n_acc, _loss_reduction_v1(learn.loss_func))
         self.mp = _active_callback(learn, 'MixedPrecision', 'mixed_precision')
         clip = _active_callback(learn, 'GradientClipping', 'gradient_clipping')
         if self.mp is not None and clip is not None and clip.clip:
             raise ValueError(f"GradientAccumulationV1: clip_grad(clip={clip.clip}) with to_fp16() would clip the last "
                              "micro-batch's half-precision gradients, not the window's: pass the clip to to_fp16(clip=...)")
-        self.exact, self.plan = choose_exact(self.policy, learn.model, self._peek, self.n_step, self.n_acc, self.device_memory,
-                                             self.host_memory, self.offload, name='GradientAccumulationV1')
-        if self.exact:  # one batch per window: already-wrapped layers normalize it with its own statistics
-            for m in bn_layers(learn.model, accumulating=True): m.policy = 'micro'
-        elif self.wrap:
-            with warnings.catch_warnings():
-                warnings.simplefilter('ignore')
-                wrap_bn(learn.model, self.policy)
-        self.bns = bn_layers(learn.model, accumulating=True)
+        self.acc = Accumulation(learn.model, self.n_step, self.n_acc, self.policy, self.partial, _loss_reduction_v1(learn.loss_func),
+                                inputs=_inputs_v1, wrap=self.wrap, prepass_bs=self.prepass_bs, prepass_memory=self.prepass_memory,
+                                offload=self.offload, device_memory=self.device_memory, host_memory=self.host_memory,
+                                params=self._params, merge_exact=False, name='GradientAccumulationV1')
+        self.acc.prepasses = self.prepasses
+        self.acc.setup(self._peek)  # 'exact' or not (measuring a peeked micro-batch only if it must), wrap BatchNorm
         for m in self.bns: m.grad_pool.reset()  # each fit starts afresh, as in v2
-        self._needs_window = any(m.policy == 'window' for m in self.bns)
-        self.n_steps, self.losses, self.prepass_time, self._preflight_done = 0, [], 0., False
+        self._preflight_done = False
         self._clear()
         self._patch(self.mp, self._mp_backward_end)
         self._patch(clip, self._clip_backward_end)
-        if self._needs_window or self.exact:  # read each window ahead (restored in on_train_end, which v1 runs however the fit ends)
+        if self.acc.needs_window or self.exact:  # read each window ahead (restored in on_train_end, which v1 runs however the fit ends)
             self.loader = learn.data.train_dl = WindowLoader(self._train_dl(), self.n_step, self.n_acc, self.exact, self.partial)
 
     def _train_dl(self):
@@ -119,9 +121,14 @@ class GradientAccumulationV1(WindowSteps):
         while isinstance(dl, WindowLoader): dl = dl.dl
         return dl
 
-    def _peek(self) -> list:
-        "The first training micro-batch's inputs, read without changing what the DataLoader or any random generator gives later."
-        with random_state_kept(): return _inputs_v1(next(iter(self._train_dl())))
+    def _peek(self):
+        "The first training micro-batch, read without changing what the DataLoader or any random generator gives later."
+        with random_state_kept(): return next(iter(self._train_dl()))
+
+    def _params(self) -> list:
+        "The parameters whose gradients accumulate: under `to_fp16`, the fp32 master copies."
+        if self.mp is None: return [p for p in self.learn.model.parameters() if p.requires_grad]
+        return [p for group in self.mp.master_params for p in group]
 
     def _patch(self, cb, method):
         "Replace `cb.on_backward_end` by `method` for this fit."
@@ -129,44 +136,30 @@ class GradientAccumulationV1(WindowSteps):
         cb.on_backward_end = functools.partial(method, cb)
         self._patched.append(cb)
 
-    def on_batch_begin(self, last_input, train=True, **kwargs):
+    def on_batch_begin(self, last_input, last_target, num_batch, train=True, **kwargs):
         if not train: return
-        xb = list(last_input) if isinstance(last_input, (list, tuple)) else [last_input]
         if self.preflight and (self.bns or self.exact) and not self._preflight_done:
             self._preflight_done = True
-            print(self._exact_message() if self.exact else self._preflight_table(self.learn.model, xb))
-        if self.exact:  # the forward's saved activations go where the plan says
-            self._offload = saved_on_host(self.plan)
-            self._offload.__enter__()
-        if self._needs_window and self.window.empty:
-            rest = self.loader.window[1:] if self.loader is not None else []
-            self._prepass_window(self.learn.model, [xb] + [_inputs_v1(b) for b in rest])
-
-    def on_backward_begin(self, last_loss, last_target, train=True, **kwargs):
-        if not train: return
-        self._exit_offload()  # the backward unpacks what the forward saved
+            xb = list(last_input) if isinstance(last_input, (list, tuple)) else [last_input]
+            print(self.acc._exact_message() if self.exact else self.acc._preflight_table(self.learn.model, xb))
+        if self.acc.needs_window and self.window.empty:
+            self.acc.start_window([(last_input, last_target)] + (self.loader.window[1:] if self.loader is not None else []))
         bs = (last_target[0] if isinstance(last_target, (list, tuple)) else last_target).shape[0]
-        w = self.window.add(bs, last_loss)
-        if w != 1. and not self.exact: return {'last_loss': last_loss * w}  # 'exact': the batch is the window, its loss the big batch's
+        fills = self.window.fills(bs)
+        ends = self.exact or fills or num_batch == len(self.learn.data.train_dl) - 1  # the window (or the epoch) ends here
+        self._drop = ends and self.partial == 'drop' and not self.exact and not fills
+        self._final = ends and not self._drop
+        self.acc.start_micro(bs, self._final)  # the 'exact' plan's offload
 
-    def _exit_offload(self):
-        offload, self._offload = self._offload, None
-        if offload is not None: offload.__exit__(None, None, None)
-
-    def _correction(self) -> float: return 1. if self.exact else self.window.grad_correction
-
-    def on_backward_end(self, num_batch, train=True, **kwargs):
+    def on_backward_begin(self, last_loss, train=True, **kwargs):
         if not train: return
-        if self.exact:
-            self._ends_window = True
-            return
-        epoch_ends = num_batch == len(self.learn.data.train_dl) - 1
-        if not (self.window.full or epoch_ends): return {'skip_step': True, 'skip_zero': True}
-        if not self.window.full and self.partial == 'drop':
-            self._clear()
-            return {'skip_step': True, 'skip_zero': True}
-        if self.mp is None: scale_grads(self.learn.model.parameters(), self._correction())
-        self._ends_window = True
+        f = self.acc.loss_factor(last_loss)  # the micro-batch's weight; at the window's end also the correction
+        if f != 1.: return {'last_loss': last_loss * f}
+
+    def on_backward_end(self, train=True, **kwargs):
+        if not train: return
+        if self._drop: self._clear()
+        if not self._final: return {'skip_step': True, 'skip_zero': True}
 
     def _mp_backward_end(self, mp, skip_step=False, **kwargs):
         "v1 `MixedPrecision.on_backward_end` under accumulation: add to the master gradients; unscale, check, clip once per window."
@@ -174,7 +167,7 @@ class GradientAccumulationV1(WindowSteps):
         _add_model_grads(mp)
         if skip_step: return
         masters = [p for group in mp.master_params for p in group]
-        scale_grads(masters, self._correction() / mp.loss_scale)
+        scale_grads(masters, 1. / mp.loss_scale)
         if mp.dynamic and sys.modules[type(mp).__module__].grad_overflow(mp.master_params) and mp.loss_scale > 1:
             mp.loss_scale /= 2
             mp.noskip = 0
@@ -193,7 +186,7 @@ class GradientAccumulationV1(WindowSteps):
         if not skip_step: type(clip).on_backward_end(clip, skip_step=skip_step, **kwargs)
 
     def on_step_end(self, **kwargs):
-        if self._ends_window: self._finish_window()
+        if self.acc is not None: self.acc.end_micro()  # at the window's end: commit BatchNorm statistics
 
     def jump_to_epoch(self, epoch): pass
 
@@ -210,14 +203,12 @@ class GradientAccumulationV1(WindowSteps):
             for p in group: p.grad = None
 
     def _clear(self):
-        self._exit_offload()
-        if self.window is None: return
+        "Drop any partial window: accumulated gradients (the model's and, under `to_fp16`, the masters') and pending statistics."
+        if self.acc is None: return
         if not self.window.empty:
             for p in self.learn.model.parameters(): p.grad = None
-            if self.mp is not None: self._clear_master()
-        drop_window(self.bns)
-        self.window.reset()
-        self._ends_window = False
+        self.acc.clear()
+        self._final = self._drop = False
 
 # %% ../nbs/03a_callback_v1.ipynb #01ee3691
 def mnist_v1(path=None, # an MNIST_SAMPLE-style folder (`None`: fastai's MNIST_SAMPLE if on disk, else the offline stand-in)

@@ -34,13 +34,14 @@ class BatchNormAccumulation(WindowSteps, pl.Callback):
                  wrap:bool=True, # wrap the LightningModule's BatchNorm layers as `AccumulateBatchNorm` in `setup`
                  inputs=default_inputs, # batch -> tuple of positional inputs of the LightningModule's forward (the pre-pass)
                  loss_reduction:str='mean', # the loss's reduction: 'mean' (weighted by samples) or 'sum'
-                 prepass_bs:int|None=None, # 'window' policy: samples per pre-pass forward (default: the whole window)
+                 prepass_bs:int|None=None, # 'window' policy: samples per chunk of a staged (memory-bounded, exact) pre-pass (default: chosen within `prepass_memory`)
+                 prepass_memory:int|None=None, # 'window' policy: bytes the pre-pass may hold on the device (default: what training holds at the micro-batch)
                 ):
         if policy == 'exact': raise ValueError("BatchNormAccumulation: 'exact' is accumulate_grad_batches=1 with the window as the batch size")
         wrap_bn(torch.nn.BatchNorm1d(1), policy)  # validates the policy name
         _check_count('prepass_bs', prepass_bs)
         self.policy, self.wrap, self.inputs, self.loss_reduction = policy, wrap, inputs, loss_reduction
-        self.prepasses, self.prepass_bs = None, prepass_bs
+        self.prepasses, self.prepass_bs, self.prepass_memory = None, prepass_bs, prepass_memory
         self.window, self.bns, self.losses, self.n_steps, self.prepass_time = None, [], [], 0, 0.
         self._micro, self._ends_window = None, False
 

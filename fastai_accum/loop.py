@@ -18,11 +18,11 @@ from .window import (AccumulationWindow, WindowSteps, WindowLoader, check_accumu
 __all__ = ['default_inputs', 'Accumulation']
 
 # %% ../nbs/07_loop.ipynb #e75c5500
-def _to(b, device):
+def _on_device(b, device):
     "`b` (tensors in tuples, lists, dicts) on `device`."
     if torch.is_tensor(b): return b.to(device, non_blocking=True)
-    if isinstance(b, (list, tuple)): return type(b)(_to(o, device) for o in b)
-    if isinstance(b, dict): return {k: _to(v, device) for k, v in b.items()}
+    if isinstance(b, (list, tuple)): return type(b)(_on_device(o, device) for o in b)
+    if isinstance(b, dict): return {k: _on_device(v, device) for k, v in b.items()}
     return b
 
 def default_inputs(b) -> tuple:
@@ -48,6 +48,9 @@ class Accumulation(WindowSteps):
                  prepass_memory:int|None=None, # 'window' policy: bytes the pre-pass may hold on the device (default: what training holds at the micro-batch)
                  sync_each_batch:bool=False, # under DDP, all-reduce gradients after every micro-batch
                  offload:bool|None=None, device_memory:int|None=None, host_memory:int|None=None, # 'exact' policy: as `plan_exact`
+                 params=None,          # callable giving the parameters whose gradients accumulate (default: the model's trainable ones)
+                 merge_exact:bool=True, # 'exact' under DDP: wrap BatchNorm so that running statistics merge across processes (fastai leaves that to `sync_bn`)
+                 name:str|None=None,   # who speaks in error messages and the pre-flight (default: the class name)
                 ):
         check_accumulation_args(n_step, n_acc, policy, partial, exact_ok=True)
         _check_count('prepass_bs', prepass_bs)
@@ -55,8 +58,8 @@ class Accumulation(WindowSteps):
         self.inputs, self.autocast, self.wrap, self.sync_each_batch = inputs, autocast, wrap, sync_each_batch
         self.prepasses, self.prepass_bs, self.prepass_memory = None, prepass_bs, prepass_memory
         self.offload, self.device_memory, self.host_memory = offload, device_memory, host_memory
-        self.ddp = model if isinstance(model, DistributedDataParallel) else None
-        self.module = model.module if self.ddp is not None else model
+        self._params, self.merge_exact, self.name = params, merge_exact, name or type(self).__name__
+        self.use_model(model)
         self.device = device if device is not None else next(self.module.parameters()).device
         self.window = AccumulationWindow(n_step, n_acc, loss_reduction)
         self.exact, self.plan, self.bns = None, None, []  # decided at the first window ('auto' measures a micro-batch)
@@ -64,13 +67,26 @@ class Accumulation(WindowSteps):
         self._micro, self._offload, self._ends_window = None, None, False
 
     @property
-    def params(self) -> list: return [p for p in self.module.parameters() if p.requires_grad]
+    def params(self) -> list:
+        if self._params is not None: return list(self._params())
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def use_model(self, model:nn.Module, # the model or its DDP wrapper
+                 ):
+        "Train `model` from now on (an adapter calls this when its framework wraps the model, e.g. in DDP)."
+        self.model = model
+        self.ddp = model if isinstance(model, DistributedDataParallel) else None
+        self.module = model.module if self.ddp is not None else model
 
     def setup(self, b):
-        "Choose 'exact' or per-micro-batch training from the first micro-batch `b` (on the device), and wrap BatchNorm."
+        "Choose 'exact' or per-micro-batch training from the first micro-batch `b` (on the device; or a callable giving it, called only if needed), and wrap BatchNorm."
         self.exact = self._choose_exact(b)
+        self.find_bns()
+
+    def find_bns(self):
+        "Wrap (if asked) and collect the accumulating BatchNorm layers; again after anything replaces layers (fastai's `DistributedTrainer`)."
         if self.exact:  # one batch per window: already-wrapped layers normalize it with its own statistics
-            if self.wrap and world_size() > 1:  # so that the running statistics are merged across processes at the step
+            if self.wrap and self.merge_exact and world_size() > 1:  # so that the running statistics are merged across processes at the step
                 with warnings.catch_warnings():
                     warnings.simplefilter('ignore')
                     wrap_bn(self.module, 'micro')
@@ -84,8 +100,9 @@ class Accumulation(WindowSteps):
 
     def _choose_exact(self, b) -> bool:
         "The callback's rule (`choose_exact`): 'exact' if it fits; 'auto' if the model has BatchNorm and the window fits without offload."
-        exact, self.plan = choose_exact(self.policy, self.module, lambda: tuple(self.inputs(b)), self.n_step, self.n_acc,
-                                        self.device_memory, self.host_memory, self.offload, name=type(self).__name__)
+        peek = b if callable(b) else lambda: b
+        exact, self.plan = choose_exact(self.policy, self.module, lambda: tuple(self.inputs(peek())), self.n_step, self.n_acc,
+                                        self.device_memory, self.host_memory, self.offload, name=self.name)
         return exact
 
     def _full(self, window) -> bool:
@@ -97,7 +114,7 @@ class Accumulation(WindowSteps):
         try:
             for window in WindowLoader(loader, self.n_step, self.n_acc)._windows():
                 if self.partial == 'drop' and not self._full(window): continue
-                window = [_to(b, self.device) for b in window]
+                window = [_on_device(b, self.device) for b in window]
                 if self.exact is None: self.setup(window[0])
                 if self.exact: window = [cat_batches(window)]
                 self.start_window(window)
@@ -149,6 +166,7 @@ class Accumulation(WindowSteps):
 
     def end_micro(self) -> bool:
         "After the micro-batch's backward: at the window's end commit BatchNorm statistics; True if the optimizer steps now."
+        self._exit_offload()  # if no `loss_factor` came (the micro-batch was cancelled)
         self._micro = None
         if not self._ends_window: return False
         self._finish_window()
@@ -174,6 +192,7 @@ class Accumulation(WindowSteps):
 
     def clear(self):
         "Drop a partial window: its accumulated gradients and pending BatchNorm statistics."
+        self._exit_offload()
         if not self.window.empty:
             for p in self.params: p.grad = None
         drop_window(self.bns)
