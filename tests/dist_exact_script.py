@@ -10,29 +10,18 @@ from fastai.basics import Learner, DataLoaders, DataLoader, SGD, MSELossFlat, Ca
 import fastai.distributed
 from fastai_accum.all import *
 from fastai_accum.distributed import fix_distributed_dl
-from dist_helpers import data, bn_net
+from dist_helpers import data, bn_net, CountAllReduces
 
 torch.set_num_threads(1)
 mode, outdir = sys.argv[1], sys.argv[2]
 fix_distributed_dl()
-
-class CountGradAllReduces(Callback):
-    "A DDP comm hook (registered after DistributedTrainer wrapped the model) counting gradient all-reduces."
-    order = 13
-    def before_fit(self):
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-        self.count = 0
-        def hook(state, bucket):
-            self.count += 1
-            return allreduce_hook(None, bucket)
-        self.learn.model.register_comm_hook(None, hook)
 
 x, y = data(image=True)
 bs = 8 if mode == 'reference' else 2
 dls = DataLoaders(DataLoader(TensorDataset(x.double(), y.double()), bs=bs), DataLoader(TensorDataset(x[:8].double(), y[:8].double()), bs=bs))
 torch.manual_seed(0)
 learn = Learner(dls, bn_net().double(), loss_func=MSELossFlat(), opt_func=SGD)
-counter = CountGradAllReduces()
+counter = CountAllReduces()
 rank = int(os.environ['RANK'])
 if mode == 'exact': ga = GradientAccumulation(n_step=4, policy='exact', preflight=False)
 elif mode == 'auto_disagree': ga = GradientAccumulation(n_step=4, preflight=False, host_memory=1000 if rank == 1 else None)

@@ -17,18 +17,7 @@ rank = int(os.environ['RANK'])
 
 fix_distributed_dl()  # the project's fix: fastai's DistributedDL broadcasts through .cuda() (NCCL only)
 
-from dist_helpers import data, mlp, bn_net
-
-class CountAllReduces(Callback):
-    "Registers a DDP comm hook (after DistributedTrainer wrapped the model) that counts gradient all-reduces."
-    order = 13
-    def before_fit(self):
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-        self.count = 0
-        def hook(state, bucket):
-            self.count += 1
-            return allreduce_hook(None, bucket)
-        self.learn.model.register_comm_hook(None, hook)
+from dist_helpers import data, mlp, bn_net, CountAllReduces
 
 class RecordWindows(Callback):
     "After each optimizer step: this rank's BN running stats; per window: each BN layer's training inputs."

@@ -129,19 +129,23 @@ def test_partial_drop_does_not_leak_into_next_fit():
     b.opt.zero_grad(); b.fit(1, lr=0.05, cbs=GradientAccumulation(n_step=4, partial='drop'))
     assert rel(params(a), params(b)) == 0
 
-def test_mixed_precision_and_gradient_clip_once_per_window(monkeypatch):
-    clips = []
+def counted_mixed_precision(monkeypatch):
+    "A bf16 `MixedPrecision` whose scaler steps are counted in `steps`, and a count of gradient clips in `clips`."
+    clips, steps = [], []
     orig = torch.nn.utils.clip_grad_norm_
     monkeypatch.setattr(torch.nn.utils, 'clip_grad_norm_', lambda *a, **k: clips.append(1) or orig(*a, **k))
     mp = MixedPrecision(amp_mode='bf16')
-    steps = []
-    learn = make_learner(4, mlp, cbs=[mp, GradientClip(max_norm=0.05)])
     orig_fit = mp.before_fit
     def before_fit():
         orig_fit()
-        s = learn.scaler.step
-        learn.scaler.step = lambda *a, **k: steps.append(1) or s(*a, **k)
+        s = mp.learn.scaler.step
+        mp.learn.scaler.step = lambda *a, **k: steps.append(1) or s(*a, **k)
     mp.before_fit = before_fit
+    return mp, steps, clips
+
+def test_mixed_precision_and_gradient_clip_once_per_window(monkeypatch):
+    mp, steps, clips = counted_mixed_precision(monkeypatch)
+    learn = make_learner(4, mlp, cbs=[mp, GradientClip(max_norm=0.05)])
     learn.fit(1, lr=0.05, cbs=GradientAccumulation(n_step=4))
     assert len(steps) == len(clips) == math.ceil(18/4)
 

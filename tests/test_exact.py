@@ -8,7 +8,7 @@ from fastai.callback.training import GradientClip
 import fastai.callback.schedule  # noqa: F401
 from fastai_accum.all import *
 from fastai_accum.exact import ExactModeMemoryError
-from test_callback import make_learner, bn_net, params, rel, CountSteps, Interrupt
+from test_callback import make_learner, bn_net, params, rel, CountSteps, counted_mixed_precision
 
 def bn_stats(learn): return torch.cat([torch.cat([bn.running_mean, bn.running_var]) for bn in bn_layers(learn.model)])
 
@@ -40,17 +40,7 @@ def test_exact_with_n_acc_and_partial_drop():
     assert count.steps == ga.n_steps == 70 // 16  # the 6-sample last window is dropped
 
 def test_exact_mixed_precision_and_gradient_clip_once_per_window(monkeypatch):
-    clips = []
-    orig = torch.nn.utils.clip_grad_norm_
-    monkeypatch.setattr(torch.nn.utils, 'clip_grad_norm_', lambda *a, **k: clips.append(1) or orig(*a, **k))
-    mp = MixedPrecision(amp_mode='bf16')
-    steps = []
-    orig_fit = mp.before_fit
-    def before_fit():
-        orig_fit()
-        s = mp.learn.scaler.step
-        mp.learn.scaler.step = lambda *a, **k: steps.append(1) or s(*a, **k)
-    mp.before_fit = before_fit
+    mp, steps, clips = counted_mixed_precision(monkeypatch)
     acc, big, ga = exact_and_big(acc_cbs=[mp, GradientClip(max_norm=0.05)],
                                  big_cbs=[MixedPrecision(amp_mode='bf16'), GradientClip(max_norm=0.05)])
     acc.fit(1, lr=0.05)
