@@ -255,21 +255,17 @@ def default_policy() -> str:
     "The BatchNorm policy `fastai_accum.GradientAccumulation` uses unless told otherwise."
     return inspect.signature(GradientAccumulation).parameters['policy'].default
 
-def _resolve(policy:str) -> str:
-    "The policy a layer runs: 'auto' stands for `batchnorm.auto_policy`."
-    return getattr(batchnorm, 'auto_policy', policy) if policy == 'auto' else policy
-
 def demo_settings() -> dict:
     "Every setting `run_experiment` knows, with what it is."
     default = default_policy()
-    runs = f" (runs {_resolve(default)!r})" if _resolve(default) != default else ''
+    runs = " ('exact' when the window fits in free memory, else 'window')" if default == 'auto' else ''
     d = dict(
         bs64='one batch of micro_bs*n_step samples, no accumulation (the target)',
         naive="fastai GradientAccumulation: BatchNorm normalizes and updates on each micro-batch",
         bnfreeze="fastai BnFreeze + GradientAccumulation, body frozen, train_bn=False",
         groupnorm="BatchNorm replaced by GroupNorm, fastai GradientAccumulation",
         ours=f"fastai_accum GradientAccumulation, default policy={default!r}{runs}")
-    others = dict.fromkeys(_resolve(p) for p in bn_policies if _resolve(p) != _resolve(default))
+    others = [p for p in bn_policies + ('exact',) if p not in ('auto', default)]
     d.update({f'ours-{p}': f"fastai_accum GradientAccumulation, policy={p!r}" for p in others})
     return d
 
