@@ -514,7 +514,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                    'fastai_accum.demo._learner': ('demo.html#_learner', 'fastai_accum/demo.py'),
                                    'fastai_accum.demo._parse_settings': ('demo.html#_parse_settings', 'fastai_accum/demo.py'),
                                    'fastai_accum.demo._pet_image': ('demo.html#_pet_image', 'fastai_accum/demo.py'),
-                                   'fastai_accum.demo._resolve': ('demo.html#_resolve', 'fastai_accum/demo.py'),
                                    'fastai_accum.demo._subset': ('demo.html#_subset', 'fastai_accum/demo.py'),
                                    'fastai_accum.demo._torch_threads': ('demo.html#_torch_threads', 'fastai_accum/demo.py'),
                                    'fastai_accum.demo._use_pretrained': ('demo.html#_use_pretrained', 'fastai_accum/demo.py'),
