@@ -19,10 +19,9 @@ from .exact import choose_exact
 
 # %% auto #0
 __all__ = ['bench_models', 'prepass_models_fns', 'summary_keys', 'small_cnn', 'resnet18_32', 'synthetic_dls', 'default_policy',
-           'speed_variants', 'time_variants', 'median_ratio', 'SavedTensorMeter', 'saved_bytes_peak', 'cuda_peak_bytes',
-           'efficientnet_b0', 'prepass_peak', 'tensor_bytes_alive', 'leak_per_1000', 'allreduce_counts',
-           'format_summary', 'parse_summary', 'SpeedResults', 'auto_choice', 'bench_speed', 'add_speed_args',
-           'speed_main']
+           'speed_variants', 'time_variants', 'median_ratio', 'saved_bytes_peak', 'cuda_peak_bytes', 'efficientnet_b0',
+           'prepass_peak', 'tensor_bytes_alive', 'leak_per_1000', 'allreduce_counts', 'format_summary', 'parse_summary',
+           'SpeedResults', 'auto_choice', 'bench_speed', 'add_speed_args', 'speed_main']
 
 # %% ../nbs/21_bench_speed.ipynb #ceeb1340
 def small_cnn(n_out:int=10, # classes
@@ -161,60 +160,7 @@ def median_ratio(a:list, # per-repeat times of a variant
     return statistics.median(x / y for x, y in zip(a, b))
 
 # %% ../nbs/21_bench_speed.ipynb #9e195767
-class _Saved:
-    "A saved tensor (detached: a saved output must not hold its own graph, or graph and tensor form a cycle gc cannot see)."
-    __slots__ = ('t', 'key', 'meter')
-    def __init__(self, t, key, meter): self.t, self.key, self.meter = t.detach(), key, meter
-    def __del__(self): self.meter._release(self.key)
-
-def _storage_key(t:Tensor):
-    s = t.untyped_storage()
-    return (str(s.device), s.data_ptr()), s.nbytes()
-
-class SavedTensorMeter:
-    "Live and peak bytes of the distinct storages autograd holds for backward, counted via saved-tensor hooks."
-    def __init__(self, exclude:nn.Module|None=None): # a model whose parameters and buffers are not counted
-        self.exclude, self.live, self.peak, self._refs, self._skip = exclude, 0, 0, {}, set()
-
-    def _pack(self, t):
-        try: key, nbytes = _storage_key(t)
-        except Exception: return t  # no plain storage (e.g. a tensor subclass): not counted
-        if key in self._skip: return t
-        ref = self._refs.get(key)
-        if ref is None:
-            self._refs[key] = [1, nbytes]
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-        else: ref[0] += 1
-        return _Saved(t, key, self)
-
-    @staticmethod
-    def _unpack(p): return p.t if isinstance(p, _Saved) else p
-
-    def _release(self, key):
-        ref = self._refs[key]
-        ref[0] -= 1
-        if ref[0] == 0:
-            self.live -= ref[1]
-            del self._refs[key]
-
-    def reset_peak(self):
-        "Start a new peak from what is alive now."
-        self.peak = self.live
-
-    @property
-    def storages(self) -> dict:
-        "The storages held now: `{key: nbytes}`."
-        return {k: v[1] for k, v in self._refs.items()}
-
-    def __enter__(self):
-        ts = [] if self.exclude is None else list(self.exclude.parameters()) + list(self.exclude.buffers())
-        self._skip = {_storage_key(t)[0] for t in ts}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc): self._hooks.__exit__(*exc)
+from .exact import SavedTensorMeter, _storage_key  # the meter lives with the exact policy's memory plan
 
 # %% ../nbs/21_bench_speed.ipynb #70cdb69d
 def saved_bytes_peak(learn:Learner, # a fresh learner; one epoch of it is run under the meter

@@ -31,7 +31,6 @@ from fastai.callback.training import GradientAccumulation as FastaiGradientAccum
 from fastai.metrics import accuracy
 from fastai.torch_core import set_seed, params
 from torchvision.models import resnet18, ResNet18_Weights
-from . import batchnorm
 from .batchnorm import bn_policies
 from .callback import GradientAccumulation
 from .bn_tools import bn_to_groupnorm

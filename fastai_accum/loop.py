@@ -105,15 +105,13 @@ class Accumulation(WindowSteps):
                                         self.device_memory, self.host_memory, self.offload, name=self.name)
         return exact
 
-    def _full(self, window) -> bool:
-        return len(window) >= self.n_step if self.n_step is not None else sum(map(batch_size, window)) >= self.n_acc
-
     def batches(self, loader):
         "Iterate `loader` (any iterable of batches) one window ahead: micro-batches, or whole windows under 'exact'."
         self.clear()
         try:
-            for window in WindowLoader(loader, self.n_step, self.n_acc)._windows():
-                if self.partial == 'drop' and not self._full(window): continue
+            windows = WindowLoader(loader, self.n_step, self.n_acc)
+            for window in windows._windows():
+                if self.partial == 'drop' and not windows._full(window): continue
                 window = [_on_device(b, self.device) for b in window]
                 if self.exact is None: self.setup(window[0])
                 if self.exact: window = [cat_batches(window)]
