@@ -10,7 +10,7 @@ from fastai.basics import *
 from fastai.callback.fp16 import MixedPrecision
 import random, time
 from contextlib import nullcontext
-from .exact import random_state_kept
+from .exact import peek_batches
 from .window import check_accumulation_args, _check_count, WindowLoader
 from .loop import Accumulation
 
@@ -88,12 +88,7 @@ class GradientAccumulation(Callback):
 
     def _peek_batch(self):
         "The first training micro-batch, read without changing what the DataLoader or any random generator gives later."
-        dl = self.dls.train
-        rng = getattr(dl, 'rng', None)
-        state = rng.getstate() if isinstance(rng, random.Random) else None
-        with random_state_kept(): b = dl.one_batch() if hasattr(dl, 'one_batch') else next(iter(dl))
-        if state is not None: rng.setstate(state); dl.rng = rng  # iterating replaced fastai's `dl.rng`
-        return self.learn._set_device(b)
+        return self.learn._set_device(peek_batches(self.dls.train)[0])
 
     def _check_batch_size(self):
         bs = getattr(getattr(self.dls, 'train', None), 'bs', None)

@@ -8,7 +8,7 @@ import functools, os, sys, warnings
 from pathlib import Path
 import torch
 from torch.nn.utils import parameters_to_vector
-from .exact import random_state_kept
+from .exact import peek_batches
 from .window import WindowLoader, check_accumulation_args, _check_count, scale_grads
 from .loop import Accumulation
 
@@ -123,7 +123,7 @@ class GradientAccumulationV1:
 
     def _peek(self):
         "The first training micro-batch, read without changing what the DataLoader or any random generator gives later."
-        with random_state_kept(): return next(iter(self._train_dl()))
+        return peek_batches(self._train_dl())[0]
 
     def _params(self) -> list:
         "The parameters whose gradients accumulate: under `to_fp16`, the fp32 master copies."
