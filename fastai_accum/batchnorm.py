@@ -15,8 +15,8 @@ from .stats import ChannelStats, all_reduce_stats
 from .staged import trace_model, StagedGraph, ByteMeter
 
 # %% auto #0
-__all__ = ['bn_policies', 'auto_policy', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'AccumulateBatchNorm1d',
-           'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'accumulating_class',
+__all__ = ['bn_policies', 'auto_policy', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d',
+           'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class',
            'bn_layers', 'wrap_bn', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'PrepassPlan', 'prepass_plan',
            'prepass_info', 'window_prepasses', 'bn_preflight']
 
@@ -24,7 +24,6 @@ __all__ = ['bn_policies', 'auto_policy', 'GradPool', 'WindowNormFunction', 'Accu
 bn_policies = ('micro', 'running', 'frozen', 'window', 'auto')
 auto_policy = 'window' # what 'auto' means today: the best measured policy (see the accuracy benchmark)
 
-# %% ../nbs/01_batchnorm.ipynb #5b50c3b5
 def _forward_is_known(cls) -> bool:
     "True if `cls`'s forward is a torch BatchNorm forward (we re-implement it exactly)."
     return cls.forward in (_BatchNorm.forward, nn.SyncBatchNorm.forward)
@@ -258,26 +257,8 @@ class AccumulateBatchNorm(_BatchNorm):
         # pickles as its plain class plus our state, so dynamically created classes (timm-style subclasses) pickle too
         return _rebuild_accumulating, (self.plain_class, self.__dict__.copy())
 
-# %% ../nbs/01_batchnorm.ipynb #5aa76222
-class AccumulateBatchNorm1d(AccumulateBatchNorm, nn.BatchNorm1d):
-    "Accumulating `nn.BatchNorm1d`."
-    plain_class = nn.BatchNorm1d
-
-class AccumulateBatchNorm2d(AccumulateBatchNorm, nn.BatchNorm2d):
-    "Accumulating `nn.BatchNorm2d`."
-    plain_class = nn.BatchNorm2d
-
-class AccumulateBatchNorm3d(AccumulateBatchNorm, nn.BatchNorm3d):
-    "Accumulating `nn.BatchNorm3d`."
-    plain_class = nn.BatchNorm3d
-
-class AccumulateSyncBatchNorm(AccumulateBatchNorm, nn.SyncBatchNorm):
-    "Accumulating `nn.SyncBatchNorm`."
-    plain_class = nn.SyncBatchNorm
-
 # %% ../nbs/01_batchnorm.ipynb #b53b9605
-_accumulating = {c.plain_class: c for c in (AccumulateBatchNorm1d, AccumulateBatchNorm2d, AccumulateBatchNorm3d,
-                                            AccumulateSyncBatchNorm)}
+_accumulating = {}  # plain BatchNorm class -> its accumulating class
 
 def accumulating_class(cls:type) -> type:
     "The `AccumulateBatchNorm` subclass standing for the BatchNorm class `cls`."
@@ -286,6 +267,11 @@ def accumulating_class(cls:type) -> type:
         _accumulating[cls] = type(f'Accumulate{cls.__name__}', (AccumulateBatchNorm, cls),
                                   dict(plain_class=cls, __module__=__name__, __doc__=f'Accumulating `{cls.__name__}`.'))
     return _accumulating[cls]
+
+AccumulateBatchNorm1d = accumulating_class(nn.BatchNorm1d)
+AccumulateBatchNorm2d = accumulating_class(nn.BatchNorm2d)
+AccumulateBatchNorm3d = accumulating_class(nn.BatchNorm3d)
+AccumulateSyncBatchNorm = accumulating_class(nn.SyncBatchNorm)
 
 def _rebuild_accumulating(plain_class, state):
     m = plain_class.__new__(plain_class)
@@ -469,8 +455,19 @@ def window_prepasses(model:nn.Module, # a model with `AccumulateBatchNorm` layer
     if passes not in (None, 1):
         warnings.warn(f"window_prepasses: passes={passes} is ignored: the pre-pass is exact in one pass "
                       "(the fixed-point passes over chunks it replaces diverge on deep nets)")
-    n = sum(xb[0].shape[0] for xb in xbs)
     sync = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    mode, chunk, sg = _prepass_mode(model, layers, xbs, chunk, memory)
+    info = _last_run[model] = dict(mode=mode, chunk=chunk, samples=sum(xb[0].shape[0] for xb in xbs), sync=sync)
+    if store is None and layers[0].running_mean.device.type != 'cpu': store = 'cpu'
+    for m in layers: m._begin_prepass(mode, sync, group)
+    try: _run_prepass(model, xbs, mode, chunk, sg, store, meter, info)
+    finally:
+        for m in layers: m._end_prepass()
+    return len(layers)
+
+def _prepass_mode(model, layers, xbs, chunk, memory) -> tuple:
+    "How the pre-pass runs: ('whole' or 'staged', samples per chunk, the `StagedGraph` when staged)."
+    n = sum(xb[0].shape[0] for xb in xbs)
     if chunk is not None:
         mode = 'whole' if chunk >= n else 'staged'
         graph = _trace(model) if mode == 'staged' else None
@@ -478,32 +475,27 @@ def window_prepasses(model:nn.Module, # a model with `AccumulateBatchNorm` layer
     else:
         plan = prepass_plan(model, xbs[0], memory)
         (mode, chunk), graph = plan.choose(n), plan.graph
+    if mode != 'staged': return mode, chunk, None
     barriers = set(layers)
-    if mode == 'staged':
-        sg = StagedGraph(model, graph, lambda m: m in barriers)
-        hidden = barriers - {sg.modules[sg.nodes[i].target] for i in sg.barriers}
-        if hidden:  # a BatchNorm inside a module the tracer keeps whole: no barrier can stop there
-            warnings.warn(f"window_prepasses: {len(hidden)} BatchNorm layer(s) of {type(model).__name__} are not nodes "
-                          "of its torch.fx graph; the pre-pass runs the whole window in one forward")
-            mode, chunk = 'whole', None
-    info = _last_run[model] = dict(mode=mode, chunk=chunk, samples=n, sync=sync)
-    dev = layers[0].running_mean.device
-    if store is None and dev.type != 'cpu': store = 'cpu'
-    for m in layers: m._begin_prepass(mode, sync, group)
-    try:
-        if mode == 'whole':
-            xb = _chunks(xbs, None)[0]
-            if meter: info['device_bytes'] = _metered_forward(model, xb)
-            else: model(*xb)
-        else:
-            dm, hm = (ByteMeter(), ByteMeter()) if meter else (None, None)
-            sg.run(
-                _chunks(xbs, chunk), lambda m, x: m._observe_prepass(x), lambda m: m._close_prepass(),
-                store=store, meter=dm, stored=hm)
-            if meter: info.update(device_bytes=dm.peak, stored_bytes=hm.peak)
-    finally:
-        for m in layers: m._end_prepass()
-    return len(layers)
+    sg = StagedGraph(model, graph, lambda m: m in barriers)
+    hidden = barriers - {sg.modules[sg.nodes[i].target] for i in sg.barriers}
+    if hidden:  # a BatchNorm inside a module the tracer keeps whole: no barrier can stop there
+        warnings.warn(f"window_prepasses: {len(hidden)} BatchNorm layer(s) of {type(model).__name__} are not nodes "
+                      "of its torch.fx graph; the pre-pass runs the whole window in one forward")
+        return 'whole', None, None
+    return mode, chunk, sg
+
+def _run_prepass(model, xbs, mode, chunk, sg, store, meter, info):
+    "The pre-pass forward(s): the whole window at once, or staged over chunks; the activation bytes into `info` if `meter`."
+    if mode == 'whole':
+        xb = _chunks(xbs, None)[0]
+        if meter: info['device_bytes'] = _metered_forward(model, xb)
+        else: model(*xb)
+        return
+    dm, hm = (ByteMeter(), ByteMeter()) if meter else (None, None)
+    sg.run(_chunks(xbs, chunk), lambda m, x: m._observe_prepass(x), lambda m: m._close_prepass(),
+           store=store, meter=dm, stored=hm)
+    if meter: info.update(device_bytes=dm.peak, stored_bytes=hm.peak)
 
 def _metered_forward(model, xb) -> int:
     "Run `model(*xb)`; the peak activation bytes of the forward (traced: from the graph's liveness; else leaf modules)."

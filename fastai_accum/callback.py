@@ -4,28 +4,18 @@
 
 # %% ../nbs/03_callback.ipynb #61a32000
 from __future__ import annotations
-import warnings
+import inspect, time, warnings
+from contextlib import nullcontext
 import torch
 from fastai.basics import *
 from fastai.callback.fp16 import MixedPrecision
-import random, time
-from contextlib import nullcontext
 from .exact import peek_batches
-from .window import check_accumulation_args, _check_count, WindowLoader
-from .loop import Accumulation
+from .window import validate_window_args, loss_reduction, _check_count, WindowLoader
+from .window import loss_reduction as _loss_reduction  # (the checker's name for it, until it moves)
+from .loop import Accumulation, accumulation_options
 
 # %% auto #0
 __all__ = ['WindowPrefetch', 'GradientAccumulation']
-
-# %% ../nbs/03_callback.ipynb #bc9e3207
-_cancels = (CancelBatchException, CancelStepException, CancelBackwardException, CancelEpochException,
-            CancelTrainException, CancelValidException, CancelFitException)
-
-def _loss_reduction(loss_func) -> str:
-    "The reduction of a torch or fastai loss ('mean' if it does not say)."
-    r = getattr(loss_func, 'reduction', None)
-    if r is None: r = getattr(getattr(loss_func, 'func', None), 'reduction', 'mean')
-    return 'sum' if r == 'sum' else 'mean'
 
 # %% ../nbs/03_callback.ipynb #c2ce77c4
 class WindowPrefetch(Callback):
@@ -35,7 +25,8 @@ class WindowPrefetch(Callback):
     def before_train(self):
         self.learn.dl = self.loader = WindowLoader(self.learn.dl, self.n_step, self.n_acc, self.exact, self.partial)
 
-# %% ../nbs/03_callback.ipynb #0f7ffa5e
+# %% ../nbs/03_callback.ipynb #957a3b99
+@delegates(Accumulation.__init__, but=Accumulation.adapter_args)
 class GradientAccumulation(Callback):
     "Accumulate gradients over windows of micro-batches, weighting by samples, with exact BatchNorm statistics"
     order,run_valid = MixedPrecision.order-4,False
@@ -43,22 +34,15 @@ class GradientAccumulation(Callback):
     def __init__(self,
                  n_step:int|None=None, # micro-batches per optimizer step
                  n_acc:int|None=None,  # or: samples per optimizer step (the effective batch size), as fastai's `n_acc`
-                 wrap:bool=True,       # make the model's BatchNorm layers `AccumulateBatchNorm` in `before_fit`
-                 policy:str='auto',    # 'exact' (each window one batch), a BatchNorm policy (`bn_policies`), or 'auto'
-                 partial:str='step',   # incomplete window at the end of an epoch: 'step' (scaled exactly) or 'drop'
+                 preflight:bool=True,  # print the pre-flight (the 'exact' plan, or the BatchNorm table) at the first micro-batch
                  prepasses:int|None=None, # deprecated: the 'window' pre-pass is exact in one pass
-                 prepass_bs:int|None=None, # 'window' policy: samples per chunk of a staged (memory-bounded, exact) pre-pass (default: chosen within `prepass_memory`)
-                 prepass_memory:int|None=None, # 'window' policy: bytes the pre-pass may hold on the device (default: what training holds at the micro-batch)
-                 sync_each_batch:bool=False, # under DDP, all-reduce gradients after every micro-batch, not once per window
-                 preflight:bool=True,  # print the BatchNorm pre-flight table (`bn_preflight`) at the first micro-batch
-                 offload:bool|None=None, # 'exact' policy: saved activations in host memory (default: only if they do not fit on the accelerator)
-                 device_memory:int|None=None, # 'exact' policy: accelerator bytes it may use (default: 80% of what is free)
-                 host_memory:int|None=None, # 'exact' policy: host bytes it may use (default: half of what is available)
+                 **kwargs, # the core's options, documented on `Accumulation` (`policy`, `partial`, `wrap`, `offload`, ...)
                 ):
-        check_accumulation_args(n_step, n_acc, policy, partial, exact_ok=True)
-        _check_count('prepasses', prepasses); _check_count('prepass_bs', prepass_bs)
-        store_attr()
-        self.acc, self.train_time = None, 0.
+        options = accumulation_options(kwargs, 'GradientAccumulation')
+        validate_window_args(n_step, n_acc, options['policy'], options['partial'], exact_ok=True)
+        _check_count('prepasses', prepasses)
+        store_attr('n_step,n_acc,preflight,prepasses', **options)
+        self._options, self.acc, self.train_time = list(options), None, 0.
 
     # What the core keeps, read through the callback (`learn.gradient_accumulation.losses`, `.exact`, ...)
     losses = property(lambda self: L(self.acc.losses) if self.acc is not None else L())
@@ -69,130 +53,156 @@ class GradientAccumulation(Callback):
     window = property(lambda self: getattr(self.acc, 'window', None))
     bns = property(lambda self: getattr(self.acc, 'bns', None))
 
-    def before_fit(self):
-        self._check_batch_size()
-        self.acc = Accumulation(self.learn.model, self.n_step, self.n_acc, self.policy, self.partial,
-                                _loss_reduction(self.learn.loss_func), inputs=self._inputs, autocast=self._autocast,
-                                wrap=self.wrap, prepass_bs=self.prepass_bs, prepass_memory=self.prepass_memory,
-                                sync_each_batch=self.sync_each_batch, offload=self.offload, device_memory=self.device_memory,
-                                host_memory=self.host_memory, merge_exact=False, name='GradientAccumulation')
-        self.acc.prepasses = self.prepasses
-        self.acc.setup(self._peek_batch)  # 'exact' or not (measuring a peeked micro-batch only if it must), wrap BatchNorm
-        for m in self.bns: m.grad_pool.reset()  # each fit starts afresh: nothing of an earlier fit steers this one
-        self.train_time, self._final, self._drop = 0., False, False
-        self._warn_lr_find()
-        self._clear()
-        self._guard_interrupts()
-        if (self.acc.needs_window or self.exact) and not hasattr(self.learn, 'window_prefetch'):
-            self.learn.add_cb(WindowPrefetch(self.n_step, self.n_acc, self.exact, self.partial))
+# %% ../nbs/03_callback.ipynb #3d19dae1
+@patch
+def before_fit(self:GradientAccumulation):
+    self._check_batch_size()
+    self.acc = Accumulation(self.learn.model, self.n_step, self.n_acc, **{k: getattr(self, k) for k in self._options},
+                            loss_reduction=loss_reduction(self.learn.loss_func), inputs=self._inputs, autocast=self._autocast,
+                            merge_exact=False, name='GradientAccumulation')
+    self.acc.prepasses = self.prepasses
+    self.acc.setup(self._peek_batch)  # 'exact' or not (measuring a peeked micro-batch only if it must), wrap BatchNorm
+    for m in self.bns: m.grad_pool.reset()  # each fit starts afresh: nothing of an earlier fit steers this one
+    self.train_time, self._final, self._drop = 0., False, False
+    self._warn_lr_find()
+    self._clear()
+    self._guard_interrupts()
+    if (self.acc.needs_window or self.exact) and not hasattr(self.learn, 'window_prefetch'):
+        self.learn.add_cb(WindowPrefetch(self.n_step, self.n_acc, self.exact, self.partial))
 
-    def _peek_batch(self):
-        "The first training micro-batch, read without changing what the DataLoader or any random generator gives later."
-        return self.learn._set_device(peek_batches(self.dls.train)[0])
+@patch
+def _peek_batch(self:GradientAccumulation):
+    "The first training micro-batch, read without changing what the DataLoader or any random generator gives later."
+    return self.learn._set_device(peek_batches(self.dls.train)[0])
 
-    def _check_batch_size(self):
-        bs = getattr(getattr(self.dls, 'train', None), 'bs', None)
-        if self.n_acc is not None and bs and bs > self.n_acc:
-            raise ValueError(f"GradientAccumulation: the training DataLoader's bs={bs} is larger than the effective batch "
-                             f"n_acc={self.n_acc}; lower bs or raise n_acc")
+@patch
+def _check_batch_size(self:GradientAccumulation):
+    bs = getattr(getattr(self.dls, 'train', None), 'bs', None)
+    if self.n_acc is not None and bs and bs > self.n_acc:
+        raise ValueError(f"GradientAccumulation: the training DataLoader's bs={bs} is larger than the effective batch "
+                         f"n_acc={self.n_acc}; lower bs or raise n_acc")
 
-    def _warn_lr_find(self):
-        finder = getattr(self.learn, 'lr_finder', None)
-        if finder is None: return
-        if self.exact:  # every iteration is a step; lr_find sized its epochs in micro-batches: give it enough windows
-            windows = max(1, len(WindowLoader(self.dls.train, self.n_step, self.n_acc, True, self.partial)))
-            self.learn.n_epoch = max(self.learn.n_epoch, finder.num_it // windows + 1)
-            return
-        per_step = self.n_step or max(1, self.n_acc // max(1, getattr(self.dls.train, 'bs', 1)))
-        if finder.num_it / per_step < 20:
-            warnings.warn(f"lr_find with gradient accumulation makes one optimizer step per window: num_it={finder.num_it} "
-                          f"gives only {finder.num_it // per_step} steps. Pass num_it={20*per_step} or more.")
+@patch
+def _inputs(self:GradientAccumulation, b):
+    b = self.learn._set_device(b)
+    return b[:getattr(self.dls, 'n_inp', 1 if len(b) == 1 else len(b) - 1)]
 
-    def before_train(self):
-        self._t0 = time.perf_counter()
-        self.acc.use_model(self.learn.model)  # fastai's DistributedTrainer wrapped it in DDP (and made SyncBatchNorm) after our before_fit
-        self.acc.find_bns()
+@patch
+def _autocast(self:GradientAccumulation):
+    "The training forward's autocast (MixedPrecision enters its own only in its before_batch, after us)."
+    mp = getattr(self.learn, 'mixed_precision', None)
+    ac = getattr(mp, 'autocast', None)
+    if ac is None or not getattr(ac, '_enabled', False): return nullcontext()
+    return torch.autocast(ac.device, dtype=ac.fast_dtype)
 
-    def before_batch(self):
-        if self.preflight and (self.bns or self.exact) and not getattr(self, '_preflight_done', False): self._show_preflight()
-        if self.acc.needs_window and self.window.empty: self.acc.start_window(self._window())
-        bs = find_bs(self.learn.yb)
-        fills = self.window.fills(bs)
-        ends = self.exact or fills or self.learn.iter == self.learn.n_iter - 1  # the window (or the epoch) ends here
-        self._drop = ends and self.partial == 'drop' and not self.exact and not fills
-        self._final = ends and not self._drop
-        self.acc.start_micro(bs, self._final)  # DDP's gradient sync, the 'exact' plan's offload
-        if self._drop and self.acc.ddp is not None: self.acc.ddp.require_backward_grad_sync = True  # as every window's end
+# %% ../nbs/03_callback.ipynb #86c9de7d
+@patch
+def before_train(self:GradientAccumulation):
+    self._t0 = time.perf_counter()
+    self.acc.use_model(self.learn.model)  # fastai's DistributedTrainer wrapped it in DDP (and made SyncBatchNorm) after our before_fit
+    self.acc.find_bns()
 
-    def _window(self) -> list:
-        "The window that starts with this micro-batch (the 'window' policy's pre-pass runs over it)."
-        return [self.learn.xb + self.learn.yb] + list(self.learn.window_prefetch.loader.window[1:])
+_cancels = (CancelBatchException, CancelStepException, CancelBackwardException, CancelEpochException,
+            CancelTrainException, CancelValidException, CancelFitException)
 
-    def _show_preflight(self):
-        self._preflight_done = True
-        if getattr(self.learn, 'lr_finder', None) is not None or rank_distrib(): return
-        if self.exact:
-            print(self.acc._exact_message())
-            return
-        if self.plan is not None:
-            print(f"GradientAccumulation: policy 'auto' -> window BatchNorm: 'exact' would need host offload or more memory "
-                  f"({self.plan.describe()}).")
-        print(self.acc._preflight_table(self.acc.module, self.learn.xb))
+@patch
+def _clear(self:GradientAccumulation):
+    "Drop any partial window: accumulated gradients and pending BatchNorm statistics."
+    if self.acc is not None: self.acc.clear()
+    self._final = self._drop = False
 
-    def _inputs(self, b):
-        b = self.learn._set_device(b)
-        return b[:getattr(self.dls, 'n_inp', 1 if len(b) == 1 else len(b) - 1)]
+@patch
+def _guard_interrupts(self:GradientAccumulation):
+    "fastai runs no event after an exception it does not expect (e.g. KeyboardInterrupt): clean up on the way out."
+    learn, do_epoch = self.learn, type(self.learn)._do_epoch
+    def _do_epoch():
+        try: do_epoch(learn)
+        except _cancels: raise
+        except BaseException:
+            self._clear()
+            learn.__dict__.pop('_do_epoch', None)
+            if hasattr(learn, 'window_prefetch'): learn.remove_cb(learn.window_prefetch)
+            raise
+    learn._do_epoch = _do_epoch
 
-    def _autocast(self):
-        "The training forward's autocast (MixedPrecision enters its own only in its before_batch, after us)."
-        mp = getattr(self.learn, 'mixed_precision', None)
-        ac = getattr(mp, 'autocast', None)
-        if ac is None or not getattr(ac, '_enabled', False): return nullcontext()
-        return torch.autocast(ac.device, dtype=ac.fast_dtype)
+# %% ../nbs/03_callback.ipynb #646b8737
+@patch
+def _warn_lr_find(self:GradientAccumulation):
+    finder = getattr(self.learn, 'lr_finder', None)
+    if finder is None: return
+    if self.exact:  # every iteration is a step; lr_find sized its epochs in micro-batches: give it enough windows
+        windows = max(1, len(WindowLoader(self.dls.train, self.n_step, self.n_acc, True, self.partial)))
+        self.learn.n_epoch = max(self.learn.n_epoch, finder.num_it // windows + 1)
+        return
+    per_step = self.n_step or max(1, self.n_acc // max(1, getattr(self.dls.train, 'bs', 1)))
+    if finder.num_it / per_step < 20:
+        warnings.warn(f"lr_find with gradient accumulation makes one optimizer step per window: num_it={finder.num_it} "
+                      f"gives only {finder.num_it // per_step} steps. Pass num_it={20*per_step} or more.")
 
-    def after_loss(self):
-        f = self.acc.loss_factor(self.learn.loss)  # the micro-batch's weight; at the window's end also the correction
-        if f != 1.: self.learn.loss_grad = self.learn.loss_grad * f
+# %% ../nbs/03_callback.ipynb #4744ee14
+@patch
+def _show_preflight(self:GradientAccumulation):
+    self._preflight_done = True
+    if getattr(self.learn, 'lr_finder', None) is not None or rank_distrib(): return
+    if self.exact:
+        print(self.acc._exact_message())
+        return
+    if self.plan is not None:
+        print(f"GradientAccumulation: policy 'auto' -> window BatchNorm: 'exact' would need host offload or more memory "
+              f"({self.plan.describe()}).")
+    print(self.acc._preflight_table(self.acc.module, self.learn.xb))
 
-    def before_step(self):
-        if self._drop: self._clear()
-        if not self._final: raise CancelBatchException()  # keep accumulating (or drop): no step, no zero_grad
+# %% ../nbs/03_callback.ipynb #45970d89
+@patch
+def after_train(self:GradientAccumulation):
+    self._clear()
+    self.train_time += time.perf_counter() - self._t0
 
-    def after_batch(self): self.acc.end_micro()  # at the window's end: commit BatchNorm statistics
+@patch
+def after_epoch(self:GradientAccumulation): self._clear()
 
-    # A window never outlives its epoch or fit, however they end
-    def after_train(self):
-        self._clear()
-        self.train_time += time.perf_counter() - self._t0
-    def after_epoch(self): self._clear()
-    def after_fit(self):
-        self._clear()
-        self.learn.__dict__.pop('_do_epoch', None)
-        if hasattr(self.learn, 'window_prefetch'): self.learn.remove_cb(self.learn.window_prefetch)
+@patch
+def after_fit(self:GradientAccumulation):
+    self._clear()
+    self.learn.__dict__.pop('_do_epoch', None)
+    if hasattr(self.learn, 'window_prefetch'): self.learn.remove_cb(self.learn.window_prefetch)
 
-    def _clear(self):
-        "Drop any partial window: accumulated gradients (also the optimizer's) and pending BatchNorm statistics."
-        if self.acc is None: return
-        if not self.window.empty and self.learn.opt is not None: self.learn.opt.zero_grad()
-        self.acc.clear()
-        self._final = self._drop = False
+# %% ../nbs/03_callback.ipynb #8deebdf2
+@patch
+def before_batch(self:GradientAccumulation):
+    if self.preflight and (self.bns or self.exact) and not getattr(self, '_preflight_done', False): self._show_preflight()
+    if self.acc.needs_window and self.window.empty: self.acc.start_window(self._window())
+    bs = find_bs(self.learn.yb)
+    fills = self.window.fills(bs)
+    ends = self.exact or fills or self.learn.iter == self.learn.n_iter - 1  # the window (or the epoch) ends here
+    self._drop = ends and self.partial == 'drop' and not self.exact and not fills
+    self._final = ends and not self._drop
+    self.acc.start_micro(bs, self._final)  # DDP's gradient sync, the 'exact' plan's offload
+    if self._drop and self.acc.ddp is not None: self.acc.ddp.require_backward_grad_sync = True  # as every window's end
 
-    def _guard_interrupts(self):
-        "fastai runs no event after an exception it does not expect (e.g. KeyboardInterrupt): clean up on the way out."
-        learn, do_epoch = self.learn, type(self.learn)._do_epoch
-        def _do_epoch():
-            try: do_epoch(learn)
-            except _cancels: raise
-            except BaseException:
-                self._clear()
-                learn.__dict__.pop('_do_epoch', None)
-                if hasattr(learn, 'window_prefetch'): learn.remove_cb(learn.window_prefetch)
-                raise
-        learn._do_epoch = _do_epoch
+@patch
+def _window(self:GradientAccumulation) -> list:
+    "The window that starts with this micro-batch (the 'window' policy's pre-pass runs over it)."
+    return [self.learn.xb + self.learn.yb] + list(self.learn.window_prefetch.loader.window[1:])
 
-    def plot_losses(self, ax=None):
-        "Plot the mean loss of each window (one point per optimizer step)."
-        import matplotlib.pyplot as plt
-        if ax is None: _, ax = plt.subplots()
-        ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
-        return ax
+@patch
+def after_loss(self:GradientAccumulation):
+    f = self.acc.loss_factor(self.learn.loss)  # the micro-batch's weight; at the window's end also the correction
+    if f != 1.: self.learn.loss_grad = self.learn.loss_grad * f
+
+@patch
+def before_step(self:GradientAccumulation):
+    if self._drop: self._clear()
+    if not self._final: raise CancelBatchException()  # keep accumulating (or drop): no step, no zero_grad
+
+@patch
+def after_batch(self:GradientAccumulation): self.acc.end_micro()  # at the window's end: commit BatchNorm statistics
+
+# %% ../nbs/03_callback.ipynb #60e9adaa
+@patch
+def plot_losses(self:GradientAccumulation, ax=None):
+    "Plot the mean loss of each window (one point per optimizer step)."
+    import matplotlib.pyplot as plt
+    if ax is None: _, ax = plt.subplots()
+    ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
+    return ax

@@ -9,20 +9,12 @@ from pathlib import Path
 import torch
 from torch.nn.utils import parameters_to_vector
 from .exact import peek_batches
-from .window import WindowLoader, check_accumulation_args, _check_count, scale_grads
-from .loop import Accumulation
+from .window import WindowLoader, validate_window_args, loss_reduction, _check_count, scale_grads
+from .loop import Accumulation, accumulation_options
 
 
 # %% auto #0
 __all__ = ['GradientAccumulationV1', 'mnist_v1']
-
-# %% ../nbs/03a_callback_v1.ipynb #55c4d544
-def _loss_reduction_v1(loss_func) -> str:
-    "'sum' if the (possibly fastai-v1-flattened) loss sums, else 'mean'."
-    for f in (loss_func, getattr(loss_func, 'func', None)):
-        r = getattr(f, 'reduction', None)
-        if r is not None: return 'sum' if r == 'sum' else 'mean'
-    return 'mean'
 
 # %% ../nbs/03a_callback_v1.ipynb #731e4d2a
 def _active_callback(learn, cls_name:str, attr:str):
@@ -62,22 +54,15 @@ class GradientAccumulationV1:
     def __init__(self, learn,
                  n_step:int|None=None, # micro-batches per optimizer step
                  n_acc:int|None=None,  # or: samples per optimizer step (the effective batch size)
-                 wrap:bool=True,       # make the model's BatchNorm layers `AccumulateBatchNorm` at `on_train_begin`
-                 policy:str='auto',    # 'exact' (each window one batch), a BatchNorm policy (`bn_policies`), or 'auto' (as v2)
-                 partial:str='step',   # incomplete window at the end of an epoch: 'step' (scaled exactly) or 'drop'
+                 preflight:bool=True,  # print the pre-flight (the 'exact' plan, or the BatchNorm table) at the first micro-batch
                  prepasses:int|None=None, # deprecated: the 'window' pre-pass is exact in one pass
-                 prepass_bs:int|None=None, # 'window' policy: samples per chunk of a staged (memory-bounded, exact) pre-pass (default: chosen within `prepass_memory`)
-                 prepass_memory:int|None=None, # 'window' policy: bytes the pre-pass may hold on the device (default: what training holds at the micro-batch)
-                 preflight:bool=True,  # print the BatchNorm pre-flight table (`bn_preflight`) at the first micro-batch
-                 offload:bool|None=None, # 'exact' policy: saved activations in host memory (default: only if they do not fit on the accelerator)
-                 device_memory:int|None=None, # 'exact' policy: accelerator bytes it may use (default: 80% of what is free)
-                 host_memory:int|None=None, # 'exact' policy: host bytes it may use (default: half of what is available)
+                 **kwargs, # the core's options, documented on `Accumulation` (`policy`, `partial`, `wrap`, `offload`, ...)
                 ):
-        check_accumulation_args(n_step, n_acc, policy, partial, exact_ok=True)
-        _check_count('prepasses', prepasses); _check_count('prepass_bs', prepass_bs)
-        self.learn, self.n_step, self.n_acc, self.wrap, self.policy, self.partial = learn, n_step, n_acc, wrap, policy, partial
-        self.prepasses, self.prepass_bs, self.prepass_memory, self.preflight = prepasses, prepass_bs, prepass_memory, preflight
-        self.offload, self.device_memory, self.host_memory = offload, device_memory, host_memory
+        options = accumulation_options(kwargs, 'GradientAccumulationV1')
+        validate_window_args(n_step, n_acc, options['policy'], options['partial'], exact_ok=True)
+        _check_count('prepasses', prepasses)
+        self.learn, self.n_step, self.n_acc, self.preflight, self.prepasses = learn, n_step, n_acc, preflight, prepasses
+        self._options = list(options); self.__dict__.update(options)  # as attributes, as the v2 callback keeps them
         self.acc, self.mp, self.loader, self._patched, self._final, self._drop = None, None, None, [], False, False
 
     # What the core (`Accumulation`) keeps, read through the callback
@@ -101,10 +86,9 @@ class GradientAccumulationV1:
         if self.mp is not None and clip is not None and clip.clip:
             raise ValueError(f"GradientAccumulationV1: clip_grad(clip={clip.clip}) with to_fp16() would clip the last "
                              "micro-batch's half-precision gradients, not the window's: pass the clip to to_fp16(clip=...)")
-        self.acc = Accumulation(learn.model, self.n_step, self.n_acc, self.policy, self.partial, _loss_reduction_v1(learn.loss_func),
-                                inputs=_inputs_v1, wrap=self.wrap, prepass_bs=self.prepass_bs, prepass_memory=self.prepass_memory,
-                                offload=self.offload, device_memory=self.device_memory, host_memory=self.host_memory,
-                                params=self._params, merge_exact=False, name='GradientAccumulationV1')
+        self.acc = Accumulation(learn.model, self.n_step, self.n_acc, **{k: getattr(self, k) for k in self._options},
+                                loss_reduction=loss_reduction(learn.loss_func), inputs=_inputs_v1, params=self._params,
+                                merge_exact=False, name='GradientAccumulationV1')
         self.acc.prepasses = self.prepasses
         self.acc.setup(self._peek)  # 'exact' or not (measuring a peeked micro-batch only if it must), wrap BatchNorm
         for m in self.bns: m.grad_pool.reset()  # each fit starts afresh, as in v2

@@ -4,18 +4,18 @@
 
 # %% ../nbs/07_loop.ipynb #d39581af
 from __future__ import annotations
-import collections, warnings
+import collections, inspect, warnings
 from contextlib import nullcontext
 import torch
 from torch import nn, Tensor
 from torch.nn.parallel import DistributedDataParallel
 from .batchnorm import wrap_bn, bn_layers
 from .exact import choose_exact, saved_on_host, cat_batches
-from .window import (AccumulationWindow, WindowSteps, WindowLoader, check_accumulation_args, _check_count, scale_grads,
+from .window import (AccumulationWindow, WindowSteps, WindowLoader, validate_window_args, _check_count, scale_grads,
                      commit_window, drop_window, batch_size, world_size)
 
 # %% auto #0
-__all__ = ['default_inputs', 'Accumulation']
+__all__ = ['default_inputs', 'Accumulation', 'accumulation_options']
 
 # %% ../nbs/07_loop.ipynb #e75c5500
 def _on_device(b, device):
@@ -34,6 +34,7 @@ def default_inputs(b) -> tuple:
 # %% ../nbs/07_loop.ipynb #8f133906
 class Accumulation(WindowSteps):
     "Gradient accumulation with exact BatchNorm for any training loop: `batches` reads windows ahead, `backward` says when to step."
+    adapter_args = ['model', 'loss_reduction', 'inputs', 'device', 'autocast', 'params', 'merge_exact', 'name']  # what a front end (fastai's callbacks) fills in itself
     def __init__(self, model:nn.Module, # the model (or its DDP wrapper); its BatchNorm layers are wrapped in place
                  n_step:int|None=None, # micro-batches per optimizer step
                  n_acc:int|None=None,  # or: samples per optimizer step (the effective batch size)
@@ -52,7 +53,7 @@ class Accumulation(WindowSteps):
                  merge_exact:bool=True, # 'exact' under DDP: wrap BatchNorm so that running statistics merge across processes (fastai leaves that to `sync_bn`)
                  name:str|None=None,   # who speaks in error messages and the pre-flight (default: the class name)
                 ):
-        check_accumulation_args(n_step, n_acc, policy, partial, exact_ok=True)
+        validate_window_args(n_step, n_acc, policy, partial, exact_ok=True)
         _check_count('prepass_bs', prepass_bs)
         self.model, self.n_step, self.n_acc, self.policy, self.partial = model, n_step, n_acc, policy, partial
         self.inputs, self.autocast, self.wrap, self.sync_each_batch = inputs, autocast, wrap, sync_each_batch
@@ -200,3 +201,15 @@ class Accumulation(WindowSteps):
     def __repr__(self):
         mode = '?' if self.exact is None else 'exact' if self.exact else 'micro-batches'
         return f'{type(self).__name__}(n_step={self.n_step}, n_acc={self.n_acc}, policy={self.policy!r}, {mode}, steps={self.n_steps})'
+
+# %% ../nbs/07_loop.ipynb #13c1b3a2
+def accumulation_options(kwargs:dict, # keyword arguments a front end got for the core
+                         name:str, # the front end, named in the error
+                        ) -> dict:
+    "The core's options a front end passes on (`policy`, `partial`, `wrap`, `offload`, ...): the defaults updated by `kwargs`, checked."
+    own = {'n_step', 'n_acc', *Accumulation.adapter_args}
+    options = {k: p.default for k, p in inspect.signature(Accumulation).parameters.items() if k not in own}
+    bad = [k for k in kwargs if k not in options]
+    if bad: raise TypeError(f"{name}() got an unexpected keyword argument {bad[0]!r}")
+    _check_count('prepass_bs', kwargs.get('prepass_bs'))
+    return {**options, **kwargs}

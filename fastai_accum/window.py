@@ -14,8 +14,8 @@ from .stats import all_reduce_stats
 from .batchnorm import _check_policy, window_prepasses, bn_preflight
 
 # %% auto #0
-__all__ = ['AccumulationWindow', 'check_accumulation_args', 'scale_grads', 'world_size', 'commit_window', 'drop_window',
-           'WindowSteps', 'batch_size', 'cat_batches', 'WindowLoader']
+__all__ = ['world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window',
+           'drop_window', 'WindowSteps', 'batch_size', 'cat_batches', 'WindowLoader']
 
 # %% ../nbs/02_window.ipynb #6b430344
 def _check_count(name, value):
@@ -25,6 +25,10 @@ def _check_count(name, value):
     if value < 1: raise ValueError(f"{name} must be at least 1, got {value}")
 
 # %% ../nbs/02_window.ipynb #91463929
+def world_size(group=None) -> int:
+    "Processes in `group` (1 when torch.distributed is not initialised)."
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
 class AccumulationWindow:
     "Counts the micro-batches of a window, gives each its loss weight and the gradient correction at the step."
     def __init__(self,
@@ -93,11 +97,11 @@ class AccumulationWindow:
 
     def __repr__(self): return f'{type(self).__name__}(n_micro={self.n_micro}, n_seen={self.n_seen}, full={self.full})'
 
-# %% ../nbs/02_window.ipynb #7eec4d18
-def check_accumulation_args(n_step, n_acc, policy, partial,
-                            exact_ok:bool=False, # does the caller support the 'exact' policy (each window one batch)?
-                           ):
-    "Validate the arguments both callbacks (fastai v2 and v1) share, at construction rather than at fit time."
+# %% ../nbs/02_window.ipynb #516f34cd
+def validate_window_args(n_step, n_acc, policy, partial,
+                         exact_ok:bool=False, # does the caller support the 'exact' policy (each window one batch)?
+                        ):
+    "Validate the arguments every front end shares (the core `Accumulation`, the fastai v2 and v1 callbacks), at construction."
     AccumulationWindow(n_step, n_acc)
     if not (exact_ok and policy == 'exact'):
         try: _check_policy(policy)
@@ -105,6 +109,14 @@ def check_accumulation_args(n_step, n_acc, policy, partial,
             hint = ", or 'exact' (each window trained as one batch)" if exact_ok else " ('exact' needs the fastai v2 callback)"
             raise ValueError(f"{e}{hint}") from None
     if partial not in ('step', 'drop'): raise ValueError(f"partial must be 'step' or 'drop', got {partial!r}")
+
+# %% ../nbs/02_window.ipynb #8472b5a9
+def loss_reduction(loss_func) -> str:
+    "The reduction of a torch, fastai or fastai v1 loss: 'sum' if it sums, else 'mean' (also when it does not say)."
+    for f in (loss_func, getattr(loss_func, 'func', None)):
+        r = getattr(f, 'reduction', None)
+        if r is not None: return 'sum' if r == 'sum' else 'mean'
+    return 'mean'
 
 # %% ../nbs/02_window.ipynb #59ee1a5c
 @torch.no_grad()
@@ -115,10 +127,7 @@ def scale_grads(params, # parameters (those without a gradient are skipped)
     grads = [p.grad for p in params if p.grad is not None]
     if grads: torch._foreach_mul_(grads, factor)
 
-def world_size(group=None) -> int:
-    "Processes in `group` (1 when torch.distributed is not initialised)."
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-
+# %% ../nbs/02_window.ipynb #157a1963
 def commit_window(bns:list, # `AccumulateBatchNorm` layers
                   group=None, # process group whose pending statistics are merged first (default: the world)
                  ):
@@ -133,6 +142,7 @@ def drop_window(bns:list):
     "Forget the pending statistics of every layer in `bns`."
     for bn in bns: bn.reset_stats()
 
+# %% ../nbs/02_window.ipynb #c27cdc4b
 class WindowSteps:
     "What an accumulator (the core `Accumulation`, the Lightning callback) does when a window's step is taken (needs `window`, `bns`, `losses`, `n_steps`)."
     def _finish_window(self):
