@@ -330,7 +330,6 @@ import torch.distributed as dist
 bn_policies = ('micro', 'running', 'frozen', 'window', 'auto')
 auto_policy = 'window' # what 'auto' means today: the best measured policy (see the accuracy benchmark)
 
-# %% ../nbs/01_batchnorm.ipynb #5b50c3b5
 def _forward_is_known(cls) -> bool:
     "True if `cls`'s forward is a torch BatchNorm forward (we re-implement it exactly)."
     return cls.forward in (_BatchNorm.forward, nn.SyncBatchNorm.forward)
@@ -564,26 +563,8 @@ class AccumulateBatchNorm(_BatchNorm):
         # pickles as its plain class plus our state, so dynamically created classes (timm-style subclasses) pickle too
         return _rebuild_accumulating, (self.plain_class, self.__dict__.copy())
 
-# %% ../nbs/01_batchnorm.ipynb #5aa76222
-class AccumulateBatchNorm1d(AccumulateBatchNorm, nn.BatchNorm1d):
-    "Accumulating `nn.BatchNorm1d`."
-    plain_class = nn.BatchNorm1d
-
-class AccumulateBatchNorm2d(AccumulateBatchNorm, nn.BatchNorm2d):
-    "Accumulating `nn.BatchNorm2d`."
-    plain_class = nn.BatchNorm2d
-
-class AccumulateBatchNorm3d(AccumulateBatchNorm, nn.BatchNorm3d):
-    "Accumulating `nn.BatchNorm3d`."
-    plain_class = nn.BatchNorm3d
-
-class AccumulateSyncBatchNorm(AccumulateBatchNorm, nn.SyncBatchNorm):
-    "Accumulating `nn.SyncBatchNorm`."
-    plain_class = nn.SyncBatchNorm
-
 # %% ../nbs/01_batchnorm.ipynb #b53b9605
-_accumulating = {c.plain_class: c for c in (AccumulateBatchNorm1d, AccumulateBatchNorm2d, AccumulateBatchNorm3d,
-                                            AccumulateSyncBatchNorm)}
+_accumulating = {}  # plain BatchNorm class -> its accumulating class
 
 def accumulating_class(cls:type) -> type:
     "The `AccumulateBatchNorm` subclass standing for the BatchNorm class `cls`."
@@ -592,6 +573,11 @@ def accumulating_class(cls:type) -> type:
         _accumulating[cls] = type(f'Accumulate{cls.__name__}', (AccumulateBatchNorm, cls),
                                   dict(plain_class=cls, __module__=__name__, __doc__=f'Accumulating `{cls.__name__}`.'))
     return _accumulating[cls]
+
+AccumulateBatchNorm1d = accumulating_class(nn.BatchNorm1d)
+AccumulateBatchNorm2d = accumulating_class(nn.BatchNorm2d)
+AccumulateBatchNorm3d = accumulating_class(nn.BatchNorm3d)
+AccumulateSyncBatchNorm = accumulating_class(nn.SyncBatchNorm)
 
 def _rebuild_accumulating(plain_class, state):
     m = plain_class.__new__(plain_class)
@@ -775,8 +761,19 @@ def window_prepasses(model:nn.Module, # a model with `AccumulateBatchNorm` layer
     if passes not in (None, 1):
         warnings.warn(f"window_prepasses: passes={passes} is ignored: the pre-pass is exact in one pass "
                       "(the fixed-point passes over chunks it replaces diverge on deep nets)")
-    n = sum(xb[0].shape[0] for xb in xbs)
     sync = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    mode, chunk, sg = _prepass_mode(model, layers, xbs, chunk, memory)
+    info = _last_run[model] = dict(mode=mode, chunk=chunk, samples=sum(xb[0].shape[0] for xb in xbs), sync=sync)
+    if store is None and layers[0].running_mean.device.type != 'cpu': store = 'cpu'
+    for m in layers: m._begin_prepass(mode, sync, group)
+    try: _run_prepass(model, xbs, mode, chunk, sg, store, meter, info)
+    finally:
+        for m in layers: m._end_prepass()
+    return len(layers)
+
+def _prepass_mode(model, layers, xbs, chunk, memory) -> tuple:
+    "How the pre-pass runs: ('whole' or 'staged', samples per chunk, the `StagedGraph` when staged)."
+    n = sum(xb[0].shape[0] for xb in xbs)
     if chunk is not None:
         mode = 'whole' if chunk >= n else 'staged'
         graph = _trace(model) if mode == 'staged' else None
@@ -784,32 +781,27 @@ def window_prepasses(model:nn.Module, # a model with `AccumulateBatchNorm` layer
     else:
         plan = prepass_plan(model, xbs[0], memory)
         (mode, chunk), graph = plan.choose(n), plan.graph
+    if mode != 'staged': return mode, chunk, None
     barriers = set(layers)
-    if mode == 'staged':
-        sg = StagedGraph(model, graph, lambda m: m in barriers)
-        hidden = barriers - {sg.modules[sg.nodes[i].target] for i in sg.barriers}
-        if hidden:  # a BatchNorm inside a module the tracer keeps whole: no barrier can stop there
-            warnings.warn(f"window_prepasses: {len(hidden)} BatchNorm layer(s) of {type(model).__name__} are not nodes "
-                          "of its torch.fx graph; the pre-pass runs the whole window in one forward")
-            mode, chunk = 'whole', None
-    info = _last_run[model] = dict(mode=mode, chunk=chunk, samples=n, sync=sync)
-    dev = layers[0].running_mean.device
-    if store is None and dev.type != 'cpu': store = 'cpu'
-    for m in layers: m._begin_prepass(mode, sync, group)
-    try:
-        if mode == 'whole':
-            xb = _chunks(xbs, None)[0]
-            if meter: info['device_bytes'] = _metered_forward(model, xb)
-            else: model(*xb)
-        else:
-            dm, hm = (ByteMeter(), ByteMeter()) if meter else (None, None)
-            sg.run(
-                _chunks(xbs, chunk), lambda m, x: m._observe_prepass(x), lambda m: m._close_prepass(),
-                store=store, meter=dm, stored=hm)
-            if meter: info.update(device_bytes=dm.peak, stored_bytes=hm.peak)
-    finally:
-        for m in layers: m._end_prepass()
-    return len(layers)
+    sg = StagedGraph(model, graph, lambda m: m in barriers)
+    hidden = barriers - {sg.modules[sg.nodes[i].target] for i in sg.barriers}
+    if hidden:  # a BatchNorm inside a module the tracer keeps whole: no barrier can stop there
+        warnings.warn(f"window_prepasses: {len(hidden)} BatchNorm layer(s) of {type(model).__name__} are not nodes "
+                      "of its torch.fx graph; the pre-pass runs the whole window in one forward")
+        return 'whole', None, None
+    return mode, chunk, sg
+
+def _run_prepass(model, xbs, mode, chunk, sg, store, meter, info):
+    "The pre-pass forward(s): the whole window at once, or staged over chunks; the activation bytes into `info` if `meter`."
+    if mode == 'whole':
+        xb = _chunks(xbs, None)[0]
+        if meter: info['device_bytes'] = _metered_forward(model, xb)
+        else: model(*xb)
+        return
+    dm, hm = (ByteMeter(), ByteMeter()) if meter else (None, None)
+    sg.run(_chunks(xbs, chunk), lambda m, x: m._observe_prepass(x), lambda m: m._close_prepass(),
+           store=store, meter=dm, stored=hm)
+    if meter: info.update(device_bytes=dm.peak, stored_bytes=hm.peak)
 
 def _metered_forward(model, xb) -> int:
     "Run `model(*xb)`; the peak activation bytes of the forward (traced: from the graph's liveness; else leaf modules)."
@@ -873,6 +865,10 @@ def _check_count(name, value):
     if value < 1: raise ValueError(f"{name} must be at least 1, got {value}")
 
 # %% ../nbs/02_window.ipynb #91463929
+def world_size(group=None) -> int:
+    "Processes in `group` (1 when torch.distributed is not initialised)."
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
 class AccumulationWindow:
     "Counts the micro-batches of a window, gives each its loss weight and the gradient correction at the step."
     def __init__(self,
@@ -941,11 +937,11 @@ class AccumulationWindow:
 
     def __repr__(self): return f'{type(self).__name__}(n_micro={self.n_micro}, n_seen={self.n_seen}, full={self.full})'
 
-# %% ../nbs/02_window.ipynb #7eec4d18
-def check_accumulation_args(n_step, n_acc, policy, partial,
-                            exact_ok:bool=False, # does the caller support the 'exact' policy (each window one batch)?
-                           ):
-    "Validate the arguments both callbacks (fastai v2 and v1) share, at construction rather than at fit time."
+# %% ../nbs/02_window.ipynb #516f34cd
+def validate_window_args(n_step, n_acc, policy, partial,
+                         exact_ok:bool=False, # does the caller support the 'exact' policy (each window one batch)?
+                        ):
+    "Validate the arguments every front end shares (the core `Accumulation`, the fastai v2 and v1 callbacks), at construction."
     AccumulationWindow(n_step, n_acc)
     if not (exact_ok and policy == 'exact'):
         try: _check_policy(policy)
@@ -953,6 +949,14 @@ def check_accumulation_args(n_step, n_acc, policy, partial,
             hint = ", or 'exact' (each window trained as one batch)" if exact_ok else " ('exact' needs the fastai v2 callback)"
             raise ValueError(f"{e}{hint}") from None
     if partial not in ('step', 'drop'): raise ValueError(f"partial must be 'step' or 'drop', got {partial!r}")
+
+# %% ../nbs/02_window.ipynb #8472b5a9
+def loss_reduction(loss_func) -> str:
+    "The reduction of a torch, fastai or fastai v1 loss: 'sum' if it sums, else 'mean' (also when it does not say)."
+    for f in (loss_func, getattr(loss_func, 'func', None)):
+        r = getattr(f, 'reduction', None)
+        if r is not None: return 'sum' if r == 'sum' else 'mean'
+    return 'mean'
 
 # %% ../nbs/02_window.ipynb #59ee1a5c
 @torch.no_grad()
@@ -963,10 +967,7 @@ def scale_grads(params, # parameters (those without a gradient are skipped)
     grads = [p.grad for p in params if p.grad is not None]
     if grads: torch._foreach_mul_(grads, factor)
 
-def world_size(group=None) -> int:
-    "Processes in `group` (1 when torch.distributed is not initialised)."
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-
+# %% ../nbs/02_window.ipynb #157a1963
 def commit_window(bns:list, # `AccumulateBatchNorm` layers
                   group=None, # process group whose pending statistics are merged first (default: the world)
                  ):
@@ -981,6 +982,7 @@ def drop_window(bns:list):
     "Forget the pending statistics of every layer in `bns`."
     for bn in bns: bn.reset_stats()
 
+# %% ../nbs/02_window.ipynb #c27cdc4b
 class WindowSteps:
     "What an accumulator (the core `Accumulation`, the Lightning callback) does when a window's step is taken (needs `window`, `bns`, `losses`, `n_steps`)."
     def _finish_window(self):
@@ -1081,7 +1083,7 @@ class WindowLoader:
 
 # ======== fastai_accum/exact.py ========
 # %% ../nbs/02a_exact.ipynb #43c0896b
-import contextlib, random
+import contextlib, itertools, random
 from dataclasses import dataclass
 import numpy as np
 import torch
@@ -1091,14 +1093,37 @@ from torch import nn
 # %% auto #0
 
 # %% ../nbs/02a_exact.ipynb #ba19ca8e
+def rng_states() -> tuple:
+    "The states of Python's, numpy's and torch's random generators (CPU, and every CUDA device once initialised)."
+    return (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+            torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
+
+def restore_rng_states(states:tuple): # what `rng_states` returned
+    "Put Python's, numpy's and torch's random generators back to `states`."
+    py, np_state, cpu, cuda = states
+    random.setstate(py); np.random.set_state(np_state); torch.set_rng_state(cpu)
+    if cuda is not None: torch.cuda.set_rng_state_all(cuda)
+
 @contextlib.contextmanager
 def random_state_kept():
     "Random numbers drawn inside do not change what Python, numpy and torch draw afterwards."
-    py, np_state = random.getstate(), np.random.get_state()
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
-        try: yield
-        finally: random.setstate(py); np.random.set_state(np_state)
+    states = rng_states()
+    try: yield
+    finally: restore_rng_states(states)
+
+# %% ../nbs/02a_exact.ipynb #a31cf6dc
+def peek_batches(dl, # a fastai or PyTorch DataLoader
+                 n:int=1, # how many batches to read
+                ) -> list:
+    "The first `n` batches of `dl`, read without changing what `dl` or any random generator gives afterwards."
+    fake, rng = getattr(dl, 'fake_l', None), getattr(dl, 'rng', None)
+    state = rng.getstate() if isinstance(rng, random.Random) else None
+    try:  # iterating draws the loader's base seed from torch and replaces fastai's shuffling `dl.rng`: both restored
+        with random_state_kept(), (fake.no_multiproc() if fake is not None else contextlib.nullcontext()):
+            return list(itertools.islice(dl, n))
+    finally:
+        if state is not None: rng.setstate(state); dl.rng = rng
+        if hasattr(dl, 'it'): del dl.it  # as fastai's `one_batch`
 
 @contextlib.contextmanager
 def leaves_no_trace(model:nn.Module):
@@ -1319,7 +1344,7 @@ def _agreed(exact:bool) -> bool:
 
 # ======== fastai_accum/loop.py ========
 # %% ../nbs/07_loop.ipynb #d39581af
-import collections, warnings
+import collections, inspect, warnings
 from contextlib import nullcontext
 import torch
 from torch import nn, Tensor
@@ -1344,6 +1369,7 @@ def default_inputs(b) -> tuple:
 # %% ../nbs/07_loop.ipynb #8f133906
 class Accumulation(WindowSteps):
     "Gradient accumulation with exact BatchNorm for any training loop: `batches` reads windows ahead, `backward` says when to step."
+    adapter_args = ['model', 'loss_reduction', 'inputs', 'device', 'autocast', 'params', 'merge_exact', 'name']  # what a front end (fastai's callbacks) fills in itself
     def __init__(self, model:nn.Module, # the model (or its DDP wrapper); its BatchNorm layers are wrapped in place
                  n_step:int|None=None, # micro-batches per optimizer step
                  n_acc:int|None=None,  # or: samples per optimizer step (the effective batch size)
@@ -1362,7 +1388,7 @@ class Accumulation(WindowSteps):
                  merge_exact:bool=True, # 'exact' under DDP: wrap BatchNorm so that running statistics merge across processes (fastai leaves that to `sync_bn`)
                  name:str|None=None,   # who speaks in error messages and the pre-flight (default: the class name)
                 ):
-        check_accumulation_args(n_step, n_acc, policy, partial, exact_ok=True)
+        validate_window_args(n_step, n_acc, policy, partial, exact_ok=True)
         _check_count('prepass_bs', prepass_bs)
         self.model, self.n_step, self.n_acc, self.policy, self.partial = model, n_step, n_acc, policy, partial
         self.inputs, self.autocast, self.wrap, self.sync_each_batch = inputs, autocast, wrap, sync_each_batch
@@ -1511,25 +1537,26 @@ class Accumulation(WindowSteps):
         mode = '?' if self.exact is None else 'exact' if self.exact else 'micro-batches'
         return f'{type(self).__name__}(n_step={self.n_step}, n_acc={self.n_acc}, policy={self.policy!r}, {mode}, steps={self.n_steps})'
 
+# %% ../nbs/07_loop.ipynb #13c1b3a2
+def accumulation_options(kwargs:dict, # keyword arguments a front end got for the core
+                         name:str, # the front end, named in the error
+                        ) -> dict:
+    "The core's options a front end passes on (`policy`, `partial`, `wrap`, `offload`, ...): the defaults updated by `kwargs`, checked."
+    own = {'n_step', 'n_acc', *Accumulation.adapter_args}
+    options = {k: p.default for k, p in inspect.signature(Accumulation).parameters.items() if k not in own}
+    bad = [k for k in kwargs if k not in options]
+    if bad: raise TypeError(f"{name}() got an unexpected keyword argument {bad[0]!r}")
+    _check_count('prepass_bs', kwargs.get('prepass_bs'))
+    return {**options, **kwargs}
+
 # ======== fastai_accum/callback.py ========
 # %% ../nbs/03_callback.ipynb #61a32000
-import warnings
+import inspect, time, warnings
+from contextlib import nullcontext
 import torch
 from fastai.callback.fp16 import MixedPrecision
-import random, time
-from contextlib import nullcontext
 
 # %% auto #0
-
-# %% ../nbs/03_callback.ipynb #bc9e3207
-_cancels = (CancelBatchException, CancelStepException, CancelBackwardException, CancelEpochException,
-            CancelTrainException, CancelValidException, CancelFitException)
-
-def _loss_reduction(loss_func) -> str:
-    "The reduction of a torch or fastai loss ('mean' if it does not say)."
-    r = getattr(loss_func, 'reduction', None)
-    if r is None: r = getattr(getattr(loss_func, 'func', None), 'reduction', 'mean')
-    return 'sum' if r == 'sum' else 'mean'
 
 # %% ../nbs/03_callback.ipynb #c2ce77c4
 class WindowPrefetch(Callback):
@@ -1539,7 +1566,8 @@ class WindowPrefetch(Callback):
     def before_train(self):
         self.learn.dl = self.loader = WindowLoader(self.learn.dl, self.n_step, self.n_acc, self.exact, self.partial)
 
-# %% ../nbs/03_callback.ipynb #0f7ffa5e
+# %% ../nbs/03_callback.ipynb #957a3b99
+@delegates(Accumulation.__init__, but=Accumulation.adapter_args)
 class GradientAccumulation(Callback):
     "Accumulate gradients over windows of micro-batches, weighting by samples, with exact BatchNorm statistics"
     order,run_valid = MixedPrecision.order-4,False
@@ -1547,22 +1575,15 @@ class GradientAccumulation(Callback):
     def __init__(self,
                  n_step:int|None=None, # micro-batches per optimizer step
                  n_acc:int|None=None,  # or: samples per optimizer step (the effective batch size), as fastai's `n_acc`
-                 wrap:bool=True,       # make the model's BatchNorm layers `AccumulateBatchNorm` in `before_fit`
-                 policy:str='auto',    # 'exact' (each window one batch), a BatchNorm policy (`bn_policies`), or 'auto'
-                 partial:str='step',   # incomplete window at the end of an epoch: 'step' (scaled exactly) or 'drop'
+                 preflight:bool=True,  # print the pre-flight (the 'exact' plan, or the BatchNorm table) at the first micro-batch
                  prepasses:int|None=None, # deprecated: the 'window' pre-pass is exact in one pass
-                 prepass_bs:int|None=None, # 'window' policy: samples per chunk of a staged (memory-bounded, exact) pre-pass (default: chosen within `prepass_memory`)
-                 prepass_memory:int|None=None, # 'window' policy: bytes the pre-pass may hold on the device (default: what training holds at the micro-batch)
-                 sync_each_batch:bool=False, # under DDP, all-reduce gradients after every micro-batch, not once per window
-                 preflight:bool=True,  # print the BatchNorm pre-flight table (`bn_preflight`) at the first micro-batch
-                 offload:bool|None=None, # 'exact' policy: saved activations in host memory (default: only if they do not fit on the accelerator)
-                 device_memory:int|None=None, # 'exact' policy: accelerator bytes it may use (default: 80% of what is free)
-                 host_memory:int|None=None, # 'exact' policy: host bytes it may use (default: half of what is available)
+                 **kwargs, # the core's options, documented on `Accumulation` (`policy`, `partial`, `wrap`, `offload`, ...)
                 ):
-        check_accumulation_args(n_step, n_acc, policy, partial, exact_ok=True)
-        _check_count('prepasses', prepasses); _check_count('prepass_bs', prepass_bs)
-        store_attr()
-        self.acc, self.train_time = None, 0.
+        options = accumulation_options(kwargs, 'GradientAccumulation')
+        validate_window_args(n_step, n_acc, options['policy'], options['partial'], exact_ok=True)
+        _check_count('prepasses', prepasses)
+        store_attr('n_step,n_acc,preflight,prepasses', **options)
+        self._options, self.acc, self.train_time = list(options), None, 0.
 
     # What the core keeps, read through the callback (`learn.gradient_accumulation.losses`, `.exact`, ...)
     losses = property(lambda self: L(self.acc.losses) if self.acc is not None else L())
@@ -1573,137 +1594,158 @@ class GradientAccumulation(Callback):
     window = property(lambda self: getattr(self.acc, 'window', None))
     bns = property(lambda self: getattr(self.acc, 'bns', None))
 
-    def before_fit(self):
-        self._check_batch_size()
-        self.acc = Accumulation(self.learn.model, self.n_step, self.n_acc, self.policy, self.partial,
-                                _loss_reduction(self.learn.loss_func), inputs=self._inputs, autocast=self._autocast,
-                                wrap=self.wrap, prepass_bs=self.prepass_bs, prepass_memory=self.prepass_memory,
-                                sync_each_batch=self.sync_each_batch, offload=self.offload, device_memory=self.device_memory,
-                                host_memory=self.host_memory, merge_exact=False, name='GradientAccumulation')
-        self.acc.prepasses = self.prepasses
-        self.acc.setup(self._peek_batch)  # 'exact' or not (measuring a peeked micro-batch only if it must), wrap BatchNorm
-        for m in self.bns: m.grad_pool.reset()  # each fit starts afresh: nothing of an earlier fit steers this one
-        self.train_time, self._final, self._drop = 0., False, False
-        self._warn_lr_find()
-        self._clear()
-        self._guard_interrupts()
-        if (self.acc.needs_window or self.exact) and not hasattr(self.learn, 'window_prefetch'):
-            self.learn.add_cb(WindowPrefetch(self.n_step, self.n_acc, self.exact, self.partial))
+# %% ../nbs/03_callback.ipynb #3d19dae1
+@patch
+def before_fit(self:GradientAccumulation):
+    self._check_batch_size()
+    self.acc = Accumulation(self.learn.model, self.n_step, self.n_acc, **{k: getattr(self, k) for k in self._options},
+                            loss_reduction=loss_reduction(self.learn.loss_func), inputs=self._inputs, autocast=self._autocast,
+                            merge_exact=False, name='GradientAccumulation')
+    self.acc.prepasses = self.prepasses
+    self.acc.setup(self._peek_batch)  # 'exact' or not (measuring a peeked micro-batch only if it must), wrap BatchNorm
+    for m in self.bns: m.grad_pool.reset()  # each fit starts afresh: nothing of an earlier fit steers this one
+    self.train_time, self._final, self._drop = 0., False, False
+    self._warn_lr_find()
+    self._clear()
+    self._guard_interrupts()
+    if (self.acc.needs_window or self.exact) and not hasattr(self.learn, 'window_prefetch'):
+        self.learn.add_cb(WindowPrefetch(self.n_step, self.n_acc, self.exact, self.partial))
 
-    def _peek_batch(self):
-        "The first training micro-batch, read without changing what the DataLoader or any random generator gives later."
-        dl = self.dls.train
-        rng = getattr(dl, 'rng', None)
-        state = rng.getstate() if isinstance(rng, random.Random) else None
-        with random_state_kept(): b = dl.one_batch() if hasattr(dl, 'one_batch') else next(iter(dl))
-        if state is not None: rng.setstate(state); dl.rng = rng  # iterating replaced fastai's `dl.rng`
-        return self.learn._set_device(b)
+@patch
+def _peek_batch(self:GradientAccumulation):
+    "The first training micro-batch, read without changing what the DataLoader or any random generator gives later."
+    return self.learn._set_device(peek_batches(self.dls.train)[0])
 
-    def _check_batch_size(self):
-        bs = getattr(getattr(self.dls, 'train', None), 'bs', None)
-        if self.n_acc is not None and bs and bs > self.n_acc:
-            raise ValueError(f"GradientAccumulation: the training DataLoader's bs={bs} is larger than the effective batch "
-                             f"n_acc={self.n_acc}; lower bs or raise n_acc")
+@patch
+def _check_batch_size(self:GradientAccumulation):
+    bs = getattr(getattr(self.dls, 'train', None), 'bs', None)
+    if self.n_acc is not None and bs and bs > self.n_acc:
+        raise ValueError(f"GradientAccumulation: the training DataLoader's bs={bs} is larger than the effective batch "
+                         f"n_acc={self.n_acc}; lower bs or raise n_acc")
 
-    def _warn_lr_find(self):
-        finder = getattr(self.learn, 'lr_finder', None)
-        if finder is None: return
-        if self.exact:  # every iteration is a step; lr_find sized its epochs in micro-batches: give it enough windows
-            windows = max(1, len(WindowLoader(self.dls.train, self.n_step, self.n_acc, True, self.partial)))
-            self.learn.n_epoch = max(self.learn.n_epoch, finder.num_it // windows + 1)
-            return
-        per_step = self.n_step or max(1, self.n_acc // max(1, getattr(self.dls.train, 'bs', 1)))
-        if finder.num_it / per_step < 20:
-            warnings.warn(f"lr_find with gradient accumulation makes one optimizer step per window: num_it={finder.num_it} "
-                          f"gives only {finder.num_it // per_step} steps. Pass num_it={20*per_step} or more.")
+@patch
+def _inputs(self:GradientAccumulation, b):
+    b = self.learn._set_device(b)
+    return b[:getattr(self.dls, 'n_inp', 1 if len(b) == 1 else len(b) - 1)]
 
-    def before_train(self):
-        self._t0 = time.perf_counter()
-        self.acc.use_model(self.learn.model)  # fastai's DistributedTrainer wrapped it in DDP (and made SyncBatchNorm) after our before_fit
-        self.acc.find_bns()
+@patch
+def _autocast(self:GradientAccumulation):
+    "The training forward's autocast (MixedPrecision enters its own only in its before_batch, after us)."
+    mp = getattr(self.learn, 'mixed_precision', None)
+    ac = getattr(mp, 'autocast', None)
+    if ac is None or not getattr(ac, '_enabled', False): return nullcontext()
+    return torch.autocast(ac.device, dtype=ac.fast_dtype)
 
-    def before_batch(self):
-        if self.preflight and (self.bns or self.exact) and not getattr(self, '_preflight_done', False): self._show_preflight()
-        if self.acc.needs_window and self.window.empty: self.acc.start_window(self._window())
-        bs = find_bs(self.learn.yb)
-        fills = self.window.fills(bs)
-        ends = self.exact or fills or self.learn.iter == self.learn.n_iter - 1  # the window (or the epoch) ends here
-        self._drop = ends and self.partial == 'drop' and not self.exact and not fills
-        self._final = ends and not self._drop
-        self.acc.start_micro(bs, self._final)  # DDP's gradient sync, the 'exact' plan's offload
-        if self._drop and self.acc.ddp is not None: self.acc.ddp.require_backward_grad_sync = True  # as every window's end
+# %% ../nbs/03_callback.ipynb #86c9de7d
+@patch
+def before_train(self:GradientAccumulation):
+    self._t0 = time.perf_counter()
+    self.acc.use_model(self.learn.model)  # fastai's DistributedTrainer wrapped it in DDP (and made SyncBatchNorm) after our before_fit
+    self.acc.find_bns()
 
-    def _window(self) -> list:
-        "The window that starts with this micro-batch (the 'window' policy's pre-pass runs over it)."
-        return [self.learn.xb + self.learn.yb] + list(self.learn.window_prefetch.loader.window[1:])
+_cancels = (CancelBatchException, CancelStepException, CancelBackwardException, CancelEpochException,
+            CancelTrainException, CancelValidException, CancelFitException)
 
-    def _show_preflight(self):
-        self._preflight_done = True
-        if getattr(self.learn, 'lr_finder', None) is not None or rank_distrib(): return
-        if self.exact:
-            print(self.acc._exact_message())
-            return
-        if self.plan is not None:
-            print(f"GradientAccumulation: policy 'auto' -> window BatchNorm: 'exact' would need host offload or more memory "
-                  f"({self.plan.describe()}).")
-        print(self.acc._preflight_table(self.acc.module, self.learn.xb))
+@patch
+def _clear(self:GradientAccumulation):
+    "Drop any partial window: accumulated gradients and pending BatchNorm statistics."
+    if self.acc is not None: self.acc.clear()
+    self._final = self._drop = False
 
-    def _inputs(self, b):
-        b = self.learn._set_device(b)
-        return b[:getattr(self.dls, 'n_inp', 1 if len(b) == 1 else len(b) - 1)]
+@patch
+def _guard_interrupts(self:GradientAccumulation):
+    "fastai runs no event after an exception it does not expect (e.g. KeyboardInterrupt): clean up on the way out."
+    learn, do_epoch = self.learn, type(self.learn)._do_epoch
+    def _do_epoch():
+        try: do_epoch(learn)
+        except _cancels: raise
+        except BaseException:
+            self._clear()
+            learn.__dict__.pop('_do_epoch', None)
+            if hasattr(learn, 'window_prefetch'): learn.remove_cb(learn.window_prefetch)
+            raise
+    learn._do_epoch = _do_epoch
 
-    def _autocast(self):
-        "The training forward's autocast (MixedPrecision enters its own only in its before_batch, after us)."
-        mp = getattr(self.learn, 'mixed_precision', None)
-        ac = getattr(mp, 'autocast', None)
-        if ac is None or not getattr(ac, '_enabled', False): return nullcontext()
-        return torch.autocast(ac.device, dtype=ac.fast_dtype)
+# %% ../nbs/03_callback.ipynb #646b8737
+@patch
+def _warn_lr_find(self:GradientAccumulation):
+    finder = getattr(self.learn, 'lr_finder', None)
+    if finder is None: return
+    if self.exact:  # every iteration is a step; lr_find sized its epochs in micro-batches: give it enough windows
+        windows = max(1, len(WindowLoader(self.dls.train, self.n_step, self.n_acc, True, self.partial)))
+        self.learn.n_epoch = max(self.learn.n_epoch, finder.num_it // windows + 1)
+        return
+    per_step = self.n_step or max(1, self.n_acc // max(1, getattr(self.dls.train, 'bs', 1)))
+    if finder.num_it / per_step < 20:
+        warnings.warn(f"lr_find with gradient accumulation makes one optimizer step per window: num_it={finder.num_it} "
+                      f"gives only {finder.num_it // per_step} steps. Pass num_it={20*per_step} or more.")
 
-    def after_loss(self):
-        f = self.acc.loss_factor(self.learn.loss)  # the micro-batch's weight; at the window's end also the correction
-        if f != 1.: self.learn.loss_grad = self.learn.loss_grad * f
+# %% ../nbs/03_callback.ipynb #4744ee14
+@patch
+def _show_preflight(self:GradientAccumulation):
+    self._preflight_done = True
+    if getattr(self.learn, 'lr_finder', None) is not None or rank_distrib(): return
+    if self.exact:
+        print(self.acc._exact_message())
+        return
+    if self.plan is not None:
+        print(f"GradientAccumulation: policy 'auto' -> window BatchNorm: 'exact' would need host offload or more memory "
+              f"({self.plan.describe()}).")
+    print(self.acc._preflight_table(self.acc.module, self.learn.xb))
 
-    def before_step(self):
-        if self._drop: self._clear()
-        if not self._final: raise CancelBatchException()  # keep accumulating (or drop): no step, no zero_grad
+# %% ../nbs/03_callback.ipynb #45970d89
+@patch
+def after_train(self:GradientAccumulation):
+    self._clear()
+    self.train_time += time.perf_counter() - self._t0
 
-    def after_batch(self): self.acc.end_micro()  # at the window's end: commit BatchNorm statistics
+@patch
+def after_epoch(self:GradientAccumulation): self._clear()
 
-    # A window never outlives its epoch or fit, however they end
-    def after_train(self):
-        self._clear()
-        self.train_time += time.perf_counter() - self._t0
-    def after_epoch(self): self._clear()
-    def after_fit(self):
-        self._clear()
-        self.learn.__dict__.pop('_do_epoch', None)
-        if hasattr(self.learn, 'window_prefetch'): self.learn.remove_cb(self.learn.window_prefetch)
+@patch
+def after_fit(self:GradientAccumulation):
+    self._clear()
+    self.learn.__dict__.pop('_do_epoch', None)
+    if hasattr(self.learn, 'window_prefetch'): self.learn.remove_cb(self.learn.window_prefetch)
 
-    def _clear(self):
-        "Drop any partial window: accumulated gradients (also the optimizer's) and pending BatchNorm statistics."
-        if self.acc is None: return
-        if not self.window.empty and self.learn.opt is not None: self.learn.opt.zero_grad()
-        self.acc.clear()
-        self._final = self._drop = False
+# %% ../nbs/03_callback.ipynb #8deebdf2
+@patch
+def before_batch(self:GradientAccumulation):
+    if self.preflight and (self.bns or self.exact) and not getattr(self, '_preflight_done', False): self._show_preflight()
+    if self.acc.needs_window and self.window.empty: self.acc.start_window(self._window())
+    bs = find_bs(self.learn.yb)
+    fills = self.window.fills(bs)
+    ends = self.exact or fills or self.learn.iter == self.learn.n_iter - 1  # the window (or the epoch) ends here
+    self._drop = ends and self.partial == 'drop' and not self.exact and not fills
+    self._final = ends and not self._drop
+    self.acc.start_micro(bs, self._final)  # DDP's gradient sync, the 'exact' plan's offload
+    if self._drop and self.acc.ddp is not None: self.acc.ddp.require_backward_grad_sync = True  # as every window's end
 
-    def _guard_interrupts(self):
-        "fastai runs no event after an exception it does not expect (e.g. KeyboardInterrupt): clean up on the way out."
-        learn, do_epoch = self.learn, type(self.learn)._do_epoch
-        def _do_epoch():
-            try: do_epoch(learn)
-            except _cancels: raise
-            except BaseException:
-                self._clear()
-                learn.__dict__.pop('_do_epoch', None)
-                if hasattr(learn, 'window_prefetch'): learn.remove_cb(learn.window_prefetch)
-                raise
-        learn._do_epoch = _do_epoch
+@patch
+def _window(self:GradientAccumulation) -> list:
+    "The window that starts with this micro-batch (the 'window' policy's pre-pass runs over it)."
+    return [self.learn.xb + self.learn.yb] + list(self.learn.window_prefetch.loader.window[1:])
 
-    def plot_losses(self, ax=None):
-        "Plot the mean loss of each window (one point per optimizer step)."
-        import matplotlib.pyplot as plt
-        if ax is None: _, ax = plt.subplots()
-        ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
-        return ax
+@patch
+def after_loss(self:GradientAccumulation):
+    f = self.acc.loss_factor(self.learn.loss)  # the micro-batch's weight; at the window's end also the correction
+    if f != 1.: self.learn.loss_grad = self.learn.loss_grad * f
 
-__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'trace_model', 'ByteMeter', 'StagedGraph', 'bn_policies', 'auto_policy', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'AccumulationWindow', 'check_accumulation_args', 'scale_grads', 'world_size', 'commit_window', 'drop_window', 'WindowSteps', 'batch_size', 'cat_batches', 'WindowLoader', 'random_state_kept', 'leaves_no_trace', 'SavedTensorMeter', 'fmt_bytes', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'auto_picks_exact', 'saved_on_host', 'choose_exact', 'default_inputs', 'Accumulation', 'WindowPrefetch', 'GradientAccumulation']
+@patch
+def before_step(self:GradientAccumulation):
+    if self._drop: self._clear()
+    if not self._final: raise CancelBatchException()  # keep accumulating (or drop): no step, no zero_grad
+
+@patch
+def after_batch(self:GradientAccumulation): self.acc.end_micro()  # at the window's end: commit BatchNorm statistics
+
+# %% ../nbs/03_callback.ipynb #60e9adaa
+@patch
+def plot_losses(self:GradientAccumulation, ax=None):
+    "Plot the mean loss of each window (one point per optimizer step)."
+    import matplotlib.pyplot as plt
+    if ax is None: _, ax = plt.subplots()
+    ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
+    return ax
+
+__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'trace_model', 'ByteMeter', 'StagedGraph', 'bn_policies', 'auto_policy', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'WindowSteps', 'batch_size', 'cat_batches', 'WindowLoader', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'leaves_no_trace', 'SavedTensorMeter', 'fmt_bytes', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'auto_picks_exact', 'saved_on_host', 'choose_exact', 'default_inputs', 'Accumulation', 'accumulation_options', 'WindowPrefetch', 'GradientAccumulation']
