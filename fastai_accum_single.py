@@ -614,12 +614,15 @@ def wrap_bn(model:nn.Module, # any model; its BatchNorm layers are changed in pl
     if not n_bn: warnings.warn(f"wrap_bn: {type(model).__name__} has no BatchNorm layer; nothing to wrap.")
     return n_new
 
+_accumulation_state = ('_policy', 'pending', 'layer_name', 'grad_pool', 'window_stats', '_prepass', '_prepass_stats',
+                       '_chunk_stats', '_prepass_sync', '_prepass_group')  # what `_setup_accumulation` adds to a layer
+
 def unwrap_bn(model:nn.Module) -> int:
     "Turn every `AccumulateBatchNorm` of `model` back into its plain BatchNorm class, in place; returns how many."
     n = 0
     for m in bn_layers(model, accumulating=True):
         m.__class__ = m.plain_class
-        for attr in ('_policy', 'pending', 'layer_name'): m.__dict__.pop(attr, None)
+        for attr in _accumulation_state: m.__dict__.pop(attr, None)
         n += 1
     return n
 
