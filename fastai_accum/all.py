@@ -7,12 +7,13 @@ __all__ = ['fastai_major']
 
 # %% ../nbs/99_all.ipynb #b7ad9e4d
 import importlib
-import fastai_accum.stats, fastai_accum.batchnorm, fastai_accum.window, fastai_accum.callback_v1, fastai_accum.repro, fastai_accum.distributed
+import fastai_accum.stats, fastai_accum.batchnorm, fastai_accum.window, fastai_accum.callback_v1, fastai_accum.repro, fastai_accum.divergence, fastai_accum.distributed
 from .stats import *
 from .batchnorm import *
 from .window import *
 from .callback_v1 import *
 from .repro import *
+from .divergence import *
 from .distributed import *
 
 # %% ../nbs/99_all.ipynb #c71ed641
@@ -23,12 +24,14 @@ def fastai_major() -> int|None:
     return int(fastai.__version__.split('.')[0])
 
 # %% ../nbs/99_all.ipynb #99983a4c
-_modules = [fastai_accum.stats, fastai_accum.batchnorm, fastai_accum.window, fastai_accum.callback_v1, fastai_accum.repro, fastai_accum.distributed]
+_modules = [fastai_accum.stats, fastai_accum.batchnorm, fastai_accum.window, fastai_accum.callback_v1, fastai_accum.repro,
+            fastai_accum.divergence, fastai_accum.distributed]
 if fastai_major() == 1:
     GradientAccumulation = GradientAccumulationV1
     _extra = ['GradientAccumulation']
 elif fastai_major() is not None:
-    _modules += [importlib.import_module(f'fastai_accum.{m}') for m in ('callback', 'bn_tools', 'check')]
-    for _m in _modules[6:]: globals().update({k: getattr(_m, k) for k in _m.__all__})
+    _v2_modules = [importlib.import_module(f'fastai_accum.{m}') for m in ('callback', 'bn_tools', 'check')]
+    for _m in _v2_modules: globals().update({k: getattr(_m, k) for k in _m.__all__})
+    _modules += _v2_modules
     _extra = []
 __all__ = [name for mod in _modules for name in mod.__all__] + _extra + ['fastai_major']

@@ -1,26 +1,38 @@
-"Reproducibility switch and divergence finder (`fastai_accum.repro`): CPU only, non-determinism injected by hand."
-import math, os, subprocess, sys, warnings
+"""What the reproducibility notebooks cannot check: traces written by two processes (`fastai_accum.divergence`), and
+`set_reproducible` (`fastai_accum.repro`) with DataLoader worker processes. The rest is specified in nbs/05_repro and
+nbs/05a_divergence. CPU only, non-determinism injected by hand."""
+import os, subprocess, sys, warnings
 from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
 from fastai.data.core import DataLoaders
 from fastai.data.load import DataLoader
 from fastai.learner import Learner
-from fastai_accum.repro import (set_reproducible, reproducible, ReproReport, find_divergence, record_trace,
-                                compare_traces, Trace, Divergence, env_fingerprint, EnvMismatchWarning,
-                                divergence_advice, _save_state, _restore_state)
+from fastai_accum.repro import set_reproducible, reproducible, ReproReport, _save_state, _restore_state
+from fastai_accum.divergence import compare_traces, Trace, EnvMismatchWarning
 
 ROOT = Path(__file__).parents[1]
 
-# Shared with the subprocesses of the cross-process test, hence a string.
-HELPERS = r'''
-import os
+
+@pytest.fixture(autouse=True)
+def restore_global_state():
+    "set_reproducible changes process-wide flags: put them back after each test."
+    s = _save_state()
+    yield
+    _restore_state(s)
+
+
+# --- two processes ------------------------------------------------------------------------------------------------
+
+# Each child records a noisy and a clean run (the noise, as in nbs/05a_divergence, comes from the OS: no seed controls it).
+CHILD = r'''
+import os, sys
 from collections import OrderedDict
 import torch
 from torch import nn
 import torch.nn.functional as F
+from fastai_accum.divergence import record_trace
 
 def os_noise(t):
     "Relative noise of 1e-6 from the OS entropy pool: no seed controls it (like the order of atomic adds on a GPU)."
@@ -35,151 +47,25 @@ class NoisyGrad(torch.autograd.Function):
     def backward(ctx, g): return g + os_noise(g)
 
 class Injected(nn.Module):
-    # Linear + ReLU with run-to-run noise in one place: `forward` (its output), `backward` (the gradient at its
-    # linear's output: its parameter gradients change), `input_grad` (only the gradient sent back to its input), or None.
-    def __init__(self, ni, no, where=None):
+    "Linear + ReLU; with `noisy=True` the gradient at its linear's output gets run-to-run noise."
+    def __init__(self, ni, no, noisy=False):
         super().__init__()
-        self.lin, self.where = nn.Linear(ni, no), where
+        self.lin, self.noisy = nn.Linear(ni, no), noisy
     def forward(self, x):
-        if self.where == 'input_grad': x = NoisyGrad.apply(x)
         out = self.lin(x)
-        if self.where == 'forward': out = out + os_noise(torch.ones_like(out))
-        if self.where == 'backward': out = NoisyGrad.apply(out)
-        return F.relu(out)
+        return F.relu(NoisyGrad.apply(out) if self.noisy else out)
 
-class NoisyReLU(nn.Module):
-    "A parameter-free module whose backward is non-deterministic."
-    def forward(self, x): return F.relu(NoisyGrad.apply(x))
-
-def make_model(where=None):
-    "Nested multi-layer model; the noise (if any) is in `body.1`. Has dropout, BatchNorm and an in-place ReLU."
+def make_model(noisy=False):
+    "Nested model with dropout, BatchNorm and an in-place ReLU; the noise (if any) is in `body.1`."
     torch.manual_seed(0)
-    mid = NoisyReLU() if where == 'act' else Injected(16, 16, where)
-    body = nn.Sequential(nn.Linear(8, 16), mid, nn.Dropout(0.2), nn.Linear(16, 16), nn.ReLU(inplace=True))
+    body = nn.Sequential(nn.Linear(8, 16), Injected(16, 16, noisy), nn.Dropout(0.2), nn.Linear(16, 16), nn.ReLU(inplace=True))
     return nn.Sequential(OrderedDict(body=body, bn=nn.BatchNorm1d(16), head=nn.Linear(16, 1)))
 
-def make_batch(bs=16):
-    g = torch.Generator().manual_seed(2)
-    return torch.randn(bs, 8, generator=g), torch.randn(bs, 1, generator=g)
-'''
-exec(HELPERS)
-
-
-@pytest.fixture(autouse=True)
-def restore_global_state():
-    "set_reproducible changes process-wide flags: put them back after each test."
-    s = _save_state()
-    yield
-    _restore_state(s)
-
-
-# --- the finder ---------------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize('where,direction', [('forward', 'forward'), ('backward', 'backward'),
-                                             ('input_grad', 'backward'), ('act', 'backward')])
-def test_finder_names_injected_module_and_direction(where, direction):
-    d = find_divergence(make_model(where), make_batch(), nn.MSELoss())
-    assert d.found and bool(d)
-    assert (d.module, d.direction, d.step) == ('body.1', direction, 0), d
-    assert d.module_type == ('NoisyReLU' if where == 'act' else 'Injected')
-    assert 0 < d.max_abs < 1e-3 and 0 < d.max_rel < 1e-4 and d.exact
-    assert d.advice and d.what and d.n_differing >= 1
-    assert 'body.1' in repr(d) and direction in repr(d) and '|' in d._repr_markdown_()
-
-
-def test_finder_with_optimizer_steps_reports_first_step():
-    d = find_divergence(make_model('backward'), make_batch(), nn.MSELoss(),
-                        opt=lambda ps: torch.optim.SGD(ps, lr=0.1), n_steps=3)
-    assert (d.module, d.direction, d.step) == ('body.1', 'backward', 0)
-    assert d.n_differing > 20  # the noise spreads to everything downstream, later steps included
-
-
-def test_clean_model_reports_no_divergence():
-    model = make_model()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    d = find_divergence(model, make_batch(), nn.MSELoss(), opt=opt, n_steps=2)
-    assert not d.found and not d and d.n_records > 40
-    assert repr(d).startswith('no divergence') and 'no divergence' in d._repr_markdown_()
-    assert len(opt.state) == 0  # the optimizer is put back as it was
-
-
-def test_record_trace_leaves_model_rng_and_hooks_untouched():
-    model = make_model('forward')
-    model.eval()
-    w0 = {k: v.clone() for k, v in model.state_dict().items()}
-    torch.manual_seed(5); expected = torch.rand(3); torch.manual_seed(5)
-    tr = record_trace(model, make_batch(), nn.MSELoss(), opt=lambda ps: torch.optim.SGD(ps, lr=1.), n_steps=2)
-    assert torch.equal(torch.rand(3), expected)
-    assert all(torch.equal(v, w0[k]) for k, v in model.state_dict().items())
-    assert not any(m.training for m in model.modules())
-    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
-    assert {r['direction'] for r in tr.records} == {'init', 'forward', 'backward', 'optimizer'}
-
-
-def test_summaries_for_big_tensors(tmp_path):
-    d = find_divergence(make_model('backward'), make_batch(), nn.MSELoss(), full_numel=0)
-    assert (d.module, d.direction) == ('body.1', 'backward') and not d.exact and d.max_abs > 0
-    assert 'lower bound' in repr(d)
-    tr = record_trace(make_model(), make_batch(), nn.MSELoss(), full_numel=0, fname=tmp_path/'s.pt')
-    assert isinstance(Trace.load(tmp_path/'s.pt').records[-1]['value'], dict)
-    assert not find_divergence(make_model(), make_batch(), nn.MSELoss(), full_numel=0).found
-
-
-def test_tolerance():
-    d = find_divergence(make_model('backward'), make_batch(), nn.MSELoss(), rtol=1e-4)
-    assert not d.found and 'within' in repr(d)
-
-
-def test_different_shapes_are_reported_with_advice():
-    a = record_trace(make_model(), make_batch(16), nn.MSELoss())
-    b = record_trace(make_model(), make_batch(8), nn.MSELoss())
-    d = compare_traces(a, b)
-    assert d.found and math.isnan(d.max_abs) and d.module == '<data>' and 'different shapes' in d.advice
-
-
-def test_advice_maps_causes_to_fixes():
-    assert 'cudnn.deterministic=True' in divergence_advice('backward', 'conv', 'Conv2d')
-    assert 'use_deterministic_algorithms' in divergence_advice('backward', 'up', 'Upsample')
-    assert 'use_deterministic_algorithms' in divergence_advice('backward', 'emb', 'Embedding')
-    assert 'seed' in divergence_advice('forward', 'drop', 'Dropout')
-    assert 'by design' in divergence_advice('forward', 'bn', 'BatchNorm2d')
-    assert 'initialised differently' in divergence_advice('init', 'lin', 'Linear')
-    assert 'set_reproducible(seed)' in divergence_advice('backward', 'lin', 'Linear', env_fingerprint())
-
-
-# --- fastai Learner -----------------------------------------------------------------------------------------------
-
-def tiny_learner(model):
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(96, 8, generator=g); y = x.sum(1, keepdim=True) + 0.1 * torch.randn(96, 1, generator=g)
-    dls = DataLoaders.from_dsets(TensorDataset(x[:64], y[:64]), TensorDataset(x[64:], y[64:]), bs=16)
-    return Learner(dls, model, loss_func=nn.MSELoss(), lr=1e-2)
-
-
-def test_finder_on_learner():
-    learn = tiny_learner(make_model('backward'))
-    with learn.no_logging(): learn.fit(1)
-    opt, losses, rng = learn.opt, list(learn.recorder.losses), learn.dls.train.rng.getstate()
-    w0 = {k: v.clone() for k, v in learn.model.state_dict().items()}
-    cbs = list(learn.cbs)
-    d = find_divergence(learn, n_steps=2)
-    assert (d.module, d.direction, d.step) == ('body.1', 'backward', 0)
-    assert list(learn.cbs) == cbs and learn.opt is opt and learn.recorder.losses == losses
-    assert learn.dls.train.rng.getstate() == rng
-    assert all(torch.equal(v, w0[k]) for k, v in learn.model.state_dict().items())
-    assert not find_divergence(tiny_learner(make_model()), n_steps=2).found
-
-
-# --- two processes ------------------------------------------------------------------------------------------------
-
-CHILD = HELPERS + r'''
-import sys
-from fastai_accum.repro import record_trace
-x, y = make_batch()
-record_trace(make_model('backward'), (x, y), nn.MSELoss(), n_steps=2,
-             opt=lambda ps: torch.optim.SGD(ps, lr=0.1), fname=sys.argv[1] + '.noisy.pt')
-record_trace(make_model(), (x, y), nn.MSELoss(), n_steps=2,
-             opt=lambda ps: torch.optim.SGD(ps, lr=0.1), fname=sys.argv[1] + '.clean.pt')
+g = torch.Generator().manual_seed(2)
+x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+for run, noisy in (('noisy', True), ('clean', False)):
+    record_trace(make_model(noisy), (x, y), nn.MSELoss(), n_steps=2,
+                 opt=lambda ps: torch.optim.SGD(ps, lr=0.1), fname=f'{sys.argv[1]}.{run}.pt')
 '''
 
 def test_cross_process_traces(tmp_path):
@@ -197,15 +83,6 @@ def test_cross_process_traces(tmp_path):
     assert not clean.found and clean.n_records > 40
     ea, eb = Trace.load(tmp_path/'a.clean.pt').env, Trace.load(tmp_path/'b.clean.pt').env
     assert ea == eb and ea['torch'] == torch.__version__ and ea['num_threads'] == 1
-
-
-def test_environment_mismatch_warns_with_fields(tmp_path):
-    a = record_trace(make_model(), make_batch(), nn.MSELoss(), fname=tmp_path/'a.pt')
-    b = Trace.load(tmp_path/'a.pt')
-    b.env = {**b.env, 'torch': '1.0.0', 'cudnn': 1234}
-    with pytest.warns(EnvMismatchWarning, match='torch.*cudnn'):
-        d = compare_traces(a, b)
-    assert not d.found and set(d.env_diff) == {'torch', 'cudnn'} and 'environments differ' in repr(d)
 
 
 # --- set_reproducible ---------------------------------------------------------------------------------------------
@@ -249,13 +126,6 @@ def test_set_reproducible_reseeds_existing_dataloaders():
     assert not torch.equal(fit_weights(dls), w1)
 
 
-def test_set_reproducible_reseeds_pytorch_dataloader():
-    dl = torch.utils.data.DataLoader(list(range(20)), batch_size=5, shuffle=True)
-    set_reproducible(1, dls=dl); a = [b.tolist() for b in dl]
-    set_reproducible(1, dls=dl); b = [b.tolist() for b in dl]
-    assert a == b
-
-
 def test_report_and_context_manager_restore(monkeypatch):
     monkeypatch.delenv('CUBLAS_WORKSPACE_CONFIG', raising=False)
     monkeypatch.delenv('PYTHONHASHSEED', raising=False)
@@ -277,17 +147,3 @@ def test_report_and_context_manager_restore(monkeypatch):
     assert 'CUBLAS_WORKSPACE_CONFIG' not in os.environ
     assert torch.equal(torch.rand(3), expected)
     assert dls.train.rng.getstate() == rng0 and 'generator' not in dls.train.fake_l.__dict__
-
-def test_find_divergence_on_learner_with_gradient_accumulation_is_clean():
-    "The finder replays one fixed batch: GradientAccumulation (whose window pre-pass reads other batches) is left out."
-    import torch
-    from torch import nn
-    from torch.utils.data import TensorDataset
-    from fastai.basics import Learner, DataLoaders, DataLoader, CrossEntropyLossFlat
-    from fastai_accum.all import GradientAccumulation, find_divergence
-    x = torch.randn(64, 3, 8, 8); y = (x.mean((1, 2, 3)) > 0).long()
-    dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=4, shuffle=True), DataLoader(TensorDataset(x, y), bs=64))
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
-    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), cbs=GradientAccumulation(n_step=4))
-    d = find_divergence(learn)
-    assert 'no divergence' in str(d).lower()
