@@ -5,6 +5,7 @@
 # %% ../nbs/04_bn_tools.ipynb #652db0ae
 from __future__ import annotations
 import itertools, warnings
+from contextlib import contextmanager
 import torch
 from torch import nn, Tensor
 import torch.nn.functional as F
@@ -29,6 +30,61 @@ def _model_input(b, n_inp:int) -> tuple:
 
 def _has_stats(m) -> bool: return m.track_running_stats and m.running_mean is not None and m.running_var is not None
 
+def _source(learn_or_model, dl, n_inp) -> tuple:
+    "(model, dl, n_inp): the model, the batches to pool over (default: a Learner's training data), model inputs per batch."
+    learn = learn_or_model if isinstance(learn_or_model, Learner) else None
+    model = learn.model if learn else learn_or_model
+    if dl is None:
+        if learn is None: raise ValueError("precise_bn: pass `dl`, the batches to compute the statistics on.")
+        dl = learn.dls.train
+    if n_inp is None: n_inp = getattr(learn.dls, 'n_inp', 1) if learn else getattr(dl, 'n_inp', 1)
+    return model, dl, n_inp
+
+@contextmanager
+def _pooling(model:nn.Module, layers:list, train_mode:bool):
+    "Inside, `layers` normalize with batch statistics (buffers untouched), their inputs pooled into the `ChannelStats` yielded."
+    stats = {m: ChannelStats() for m in layers}
+    modes = {m: m.training for m in model.modules()}
+    tracking = {m: m.track_running_stats for m in layers}
+    hooks = [m.register_forward_pre_hook(lambda m, args: stats[m].add(args[0])) for m in layers]
+    try:
+        model.train(train_mode)
+        for m in bn_layers(model):  # the others normalize with their running stats, and are not changed in train mode
+            if m not in stats and _has_stats(m): m.eval()
+        for m in layers: m.train(); m.track_running_stats = False # batch statistics, buffers untouched
+        yield stats
+    finally:
+        for h in hooks: h.remove()
+        for m, t in tracking.items(): m.track_running_stats = t
+        for m, t in modes.items(): m.training = t
+
+def _feed(model:nn.Module, dl, n_batches:int|None, n_inp:int, show_progress:bool, parent) -> int:
+    "Run at most `n_batches` batches of `dl` through `model` (on its device), with a progress bar if asked; returns how many ran."
+    param = next(itertools.chain(model.parameters(), model.buffers()), None)
+    device = param.device if param is not None else None
+    total = len(dl) if hasattr(dl, '__len__') else None
+    if n_batches is not None: total = n_batches if total is None else min(total, n_batches)
+    batches = itertools.islice(dl, n_batches)
+    if show_progress: batches = progress_bar(batches, total=total, parent=parent, leave=False)
+    seen = 0
+    for b in batches:
+        xb = _model_input(b, n_inp)
+        model(*(to_device(xb, device) if device is not None else xb))
+        seen += 1
+    return seen
+
+def _set_running_stats(stats:dict, seen:int) -> int:
+    "Overwrite each layer's running mean and variance with its pooled `ChannelStats`; returns how many layers got them."
+    n_done, unfed = 0, 0
+    for m, st in stats.items():
+        if st.count < 2: unfed += 1; continue
+        m.running_mean.copy_(st.mean.to(m.running_mean))
+        m.running_var.copy_(st.var.to(m.running_var))
+        n_done += 1
+    if unfed: warnings.warn(f"precise_bn: {unfed} BatchNorm layer(s) got fewer than 2 values per channel in "
+                            f"{seen} batches and keep their running statistics.")
+    return n_done
+
 # %% ../nbs/04_bn_tools.ipynb #cf66f891
 @torch.no_grad()
 def precise_bn(learn_or_model:Learner|nn.Module, # a fastai `Learner` (its `model`) or a plain model
@@ -42,52 +98,17 @@ def precise_bn(learn_or_model:Learner|nn.Module, # a fastai `Learner` (its `mode
                parent=None, # a fastprogress master bar to nest the bar in
               ) -> int:
     "Set BN running statistics to the exact pooled mean and unbiased variance of their inputs over `n_batches` batches."
-    learn = learn_or_model if isinstance(learn_or_model, Learner) else None
-    model = learn.model if learn else learn_or_model
-    if dl is None:
-        if learn is None: raise ValueError("precise_bn: pass `dl`, the batches to compute the statistics on.")
-        dl = learn.dls.train
-    if n_inp is None: n_inp = getattr(learn.dls, 'n_inp', 1) if learn else getattr(dl, 'n_inp', 1)
+    model, dl, n_inp = _source(learn_or_model, dl, n_inp)
     if layers is None: layers = [m for m in bn_layers(model) if _has_stats(m)]
     if not layers:
         warnings.warn(f"precise_bn: {type(model).__name__} has no BatchNorm layer with running statistics; nothing to do.")
         return 0
-    param = next(itertools.chain(model.parameters(), model.buffers()), None)
-    device = param.device if param is not None else None
-    total = len(dl) if hasattr(dl, '__len__') else None
-    if n_batches is not None: total = n_batches if total is None else min(total, n_batches)
-    stats = {m: ChannelStats() for m in layers}
-    modes = {m: m.training for m in model.modules()}
-    tracking = {m: m.track_running_stats for m in layers}
-    hooks = [m.register_forward_pre_hook(lambda m, args: stats[m].add(args[0])) for m in layers]
-    try:
-        model.train(train_mode)
-        for m in bn_layers(model):  # the others normalize with their running stats, and are not changed in train mode
-            if m not in stats and _has_stats(m): m.eval()
-        for m in layers: m.train(); m.track_running_stats = False # batch statistics, buffers untouched
-        batches = itertools.islice(dl, n_batches)
-        if show_progress: batches = progress_bar(batches, total=total, parent=parent, leave=False)
-        seen = 0
-        for b in batches:
-            xb = _model_input(b, n_inp)
-            model(*(to_device(xb, device) if device is not None else xb))
-            seen += 1
+    with _pooling(model, layers, train_mode) as stats:
+        seen = _feed(model, dl, n_batches, n_inp, show_progress, parent)
         if not seen: raise ValueError("precise_bn: `dl` gave no batch.")
-    finally:
-        for h in hooks: h.remove()
-        for m, t in tracking.items(): m.track_running_stats = t
-        for m, t in modes.items(): m.training = t
     if all_reduce is None: all_reduce = dist.is_available() and dist.is_initialized()
     if all_reduce: all_reduce_stats(list(stats.values()), [m.num_features for m in layers])
-    n_done, unfed = 0, 0
-    for m, st in stats.items():
-        if st.count < 2: unfed += 1; continue
-        m.running_mean.copy_(st.mean.to(m.running_mean))
-        m.running_var.copy_(st.var.to(m.running_var))
-        n_done += 1
-    if unfed: warnings.warn(f"precise_bn: {unfed} BatchNorm layer(s) got fewer than 2 values per channel in "
-                            f"{seen} batches and keep their running statistics.")
-    return n_done
+    return _set_running_stats(stats, seen)
 
 # %% ../nbs/04_bn_tools.ipynb #3a4632f7
 @patch

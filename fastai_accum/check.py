@@ -4,7 +4,7 @@
 
 # %% ../nbs/06_check.ipynb #6291f9f8
 from __future__ import annotations
-import contextlib, copy, itertools, math, re, warnings
+import copy, math, re, warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 import pandas as pd
@@ -19,9 +19,9 @@ from fastai.learner import Learner
 from fastai.losses import BaseLoss
 from fastai.torch_core import TensorBase
 from .batchnorm import (AccumulateBatchNorm, auto_policy, bn_policies, bn_layers, wrap_bn, unwrap_bn,
-                                    update_bn_stats, window_prepasses, _forward_is_known)
-from .window import AccumulationWindow, scale_grads
-from .exact import cat_batches, leaves_no_trace, choose_exact
+                                    window_prepasses, _forward_is_known)
+from .window import AccumulationWindow, scale_grads, commit_window, drop_window, cat_batches
+from .exact import leaves_no_trace, choose_exact, peek_batches
 from .callback import GradientAccumulation, _loss_reduction
 
 # %% auto #0
@@ -148,20 +148,25 @@ class AccumulationReport:
         return '\n\n'.join([f'**{head}**', diag] + ['\n'.join(f'- {n}' for n in notes)] * bool(notes) +
                            ['Modules that differ most:', _md_table(self.top())])
 
+# %% ../nbs/06_check.ipynb #c7a1e0b2
+check_policies = bn_policies + ('exact', 'naive') # what `check_accumulation` can run: BatchNorm policies, the callback's 'exact', fastai's plain accumulation
+
+def resolve_auto(model:nn.Module, # the model, BatchNorm layers in the mode training will use
+                 xb:tuple, # one micro-batch of its inputs (measured; nothing changes)
+                 window:int, # samples per window
+                ) -> tuple:
+    "(policy, why): what `GradientAccumulation(policy='auto')` trains `model` with, as its `before_fit` decides."
+    exact, plan = choose_exact('auto', model, lambda: xb, n_acc=window)  # the callback's own decision
+    if plan is None: return auto_policy, f"policy 'auto' is {auto_policy!r}: no BatchNorm in training mode"
+    if exact: return 'exact', f"policy 'auto' is 'exact' here, as in GradientAccumulation: {plan.describe()}"
+    return auto_policy, f"policy 'auto' is {auto_policy!r} here: 'exact' would need host offload or more memory ({plan.describe()})"
+
 # %% ../nbs/06_check.ipynb #1d10b993
 def _dropouts(model:nn.Module) -> list:
     "(name, module) of every dropout-like module: `nn.Dropout*`, fastai's `RNNDropout`, drop-path / stochastic depth."
     keys = ('dropout', 'droppath', 'stochasticdepth')
     return [(n or _ROOT, m) for n, m in model.named_modules()
             if isinstance(m, _DropoutNd) or any(k in type(m).__name__.lower() for k in keys)]
-
-@contextmanager
-def _seeded(seed:int, device):
-    "Run the block from torch seed `seed`, leaving the caller's random state as it was."
-    devices = [device] if device is not None and device.type == 'cuda' else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield
 
 def _split(batch:tuple, n_step:int) -> list:
     "`batch` split along its first dimension into `n_step` micro-batches (sizes differ by at most one)."
@@ -172,16 +177,112 @@ def _split(batch:tuple, n_step:int) -> list:
 
 def _first_window(dl, n_step:int) -> tuple:
     "The first `n_step` batches of `dl` concatenated: one training window, whose micro-batches are the DataLoader's."
-    fake, rng = getattr(dl, 'fake_l', None), getattr(dl, 'rng', None)
-    state = rng.getstate() if rng is not None else None
-    try:  # drawing batches advances torch's RNG (the loader's base seed) and fastai's shuffling RNG: both are restored
-        with torch.random.fork_rng(devices=[]), (fake.no_multiproc() if fake is not None else contextlib.nullcontext()):
-            batches = list(itertools.islice(dl, n_step))
-    finally:
-        if rng is not None: rng.setstate(state); dl.rng = rng
+    batches = peek_batches(dl, n_step)  # what `dl` and every random generator give afterwards is unchanged
     if len(batches) < n_step: raise ValueError(f"check_accumulation: the training DataLoader has {len(batches)} batches, "
                                                f"fewer than n_step={n_step}; pass `batch`")
-    return tuple(torch.cat(ts) for ts in zip(*batches))
+    return cat_batches(batches)
+
+# %% ../nbs/06_check.ipynb #52ba3497
+def _from_learner(learn_or_model, loss_func, n_step, policy, prepasses, prepass_bs) -> tuple:
+    "The arguments not given, from a Learner and its `GradientAccumulation`: (learn, model, loss_func, n_step, policy, ...)."
+    learn = learn_or_model if isinstance(learn_or_model, Learner) else None
+    model = learn.model if learn is not None else learn_or_model
+    cb = next((c for c in learn.cbs if isinstance(c, GradientAccumulation)), None) if learn is not None else None
+    if loss_func is None:
+        if learn is None: raise ValueError("check_accumulation: pass `loss_func` with a plain model")
+        loss_func = learn.loss_func
+    if n_step is None and cb is not None:
+        n_step = cb.n_step if cb.n_step is not None else math.ceil(cb.n_acc / learn.dls.train.bs)
+    if policy is None: policy = cb.policy if cb is not None else 'micro'
+    if cb is not None and prepasses is None: prepasses = cb.prepasses
+    if cb is not None and prepass_bs is None: prepass_bs = cb.prepass_bs
+    return learn, model, loss_func, n_step, policy, prepasses, prepass_bs
+
+def _check_args(n_step, policy):
+    if n_step is None: raise ValueError("check_accumulation: pass `n_step`, the micro-batches to split the batch into")
+    if isinstance(n_step, bool) or not isinstance(n_step, int) or n_step < 1:
+        raise ValueError(f"check_accumulation: n_step must be a positive integer, got {n_step!r}")
+    if policy not in check_policies: raise ValueError(f"Unknown BatchNorm policy {policy!r}; choose one of {check_policies}")
+
+def _tensors(b, n:int|None=None) -> bool:
+    "Is `b` a tuple (or list) of tensors: at least 2, or exactly `n`?"
+    return isinstance(b, (tuple, list)) and (len(b) >= 2 if n is None else len(b) == n) and all(isinstance(t, Tensor) for t in b)
+
+def _the_batch(learn, batch, n_step:int) -> tuple:
+    "`batch`, or by default a Learner's first training window."
+    if batch is None:
+        if learn is None: raise ValueError("check_accumulation: pass `batch`, a tuple (inputs..., targets...)")
+        batch = _first_window(learn.dls.train, n_step)
+    if not _tensors(batch): raise TypeError("check_accumulation: `batch` must be a tuple of tensors (inputs..., targets...), "
+                                            "as `learn.dls.one_batch()` returns")
+    return batch
+
+def _to(batch:tuple, device, dtype) -> tuple:
+    "`batch` on `device`, its floating-point tensors in `dtype`."
+    return tuple(t.to(device, dtype) if t.is_floating_point() else t.to(device) for t in batch)
+
+# %% ../nbs/06_check.ipynb #0d8a78a4
+@dataclass
+class _Setup:
+    "What every run of `check_accumulation` starts from: its arguments resolved."
+    model:nn.Module      # the user's model (never changed: each run copies it)
+    batch:tuple          # the big batch, on the model's device, floating point in `dt`
+    micro:list           # `batch` split into `n_step` micro-batches
+    previous:list|None   # the window before, split likewise
+    n_inp:int            # model inputs at the start of a batch
+    loss_func:object     # the user's loss
+    policy:str           # one of `check_policies` ('auto' resolved)
+    dtype:torch.dtype|None # dtype the copies are cast to (`None`: the model's own)
+    dt:torch.dtype       # dtype the copies run in
+    seed:int             # torch seed every run starts from
+    dropout:bool         # keep dropout-like modules in training mode
+    prepasses:int|None   # 'window' policy: as `GradientAccumulation`
+    prepass_bs:int|None  # 'window' policy: samples per pre-pass forward
+    loss_weight_fn:object # replaces each micro-batch's loss weight, if given
+    notes:list           # what resolving found worth saying
+
+    n_step = property(lambda self: len(self.micro))
+    n_samples = property(lambda self: self.batch[0].shape[0])
+    n_micro = property(lambda self: self.micro[0][0].shape[0])
+    device = property(lambda self: self.batch[0].device)
+    reduction = property(lambda self: _loss_reduction(self.loss_func))
+    call_loss = property(lambda self: _loss_in(self.loss_func, self.dt))
+    has_bn = property(lambda self: bool(bn_layers(self.model)))
+    drops = property(lambda self: [n for n, _ in _dropouts(self.model)])
+
+def _resolve(learn_or_model, batch=None, n_step=None, loss_func=None, policy=None, dtype=torch.float64, seed=0,
+             dropout=False, n_inp=None, prepasses=None, prepass_bs=None, loss_weight_fn=None, previous=None) -> _Setup:
+    "Step 1: the arguments checked and completed (from a Learner and its callback); 'auto' resolved as the callback would."
+    learn, model, loss_func, n_step, policy, prepasses, prepass_bs = _from_learner(learn_or_model, loss_func, n_step, policy,
+                                                                                   prepasses, prepass_bs)
+    _check_args(n_step, policy)
+    batch = _the_batch(learn, batch, n_step)
+    if n_inp is None: n_inp = getattr(learn.dls, 'n_inp', len(batch) - 1) if learn is not None else len(batch) - 1
+    p0 = next(model.parameters(), None)
+    if p0 is None: raise ValueError("check_accumulation: the model has no parameters")
+    dt = dtype or p0.dtype
+    batch = _to(batch, p0.device, dt)
+    micro = _split(batch, n_step)
+    if previous is not None:
+        if not _tensors(previous, len(batch)):
+            raise TypeError("check_accumulation: `previous` must be a tuple of tensors like `batch`")
+        previous = _split(_to(previous, p0.device, dt), n_step)
+    notes = []
+    if policy == 'auto':
+        policy, why = resolve_auto(model, tuple(t.to(p0.dtype) if t.is_floating_point() else t for t in micro[0][:n_inp]),
+                                   batch[0].shape[0])
+        notes.append(why)
+    return _Setup(model, batch, micro, previous, n_inp, loss_func, policy, dtype, dt, seed, dropout, prepasses, prepass_bs,
+                  loss_weight_fn, notes)
+
+# %% ../nbs/06_check.ipynb #7422c1b6
+@contextmanager
+def _seeded(seed:int, device):
+    "Run the block from torch seed `seed`, leaving the caller's random state as it was."
+    devices = [device] if device is not None and device.type == 'cuda' else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
 
 def _copy(model:nn.Module, dtype, dropout:bool, bn_eval:bool) -> nn.Module:
     "A training-mode deep copy of `model` in `dtype`, without gradients; dropout and/or BatchNorm in eval mode if asked."
@@ -219,22 +320,24 @@ def _stats(model:nn.Module) -> dict:
     return {names[m]: (m.running_mean.detach().clone(), m.running_var.detach().clone(), int(m.num_batches_tracked), m.eps)
             for m in bn_layers(model) if _has_stats(m)}
 
-# %% ../nbs/06_check.ipynb #7422c1b6
-def _run_full(model, batch, n_inp, loss_func, seed, device, analyse=False):
-    "One forward/backward of the whole batch (plain BatchNorm); returns the loss, its dtype and, if `analyse`, the BatchNorm flags."
+# %% ../nbs/06_check.ipynb #58be241b
+def _bn_flags(model, loss, inputs:dict) -> tuple:
+    "({parameter name: (bn_forward, bn_backward)}, {BatchNorm module name: bn_forward}) from the graph of `loss`."
+    params, layers = _bn_flow(loss.grad_fn, inputs) if loss.grad_fn is not None else ({}, {})
+    names = {m: n or _ROOT for n, m in model.named_modules()}
+    return ({n: params.get(id(p), (False, False)) for n, p in model.named_parameters()},
+            {names[m]: v for m, v in layers.items()})
+
+def _run_full(model, s:_Setup, analyse:bool=False) -> tuple:
+    "(b): one forward/backward of the whole batch (plain BatchNorm); returns its loss, the loss's dtype, the flags if `analyse`."
     unwrap_bn(model)
     inputs = {}
     hooks = [m.register_forward_pre_hook(lambda m, a: inputs.__setitem__(m, a[0])) for m in bn_layers(model)] if analyse else []
     try:
-        with _seeded(seed, device): loss = loss_func(model(*batch[:n_inp]), *batch[n_inp:])
+        with _seeded(s.seed, s.device): loss = s.call_loss(model(*s.batch[:s.n_inp]), *s.batch[s.n_inp:])
     finally:
         for h in hooks: h.remove()
-    flow = None
-    if analyse:
-        params, layers = _bn_flow(loss.grad_fn, inputs) if loss.grad_fn is not None else ({}, {})
-        names = {m: n or _ROOT for n, m in model.named_modules()}
-        flow = ({n: params.get(id(p), (False, False)) for n, p in model.named_parameters()},
-                {names[m]: v for m, v in layers.items()})
+    flow = _bn_flags(model, loss, inputs) if analyse else None
     loss.backward()
     return loss.detach().double().item(), loss.dtype, flow
 
@@ -247,38 +350,57 @@ def _prepare(model, policy, quiet=False):
             wrap_bn(model, 'micro' if policy == 'exact' else policy)  # 'exact': the callback's layers normalize the one batch
     for m in bn_layers(model, accumulating=True): m.grad_pool.reset()  # a fit's first window, from scratch
 
-def _accumulate(model, micro, n_inp, loss_func, seed, device, policy, reduction, prepasses, prepass_bs, loss_weight_fn):
-    "Train one window of `micro` without stepping, weighted as `GradientAccumulation` does, statistics committed; returns the weighted loss."
-    for m in bn_layers(model, accumulating=True): m.reset_stats()
-    parts = [cat_batches(micro)] if policy == 'exact' else micro  # 'exact': the window as one batch, as the callback trains it
-    window = AccumulationWindow(n_step=len(parts), loss_reduction=reduction)
-    if any(m.policy == 'window' for m in bn_layers(model, accumulating=True)):
-        with _seeded(seed, device): window_prepasses(model, [mb[:n_inp] for mb in parts], prepasses, prepass_bs)
-    objective = 0.
-    with _seeded(seed, device):
-        for mb in parts:
-            bs = mb[0].shape[0]
-            loss = loss_func(model(*mb[:n_inp]), *mb[n_inp:])
-            w = window.add(bs, loss)
-            if loss_weight_fn is not None: w = loss_weight_fn(bs, window)
-            (loss * w).backward()
-            objective += loss.detach().double().item() * w
+# %% ../nbs/06_check.ipynb #83c7772f
+def _commit(bns:list):
+    "Commit the window's BatchNorm statistics as the callback does at its step (`commit_window`), this process's alone."
+    for m in bns: m.pending.merged = True  # nothing to merge across processes: the copy and its window are local
+    commit_window(bns)
+
+def _micro_backward(model, mb:tuple, window:AccumulationWindow, s:_Setup) -> float:
+    "Forward and backward of `mb`, its loss weighted as the callback weights it (or by `loss_weight_fn`); returns loss × weight."
+    bs = mb[0].shape[0]
+    loss = s.call_loss(model(*mb[:s.n_inp]), *mb[s.n_inp:])
+    w = window.add(bs, loss)
+    if s.loss_weight_fn is not None: w = s.loss_weight_fn(bs, window)
+    (loss * w).backward()
+    return loss.detach().double().item() * w
+
+def _accumulate(model, micro:list, s:_Setup) -> float:
+    "Train one window of `micro` without stepping, as the callback trains it, statistics committed; returns the weighted loss."
+    bns = bn_layers(model, accumulating=True)
+    drop_window(bns)
+    parts = [cat_batches(micro)] if s.policy == 'exact' else micro  # 'exact': the window as one batch, as the callback trains it
+    window = AccumulationWindow(n_step=len(parts), loss_reduction=s.reduction)
+    if any(m.policy == 'window' for m in bns):
+        with _seeded(s.seed, s.device): window_prepasses(model, [mb[:s.n_inp] for mb in parts], s.prepasses, s.prepass_bs)
+    with _seeded(s.seed, s.device): objective = sum(_micro_backward(model, mb, window, s) for mb in parts)
     f = window.grad_correction
     scale_grads(list(model.parameters()), f)
-    update_bn_stats(model)
+    _commit(bns)
     return objective * f
 
-def _run_window(model, micro, n_inp, loss_func, seed, device, policy, reduction, prepasses, prepass_bs, loss_weight_fn,
-                previous=None, quiet=False):
-    "One accumulated window over `micro` under `policy`, after the `previous` window if given; returns the weighted loss."
-    _prepare(model, policy, quiet)
-    run = lambda mbs: _accumulate(model, mbs, n_inp, loss_func, seed, device, policy, reduction, prepasses, prepass_bs,
-                                  loss_weight_fn)
-    if previous is not None:  # as a fit past its first window: the previous window's backward terms pooled, nothing else kept
-        with leaves_no_trace(model): run(previous)
+def _run_window(model, s:_Setup, quiet:bool=False) -> float:
+    "(a): one accumulated window over `s.micro` under `s.policy`, after the `previous` window if given; returns the weighted loss."
+    _prepare(model, s.policy, quiet)
+    if s.previous is not None:  # as a fit past its first window: the previous window's backward terms pooled, nothing else kept
+        with leaves_no_trace(model): _accumulate(model, s.previous, s)
         for p in model.parameters(): p.grad = None
-    return run(micro)
+    return _accumulate(model, s.micro, s)
 
+@dataclass
+class _Run:
+    "What one run gives: its loss, gradients and BatchNorm running statistics."
+    loss:float; grads:dict; stats:dict
+    loss_dtype:torch.dtype|None=None # dtype the loss function returned (big-batch run)
+    flow:tuple|None=None # the BatchNorm flags of `_bn_flags` (big-batch run, BatchNorm in training mode)
+
+def _run_pair(s:_Setup, bn_eval:bool=False) -> tuple:
+    "Step 2: (a) the accumulated window and (b) the big batch, each on its own copy of the model; (c) with `bn_eval`."
+    a = _copy(s.model, s.dtype, s.dropout, bn_eval)
+    acc = _Run(_run_window(a, s, quiet=bn_eval), _grads(a), _stats(a)); del a
+    b = _copy(s.model, s.dtype, s.dropout, bn_eval)
+    loss, ldt, flow = _run_full(b, s, analyse=not bn_eval)
+    return acc, _Run(loss, _grads(b), _stats(b), ldt, flow)
 
 # %% ../nbs/06_check.ipynb #fc02ba7a
 def _grad_diff(a:Tensor|None, b:Tensor|None, floor:float) -> tuple:
@@ -318,6 +440,54 @@ def _stat_diffs(a:tuple, b:tuple) -> list:
     res.append(('num_batches_tracked', float(nb), float(abs(na - nb)), float(abs(na - nb))))
     return res
 
+# %% ../nbs/06_check.ipynb #d0b9f276
+def _owner(name:str) -> str:
+    "The module that holds parameter `name`."
+    return name.rsplit('.', 1)[0] if '.' in name else _ROOT
+
+def _row(name, module, layer, kind, numel, ref, d, rel, fwd, bwd) -> dict:
+    return dict(name=name, module=module, layer=layer, kind=kind, numel=numel, ref_max=ref, abs_diff=d, rel_diff=rel,
+                rel_diff_bn_eval=math.nan, bn_forward=fwd, bn_backward=bwd)
+
+def _grad_floor(grads:dict, dt) -> float:
+    "√ε of `dt` times the largest gradient element: the smallest magnitude a gradient difference is divided by."
+    gmax = max([g.abs().max().item() for g in grads.values() if g is not None and g.numel()] or [0.])
+    return math.sqrt(torch.finfo(dt).eps) * gmax
+
+def _loss_diff(acc:_Run, big:_Run, n_step:int) -> tuple:
+    "(abs diff, rel diff) of the losses, less what the loss's own dtype rounds away (a float32 loss in a float64 check)."
+    obj, loss, ldt = acc.loss, big.loss, big.loss_dtype
+    slack = (n_step + 2) * torch.finfo(ldt).eps * max(abs(obj), abs(loss)) if ldt.is_floating_point else 0.
+    d = max(abs(obj - loss) - slack, 0.)
+    return abs(obj - loss), d / abs(loss) if loss else d
+
+def _grad_rows(s:_Setup, acc:_Run, big:_Run, types:dict) -> list:
+    floor, flags, params = _grad_floor(big.grads, s.dt), big.flow[0], dict(s.model.named_parameters())
+    return [_row(n, _owner(n), types.get(_owner(n), ''), 'grad', (g if g is not None else params[n]).numel(),
+                 *_grad_diff(acc.grads.get(n), g, floor), *flags.get(n, (False, False))) for n, g in big.grads.items()]
+
+def _stat_rows(acc:_Run, big:_Run, types:dict) -> list:
+    return [_row(f'{m}.{kind}' if m != _ROOT else kind, m, types.get(m, ''), kind, st[0].numel(), ref, d, rel,
+                 big.flow[1].get(m, False), None)
+            for m, st in big.stats.items() for kind, ref, d, rel in _stat_diffs(acc.stats[m], st)]
+
+def _compare(s:_Setup, acc:_Run, big:_Run) -> pd.DataFrame:
+    "Step 3: one row per parameter gradient, BatchNorm running statistic and the loss, (a) against (b)."
+    types = {n or _ROOT: getattr(m, 'plain_class', type(m)).__name__ for n, m in s.model.named_modules()}
+    d, rel = _loss_diff(acc, big, s.n_step)
+    loss = _row('<loss>', '<loss>', type(s.loss_func).__name__, 'loss', 1, abs(big.loss), d, rel, None, None)
+    return pd.DataFrame(_grad_rows(s, acc, big, types) + _stat_rows(acc, big, types) + [loss])
+
+def _add_bn_eval(s:_Setup, rows:pd.DataFrame) -> float:
+    "(c): both runs again with every BatchNorm in eval mode; fills `rows.rel_diff_bn_eval` (gradients, loss), returns its max."
+    acc, big = _run_pair(s, bn_eval=True)
+    floor = _grad_floor(big.grads, s.dt)
+    ev = {n: _grad_diff(acc.grads.get(n), g, floor)[2] for n, g in big.grads.items()}
+    ev['<loss>'] = _loss_diff(acc, big, s.n_step)[1]
+    sel = rows.kind.isin(('grad', 'loss'))
+    rows.loc[sel, 'rel_diff_bn_eval'] = rows.loc[sel, 'name'].map(ev)
+    return float(rows.loc[sel, 'rel_diff_bn_eval'].max())
+
 # %% ../nbs/06_check.ipynb #6c2a6202
 _other_causes = "check the loss weighting (the loss's reduction), dropout/RNG, or model state"
 
@@ -325,8 +495,89 @@ def _where(df:pd.DataFrame, col:str='rel_diff') -> str:
     r = df.loc[df[col].idxmax()]
     return f"`{r.module}` ({r.layer}, {r['name']}: {r[col]:.3g})"
 
+def _first3(names:list) -> str: return f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
+
+def _suspects(rows:pd.DataFrame, tol:float, has_bn:bool, dropout_on:list) -> str:
+    "What the diagnosis adds when BatchNorm does not explain a difference: a wrongly weighted loss, active dropout."
+    loss, col = rows[rows.kind == 'loss'], 'rel_diff_bn_eval' if has_bn else 'rel_diff'
+    msg = (f" The window's weighted loss differs from the big batch's loss (rel diff {loss[col].max():.3g}): the micro-batch "
+           "losses are weighted wrongly (a loss with reduction='sum' needs weight 1, a mean needs bs/total).") if (
+           len(loss) and loss[col].max() > tol) else ''
+    return msg + (f" Dropout is active in {len(dropout_on)} module(s) ({_first3(dropout_on)}): its masks differ between a "
+                  "batch and its micro-batches; pass dropout=False to run it in eval mode." if dropout_on else '')
+
+def _not_bn(rows:pd.DataFrame, tol:float, has_bn:bool, dropout_on:list) -> str|None:
+    "The diagnosis if BatchNorm cannot explain the differences: the model has none, or they persist with it frozen."
+    grads = rows[rows.kind.isin(('grad', 'loss'))]
+    worst = rows[rows.kind == 'grad'] if (rows.kind == 'grad').any() else grads
+    why = f"; {_other_causes}.{_suspects(rows, tol, has_bn, dropout_on)}"
+    if not has_bn:
+        return f"not explained by BatchNorm (the model has no BatchNorm layer): the gradients differ, most in {_where(worst)}{why}"
+    ev = grads.rel_diff_bn_eval.max()
+    if ev > tol: return (f"not explained by BatchNorm: differences persist with every BatchNorm in eval mode in both runs "
+                         f"(max {ev:.3g}, most in {_where(worst, 'rel_diff_bn_eval')}){why}")
+
+def _uncommitted(rows:pd.DataFrame, policy:str, tol:float) -> str|None:
+    "The diagnosis if a BatchNorm whose input passes through no other BatchNorm has statistics that differ: they must match."
+    if policy in ('frozen', 'naive'): return None
+    stats = rows[rows.kind.isin(_STAT_KINDS)]
+    first = stats[(stats.bn_forward == False) & (stats.rel_diff > tol)]
+    if not len(first): return None
+    return (f"the gradients are explained by BatchNorm (they match with BatchNorm in eval mode: max "
+            f"{rows[rows.kind.isin(('grad', 'loss'))].rel_diff_bn_eval.max():.3g}), but the running statistics of "
+            f"{_where(first)} differ although its input passes through no other BatchNorm: its window statistics were not "
+            "committed exactly once (is it wrapped? wrap_bn leaves BatchNorm subclasses with their own forward unwrapped, "
+            "and those update per micro-batch).")
+
+# %% ../nbs/06_check.ipynb #ea971009
+_bn_causes = {'micro': 'BatchNorm micro-batch normalization', 'window': "BatchNorm (the window policy's approximate backward)",
+              'naive': 'BatchNorm micro-batch normalization (naive accumulation)',
+              'exact': "BatchNorm, although 'exact' trains the window as one batch (rounding?)"}
+
+def _micro_text(g:pd.DataFrame, policy:str, n_micro:int, n_big:int) -> str:
+    "What 'micro' (and 'naive') change, from the gradient rows `g`."
+    free = g[~g.bn_forward.astype(bool) & ~g.bn_backward.astype(bool)]
+    msg = (f" Under 'micro' each micro-batch of {n_micro} samples is normalized with its own statistics instead of "
+           f"those of all {n_big}, so every activation after the first BatchNorm differs, and so does every "
+           "gradient that uses one or flows through BatchNorm statistics")
+    msg += f"; the {len(free)} parameters whose gradient does neither match (max {free.rel_diff.max():.3g})." if len(free) else '.'
+    if policy == 'naive': msg += (" Naive accumulation also updates the running statistics once per micro-batch "
+                                  f"({n_big // max(n_micro, 1)} momentum steps per window), so they differ from the first BatchNorm on.")
+    return msg + " policy='window' normalizes the forward with the window's statistics instead."
+
+def _window_text(g:pd.DataFrame, tol:float, n_micro:int) -> str:
+    "What 'window' changes, from the gradient rows `g`."
+    not_before = g[~g.bn_backward.astype(bool)]
+    v = not_before.rel_diff.max() if len(not_before) else 0.
+    return (" Under 'window' the forward uses the window's statistics" +
+            (f" (exact here: the parameters whose gradient does not flow back through BatchNorm statistics match, "
+             f"max {v:.3g});" if v <= tol else
+             f" (parameters whose gradient does not flow back through BatchNorm statistics still differ by {v:.3g}: "
+             "the pre-passes did not reach the window's exact statistics; try more `prepasses`);") +
+            f" the gradient through each BatchNorm's statistics is projected with each micro-batch's own "
+            f"statistics (micro-batches of {n_micro}; layers with fewer than 32 values per channel use the previous "
+            "window's means), so the parameters before a BatchNorm differ.")
+
+def _stats_text(stats:pd.DataFrame, policy:str, tol:float) -> str:
+    "What the running statistics `stats` add (layers after another BatchNorm; 'frozen' updates none)."
+    if not len(stats) or stats.rel_diff.max() <= tol or policy == 'naive': return ''
+    if policy == 'frozen': return " The 'frozen' policy does not update the running statistics."
+    return (f" Running statistics differ by up to {stats.rel_diff.max():.3g}, in layers whose input passes through "
+            "another BatchNorm (they see differently normalized inputs).")
+
+def _bn_explained(rows:pd.DataFrame, policy:str, tol:float, n_micro:int, n_big:int) -> str:
+    "The diagnosis when BatchNorm explains the differences: how `policy` normalizes, where the differences are."
+    grads, g = rows[rows.kind.isin(('grad', 'loss'))], rows[rows.kind == 'grad']
+    msg = (f"explained by {_bn_causes.get(policy, 'BatchNorm normalizing with running statistics')}: with every BatchNorm "
+           f"in eval mode in both runs the differences vanish (max {grads.rel_diff_bn_eval.max():.3g} <= tol {tol:g}); "
+           f"largest difference in {_where(grads)}.")
+    if policy in ('micro', 'naive'): msg += _micro_text(g, policy, n_micro, n_big)
+    elif policy == 'window': msg += _window_text(g, tol, n_micro)
+    elif policy != 'exact': msg += f" Under {policy!r} training forwards normalize with the running statistics, not the batch's."
+    return msg + _stats_text(rows[rows.kind.isin(_STAT_KINDS)], policy, tol)
+
 def _diagnose(rows:pd.DataFrame, policy:str, tol:float, has_bn:bool, dropout_on:list, n_micro:int, n_big:int) -> tuple:
-    "(cause, diagnosis) from the comparison rows."
+    "Step 4: (cause, diagnosis) from the comparison rows."
     mx = rows.rel_diff.max()
     if mx <= tol:
         return 'none', (f"the accumulated window matches the big batch (max rel diff {mx:.3g} <= tol {tol:g}): "
@@ -334,80 +585,36 @@ def _diagnose(rows:pd.DataFrame, policy:str, tol:float, has_bn:bool, dropout_on:
     if has_bn and rows.rel_diff_bn_eval.isna().all():
         return 'unexplained', (f"the accumulated window differs from the big batch (max rel diff {mx:.3g} > tol {tol:g}); "
                                "not attributed (explain=False skips the run with BatchNorm in eval mode).")
-    grads, stats = rows[rows.kind.isin(('grad', 'loss'))], rows[rows.kind.isin(_STAT_KINDS)]
-    params = rows[rows.kind == 'grad']
-    drop = (f" Dropout is active in {len(dropout_on)} module(s) ({', '.join(dropout_on[:3])}{', ...' if len(dropout_on) > 3 else ''}):"
-            " its masks differ between a batch and its micro-batches; pass dropout=False to run it in eval mode.") if dropout_on else ''
-    loss = rows[rows.kind == 'loss']
-    col = 'rel_diff_bn_eval' if has_bn else 'rel_diff'
-    loss_bad = len(loss) and loss[col].max() > tol
-    lossw = (f" The window's weighted loss differs from the big batch's loss (rel diff {loss[col].max():.3g}): the "
-             "micro-batch losses are weighted wrongly (a loss with reduction='sum' needs weight 1, a mean needs bs/total).") if loss_bad else ''
-    if not has_bn:
-        return 'other', (f"not explained by BatchNorm (the model has no BatchNorm layer): the gradients differ, most in "
-                         f"{_where(params if len(params) else grads)}; {_other_causes}.{lossw}{drop}")
-    ev = grads.rel_diff_bn_eval.max()
-    if ev > tol:
-        return 'other', (f"not explained by BatchNorm: differences persist with every BatchNorm in eval mode in both runs "
-                         f"(max {ev:.3g}, most in {_where(params if len(params) else grads, 'rel_diff_bn_eval')}); "
-                         f"{_other_causes}.{lossw}{drop}")
-    # gradients are BatchNorm's doing; the statistics of a layer whose input passes through no other BatchNorm must match
-    if policy not in ('frozen', 'naive'):
-        first = stats[(stats.bn_forward == False) & (stats.rel_diff > tol)]
-        if len(first):
-            return 'other', (f"the gradients are explained by BatchNorm (they match with BatchNorm in eval mode: max "
-                             f"{ev:.3g}), but the running statistics of {_where(first)} differ although its input passes "
-                             "through no other BatchNorm: its window statistics were not committed exactly once (is it "
-                             "wrapped? wrap_bn leaves BatchNorm subclasses with their own forward unwrapped, and those "
-                             "update per micro-batch).")
-    what = {'micro': 'BatchNorm micro-batch normalization', 'window': "BatchNorm (the window policy's approximate backward)",
-            'naive': 'BatchNorm micro-batch normalization (naive accumulation)',
-            'exact': "BatchNorm, although 'exact' trains the window as one batch (rounding?)"
-           }.get(policy, 'BatchNorm normalizing with running statistics')
-    msg = (f"explained by {what}: with every BatchNorm in eval mode in both runs the differences vanish "
-           f"(max {ev:.3g} <= tol {tol:g}); largest difference in {_where(grads)}.")
-    g = params
-    fwd, bwd = g.bn_forward.astype(bool), g.bn_backward.astype(bool)
-    free, not_before = g[~fwd & ~bwd], g[~bwd]
-    if policy in ('micro', 'naive'):
-        msg += (f" Under 'micro' each micro-batch of {n_micro} samples is normalized with its own statistics instead of "
-                f"those of all {n_big}, so every activation after the first BatchNorm differs, and so does every "
-                "gradient that uses one or flows through BatchNorm statistics")
-        msg += (f"; the {len(free)} parameters whose gradient does neither match (max {free.rel_diff.max():.3g})."
-                if len(free) else '.')
-        if policy == 'naive': msg += (" Naive accumulation also updates the running statistics once per micro-batch "
-                                      f"({n_big // max(n_micro, 1)} momentum steps per window), so they differ from the first BatchNorm on.")
-        msg += " policy='window' normalizes the forward with the window's statistics instead."
-    elif policy == 'window':
-        v = not_before.rel_diff.max() if len(not_before) else 0.
-        msg += (" Under 'window' the forward uses the window's statistics" +
-                (f" (exact here: the parameters whose gradient does not flow back through BatchNorm statistics match, "
-                 f"max {v:.3g});" if v <= tol else
-                 f" (parameters whose gradient does not flow back through BatchNorm statistics still differ by {v:.3g}: "
-                 "the pre-passes did not reach the window's exact statistics; try more `prepasses`);") +
-                f" the gradient through each BatchNorm's statistics is projected with each micro-batch's own "
-                f"statistics (micro-batches of {n_micro}; layers with fewer than 32 values per channel use the previous "
-                "window's means), so the parameters before a BatchNorm differ.")
-    elif policy != 'exact':
-        msg += f" Under {policy!r} training forwards normalize with the running statistics, not the batch's."
-    if len(stats) and stats.rel_diff.max() > tol and policy != 'naive':
-        msg += (f" Running statistics differ by up to {stats.rel_diff.max():.3g}, in layers whose input passes through "
-                "another BatchNorm (they see differently normalized inputs).") if policy != 'frozen' else (
-                " The 'frozen' policy does not update the running statistics.")
-    return 'batchnorm', msg
+    other = _not_bn(rows, tol, has_bn, dropout_on) or _uncommitted(rows, policy, tol)
+    if other: return 'other', other
+    return 'batchnorm', _bn_explained(rows, policy, tol, n_micro, n_big)
 
-# %% ../nbs/06_check.ipynb #c7a1e0b2
-check_policies = bn_policies + ('exact', 'naive') # what `check_accumulation` can run: BatchNorm policies, the callback's 'exact', fastai's plain accumulation
+# %% ../nbs/06_check.ipynb #8cfbe264
+def _layer_notes(model:nn.Module) -> list:
+    "Notes on BatchNorm layers the check cannot treat as the others: unwrappable ones, ones without running statistics."
+    notes = []
+    unwrapped = [n for n, m in model.named_modules() if isinstance(m, _BatchNorm) and not isinstance(m, AccumulateBatchNorm)
+                 and not _forward_is_known(type(m)) and 'act' not in m._modules]
+    if unwrapped: notes.append(f"wrap_bn cannot wrap {len(unwrapped)} BatchNorm layer(s) with their own forward "
+                               f"({', '.join(unwrapped[:3])}): they update their statistics per micro-batch")
+    nostats = [n for n, m in model.named_modules() if isinstance(m, _BatchNorm) and not _has_stats(m)]
+    if nostats: notes.append(f"{len(nostats)} BatchNorm layer(s) without running statistics ({', '.join(nostats[:3])}) "
+                             "normalize with batch statistics even in eval mode, so run (c) cannot freeze them")
+    return notes
 
-def resolve_auto(model:nn.Module, # the model, BatchNorm layers in the mode training will use
-                 xb:tuple, # one micro-batch of its inputs (measured; nothing changes)
-                 window:int, # samples per window
-                ) -> tuple:
-    "(policy, why): what `GradientAccumulation(policy='auto')` trains `model` with, as its `before_fit` decides."
-    exact, plan = choose_exact('auto', model, lambda: xb, n_acc=window)  # the callback's own decision
-    if plan is None: return auto_policy, f"policy 'auto' is {auto_policy!r}: no BatchNorm in training mode"
-    if exact: return 'exact', f"policy 'auto' is 'exact' here, as in GradientAccumulation: {plan.describe()}"
-    return auto_policy, f"policy 'auto' is {auto_policy!r} here: 'exact' would need host offload or more memory ({plan.describe()})"
+def _notes(s:_Setup, loss_dtype) -> list:
+    "The report's notes: how 'auto' resolved, dropout, BatchNorm layers it cannot treat, the pre-passes, the loss's dtype."
+    notes, drops = list(s.notes), s.drops
+    if drops and not s.dropout: notes.append(f"{len(drops)} dropout-like module(s) ran in eval mode in every run "
+                                             f"({_first3(drops)}); dropout=True keeps them active")
+    notes += _layer_notes(s.model)
+    if s.policy == 'window': notes.append("'window' policy: the window pre-passes ran before the accumulated forwards, as in "
+                                          "GradientAccumulation; " + ("the backward's pooled window terms start empty, as in a fit's first window"
+                                          if s.previous is None else "the backward's pooled window terms are those of `previous`, "
+                                          "accumulated first with the same weights (in a fit: one step earlier's)"))
+    if loss_dtype != s.dt: notes.append(f"the loss returns {str(loss_dtype).replace('torch.', '')}: loss differences below "
+                                        "its rounding count as zero")
+    return notes
 
 # %% ../nbs/06_check.ipynb #6355f5b4
 def check_accumulation(learn_or_model:Learner|nn.Module, # a fastai `Learner` (its `model` and `loss_func`) or a plain model
@@ -427,116 +634,15 @@ def check_accumulation(learn_or_model:Learner|nn.Module, # a fastai `Learner` (i
                        explain:bool=True, # also run both with BatchNorm in eval mode, to attribute differences (False: half the cost)
                       ) -> AccumulationReport:
     "Compare one accumulated window of `n_step` micro-batches with `batch` as one big batch, from copies of the model."
-    learn = learn_or_model if isinstance(learn_or_model, Learner) else None
-    model = learn.model if learn is not None else learn_or_model
-    cb = next((c for c in learn.cbs if isinstance(c, GradientAccumulation)), None) if learn is not None else None
-    if loss_func is None:
-        if learn is None: raise ValueError("check_accumulation: pass `loss_func` with a plain model")
-        loss_func = learn.loss_func
-    if n_step is None and cb is not None:
-        n_step = cb.n_step if cb.n_step is not None else math.ceil(cb.n_acc / learn.dls.train.bs)
-    if n_step is None: raise ValueError("check_accumulation: pass `n_step`, the micro-batches to split the batch into")
-    if isinstance(n_step, bool) or not isinstance(n_step, int) or n_step < 1:
-        raise ValueError(f"check_accumulation: n_step must be a positive integer, got {n_step!r}")
-    if policy is None: policy = cb.policy if cb is not None else 'micro'
-    if policy not in check_policies: raise ValueError(f"Unknown BatchNorm policy {policy!r}; choose one of {check_policies}")
-    if cb is not None and prepasses is None: prepasses = cb.prepasses
-    if cb is not None and prepass_bs is None: prepass_bs = cb.prepass_bs
-    if batch is None:
-        if learn is None: raise ValueError("check_accumulation: pass `batch`, a tuple (inputs..., targets...)")
-        batch = _first_window(learn.dls.train, n_step)
-    if not isinstance(batch, (tuple, list)) or len(batch) < 2 or not all(isinstance(t, Tensor) for t in batch):
-        raise TypeError("check_accumulation: `batch` must be a tuple of tensors (inputs..., targets...), "
-                        "as `learn.dls.one_batch()` returns")
-    if n_inp is None: n_inp = getattr(learn.dls, 'n_inp', len(batch) - 1) if learn is not None else len(batch) - 1
-    p0 = next(model.parameters(), None)
-    if p0 is None: raise ValueError("check_accumulation: the model has no parameters")
-    device = p0.device
-    dt = dtype or p0.dtype
-    batch = tuple(t.to(device, dt) if t.is_floating_point() else t.to(device) for t in batch)
-    micro = _split(batch, n_step)
-    if previous is not None:
-        if not isinstance(previous, (tuple, list)) or len(previous) != len(batch) or not all(isinstance(t, Tensor) for t in previous):
-            raise TypeError("check_accumulation: `previous` must be a tuple of tensors like `batch`")
-        previous = _split(tuple(t.to(device, dt) if t.is_floating_point() else t.to(device) for t in previous), n_step)
-    notes = []
-    if policy == 'auto':
-        policy, why = resolve_auto(model, tuple(t.to(p0.dtype) if t.is_floating_point() else t for t in micro[0][:n_inp]),
-                                   batch[0].shape[0])
-        notes.append(why)
-    reduction = _loss_reduction(loss_func)
-    call_loss = _loss_in(loss_func, dt)
-    bns = [m for m in bn_layers(model)]
-    has_bn = bool(bns)
-    drops = [n for n, _ in _dropouts(model)]
-    types = {n: getattr(m, 'plain_class', type(m)).__name__ for n, m in
-             ((n or _ROOT, m) for n, m in model.named_modules())}
-
-    def runs(bn_eval):
-        a = _copy(model, dtype, dropout, bn_eval)
-        obj = _run_window(a, micro, n_inp, call_loss, seed, device, policy, reduction, prepasses, prepass_bs, loss_weight_fn,
-                          previous, quiet=bn_eval)
-        ga, sa = _grads(a), _stats(a); del a
-        b = _copy(model, dtype, dropout, bn_eval)
-        loss, ldt, flow = _run_full(b, batch, n_inp, call_loss, seed, device, analyse=not bn_eval)
-        gb, sb = _grads(b), _stats(b); del b
-        return obj, ga, sa, loss, ldt, gb, sb, flow
-
-    def loss_diff(obj, loss, ldt):
-        "Relative difference of the losses, less what the loss's own dtype rounds away (a float32 loss in a float64 check)."
-        slack = (n_step + 2) * torch.finfo(ldt).eps * max(abs(obj), abs(loss)) if ldt.is_floating_point else 0.
-        d = max(abs(obj - loss) - slack, 0.)
-        return abs(obj - loss), d / abs(loss) if loss else d
-
-    obj, ga, sa, loss, ldt, gb, sb, (pflags, lflags) = runs(False)
-    gmax = max([g.abs().max().item() for g in gb.values() if g is not None and g.numel()] or [0.])
-    floor = math.sqrt(torch.finfo(dt).eps) * gmax
-    rows = []
-    owner = lambda n: n.rsplit('.', 1)[0] if '.' in n else _ROOT
-    for n in gb:
-        ref, d, rel = _grad_diff(ga.get(n), gb[n], floor)
-        after, before = pflags.get(n, (False, False))
-        rows.append(dict(name=n, module=owner(n), layer=types.get(owner(n), ''), kind='grad', numel=gb[n].numel()
-                         if gb[n] is not None else dict(model.named_parameters())[n].numel(),
-                         ref_max=ref, abs_diff=d, rel_diff=rel, rel_diff_bn_eval=math.nan, bn_forward=after, bn_backward=before))
-    for m in sb:
-        for kind, ref, d, rel in _stat_diffs(sa[m], sb[m]):
-            rows.append(dict(name=f'{m}.{kind}' if m != _ROOT else kind, module=m, layer=types.get(m, ''), kind=kind,
-                             numel=sb[m][0].numel(), ref_max=ref, abs_diff=d, rel_diff=rel, rel_diff_bn_eval=math.nan,
-                             bn_forward=lflags.get(m, False), bn_backward=None))
-    d, rel = loss_diff(obj, loss, ldt)
-    rows.append(dict(name='<loss>', module='<loss>', layer=type(loss_func).__name__, kind='loss', numel=1, ref_max=abs(loss),
-                     abs_diff=d, rel_diff=rel, rel_diff_bn_eval=math.nan, bn_forward=None, bn_backward=None))
-    df = pd.DataFrame(rows)
-    ev_max = None
-    if has_bn and explain:
-        obj_e, ga_e, _, loss_e, ldt_e, gb_e, _, _ = runs(True)
-        gmax_e = max([g.abs().max().item() for g in gb_e.values() if g is not None and g.numel()] or [0.])
-        floor_e = math.sqrt(torch.finfo(dt).eps) * gmax_e
-        ev = {n: _grad_diff(ga_e.get(n), gb_e[n], floor_e)[2] for n in gb_e}
-        ev['<loss>'] = loss_diff(obj_e, loss_e, ldt_e)[1]
-        sel = df.kind.isin(('grad', 'loss'))
-        df.loc[sel, 'rel_diff_bn_eval'] = df.loc[sel, 'name'].map(ev)
-        ev_max = float(df.loc[sel, 'rel_diff_bn_eval'].max())
-    n_micro = micro[0][0].shape[0]
-    cause, diagnosis = _diagnose(df, policy, tol, has_bn, drops if dropout else [], n_micro, batch[0].shape[0])
-    if drops and not dropout: notes.append(f"{len(drops)} dropout-like module(s) ran in eval mode in every run "
-                                           f"({', '.join(drops[:3])}{', ...' if len(drops) > 3 else ''}); dropout=True keeps them active")
-    unwrapped = [n for n, m in model.named_modules() if isinstance(m, _BatchNorm) and not isinstance(m, AccumulateBatchNorm)
-                 and not _forward_is_known(type(m)) and 'act' not in m._modules]
-    if unwrapped: notes.append(f"wrap_bn cannot wrap {len(unwrapped)} BatchNorm layer(s) with their own forward "
-                               f"({', '.join(unwrapped[:3])}): they update their statistics per micro-batch")
-    nostats = [n for n, m in model.named_modules() if isinstance(m, _BatchNorm) and not _has_stats(m)]
-    if nostats: notes.append(f"{len(nostats)} BatchNorm layer(s) without running statistics ({', '.join(nostats[:3])}) "
-                             "normalize with batch statistics even in eval mode, so run (c) cannot freeze them")
-    if policy == 'window': notes.append("'window' policy: the window pre-passes ran before the accumulated forwards, as in "
-                                        "GradientAccumulation; " + ("the backward's pooled window terms start empty, as in a fit's first window"
-                                        if previous is None else "the backward's pooled window terms are those of `previous`, "
-                                        "accumulated first with the same weights (in a fit: one step earlier's)"))
-    if ldt != dt: notes.append(f"the loss returns {str(ldt).replace('torch.', '')}: loss differences below its rounding count as zero")
-    return AccumulationReport(df, policy, n_step, batch[0].shape[0], tol, str(dt).replace('torch.', ''),
-                              float(df.rel_diff.max()), ev_max, *_whole_grad(ga, gb), cause, diagnosis, drops,
-                              _layer_grads(ga, gb, owner), notes)
+    s = _resolve(learn_or_model, batch, n_step, loss_func, policy, dtype, seed, dropout, n_inp, prepasses, prepass_bs,
+                 loss_weight_fn, previous)                         # 1. resolve the arguments
+    acc, big = _run_pair(s)                                        # 2. run (a) the accumulated window, (b) the big batch
+    rows = _compare(s, acc, big)                                   # 3. compare them ...
+    ev_max = _add_bn_eval(s, rows) if s.has_bn and explain else None  # ... and (c), both with BatchNorm frozen
+    cause, diagnosis = _diagnose(rows, s.policy, tol, s.has_bn, s.drops if dropout else [], s.n_micro, s.n_samples)  # 4.
+    return AccumulationReport(rows, s.policy, s.n_step, s.n_samples, tol, str(s.dt).replace('torch.', ''),
+                              float(rows.rel_diff.max()), ev_max, *_whole_grad(acc.grads, big.grads), cause, diagnosis,
+                              s.drops, _layer_grads(acc.grads, big.grads, _owner), _notes(s, big.loss_dtype))
 
 # %% ../nbs/06_check.ipynb #d19ad8eb
 @patch
