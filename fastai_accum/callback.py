@@ -11,7 +11,6 @@ from fastai.basics import *
 from fastai.callback.fp16 import MixedPrecision
 from .exact import peek_batches
 from .window import validate_window_args, loss_reduction, _check_count, WindowLoader
-from .window import loss_reduction as _loss_reduction  # (the checker's name for it, until it moves)
 from .loop import Accumulation, accumulation_options
 
 # %% auto #0

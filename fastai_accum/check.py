@@ -20,9 +20,9 @@ from fastai.losses import BaseLoss
 from fastai.torch_core import TensorBase
 from .batchnorm import (AccumulateBatchNorm, auto_policy, bn_policies, bn_layers, wrap_bn, unwrap_bn,
                                     window_prepasses, _forward_is_known)
-from .window import AccumulationWindow, scale_grads, commit_window, drop_window, cat_batches
+from .window import AccumulationWindow, scale_grads, commit_window, drop_window, cat_batches, loss_reduction
 from .exact import leaves_no_trace, choose_exact, peek_batches
-from .callback import GradientAccumulation, _loss_reduction
+from .callback import GradientAccumulation
 
 # %% auto #0
 __all__ = ['check_policies', 'AccumulationReport', 'resolve_auto', 'check_accumulation', 'GradientScreen', 'gradient_screen']
@@ -68,7 +68,7 @@ def _bn_flow(root, bn_inputs:dict|None=None) -> tuple[dict, dict]:
     return params, layers
 
 # %% ../nbs/06_check.ipynb #a6714df5
-_ROOT = '(model)'
+from .divergence import _ROOT  # how per-module tables name the model itself, as the divergence finder does
 _STAT_KINDS = ('running_mean', 'running_var', 'num_batches_tracked')
 
 def _fmt(v) -> str:
@@ -245,7 +245,7 @@ class _Setup:
     n_samples = property(lambda self: self.batch[0].shape[0])
     n_micro = property(lambda self: self.micro[0][0].shape[0])
     device = property(lambda self: self.batch[0].device)
-    reduction = property(lambda self: _loss_reduction(self.loss_func))
+    reduction = property(lambda self: loss_reduction(self.loss_func))
     call_loss = property(lambda self: _loss_in(self.loss_func, self.dt))
     has_bn = property(lambda self: bool(bn_layers(self.model)))
     drops = property(lambda self: [n for n, _ in _dropouts(self.model)])
@@ -353,8 +353,7 @@ def _prepare(model, policy, quiet=False):
 # %% ../nbs/06_check.ipynb #83c7772f
 def _commit(bns:list):
     "Commit the window's BatchNorm statistics as the callback does at its step (`commit_window`), this process's alone."
-    for m in bns: m.pending.merged = True  # nothing to merge across processes: the copy and its window are local
-    commit_window(bns)
+    commit_window(bns, merge=False)  # nothing to merge across processes: the copy and its window are local
 
 def _micro_backward(model, mb:tuple, window:AccumulationWindow, s:_Setup) -> float:
     "Forward and backward of `mb`, its loss weighted as the callback weights it (or by `loss_weight_fn`); returns loss × weight."

@@ -130,11 +130,12 @@ def scale_grads(params, # parameters (those without a gradient are skipped)
 # %% ../nbs/02_window.ipynb #157a1963
 def commit_window(bns:list, # `AccumulateBatchNorm` layers
                   group=None, # process group whose pending statistics are merged first (default: the world)
+                  merge:bool=True, # merge across processes first (False: this process's statistics alone)
                  ):
     "Commit the pending statistics of every layer in `bns` (one momentum step each), merged across processes first."
     if not bns: return
     local = [bn for bn in bns if not bn.pending.merged]  # the window policy's pre-pass statistics are merged already
-    if world_size(group) > 1 and local:  # one all-gather for all layers; every process then commits identical statistics
+    if merge and world_size(group) > 1 and local:  # one all-gather for all layers; every process then commits identical statistics
         all_reduce_stats([bn.pending for bn in local], [bn.num_features for bn in local], group, local[0].running_mean.device)
     for bn in bns: bn.update_stats()
 
