@@ -5,107 +5,43 @@ handling BatchNorm, and compare with the true big batch. `fastai-accum bench acc
 
 # %% ../nbs/20_bench_accuracy.ipynb #746ad3b1
 from __future__ import annotations
-import time, warnings, itertools
+import time, itertools
 from dataclasses import dataclass, field
 import numpy as np, torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import TensorDataset
-from fastai.basics import Learner, DataLoaders, DataLoader, CrossEntropyLossFlat, accuracy, Adam, SGD, partial
+from fastai.basics import accuracy, Adam, SGD, partial
 from fastai.callback.schedule import *  # fit_one_cycle
-from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
 from fastprogress.fastprogress import progress_bar
 from .batchnorm import bn_policies
-from .callback import GradientAccumulation
+from .experiments import (
+    experiment_models, digits_models, digits_data, tensor_dls, canonical_setting, setting_batch_size,
+    setting_learner, default_policy, torch_threads, bn_head, simple_cnn_bn, ResBlock, small_resnet, vgg_bn,
+    vision_resnet18, timm_mobilenetv3)
 
 # %% auto #0
-__all__ = ['bench_models', 'digits_data', 'bn_head', 'simple_cnn_bn', 'ResBlock', 'small_resnet', 'vgg_bn', 'vision_resnet18',
-           'timm_mobilenetv3', 'train_one', 'AccuracyResults', 'bench_accuracy', 'add_accuracy_args', 'default_policy',
-           'accuracy_main']
+__all__ = ['bench_models', 'accuracy_settings', 'train_one', 'AccuracyResults', 'bench_accuracy', 'add_accuracy_args',
+           'accuracy_main', 'digits_data', 'bn_head', 'simple_cnn_bn', 'ResBlock', 'small_resnet', 'vgg_bn',
+           'vision_resnet18', 'timm_mobilenetv3', 'default_policy']
 
 # %% ../nbs/20_bench_accuracy.ipynb #0b9edb0c
-def digits_data(size:int=32, # image side after bilinear upsampling
-                n_train:int=1400, # training samples (the rest validate)
-               ):
-    "sklearn's digits as float tensors: ((x_train, y_train), (x_valid, y_valid)), a fixed split."
-    from sklearn.datasets import load_digits
-    d = load_digits()
-    x = F.interpolate(torch.tensor(d.images, dtype=torch.float32)[:, None] / 16., size=size, mode='bilinear', align_corners=False)
-    y = torch.tensor(d.target)
-    idx = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    tr, va = idx[:n_train], idx[n_train:]
-    return (x[tr], y[tr]), (x[va], y[va])
-
-# %% ../nbs/20_bench_accuracy.ipynb #a11e5bed
-def _conv_bn(ci, co, stride=1): return [nn.Conv2d(ci, co, 3, stride, 1, bias=False), nn.BatchNorm2d(co), nn.ReLU()]
-
-def bn_head(ni, nc, nh=64):
-    "A fastai `create_head`-like head: Linear -> BatchNorm1d -> ReLU -> Linear."
-    return [nn.Flatten(), nn.Linear(ni, nh, bias=False), nn.BatchNorm1d(nh), nn.ReLU(), nn.Linear(nh, nc)]
-
-def simple_cnn_bn(nc=10):
-    "fastai `simple_cnn`-style: 4 stride-2 conv-BN-ReLU blocks and a BatchNorm1d head."
-    return nn.Sequential(*_conv_bn(1, 16, 2), *_conv_bn(16, 32, 2), *_conv_bn(32, 64, 2), *_conv_bn(64, 64, 2), *bn_head(256, nc))
-
-class ResBlock(nn.Module):
-    "Basic residual block with BatchNorm in both branches."
-    def __init__(self, ni, nf, stride=1):
-        super().__init__()
-        self.convs = nn.Sequential(nn.Conv2d(ni, nf, 3, stride, 1, bias=False), nn.BatchNorm2d(nf), nn.ReLU(),
-                                   nn.Conv2d(nf, nf, 3, 1, 1, bias=False), nn.BatchNorm2d(nf))
-        self.idconv = nn.Identity() if ni == nf and stride == 1 else nn.Sequential(nn.Conv2d(ni, nf, 1, stride, bias=False), nn.BatchNorm2d(nf))
-    def forward(self, x): return F.relu(self.convs(x) + self.idconv(x))
-
-def small_resnet(nc=10):
-    "Stem + 3 residual blocks + BatchNorm1d head."
-    return nn.Sequential(*_conv_bn(1, 16), ResBlock(16, 32, 2), ResBlock(32, 64, 2), ResBlock(64, 64),
-                         nn.AdaptiveAvgPool2d(1), *bn_head(64, nc))
-
-def vgg_bn(nc=10):
-    "VGG-bn-style: pairs of conv-BN-ReLU and max-pooling, BatchNorm1d head."
-    return nn.Sequential(*_conv_bn(1, 16), *_conv_bn(16, 16), nn.MaxPool2d(2), *_conv_bn(16, 32), *_conv_bn(32, 32), nn.MaxPool2d(2),
-                         *_conv_bn(32, 64), nn.MaxPool2d(2), nn.AdaptiveAvgPool2d(1), *bn_head(64, nc))
-
-def vision_resnet18(nc=10):
-    "fastai `vision_learner`'s model: torchvision resnet18 body (random init, 1 input channel) and `create_head` (BatchNorm1d)."
-    from fastai.vision.learner import create_vision_model
-    from torchvision.models import resnet18
-    return create_vision_model(resnet18, nc, pretrained=False, n_in=1)
-
-def timm_mobilenetv3(nc=10):
-    "timm's mobilenetv3_small_100 (BatchNormAct2d layers), random init, 1 input channel (`pip install fastai_accum[timm]`)."
-    try: import timm
-    except ImportError: raise ImportError("the mobilenetv3 benchmark model needs timm: pip install 'fastai_accum[timm]'") from None
-    return timm.create_model('mobilenetv3_small_100', pretrained=False, num_classes=nc, in_chans=1)
-
-bench_models = dict(simple_cnn=simple_cnn_bn, small_resnet=small_resnet, vgg_bn=vgg_bn,  # small nets
-                    resnet18=vision_resnet18, mobilenetv3=timm_mobilenetv3)  # deep nets (`--models resnet18,mobilenetv3`)
+bench_models = {name: experiment_models[name] for name in digits_models}
+_all_ = ['digits_data', 'bn_head', 'simple_cnn_bn', 'ResBlock', 'small_resnet', 'vgg_bn', 'vision_resnet18',
+         'timm_mobilenetv3', 'default_policy'] # their home is `fastai_accum.experiments`; importable from here as before
 
 # %% ../nbs/20_bench_accuracy.ipynb #0acff67b
-def _settings(policies=None):
+def accuracy_settings(policies=None, # policies of ours to compare (default: `bn_policies`)
+                     ) -> list:
+    "The benchmark's default settings: the forum's table, then ours for each policy ('running' is the forum's, 'frozen' left out)."
     pol = list(bn_policies if policies is None else policies)
-    return ['bs64', 'naive', 'forum', 'groupnorm'] + [f'ours:{p}' for p in pol + ['exact'] if p not in ('running', 'frozen', 'auto')]
+    return ['bs64', 'naive', 'ours:running', 'groupnorm'] + [f'ours:{p}' for p in pol + ['exact'] if p not in ('running', 'frozen', 'auto')]
 
 def _learner(setting, model_fn, data, micro_bs, eff_bs, opt, seed):
     (xt, yt), (xv, yv) = data
-    bs = eff_bs if setting == 'bs64' else micro_bs
     torch.manual_seed(seed); np.random.seed(seed)
-    dls = DataLoaders(DataLoader(TensorDataset(xt, yt), bs=bs, shuffle=True, drop_last=True),
-                      DataLoader(TensorDataset(xv, yv), bs=128))
-    model = model_fn()
-    cbs = []
-    if setting == 'naive': cbs = [FastaiGradientAccumulation(n_acc=eff_bs)]
-    elif setting == 'forum': cbs = [GradientAccumulation(n_acc=eff_bs, policy='running', preflight=False)]
-    elif setting == 'groupnorm':
-        from fastai_accum.bn_tools import bn_to_groupnorm
-        with warnings.catch_warnings():
-            warnings.simplefilter('ignore'); bn_to_groupnorm(model, groups=8)
-        cbs = [FastaiGradientAccumulation(n_acc=eff_bs)]
-    elif setting.startswith('ours:'): cbs = [GradientAccumulation(n_acc=eff_bs, policy=setting[5:], preflight=False)]
+    dls = tensor_dls((xt, yt), (xv, yv), setting_batch_size(setting, micro_bs, eff_bs), val_bs=128)
     opt_func = partial(Adam, wd=0.01) if opt == 'adam' else partial(SGD, mom=0.9, wd=1e-4)
-    return Learner(dls, model, loss_func=CrossEntropyLossFlat(), opt_func=opt_func, metrics=accuracy, cbs=cbs)
+    return setting_learner(setting, dls, model_fn(), micro_bs, n_acc=eff_bs, opt_func=opt_func, metrics=accuracy)
 
-def train_one(setting:str, # a setting name (see `_settings`)
+def train_one(setting:str, # a setting name of `experiment_settings` (or an alias: 'forum', 'ours-window', ...)
               model:str='simple_cnn', # key of `bench_models`
               opt:str='adam', # 'adam' (fit_one_cycle, lr 3e-3) or 'sgd' (momentum 0.9, fit_one_cycle, lr 0.05)
               micro_bs:int=2, eff_bs:int=64, epochs:int=6, seed:int=0, data=None):
@@ -156,11 +92,11 @@ class AccuracyResults:
 def bench_accuracy(models=('simple_cnn',), # keys of `bench_models`
                    opts=('adam',), # 'adam' and/or 'sgd'
                    micro_bss=(2,), # micro-batch sizes
-                   settings=None, # setting names (default: all)
+                   settings=None, # setting names or aliases (default: `accuracy_settings()`)
                    seeds=(0, 1, 2), epochs:int=6, eff_bs:int=64) -> AccuracyResults:
     "Run the grid (a progress bar over runs) and return the records."
     data, res = digits_data(), AccuracyResults()
-    settings = settings or _settings()
+    settings = [canonical_setting(s) for s in settings or accuracy_settings()]
     grid = list(itertools.product(models, opts, micro_bss, seeds, settings))
     for model, opt, mbs, seed, s in progress_bar(grid):
         acc, secs = train_one(s, model, opt, mbs, eff_bs, epochs, seed, data)
@@ -174,26 +110,24 @@ def add_accuracy_args(p):
     p.add_argument('--models', default='simple_cnn,small_resnet,vgg_bn', help=f'comma list of {", ".join(bench_models)}')
     p.add_argument('--opts', default='adam,sgd', help='comma list of adam, sgd')
     p.add_argument('--micro-bs', default='2,4', help='comma list of micro-batch sizes')
-    p.add_argument('--settings', default=None, help='comma list (default: all): ' + ', '.join(_settings()))
+    p.add_argument('--settings', default=None, help='comma list (default: all): ' + ', '.join(accuracy_settings()) +
+                   '; old names too (forum = ours:running, ours-POLICY = ours:POLICY)')
     p.add_argument('--seeds', type=int, default=3)
     p.add_argument('--epochs', type=int, default=6)
     p.add_argument('--out', default='.', help='folder for bench_accuracy.png and bench_accuracy.csv')
 
-def default_policy() -> str:
-    "The BatchNorm policy `GradientAccumulation` uses when none is given."
-    import inspect
-    return inspect.signature(GradientAccumulation).parameters['policy'].default
+def _grid(args) -> dict:
+    "The `bench_accuracy` arguments of the command line's options."
+    if args.quick: return dict(models=('simple_cnn',), opts=('adam',), micro_bss=(2,), seeds=(0,), epochs=2,
+                               settings=['naive', f'ours:{default_policy()}'])
+    return dict(models=tuple(args.models.split(',')), opts=tuple(args.opts.split(',')),
+                micro_bss=tuple(int(b) for b in args.micro_bs.split(',')), seeds=tuple(range(args.seeds)),
+                epochs=args.epochs, settings=args.settings.split(',') if args.settings else None)
 
 def accuracy_main(args) -> int:
     "Run `fastai-accum bench accuracy`; returns the exit code."
     from pathlib import Path
-    torch.set_num_threads(1)
-    if args.quick: kw = dict(models=('simple_cnn',), opts=('adam',), micro_bss=(2,), seeds=(0,), epochs=2,
-                             settings=['naive', f'ours:{default_policy()}'])
-    else: kw = dict(models=tuple(args.models.split(',')), opts=tuple(args.opts.split(',')),
-                    micro_bss=tuple(int(b) for b in args.micro_bs.split(',')), seeds=tuple(range(args.seeds)),
-                    epochs=args.epochs, settings=args.settings.split(',') if args.settings else None)
-    res = bench_accuracy(**kw)
+    with torch_threads(1): res = bench_accuracy(**_grid(args))
     t = res.table()
     import pandas as pd
     with pd.option_context('display.width', 160, 'display.max_columns', 20):

@@ -9,7 +9,7 @@ import pandas as pd
 import torch
 from torch import nn
 from .check import GradientScreen, gradient_screen, check_policies
-from .bench_accuracy import bench_models, digits_data
+from .experiments import experiment_models, digits_models, digits_data, torch_threads
 
 # %% auto #0
 __all__ = ['digits_windows', 'bench_gradient', 'gradient_table', 'add_gradient_args', 'gradient_main']
@@ -25,7 +25,7 @@ def digits_windows(window:int=64, # samples per window
     return [(x[i], y[i]) for i in idx[:len(x) // window * window].split(window)]
 
 # %% ../nbs/22_bench_gradient.ipynb #e7b20008
-def bench_gradient(models=('resnet18', 'mobilenetv3'), # keys of `bench_models`
+def bench_gradient(models=('resnet18', 'mobilenetv3'), # names in `digits_models`
                    window:int=64, # samples per window (the big batch)
                    micro_bs:int=2, # samples per micro-batch
                    at=(0, 50), # measure after these many big-batch optimizer steps
@@ -41,7 +41,7 @@ def bench_gradient(models=('resnet18', 'mobilenetv3'), # keys of `bench_models`
     data, out = digits_windows(window, size, seed), {}
     for name in models:
         torch.manual_seed(seed)
-        model = bench_models[name]()
+        model = experiment_models[name]()
         out[name] = gradient_screen(model, data, window // micro_bs, nn.CrossEntropyLoss(), policies, at, lr=lr,
                                     dtype=dtype, progress=progress, seed=seed)
     return out
@@ -54,7 +54,7 @@ def gradient_table(screens:dict) -> pd.DataFrame:
 # %% ../nbs/22_bench_gradient.ipynb #e7b20013
 def add_gradient_args(p):
     "Arguments of `fastai-accum bench gradient`."
-    p.add_argument('--models', default='resnet18,mobilenetv3', help=f'comma list of {", ".join(bench_models)}')
+    p.add_argument('--models', default='resnet18,mobilenetv3', help=f'comma list of {", ".join(digits_models)}')
     p.add_argument('--window', type=int, default=64, help='samples per window (the big batch)')
     p.add_argument('--micro-bs', type=int, default=2, help='samples per micro-batch')
     p.add_argument('--at', default='0,50', help='comma list: measure after these many big-batch AdamW steps')
@@ -68,11 +68,11 @@ def add_gradient_args(p):
 
 def gradient_main(args) -> int:
     "Run `fastai-accum bench gradient`; returns the exit code."
-    torch.set_num_threads(1)  # shared CPUs: one thread per process is much faster than oversubscribed ones
     t = time.perf_counter()
-    screens = bench_gradient(tuple(args.models.split(',')), args.window, args.micro_bs,
-                             tuple(int(k) for k in args.at.split(',')), tuple(args.policies.split(',')), args.size,
-                             args.lr, args.seed, torch.float64 if args.float64 else None)
+    with torch_threads(1):  # shared CPUs: one thread per process is much faster than oversubscribed ones
+        screens = bench_gradient(tuple(args.models.split(',')), args.window, args.micro_bs,
+                                 tuple(int(k) for k in args.at.split(',')), tuple(args.policies.split(',')), args.size,
+                                 args.lr, args.seed, torch.float64 if args.float64 else None)
     tab = gradient_table(screens)
     with pd.option_context('display.width', 160, 'display.max_columns', 20):
         print(tab.to_string(index=False, float_format=lambda v: f'{v:.4f}'))

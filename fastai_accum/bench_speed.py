@@ -4,118 +4,39 @@
 
 # %% ../nbs/21_bench_speed.ipynb #b72edfd4
 from __future__ import annotations
-import argparse, gc, inspect, json, math, os, statistics, subprocess, sys, tempfile, time, warnings
+import argparse, gc, json, math, os, statistics, subprocess, sys, tempfile, time, warnings
 from functools import partial
 import torch
-import torch.nn.functional as F
-from torch import nn, Tensor
-from torch.utils.data import TensorDataset
 from fastai.basics import *
 from fastai.callback.progress import *
-from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation
 from .batchnorm import bn_policies, wrap_bn, window_prepasses, prepass_plan, prepass_info, reset_bn_stats
-from .callback import GradientAccumulation
 from .exact import choose_exact
+from .experiments import (
+    small_cnn, torchvision_resnet18, efficientnet_b0, synthetic_dls, default_policy, setting_batch_size,
+    setting_learner, torch_threads, CountAllReduces)
 
 # %% auto #0
-__all__ = ['bench_models', 'prepass_models_fns', 'summary_keys', 'small_cnn', 'resnet18_32', 'synthetic_dls', 'default_policy',
-           'speed_variants', 'time_variants', 'median_ratio', 'saved_bytes_peak', 'cuda_peak_bytes', 'efficientnet_b0',
-           'prepass_peak', 'tensor_bytes_alive', 'leak_per_1000', 'allreduce_counts', 'format_summary', 'parse_summary',
-           'SpeedResults', 'auto_choice', 'bench_speed', 'add_speed_args', 'speed_main']
+__all__ = ['bench_models', 'prepass_models_fns', 'summary_keys', 'speed_variants', 'time_variants', 'median_ratio',
+           'saved_bytes_peak', 'cuda_peak_bytes', 'prepass_peak', 'tensor_bytes_alive', 'leak_per_1000',
+           'allreduce_counts', 'format_summary', 'parse_summary', 'SpeedResults', 'auto_choice', 'bench_speed',
+           'add_speed_args', 'speed_main', 'small_cnn', 'synthetic_dls', 'efficientnet_b0', 'default_policy']
 
 # %% ../nbs/21_bench_speed.ipynb #ceeb1340
-def small_cnn(n_out:int=10, # classes
-             ) -> nn.Module:
-    "4x (conv stride 2, BatchNorm2d, ReLU) then Linear-BatchNorm1d-ReLU-Linear, for 3x32x32 inputs."
-    def blk(ci, co): return [nn.Conv2d(ci, co, 3, 2, 1, bias=False), nn.BatchNorm2d(co), nn.ReLU()]
-    return nn.Sequential(*blk(3, 16), *blk(16, 32), *blk(32, 64), *blk(64, 64), nn.Flatten(),
-                         nn.Linear(256, 64, bias=False), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, n_out))
-
-def resnet18_32(n_out:int=10, # classes
-               ) -> nn.Module:
-    "torchvision's resnet18 with random weights (`weights=None`), fed 32px images."
-    from torchvision.models import resnet18
-    return resnet18(weights=None, num_classes=n_out)
-
-bench_models = {'small_cnn': small_cnn, 'resnet18': resnet18_32}
-
-# %% ../nbs/21_bench_speed.ipynb #19266bc0
-def synthetic_dls(bs:int, # training batch size
-                  n_train:int, # training samples (the last partial batch is dropped)
-                  device=None, # where fastai puts the batches (default: fastai's default device)
-                  size:int=32, # image height and width
-                  n_classes:int=10, # label range
-                  seed:int=0, # seed of the random images and labels
-                 ) -> DataLoaders:
-    "fastai `DataLoaders` of random 3 x `size` x `size` images; the validation set is one batch."
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n_train, 3, size, size, generator=g)
-    y = torch.randint(0, n_classes, (n_train,), generator=g)
-    return DataLoaders(DataLoader(TensorDataset(x, y), bs=bs, shuffle=True, drop_last=True),
-                       DataLoader(TensorDataset(x[:bs], y[:bs]), bs=bs), device=device)
-
-# %% ../nbs/21_bench_speed.ipynb #bafc94f5
-class _SeedAccumulateBatchNorm(nn.Module):
-    "REFERENCE ONLY, do not use: the forum's `AccumulateBatchNorm` (the project's seed), to benchmark its behaviour."
-    def __init__(self, bn:nn.Module): # the BatchNorm layer it wraps (kept as submodule `bn`)
-        super().__init__()
-        self.bn = bn
-        self.reset()
-
-    def reset(self): self.sum_x, self.sum_x2, self.count = 0., 0., 0
-
-    def forward(self, x):
-        if not self.training: return self.bn(x)
-        dims = [0] + list(range(2, x.dim()))
-        self.sum_x = self.sum_x + x.sum(dims)          # keeps x's autograd graph
-        self.sum_x2 = self.sum_x2 + (x * x).sum(dims)  # ...and x itself, saved for the backward of x*x
-        self.count += x.numel() // x.shape[1]
-        bn = self.bn  # normalize with the running statistics, as constants
-        return F.batch_norm(x, bn.running_mean.detach(), bn.running_var.detach(), bn.weight, bn.bias, False, 0., bn.eps)
-
-    def update_stats(self):
-        if not self.count: return
-        mean = self.sum_x / self.count
-        var = self.sum_x2 / self.count - mean * mean  # biased variance, E[x^2] - E[x]^2
-        bn, m = self.bn, self.bn.momentum
-        bn.running_mean = (1 - m) * bn.running_mean + m * mean  # buffers become non-leaf tensors carrying the graph
-        bn.running_var = (1 - m) * bn.running_var + m * var
-        self.reset()
-
-def _seed_wrap(model:nn.Module) -> nn.Module:
-    "Replace every BatchNorm child of `model` by the seed's wrapper, recursively, in place."
-    for name, child in model.named_children():
-        if isinstance(child, nn.modules.batchnorm._BatchNorm): setattr(model, name, _SeedAccumulateBatchNorm(child))
-        else: _seed_wrap(child)
-    return model
-
-class _SeedUpdateStats(Callback):
-    "The seed's driver: commit the accumulated statistics after each optimizer step."
-    order = 50
-    def after_step(self):
-        for m in self.learn.model.modules():
-            if isinstance(m, _SeedAccumulateBatchNorm): m.update_stats()
+bench_models = {'small_cnn': small_cnn, 'resnet18': torchvision_resnet18} # `--models` names
+_all_ = ['small_cnn', 'synthetic_dls', 'efficientnet_b0', 'default_policy'] # at home in `experiments`, importable from here
 
 # %% ../nbs/21_bench_speed.ipynb #b41ec92b
-def default_policy() -> str:
-    "The BatchNorm `policy` `GradientAccumulation` uses when none is given."
-    return inspect.signature(GradientAccumulation).parameters['policy'].default
-
 def speed_variants() -> list:
-    "Names of the timed training setups, `plain` first: `ours:<policy>` for each BatchNorm policy and 'exact' ('auto' picks one of them, see `auto_choice`)."
+    "Names of the timed settings, `plain` first: `ours:<policy>` for each BatchNorm policy and 'exact' ('auto' picks one of them, see `auto_choice`)."
     return ['plain', 'naive', 'seed'] + [f'ours:{p}' for p in bn_policies if p != 'auto'] + ['ours:exact']
 
 def _make_learner(variant:str, model_fn, bs:int, n_step:int, n_micro:int, device=None, seed:int=0) -> Learner:
-    "A fresh Learner for `variant` with `n_micro` training micro-batches of `bs` samples (`full`: `n_micro` batches of `bs*n_step`)."
-    n = bs * n_micro * (n_step if variant == 'full' else 1)
+    "A fresh Learner for `variant` (a setting) with `n_micro` training batches of `setting_batch_size` (`full`: `bs*n_step`)."
+    batch = setting_batch_size(variant, bs, bs * n_step)
     torch.manual_seed(seed)
-    model, cbs = model_fn(), []
-    if variant == 'naive': cbs = [FastaiGradientAccumulation(n_acc=bs * n_step)]
-    elif variant == 'seed': _seed_wrap(model); cbs = [FastaiGradientAccumulation(n_acc=bs * n_step), _SeedUpdateStats()]
-    elif variant.startswith('ours:'): cbs = [GradientAccumulation(n_step=n_step, policy=variant[5:], preflight=False)]
-    elif variant not in ('plain', 'full'): raise ValueError(f'unknown variant {variant!r}')
-    dls = synthetic_dls(bs * n_step if variant == 'full' else bs, n, device, seed=seed)
-    return Learner(dls, model.to(dls.device), loss_func=CrossEntropyLossFlat(), cbs=cbs)
+    model = model_fn()
+    dls = synthetic_dls(batch, batch * n_micro, device, seed=seed)
+    return setting_learner(variant, dls, model.to(dls.device), bs, n_step)
 
 def _fit(learn, cbs=None):
     with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
@@ -179,13 +100,7 @@ def cuda_peak_bytes(learn:Learner, # a learner on a CUDA device
     return torch.cuda.max_memory_allocated() - base
 
 # %% ../nbs/21_bench_speed.ipynb #94530eda
-def efficientnet_b0(n_out:int=10, # classes
-                   ) -> nn.Module:
-    "torchvision's efficientnet_b0 with random weights: 49 BatchNorm layers in sequence, the deep case of the pre-pass."
-    from torchvision.models import efficientnet_b0 as f
-    return f(weights=None, num_classes=n_out)
-
-prepass_models_fns = {'resnet18': resnet18_32, 'efficientnet_b0': efficientnet_b0, 'small_cnn': small_cnn}
+prepass_models_fns = {'resnet18': torchvision_resnet18, 'efficientnet_b0': efficientnet_b0, 'small_cnn': small_cnn}
 
 @torch.no_grad()
 def prepass_peak(model_fn, # builds the model
@@ -268,31 +183,18 @@ def _worker(argv:list) -> int:
     p.add_argument('--windows', type=int, default=2)
     p.add_argument('--policy', default=None)
     a = p.parse_args(argv)
-    torch.set_num_threads(1)
     import fastai.distributed
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from fastai_accum.distributed import fix_distributed_dl
     fix_distributed_dl()
     rank, world = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
-
-    class CountAllReduces(Callback):
-        order = 13  # after fastai's DistributedTrainer (11) wrapped the model in DDP
-        def before_fit(self):
-            self.calls = self.rounds = self.windows = 0
-            def hook(state, bucket):
-                self.calls += 1
-                self.rounds += int(bucket.index() == 0)
-                return allreduce_hook(None, bucket)
-            self.learn.model.register_comm_hook(None, hook)
-        def after_step(self): self.windows += 1
-
     res = {}
-    for name in a.models.split(','):
-        for variant in (f'ours:{a.policy or default_policy()}', 'naive'):
-            learn = _make_learner(variant, bench_models[name], a.micro_bs, a.n_step, a.n_step * a.windows * world, 'cpu')
-            counter = CountAllReduces()
-            with learn.distrib_ctx(cpu=True, sync_bn=False): _fit(learn, cbs=counter)
-            res[f'{name}/{variant}'] = dict(rounds=counter.rounds, calls=counter.calls, windows=counter.windows)
+    with torch_threads(1):
+        for name in a.models.split(','):
+            for variant in (f'ours:{a.policy or default_policy()}', 'naive'):
+                learn = _make_learner(variant, bench_models[name], a.micro_bs, a.n_step, a.n_step * a.windows * world, 'cpu')
+                counter = CountAllReduces()
+                with learn.distrib_ctx(cpu=True, sync_bn=False): _fit(learn, cbs=counter)
+                res[f'{name}/{variant}'] = dict(rounds=counter.rounds, calls=counter.calls, windows=counter.windows)
     with open(os.path.join(a.outdir, f'rank{rank}.json'), 'w') as f: json.dump(res, f)
     if torch.distributed.is_initialized():  # clean shutdown: gloo's threads can otherwise abort the exit (SIGABRT)
         torch.distributed.barrier(); torch.distributed.destroy_process_group()
@@ -362,6 +264,132 @@ def auto_choice(model_fn, bs:int, n_step:int, device='cpu') -> str:
 _defaults = dict(quick=dict(repeats=5, windows=1, leak_micro=160, prepass_windows=(16, 64), prepass_size=64),
                  full=dict(repeats=7, windows=4, leak_micro=1000, prepass_windows=(16, 64, 256), prepass_size=128))
 
+# %% ../nbs/21_bench_speed.ipynb #1a11791b
+def _speed_config(models, device, micro_bs, n_step, repeats, windows, leak_micro, comm, quick, prepass_models,
+                  prepass_windows, prepass_size) -> dict:
+    "`bench_speed`'s arguments, checked, with the defaults of a quick or a full run filled in."
+    d = _defaults['quick' if quick else 'full']
+    device = str(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
+    models = [models] if isinstance(models, str) else list(models)
+    for m in models:
+        if m not in bench_models: raise ValueError(f"unknown model {m!r}; choose from {', '.join(bench_models)}")
+    return dict(models=models, device=device, micro_bs=micro_bs, n_step=n_step, repeats=repeats or d['repeats'],
+                windows=windows or d['windows'], leak_micro=max(n_step, (leak_micro or d['leak_micro']) // n_step * n_step),
+                comm=comm, quick=quick, prepass_windows=prepass_windows or d['prepass_windows'],
+                prepass_models=[prepass_models] if isinstance(prepass_models, str) else list(prepass_models),
+                prepass_size=prepass_size or d['prepass_size'], cuda=torch.device(device).type == 'cuda')
+
+def _speed_row(name, v, times, saved, leak, cuda) -> dict:
+    "The table's row of model `name` under variant `v`."
+    timed = v in times
+    def vs(ref): return median_ratio(times[v], times[ref]) if timed else None
+    row = dict(model=name, variant=v, ms_per_micro=1000 * statistics.median(times[v]) if timed else None,
+               time_vs_plain=vs('plain'), time_vs_naive=vs('naive'), time_vs_seed=vs('seed'),
+               saved_MB=saved[v] / 2**20, mem_vs_micro=saved[v] / saved['plain'], mem_vs_full=saved[v] / saved['full'],
+               leak_B_per_1000=leak[v] - leak['plain'] if leak and v in leak else None)
+    if cuda: row['cuda_peak_MB'] = cuda[v] / 2**20
+    return row
+
+def _measure_model(name:str, c:dict, raw:dict, log) -> list:
+    "Time and memory of every variant on model `name` (and the leak, on the first model) into `raw`; the table's rows."
+    fn, variants, mbs, ns, dev = bench_models[name], speed_variants(), c['micro_bs'], c['n_step'], c['device']
+    log(f'[{name}] timing {len(variants)} variants x {c["repeats"]} repeats')
+    times = raw['times'][name] = time_variants(fn, variants, mbs, ns, c['windows'], c['repeats'], dev)
+    log(f'[{name}] memory')
+    def fresh(v): return _make_learner(v, fn, mbs, ns, 2 * ns, dev)
+    saved = raw['saved'][name] = {v: saved_bytes_peak(fresh(v)) for v in variants + ['full']}
+    if c['cuda']: raw['cuda'][name] = {v: cuda_peak_bytes(fresh(v)) for v in variants + ['full']}
+    if name == c['models'][0]:
+        log(f'[{name}] leak over {c["leak_micro"]} micro-batches')
+        raw['leak'][name] = {v: leak_per_1000(v, fn, mbs, ns, c['leak_micro'], dev) for v in variants}
+    return [_speed_row(name, v, times, saved, raw['leak'].get(name), raw['cuda'].get(name)) for v in variants + ['full']]
+
+def _measure_prepass(c:dict, raw:dict, log):
+    "The 'window' pre-pass's memory for each pre-pass model and window size, into `raw['prepass']`."
+    for name in c['prepass_models']:
+        for w in c['prepass_windows']:
+            log(f"[{name}] pre-pass memory, window of {w} at {c['prepass_size']}px")
+            raw['prepass'][f'{name}/{w}'] = prepass_peak(prepass_models_fns[name], c['micro_bs'], max(1, w // c['micro_bs']),
+                                                         c['device'], c['prepass_size'])
+
+def _count_allreduces(c:dict, raw:dict, notes:list, log):
+    "All-reduces per window of ours and naive in 2 CPU processes, into `raw['comm']` (or a note that it failed)."
+    log('all-reduce count: 2 CPU processes')
+    models = c['models'] if not c['quick'] else c['models'][:1]
+    try: raw['comm'] = allreduce_counts(models, c['micro_bs'], c['n_step'], 2, default_policy())
+    except Exception as e: notes.append(f'all-reduce count FAILED: {str(e).strip().splitlines()[-1]}')
+
+# %% ../nbs/21_bench_speed.ipynb #3fded3fd
+def _speed_table(rows:list, raw:dict):
+    "The rows as a table indexed by (model, variant), with the all-reduce rounds per window where they were counted."
+    import pandas as pd
+    table = pd.DataFrame(rows).set_index(['model', 'variant'])
+    table['allreduce_per_window'] = float('nan')
+    for key, counts in (raw['comm'] or {}).items():
+        name, v = key.split('/')
+        table.loc[(name, v), 'allreduce_per_window'] = counts['rounds'] / max(counts['windows'], 1)
+    return table
+
+def _speed_summary(table, raw:dict, chosen:dict, models:list) -> dict:
+    "The headline numbers, each the worst over `models`."
+    def worst(col, vs): return max(table.loc[(m, v), col] for m in models for v in vs)
+    ours = [v for v in speed_variants() if v.startswith('ours:')]
+    ours_mem = [v for v in ours if v != 'ours:exact']  # 'exact' holds the window's activations by design (= full)
+    comm_ours = [c['rounds'] / max(c['windows'], 1) for k, c in (raw['comm'] or {}).items() if k.endswith(f'/ours:{default_policy()}')]
+    leak0 = raw['leak'][models[0]]
+    return dict(overhead_ratio=worst('time_vs_plain', ['ours:micro']),
+                memory_ratio_vs_micro=worst('mem_vs_micro', ours_mem), memory_ratio_vs_full=worst('mem_vs_full', ours_mem),
+                leak_bytes_per_1000=max(leak0[v] - leak0['plain'] for v in ours),
+                allreduce_per_window=max(comm_ours) if comm_ours else float('nan'),
+                default_policy_time_ratio=max(table.loc[(m, f'ours:{chosen[m]}'), 'time_vs_naive'] for m in models),
+                prepass_memory_ratio=max((p['ratio'] for p in raw['prepass'].values()), default=float('nan')))
+
+def _setup_notes(c:dict, chosen:dict) -> list:
+    "What the reader needs to read the table: the variants, the ratios, what 'auto' ran, the memory column."
+    mbs, ns = c['micro_bs'], c['n_step']
+    return [f"variants: plain = plain BN, no accumulation, bs {mbs} (steps every micro-batch); naive = fastai "
+            f"GradientAccumulation(n_acc={mbs*ns}), plain BN; seed = the forum's AccumulateBatchNorm "
+            f"(reference re-implementation) + fastai's GradientAccumulation; ours:<policy> = "
+            f"GradientAccumulation(n_step={ns}, policy); full = one batch of {mbs*ns} (memory only)",
+            'time ratios: median over repeats of the ratio within a repeat; summary ratios are the worst over models. '
+            'plain runs the optimizer (Adam) after every micro-batch, the others once per window: time_vs_plain < 1 '
+            'means the saved steps outweigh the overhead; time_vs_naive isolates the BatchNorm handling',
+            "the default policy 'auto' ran " + ', '.join(f"ours:{k} on {m}" for m, k in chosen.items()) +
+            " ('exact' where the window fits in free memory without host offload); memory ratios leave 'exact' out: "
+            "it holds the window's activations, as the full batch does",
+            'saved_MB: peak bytes autograd holds for backward (saved-tensor hooks, distinct storages, parameters '
+            'excluded)' + ('' if c['cuda'] else '; CPU run: no allocator peak, saved-tensor bytes only')]
+
+def _prepass_notes(c:dict, raw:dict) -> list:
+    "The pre-pass's memory figures, one line per model and window."
+    if not raw['prepass']: return []
+    notes = [f"prepass_memory_ratio: the 'window' pre-pass's peak activation bytes on the device / what training "
+             f"holds for backward at micro-batch {c['micro_bs']}, worst over models and windows ({c['prepass_size']}px; "
+             f"{next(iter(raw['prepass'].values()))['how']}):"]
+    for key, p in raw['prepass'].items():
+        mode = p['mode'] if p['mode'] == 'whole' else f"staged, chunks of {p['chunk']}"
+        notes.append(f"  {key}: {mode}: {p['bytes']/2**20:.1f} MiB = {p['ratio']:.2f}x training's "
+                     f"{p['train_bytes']/2**20:.1f} MiB (whole window in one forward: {p['whole_ratio']:.2f}x); "
+                     f"kept across BatchNorm layers {p['stored_bytes']/2**20:.1f} MiB; time {p['time_vs_whole']:.2f}x "
+                     f"the whole-window forward's")
+    return notes
+
+def _leak_comm_notes(c:dict, raw:dict) -> list:
+    "How the leak and the all-reduces were measured, with the seed's leak and the counts."
+    leak0 = raw['leak'][c['models'][0]]
+    notes = [f"leak_B_per_1000 ({c['models'][0]}, {c['leak_micro']} micro-batches): growth of live tensor bytes minus a "
+             f"plain fit's ({_cell(leak0['plain'], '{:.0f}')} B/1000: fastai's Recorder keeps one loss tensor per "
+             f"micro-batch); seed: {(leak0['seed'] - leak0['plain']) / 2**20:.1f} MiB per 1000 micro-batches (the "
+             f"BatchNorm inputs of every micro-batch stay alive through the running statistics' graph; its saved_MB is "
+             f"over 2 windows and grows with training length)"]
+    if raw['comm']:
+        notes.append('allreduce_per_window: gradient all-reduce rounds per window under DDP, 2 CPU processes (gloo); '
+                     + ', '.join(f"{k}: {n['rounds']} rounds / {n['calls']} bucket calls / {n['windows']} windows"
+                                 for k, n in raw['comm'].items()))
+    elif not c['comm']: notes.append('all-reduce count skipped (comm=False)')
+    return notes
+
+# %% ../nbs/21_bench_speed.ipynb #59b0f32b
 def bench_speed(models=('small_cnn', 'resnet18'), # names in `bench_models`
                 device=None, # 'cpu' or 'cuda' (default: CUDA if available)
                 micro_bs:int=2, # samples per micro-batch
@@ -378,114 +406,22 @@ def bench_speed(models=('small_cnn', 'resnet18'), # names in `bench_models`
                 prepass_size:int|None=None, # image size of the pre-pass figures (default: 64 quick, 128 full)
                ) -> SpeedResults:
     "Time, memory, leak and communication of accumulation with exact BatchNorm vs plain, naive and the seed's."
-    import pandas as pd
     t_start = time.perf_counter()
-    d = _defaults['quick' if quick else 'full']
-    repeats, windows = repeats or d['repeats'], windows or d['windows']
-    leak_micro = leak_micro or d['leak_micro']
-    prepass_windows, prepass_size = prepass_windows or d['prepass_windows'], prepass_size or d['prepass_size']
-    prepass_models = [prepass_models] if isinstance(prepass_models, str) else list(prepass_models)
-    leak_micro = max(n_step, leak_micro // n_step * n_step)
-    device = str(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
-    models = [models] if isinstance(models, str) else list(models)
-    for m in models:
-        if m not in bench_models: raise ValueError(f"unknown model {m!r}; choose from {', '.join(bench_models)}")
-    cuda = torch.device(device).type == 'cuda'
-    old_threads = torch.get_num_threads()
-    if threads: torch.set_num_threads(threads)
+    c = _speed_config(models, device, micro_bs, n_step, repeats, windows, leak_micro, comm, quick, prepass_models,
+                      prepass_windows, prepass_size)
     log = print if verbose else noop
-    variants, pol = speed_variants(), default_policy()
-    chosen = {name: auto_choice(bench_models[name], micro_bs, n_step, device) for name in models}  # what 'auto' runs
-    ours = [v for v in variants if v.startswith('ours:')]
     rows, raw, notes = [], dict(times={}, saved={}, cuda={}, prepass={}, leak={}, comm=None), []
-    try:
-        for name in models:
-            fn = bench_models[name]
-            log(f'[{name}] timing {len(variants)} variants x {repeats} repeats')
-            t = raw['times'][name] = time_variants(fn, variants, micro_bs, n_step, windows, repeats, device)
-            log(f'[{name}] memory')
-            saved = raw['saved'][name] = {v: saved_bytes_peak(_make_learner(v, fn, micro_bs, n_step, 2 * n_step, device))
-                                          for v in variants + ['full']}
-            if cuda: raw['cuda'][name] = {v: cuda_peak_bytes(_make_learner(v, fn, micro_bs, n_step, 2 * n_step, device))
-                                          for v in variants + ['full']}
-            if name == models[0]:
-                log(f'[{name}] leak over {leak_micro} micro-batches')
-                raw['leak'][name] = {v: leak_per_1000(v, fn, micro_bs, n_step, leak_micro, device) for v in variants}
-            leak = raw['leak'].get(name)
-            for v in variants + ['full']:
-                timed = v in t
-                row = dict(model=name, variant=v,
-                           ms_per_micro=1000 * statistics.median(t[v]) if timed else None,
-                           time_vs_plain=median_ratio(t[v], t['plain']) if timed else None,
-                           time_vs_naive=median_ratio(t[v], t['naive']) if timed else None,
-                           time_vs_seed=median_ratio(t[v], t['seed']) if timed else None,
-                           saved_MB=saved[v] / 2**20, mem_vs_micro=saved[v] / saved['plain'],
-                           mem_vs_full=saved[v] / saved['full'],
-                           leak_B_per_1000=leak[v] - leak['plain'] if leak and v in leak else None)
-                if cuda: row['cuda_peak_MB'] = raw['cuda'][name][v] / 2**20
-                rows.append(row)
-        for name in prepass_models:
-            for w in prepass_windows:
-                log(f'[{name}] pre-pass memory, window of {w} at {prepass_size}px')
-                raw['prepass'][f'{name}/{w}'] = prepass_peak(prepass_models_fns[name], micro_bs, max(1, w // micro_bs),
-                                                             device, prepass_size)
-        if comm:
-            log('all-reduce count: 2 CPU processes')
-            try: raw['comm'] = allreduce_counts(models if not quick else models[:1], micro_bs, n_step, 2, pol)
-            except Exception as e: notes.append(f'all-reduce count FAILED: {str(e).strip().splitlines()[-1]}')
-    finally: torch.set_num_threads(old_threads)
-
-    table = pd.DataFrame(rows).set_index(['model', 'variant'])
-    table['allreduce_per_window'] = float('nan')
-    for key, c in (raw['comm'] or {}).items():
-        name, v = key.split('/')
-        table.loc[(name, v), 'allreduce_per_window'] = c['rounds'] / max(c['windows'], 1)
-    def worst(col, vs): return max(table.loc[(m, v), col] for m in models for v in vs)
-    ours_mem = [v for v in ours if v != 'ours:exact']  # 'exact' holds the window's activations by design (= full)
-    comm_ours = [c['rounds'] / max(c['windows'], 1) for k, c in (raw['comm'] or {}).items() if k.endswith(f'/ours:{pol}')]
-    leak0 = raw['leak'][models[0]]
-    summary = dict(overhead_ratio=worst('time_vs_plain', ['ours:micro']),
-                   memory_ratio_vs_micro=worst('mem_vs_micro', ours_mem), memory_ratio_vs_full=worst('mem_vs_full', ours_mem),
-                   leak_bytes_per_1000=max(leak0[v] - leak0['plain'] for v in ours),
-                   allreduce_per_window=max(comm_ours) if comm_ours else float('nan'),
-                   default_policy_time_ratio=max(table.loc[(m, f'ours:{chosen[m]}'), 'time_vs_naive'] for m in models),
-                   prepass_memory_ratio=max((p['ratio'] for p in raw['prepass'].values()), default=float('nan')))
-    # notes: what the reader needs to read the table
-    notes.append(f"variants: plain = plain BN, no accumulation, bs {micro_bs} (steps every micro-batch); naive = fastai "
-                 f"GradientAccumulation(n_acc={micro_bs*n_step}), plain BN; seed = the forum's AccumulateBatchNorm "
-                 f"(reference re-implementation) + fastai's GradientAccumulation; ours:<policy> = "
-                 f"GradientAccumulation(n_step={n_step}, policy); full = one batch of {micro_bs*n_step} (memory only)")
-    notes.append('time ratios: median over repeats of the ratio within a repeat; summary ratios are the worst over models. '
-                 'plain runs the optimizer (Adam) after every micro-batch, the others once per window: time_vs_plain < 1 '
-                 'means the saved steps outweigh the overhead; time_vs_naive isolates the BatchNorm handling')
-    notes.append("the default policy 'auto' ran " + ', '.join(f"ours:{c} on {m}" for m, c in chosen.items()) +
-                 " ('exact' where the window fits in free memory without host offload); memory ratios leave 'exact' out: "
-                 "it holds the window's activations, as the full batch does")
-    notes.append('saved_MB: peak bytes autograd holds for backward (saved-tensor hooks, distinct storages, parameters '
-                 'excluded)' + ('' if cuda else '; CPU run: no allocator peak, saved-tensor bytes only'))
-    if raw['prepass']:
-        notes.append(f"prepass_memory_ratio: the 'window' pre-pass's peak activation bytes on the device / what training "
-                     f"holds for backward at micro-batch {micro_bs}, worst over models and windows ({prepass_size}px; "
-                     f"{next(iter(raw['prepass'].values()))['how']}):")
-        for key, p in raw['prepass'].items():
-            mode = p['mode'] if p['mode'] == 'whole' else f"staged, chunks of {p['chunk']}"
-            notes.append(f"  {key}: {mode}: {p['bytes']/2**20:.1f} MiB = {p['ratio']:.2f}x training's "
-                         f"{p['train_bytes']/2**20:.1f} MiB (whole window in one forward: {p['whole_ratio']:.2f}x); "
-                         f"kept across BatchNorm layers {p['stored_bytes']/2**20:.1f} MiB; time {p['time_vs_whole']:.2f}x "
-                         f"the whole-window forward's")
-    notes.append(f"leak_B_per_1000 ({models[0]}, {leak_micro} micro-batches): growth of live tensor bytes minus a plain "
-                 f"fit's ({_cell(leak0['plain'], '{:.0f}')} B/1000: fastai's Recorder keeps one loss tensor per micro-batch); "
-                 f"seed: {(leak0['seed'] - leak0['plain']) / 2**20:.1f} MiB per 1000 micro-batches (the BatchNorm inputs of "
-                 f"every micro-batch stay alive through the running statistics' graph; its saved_MB is over 2 windows and "
-                 f"grows with training length)")
-    if raw['comm']:
-        notes.append('allreduce_per_window: gradient all-reduce rounds per window under DDP, 2 CPU processes (gloo); '
-                     + ', '.join(f"{k}: {c['rounds']} rounds / {c['calls']} bucket calls / {c['windows']} windows"
-                                 for k, c in raw['comm'].items()))
-    elif not comm: notes.append('all-reduce count skipped (comm=False)')
-    config = dict(models=models, device=device, micro_bs=micro_bs, n_step=n_step, repeats=repeats, windows=windows,
-                  leak_micro=leak_micro, comm=comm, quick=quick, threads=threads or old_threads, default_policy=pol,
-                  seconds=time.perf_counter() - t_start)
+    with torch_threads(threads):
+        c['threads'] = torch.get_num_threads()
+        chosen = {m: auto_choice(bench_models[m], micro_bs, n_step, c['device']) for m in c['models']}  # what 'auto' runs
+        for name in c['models']: rows += _measure_model(name, c, raw, log)
+        _measure_prepass(c, raw, log)
+        if comm: _count_allreduces(c, raw, notes, log)
+    table = _speed_table(rows, raw)
+    summary = _speed_summary(table, raw, chosen, c['models'])
+    notes += _setup_notes(c, chosen) + _prepass_notes(c, raw) + _leak_comm_notes(c, raw)
+    config = {k: c[k] for k in ('models', 'device', 'micro_bs', 'n_step', 'repeats', 'windows', 'leak_micro', 'comm', 'quick', 'threads')}
+    config.update(default_policy=default_policy(), seconds=time.perf_counter() - t_start)
     return SpeedResults(summary, table, notes, raw, config)
 
 # %% ../nbs/21_bench_speed.ipynb #dab239e9

@@ -4,8 +4,7 @@
 
 # %% ../nbs/10_demo.ipynb #83ba9841
 from __future__ import annotations
-import os, re, json, time, shutil, socket, inspect, warnings
-from contextlib import contextmanager
+import os, re, json, time, shutil, socket, warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 import numpy as np
@@ -27,19 +26,18 @@ from fastai.learner import Learner
 from fastai.callback.core import Callback
 from fastai.callback.progress import ProgressCallback
 from fastai.callback.schedule import fit_one_cycle
-from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation, BnFreeze
 from fastai.metrics import accuracy
 from fastai.torch_core import set_seed, params
 from torchvision.models import resnet18, ResNet18_Weights
-from .batchnorm import bn_policies
-from .callback import GradientAccumulation
-from .bn_tools import bn_to_groupnorm
+from .experiments import (
+    experiment_settings, ours_policies, canonical_setting, setting_batch_size, setting_model, setting_callbacks,
+    default_policy, torch_threads)
 from .cli import command
 
 # %% auto #0
 __all__ = ['pets_breeds', 'pets_pat', 'forum_settings', 'demo_defaults', 'DemoData', 'data_root', 'mnist_sample_path',
-           'pets_path', 'mnist_cnn', 'body_head_split', 'mnist_dls', 'pets_dls', 'pretrained_resnet18',
-           'default_policy', 'demo_settings', 'DemoResults', 'run_experiment', 'plot_results']
+           'pets_path', 'mnist_cnn', 'body_head_split', 'mnist_dls', 'pets_dls', 'pretrained_resnet18', 'demo_settings',
+           'DemoResults', 'run_experiment', 'plot_results', 'default_policy']
 
 # %% ../nbs/10_demo.ipynb #2e0594eb
 @dataclass
@@ -249,35 +247,20 @@ def _use_pretrained(pretrained:bool|None) -> bool:
 
 # %% ../nbs/10_demo.ipynb #95e470c0
 forum_settings = ('bs64', 'naive', 'bnfreeze', 'groupnorm', 'ours')
-
-def default_policy() -> str:
-    "The BatchNorm policy `fastai_accum.GradientAccumulation` uses unless told otherwise."
-    return inspect.signature(GradientAccumulation).parameters['policy'].default
+_all_ = ['default_policy'] # at home in `fastai_accum.experiments`, importable from here as before
 
 def demo_settings() -> dict:
     "Every setting `run_experiment` knows, with what it is."
-    default = default_policy()
-    runs = " ('exact' when the window fits in free memory, else 'window')" if default == 'auto' else ''
-    d = dict(
-        bs64='one batch of micro_bs*n_step samples, no accumulation (the target)',
-        naive="fastai GradientAccumulation: BatchNorm normalizes and updates on each micro-batch",
-        bnfreeze="fastai BnFreeze + GradientAccumulation, body frozen, train_bn=False",
-        groupnorm="BatchNorm replaced by GroupNorm, fastai GradientAccumulation",
-        ours=f"fastai_accum GradientAccumulation, default policy={default!r}{runs}")
-    others = [p for p in bn_policies + ('exact',) if p not in ('auto', default)]
-    d.update({f'ours-{p}': f"fastai_accum GradientAccumulation, policy={p!r}" for p in others})
-    return d
+    others = [f'ours:{p}' for p in ours_policies if p not in ('auto', default_policy())]
+    return {s: experiment_settings[s] for s in list(forum_settings) + others}
 
 def _parse_settings(settings) -> list:
     if settings is None: settings = 'forum'
     if isinstance(settings, str): settings = [s.strip() for s in settings.split(',') if s.strip()]
-    known, out = demo_settings(), []
+    groups, out = dict(forum=list(forum_settings), all=list(demo_settings())), []
     for s in settings:
-        if s == 'forum': new = list(forum_settings)
-        elif s == 'all': new = list(known)
-        elif re.fullmatch(r'bs\d+', s): new = ['bs64']
-        elif s in known: new = [s]
-        else: raise ValueError(f"Unknown setting {s!r}: choose from {', '.join(known)} (or 'forum', 'all')")
+        try: new = groups[s] if s in groups else [canonical_setting(s, demo_settings())]
+        except ValueError as e: raise ValueError(f"{e} (or 'forum', 'all')") from None
         out += [n for n in new if n not in out]
     return out
 
@@ -312,36 +295,50 @@ class _SettingProgress(Callback):
         if self.training: self.pbar.update(self.iter+1)
     def after_train(self): self.pbar.on_iter_end()
 
-@contextmanager
-def _torch_threads(n:int|None):
-    if n is None: yield; return
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try: yield
-    finally: torch.set_num_threads(old)
-
 # %% ../nbs/10_demo.ipynb #2a87b66a
 def _learner(task, dls, setting, pretrained):
     train_bn = setting != 'bnfreeze'
     if task == 'mnist':
         learn = Learner(dls, mnist_cnn(), metrics=accuracy, splitter=body_head_split, train_bn=train_bn)
     else: learn = vision_learner(dls, resnet18, pretrained=pretrained, metrics=accuracy, train_bn=train_bn)
-    if setting == 'groupnorm':
-        bn_to_groupnorm(learn.model, groups=4 if task == 'mnist' else 32, groups_1d=1)
+    setting_model(setting, learn.model, groups=4 if task == 'mnist' else 32, groups_1d=1)  # 'groupnorm' converts
     if setting == 'bnfreeze' or pretrained: learn.freeze()
     else: learn.unfreeze()
     return learn
 
-def _callbacks(setting, micro_bs, n_step) -> list:
-    if setting == 'bs64': return []
-    if setting.startswith('ours'):
-        policy = setting[5:] if '-' in setting else default_policy()
-        return [GradientAccumulation(n_step=n_step, policy=policy, preflight=False)]  # the table speaks for itself
-    return [FastaiGradientAccumulation(n_acc=micro_bs*n_step)] + ([BnFreeze()] if setting == 'bnfreeze' else [])
+def _task_data(task, cfg, seed, device, path, allow_download, pretrained) -> tuple:
+    "The data of `task`, whether ImageNet weights are used, which weights, and its DataLoaders at a given batch size."
+    if task == 'mnist':
+        data = mnist_sample_path(path, allow_download)
+        return data, False, 'random init (small CNN)', \
+               lambda bs: mnist_dls(data, bs, cfg['n_train'], cfg['n_valid'], seed=seed, device=device)
+    data, use_pre = pets_path(path, allow_download), _use_pretrained(pretrained)
+    weights = f'ImageNet resnet18 weights from {pretrained_resnet18()}' if use_pre else \
+              'random init (no resnet18 weights in the torch hub cache)'
+    n_img = cfg['n_train'] + cfg['n_valid']
+    return data, use_pre, weights, lambda bs: pets_dls(data, bs, n_img, cfg['n_classes'], valid_pct=cfg['n_valid']/n_img,
+                                                       size=cfg['size'], seed=seed, device=device)
+
+def _train_setting(name, task, make_dls, use_pre, cfg, seed, mbar) -> tuple:
+    "Train setting `name` from `seed`: its table row and its accuracy after each epoch."
+    mbs, ns = cfg['micro_bs'], cfg['n_step']
+    label = f'bs{mbs*ns}' if name == 'bs64' else name
+    set_seed(seed)
+    learn = _learner(task, make_dls(setting_batch_size(name, mbs, mbs * ns)), name, use_pre)
+    cbs = setting_callbacks(name, mbs, ns) + ([_SettingProgress(mbar, label)] if mbar is not None else [])
+    start = time.perf_counter()
+    bars = [c for c in learn.cbs if isinstance(c, ProgressCallback)]  # ours is nested in the master bar
+    with learn.removed_cbs(bars), learn.no_logging(), warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        learn.fit_one_cycle(cfg['epochs'], cfg['lr'], cbs=cbs)
+    secs, curve = time.perf_counter() - start, [float(v[-1]) for v in learn.recorder.values]
+    if mbar is not None: mbar.write(f'{label}: accuracy {curve[-1]:.3f} ({secs:.0f} s)')
+    return dict(setting=label, batch=f'{mbs*ns}' if name == 'bs64' else f'{mbs}x{ns}', accuracy=curve[-1],
+                time_s=round(secs, 1), description=experiment_settings[name]), curve
 
 # %% ../nbs/10_demo.ipynb #0ac5f0aa
 def run_experiment(task:str='mnist', # 'mnist' (3 vs 7, small CNN) or 'pets' (breeds, resnet18)
-                   settings:str|list|None=None, # names from `demo_settings()`, a comma list, 'forum' (default) or 'all'
+                   settings:str|list|None=None, # names from `demo_settings()` (or old spellings), a comma list, 'forum' (default) or 'all'
                    epochs:int|None=None, # epochs per setting (`None`: `demo_defaults[task]`, as every `None` below)
                    micro_bs:int|None=None, # samples per micro-batch
                    n_step:int|None=None, # micro-batches per optimizer step; `bs64` uses batches of micro_bs*n_step
@@ -362,38 +359,14 @@ def run_experiment(task:str='mnist', # 'mnist' (3 vs 7, small CNN) or 'pets' (br
     names = _parse_settings(settings)
     cfg = {**demo_defaults[task], **{k: v for k, v in dict(epochs=epochs, micro_bs=micro_bs, n_step=n_step, lr=lr,
            n_train=n_train, n_valid=n_valid).items() if v is not None}, **kwargs}
-    mbs, ns = cfg['micro_bs'], cfg['n_step']
-    if task == 'mnist':
-        data, use_pre = mnist_sample_path(path, allow_download), False
-        weights = 'random init (small CNN)'
-        make_dls = lambda bs: mnist_dls(data, bs, cfg['n_train'], cfg['n_valid'], seed=seed, device=device)
-    else:
-        data, use_pre = pets_path(path, allow_download), _use_pretrained(pretrained)
-        weights = f'ImageNet resnet18 weights from {pretrained_resnet18()}' if use_pre else \
-                  'random init (no resnet18 weights in the torch hub cache)'
-        n_img = cfg['n_train'] + cfg['n_valid']
-        make_dls = lambda bs: pets_dls(data, bs, n_img, cfg['n_classes'], valid_pct=cfg['n_valid']/n_img,
-                                       size=cfg['size'], seed=seed, device=device)
+    data, use_pre, weights, make_dls = _task_data(task, cfg, seed, device, path, allow_download, pretrained)
     config = dict(task=task, data=str(data), real_data=data.real, weights=weights, seed=seed, **cfg)
     rows, curves = [], {}
     mbar = master_bar(names) if show_progress else None
-    with _torch_threads(n_threads):
+    with torch_threads(n_threads):
         for name in (mbar if mbar is not None else names):
-            label = f'bs{mbs*ns}' if name == 'bs64' else name
-            set_seed(seed)
-            dls = make_dls(mbs*ns if name == 'bs64' else mbs)
-            learn = _learner(task, dls, name, use_pre)
-            cbs = _callbacks(name, mbs, ns) + ([_SettingProgress(mbar, label)] if mbar is not None else [])
-            start = time.perf_counter()
-            bars = [c for c in learn.cbs if isinstance(c, ProgressCallback)]  # ours is nested in the master bar
-            with learn.removed_cbs(bars), learn.no_logging(), warnings.catch_warnings():
-                warnings.simplefilter('ignore')
-                learn.fit_one_cycle(cfg['epochs'], cfg['lr'], cbs=cbs)
-            secs = time.perf_counter() - start
-            curves[label] = [float(v[-1]) for v in learn.recorder.values]
-            rows.append(dict(setting=label, batch=f'{mbs*ns}' if name == 'bs64' else f'{mbs}x{ns}',
-                             accuracy=curves[label][-1], time_s=round(secs, 1), description=demo_settings()[name]))
-            if mbar is not None: mbar.write(f'{label}: accuracy {curves[label][-1]:.3f} ({secs:.0f} s)')
+            row, curve = _train_setting(name, task, make_dls, use_pre, cfg, seed, mbar)
+            rows.append(row); curves[row['setting']] = curve
     return DemoResults(pd.DataFrame(rows), curves, config)
 
 # %% ../nbs/10_demo.ipynb #1fd72c64
@@ -437,7 +410,7 @@ def _demo(args) -> int:
 @command('demo', help="Train the forum's gradient-accumulation comparison offline, print the table, plot the curves")
 def _demo_args(p):
     p.add_argument('task', choices=list(demo_defaults), help='mnist: 3 vs 7, small CNN; pets: breeds, resnet18')
-    p.add_argument('--settings', default='forum', help=f"comma list of {', '.join(demo_settings())}; or 'forum', 'all'")
+    p.add_argument('--settings', default='forum', help=f"comma list of {', '.join(demo_settings())} (or old spellings: ours-micro, ...); or 'forum', 'all'")
     p.add_argument('--epochs', type=int, help='epochs per setting (default: mnist 3, pets 4)')
     p.add_argument('--micro-bs', type=int, help='samples per micro-batch (default 2)')
     p.add_argument('--n-step', type=int, help='micro-batches per optimizer step (default: mnist 32, pets 8)')

@@ -29,7 +29,7 @@ else: ga = None  # 'reference': plain DDP
 cbs = [counter] + ([ga] if ga is not None else [])
 with learn.distrib_ctx(cpu=True, sync_bn=False):
     with learn.no_bar(), learn.no_logging(): learn.fit(2, lr=0.05, cbs=cbs)
-torch.save(dict(allreduces=counter.count, params=[p.detach() for p in learn.model.parameters()], exact=getattr(ga, 'exact', None)),
+torch.save(dict(allreduces=counter.calls, params=[p.detach() for p in learn.model.parameters()], exact=getattr(ga, 'exact', None)),
            f"{outdir}/rank{os.environ['RANK']}.pt")
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()

@@ -1,7 +1,7 @@
 "Data and models shared by the distributed test script and the single-process references."
 import torch
 from torch import nn
-from fastai.basics import Callback
+from fastai_accum.experiments import CountAllReduces  # counts gradient all-reduces: `.calls`, `.rounds`, `.windows`
 
 def data(n=64, d=6, image=False):
     g = torch.Generator().manual_seed(0)
@@ -30,14 +30,3 @@ def deep_window(rank, n_micro=4, bs=2):
     "Rank `rank`'s window: `n_micro` micro-batches of `bs` float64 4x4 images, distinct per rank."
     g = torch.Generator().manual_seed(100 + rank)
     return [(torch.randn(bs, 3, 4, 4, generator=g, dtype=torch.float64) * (1 + rank) + rank,) for _ in range(n_micro)]
-
-class CountAllReduces(Callback):
-    "Registers a DDP comm hook (after DistributedTrainer wrapped the model) that counts gradient all-reduces."
-    order = 13
-    def before_fit(self):
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-        self.count = 0
-        def hook(state, bucket):
-            self.count += 1
-            return allreduce_hook(None, bucket)
-        self.learn.model.register_comm_hook(None, hook)

@@ -45,7 +45,7 @@ if mode in ('count', 'count_each'):
     counter = CountAllReduces()
     with learn.distrib_ctx(cpu=True, sync_bn=False):
         learn.fit(2, lr=0.05, cbs=[GradientAccumulation(n_step=4, sync_each_batch=mode == 'count_each'), counter])
-    torch.save(dict(allreduces=counter.count, params=[p.detach() for p in learn.model.parameters()]), f'{outdir}/rank{rank}.pt')
+    torch.save(dict(allreduces=counter.calls, params=[p.detach() for p in learn.model.parameters()]), f'{outdir}/rank{rank}.pt')
 
 elif mode in ('bn', 'bn_window'):
     learn = learner(bn_net, image=True)

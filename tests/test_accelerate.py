@@ -10,8 +10,8 @@ from accelerate.state import AcceleratorState, GradientState
 from fastai_accum.accelerate import AcceleratedAccumulation
 from fastai_accum.batchnorm import bn_layers
 
-def mlp(): return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
-def bn_net(): return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+def tanh_mlp(): return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+def bn_mlp(): return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
 def rel(a, b): return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 @pytest.fixture(autouse=True)
@@ -52,11 +52,11 @@ def test_bn_free_gradients_equal_big_batch(n, bs, gas):
     "Ragged last micro-batch (10 = 4+4+2), ragged window (n_step 4 over 3 micro-batches), several windows."
     checked = []
     def check(net, window):
-        ref = mlp(); ref.load_state_dict({k: v for k, v in net.state_dict().items()})  # parameters before this step
+        ref = tanh_mlp(); ref.load_state_dict({k: v for k, v in net.state_dict().items()})  # parameters before this step
         nn.functional.mse_loss(ref(torch.cat([w[0] for w in window])), torch.cat([w[1] for w in window])).backward()
         for p, q in zip(net.parameters(), ref.parameters()): assert rel(p.grad, q.grad) <= 1e-6
         checked.append(len(window))
-    net, init, acc, steps = run(mlp, n, bs, gas, on_step=check)
+    net, init, acc, steps = run(tanh_mlp, n, bs, gas, on_step=check)
     windows = -(-(-(-n // bs)) // gas)
     assert steps == acc.n_steps == len(checked) == windows
 
@@ -74,25 +74,25 @@ def test_bn_stats_forward_and_steps(policy):
         seen.append(len(window))
     def seen_inputs(net, xw, window):
         "Each BatchNorm's input when plain BatchNorm runs the whole window (the big batch) with these parameters."
-        big = bn_net().double(); big.load_state_dict(net.state_dict()); ins = []
+        big = bn_mlp().double(); big.load_state_dict(net.state_dict()); ins = []
         for bn in bn_layers(big): bn.register_forward_pre_hook(lambda m, i: ins.append(i[0].detach()))
         out = big(xw)
         assert rel(torch.cat([w[2] for w in window]), out.detach()) <= 1e-10  # the window's forward is the big batch's
         return ins
     before = [[(torch.zeros(8, dtype=torch.float64), torch.ones(8, dtype=torch.float64)),
                (torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64))]]
-    net, init, acc, steps = run(bn_net, 20, 3, 3, torch.float64, on_step=check, policy=policy)
+    net, init, acc, steps = run(bn_mlp, 20, 3, 3, torch.float64, on_step=check, policy=policy)
     assert steps == acc.n_steps == len(seen) == 3 and acc.exact == (policy == 'exact')
     if policy == 'exact': assert seen == [1, 1, 1]  # each window arrives as one batch
 
 def test_bf16_autocast():
     "bf16 autocast on CPU: the pre-pass runs under it; statistics = BatchNorm on the window's (bf16) inputs, one step per window."
     ins = []
-    def bn_net_rec():
-        m = bn_net()
+    def bn_mlp_rec():
+        m = bn_mlp()
         m[1].register_forward_pre_hook(lambda mod, i: ins.append(i[0].detach()) if mod.training and getattr(mod, '_prepass', None) is None else None)
         return m
-    net, init, acc, steps = run(bn_net_rec, 20, 4, 2, mixed_precision='bf16', policy='window')
+    net, init, acc, steps = run(bn_mlp_rec, 20, 4, 2, mixed_precision='bf16', policy='window')
     assert steps == acc.n_steps == 3
     assert all(t.dtype == torch.bfloat16 for t in ins)  # the training forward ran in bf16 ...
     ref = nn.BatchNorm1d(8).double()
@@ -102,7 +102,7 @@ def test_bf16_autocast():
 def test_backward_outside_accumulate_fails():
     x, y = data(8)
     accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
-    model = accelerator.prepare(mlp())
+    model = accelerator.prepare(tanh_mlp())
     acc = AcceleratedAccumulation(accelerator, model)
     with pytest.raises(RuntimeError, match='accumulate'):
         for xb, yb in acc.batches(DataLoader(TensorDataset(x, y), batch_size=2)):
@@ -110,7 +110,7 @@ def test_backward_outside_accumulate_fails():
 
 def test_n_step_must_match():
     accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
-    with pytest.raises(ValueError, match='gradient_accumulation_steps=2'): AcceleratedAccumulation(accelerator, mlp(), n_step=4)
+    with pytest.raises(ValueError, match='gradient_accumulation_steps=2'): AcceleratedAccumulation(accelerator, tanh_mlp(), n_step=4)
 
 SCRIPT = Path(__file__).parent/'accelerate_dist_script.py'
 
@@ -126,7 +126,7 @@ def test_accelerate_launch_one_allreduce_per_window(mode, tmp_path):
     for p0, p1 in zip(r0['params'], r1['params']): assert torch.equal(p0, p1)
     for a, b in zip(r0['stats'], r1['stats']): assert torch.equal(a, b)  # identical statistics on both ranks
     if mode == 'mlp':  # = one process on the union of both ranks' windows
-        ref = mlp().double(); ref.load_state_dict(r0['init'])
+        ref = tanh_mlp().double(); ref.load_state_dict(r0['init'])
         opt = torch.optim.SGD(ref.parameters(), lr=0.05)
         for _ in range(2):
             for lo, hi in ((0, 4), (4, 8), (8, 11)):

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from fastai_accum.check import gradient_screen
 from fastai_accum.bench_gradient import digits_windows
+from fastai_accum.experiments import experiment_models
 
 SETTLE = 10  # big-batch AdamW steps (lr 1e-3) before the settled measurement
 # 'window' cosine at (first window, settled): measured resnet18 0.311 / 0.503, mobilenetv3 -0.444 / 0.365 (torch 2.14
@@ -18,38 +19,26 @@ SETTLE = 10  # big-batch AdamW steps (lr 1e-3) before the settled measurement
 WINDOW_MIN = {'resnet18': (0.2, 0.35), 'mobilenetv3': (-1., 0.25)}
 
 
-@pytest.fixture(autouse=True, scope='module')
-def one_thread():
-    n = torch.get_num_threads(); torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-def resnet18():
-    "fastai `vision_learner`'s model: torchvision resnet18 body, `create_head` with BatchNorm1d, random init, 1 channel."
-    from torchvision.models import resnet18
-    from fastai.vision.learner import create_vision_model
+def model(name):
+    "The benchmark's model `name` (`experiment_models`), seeded: random-init weights, 10 classes, 1 input channel."
+    if name == 'mobilenetv3': pytest.importorskip('timm')
     torch.manual_seed(0)
-    return create_vision_model(resnet18, 10, pretrained=False, n_in=1)
+    return experiment_models[name]()
 
-def mobilenetv3():
-    timm = pytest.importorskip('timm')
-    torch.manual_seed(0)
-    return timm.create_model('mobilenetv3_small_100', pretrained=False, num_classes=10, in_chans=1)
-
-def screen(make):
-    s = gradient_screen(make(), digits_windows(16, 32)[:SETTLE + 1], 8, nn.CrossEntropyLoss(),
+def screen(name):
+    s = gradient_screen(model(name), digits_windows(16, 32)[:SETTLE + 1], 8, nn.CrossEntropyLoss(),
                         policies=('auto', 'window'), at=(0, SETTLE), progress=False)
     print(s)
     return s.table.set_index(['step', 'policy'])
 
 
-@pytest.mark.parametrize('make', [resnet18, mobilenetv3], ids=['resnet18', 'mobilenetv3'])
-def test_default_policy_gradient(make):
-    t = screen(make)
+@pytest.mark.parametrize('name', ['resnet18', 'mobilenetv3'])
+def test_default_policy_gradient(name):
+    t = screen(name)
     # the default ('auto') is 'exact' on CPU when the window fits: each window one batch, the big batch's gradient
     for k in (0, SETTLE):
         assert t.loc[(k, 'auto'), 'ran'] == 'exact'
         assert t.loc[(k, 'auto'), 'cosine'] >= 0.98 and t.loc[(k, 'auto'), 'rel_err'] < 1e-3
     # 'window' (micro-batches of 2 with the window's forward statistics, estimated backward terms)
     w0, w1 = t.loc[(0, 'window'), 'cosine'], t.loc[(SETTLE, 'window'), 'cosine']
-    assert w0 >= WINDOW_MIN[make.__name__][0] and w1 >= WINDOW_MIN[make.__name__][1], (w0, w1)
+    assert w0 >= WINDOW_MIN[name][0] and w1 >= WINDOW_MIN[name][1], (w0, w1)
