@@ -12,7 +12,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules._functions import SyncBatchNorm as sync_batch_norm
 import torch.distributed as dist
 from .stats import ChannelStats, all_reduce_stats
-from .staged import trace_model, StagedGraph, ByteMeter
+from .staged import trace_model, StagedGraph
+from .meters import ByteMeter, SavedTensorMeter
 
 # %% auto #0
 __all__ = ['bn_policies', 'auto_policy', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d',
@@ -362,18 +363,8 @@ def _trace(model):
 
 def _saved_bytes(model, xb) -> int:
     "Bytes autograd saves for backward in one forward of `xb` (distinct storages, parameters and buffers excluded)."
-    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    seen = {}
-    def pack(t):
-        try:
-            s = t.untyped_storage()
-            if s.data_ptr() not in skip: seen[s.data_ptr()] = s.nbytes()
-        except Exception: pass
-        return t
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(*xb)
-    del out
-    return sum(seen.values())
+    with torch.enable_grad(), SavedTensorMeter(exclude=model) as meter: model(*xb)  # the output is dropped at once
+    return meter.peak
 
 class PrepassPlan:
     "How `window_prepasses` runs a model's pre-pass within a memory budget, from one micro-batch's measured sizes."

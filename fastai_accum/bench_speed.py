@@ -81,7 +81,7 @@ def median_ratio(a:list, # per-repeat times of a variant
     return statistics.median(x / y for x, y in zip(a, b))
 
 # %% ../nbs/21_bench_speed.ipynb #9e195767
-from .exact import SavedTensorMeter, _storage_key  # the meter lives with the exact policy's memory plan
+from .meters import SavedTensorMeter, _storage_key
 
 # %% ../nbs/21_bench_speed.ipynb #70cdb69d
 def saved_bytes_peak(learn:Learner, # a fresh learner; one epoch of it is run under the meter

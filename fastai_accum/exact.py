@@ -11,13 +11,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from .meters import SavedTensorMeter, fmt_bytes
 from .batchnorm import bn_layers
 from .window import cat_batches
 
 # %% auto #0
-__all__ = ['rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'leaves_no_trace', 'SavedTensorMeter',
-           'fmt_bytes', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory',
-           'plan_exact', 'auto_picks_exact', 'saved_on_host', 'choose_exact']
+__all__ = ['rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'leaves_no_trace', 'Footprint',
+           'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'auto_picks_exact',
+           'saved_on_host', 'choose_exact']
 
 # %% ../nbs/02a_exact.ipynb #ba19ca8e
 def rng_states() -> tuple:
@@ -65,69 +66,7 @@ def leaves_no_trace(model:nn.Module):
             for m, mode in modes: m.training = mode
             for m in bn_layers(model, accumulating=True): m.reset_stats()
 
-# %% ../nbs/02a_exact.ipynb #f49f513f
-class _Saved:
-    "A saved tensor (detached: a saved output must not hold its own graph, or graph and tensor form a cycle gc cannot see)."
-    __slots__ = ('t', 'key', 'meter')
-    def __init__(self, t, key, meter): self.t, self.key, self.meter = t.detach(), key, meter
-    def __del__(self): self.meter._release(self.key)
-
-def _storage_key(t:torch.Tensor):
-    s = t.untyped_storage()
-    return (str(s.device), s.data_ptr()), s.nbytes()
-
-class SavedTensorMeter:
-    "Live and peak bytes of the distinct storages autograd holds for backward, counted via saved-tensor hooks."
-    def __init__(self, exclude:nn.Module|None=None): # a model whose parameters and buffers are not counted
-        self.exclude, self.live, self.peak, self._refs, self._skip = exclude, 0, 0, {}, set()
-
-    def _pack(self, t):
-        try: key, nbytes = _storage_key(t)
-        except Exception: return t  # no plain storage (e.g. a tensor subclass): not counted
-        if key in self._skip: return t
-        ref = self._refs.get(key)
-        if ref is None:
-            self._refs[key] = [1, nbytes]
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-        else: ref[0] += 1
-        return _Saved(t, key, self)
-
-    @staticmethod
-    def _unpack(p): return p.t if isinstance(p, _Saved) else p
-
-    def _release(self, key):
-        ref = self._refs[key]
-        ref[0] -= 1
-        if ref[0] == 0:
-            self.live -= ref[1]
-            del self._refs[key]
-
-    def reset_peak(self):
-        "Start a new peak from what is alive now."
-        self.peak = self.live
-
-    @property
-    def storages(self) -> dict:
-        "The storages held now: `{key: nbytes}`."
-        return {k: v[1] for k, v in self._refs.items()}
-
-    def __enter__(self):
-        ts = [] if self.exclude is None else list(self.exclude.parameters()) + list(self.exclude.buffers())
-        self._skip = {_storage_key(t)[0] for t in ts}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc): self._hooks.__exit__(*exc)
-
 # %% ../nbs/02a_exact.ipynb #3dad639e
-def fmt_bytes(n:float) -> str:
-    "`n` bytes, readable."
-    for unit in ('B', 'KiB', 'MiB', 'GiB'):
-        if abs(n) < 1024 or unit == 'GiB': return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.1f} {unit}'
-        n /= 1024
-
 def _nbytes(o) -> int:
     if torch.is_tensor(o): return o.numel() * o.element_size()
     if isinstance(o, (tuple, list)): return sum(map(_nbytes, o))

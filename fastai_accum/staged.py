@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn, fx, Tensor
 from torch.fx.node import map_aggregate
+from .meters import ByteMeter, _tensors
 
 # %% auto #0
-__all__ = ['trace_model', 'ByteMeter', 'StagedGraph']
+__all__ = ['trace_model', 'StagedGraph']
 
 # %% ../nbs/00a_staged.ipynb #19635f33
 class _LeafTracer(fx.Tracer):
@@ -29,36 +30,10 @@ def trace_model(model:nn.Module, # the model to trace (not changed)
     return _LeafTracer(is_leaf).trace(model)
 
 # %% ../nbs/00a_staged.ipynb #4d9d82e6
-def _tensors(v) -> list:
-    "The tensors in a node's value (a tensor, or tuples/lists/dicts of them)."
-    out = []
-    map_aggregate(v, lambda a: out.append(a) if isinstance(a, Tensor) else a)
-    return out
-
 def _to(v, device):
     "`v`'s tensors on `device`: asynchronous onto an accelerator, synchronous back to the host (a read must see the data)."
     nb = torch.device(device).type != 'cpu'
     return map_aggregate(v, lambda a: a.to(device, non_blocking=nb) if isinstance(a, Tensor) else a)
-
-class ByteMeter:
-    "Bytes of the distinct storages of the values `hold` registered and `drop` did not release yet; tracks the peak."
-    def __init__(self): self.refs, self.live, self.peak = {}, 0, 0
-    def _key(self, t): return (t.untyped_storage().data_ptr(), str(t.device))
-    def hold(self, v):
-        for t in _tensors(v):
-            ref = self.refs.setdefault(self._key(t), [0, t.untyped_storage().nbytes()])
-            if not ref[0]: self.live += ref[1]
-            ref[0] += 1
-        self.peak = max(self.peak, self.live)
-    def drop(self, v):
-        for t in _tensors(v):
-            ref = self.refs.get(self._key(t))
-            if ref is None: continue
-            ref[0] -= 1
-            if not ref[0]:
-                self.live -= ref[1]
-                del self.refs[self._key(t)]
-    def __repr__(self): return f'{type(self).__name__}(live={self.live}, peak={self.peak})'
 
 # %% ../nbs/00a_staged.ipynb #d0e418b2
 class StagedGraph:

@@ -10,7 +10,8 @@ on one micro-batch) next to it, then a summary line of ratios. Synthetic data, r
 import argparse, time
 import torch, torchvision
 from torch import nn
-from fastai_accum.exact import plan_exact, saved_on_host, fmt_bytes
+from fastai_accum.exact import plan_exact, saved_on_host
+from fastai_accum.meters import fmt_bytes
 
 def parse():
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
