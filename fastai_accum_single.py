@@ -967,6 +967,16 @@ class AccumulationWindow:
         if loss is not None: self.loss_sum = self.loss_sum + loss.detach().float() * bs
         return 1. if self.loss_reduction == 'sum' else bs / self.ref
 
+    def add_whole(self,
+                  bs:int, # samples in the whole window, trained as one batch (the 'exact' policy)
+                  loss:Tensor|None=None, # its (mean) loss
+                 ) -> float:
+        "Record a whole window trained as one batch (however many samples it holds); its loss weight is 1."
+        self.reset()
+        self.n_micro, self.n_seen, self.ref = 1, bs, bs
+        if loss is not None: self.loss_sum = loss.detach().float() * bs
+        return 1.
+
     @property
     def empty(self) -> bool: return self.n_micro == 0
 
@@ -1490,11 +1500,9 @@ class Accumulation(WindowSteps):
         if self._micro is None: raise RuntimeError("Accumulation: backward() without a micro-batch from batches() (or start_micro)")
         self._exit_offload()  # the backward unpacks what the forward saved
         bs, final = self._micro
-        if self.exact:
-            self.window.reset(); self.window.n_micro, self.window.n_seen = 1, bs
-            if loss is not None: self.window.loss_sum = loss.detach().float() * bs
+        if self.exact:  # the window, trained as one batch, is one micro-batch of weight 1
             self._ends_window = True
-            return 1.
+            return self.window.add_whole(bs, loss)
         w = self.window.add(bs, loss)
         if final:  # before the last backward, so that under DDP the all-reduced gradient is already the global mean
             f = self.window.correction(device=loss.device if loss is not None else None)
@@ -1640,7 +1648,6 @@ def _autocast(self:GradientAccumulation):
     if ac is None or not getattr(ac, '_enabled', False): return nullcontext()
     return torch.autocast(ac.device, dtype=ac.fast_dtype)
 
-# %% ../nbs/03_callback.ipynb #86c9de7d
 @patch
 def before_train(self:GradientAccumulation):
     self._t0 = time.perf_counter()
@@ -1670,7 +1677,6 @@ def _guard_interrupts(self:GradientAccumulation):
             raise
     learn._do_epoch = _do_epoch
 
-# %% ../nbs/03_callback.ipynb #646b8737
 @patch
 def _warn_lr_find(self:GradientAccumulation):
     finder = getattr(self.learn, 'lr_finder', None)

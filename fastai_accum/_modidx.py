@@ -862,6 +862,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                           'fastai_accum/window.py'),
                                      'fastai_accum.window.AccumulationWindow.add': ( 'window.html#accumulationwindow.add',
                                                                                      'fastai_accum/window.py'),
+                                     'fastai_accum.window.AccumulationWindow.add_whole': ( 'window.html#accumulationwindow.add_whole',
+                                                                                           'fastai_accum/window.py'),
                                      'fastai_accum.window.AccumulationWindow.correction': ( 'window.html#accumulationwindow.correction',
                                                                                             'fastai_accum/window.py'),
                                      'fastai_accum.window.AccumulationWindow.empty': ( 'window.html#accumulationwindow.empty',

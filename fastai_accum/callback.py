@@ -94,7 +94,6 @@ def _autocast(self:GradientAccumulation):
     if ac is None or not getattr(ac, '_enabled', False): return nullcontext()
     return torch.autocast(ac.device, dtype=ac.fast_dtype)
 
-# %% ../nbs/03_callback.ipynb #86c9de7d
 @patch
 def before_train(self:GradientAccumulation):
     self._t0 = time.perf_counter()
@@ -124,7 +123,6 @@ def _guard_interrupts(self:GradientAccumulation):
             raise
     learn._do_epoch = _do_epoch
 
-# %% ../nbs/03_callback.ipynb #646b8737
 @patch
 def _warn_lr_find(self:GradientAccumulation):
     finder = getattr(self.learn, 'lr_finder', None)

@@ -205,7 +205,9 @@ def mnist_v1(path=None, # an MNIST_SAMPLE-style folder (`None`: fastai's MNIST_S
             ):
     "fastai v1: `create_cnn(resnet18, pretrained=False)` with `GradientAccumulation` through `callback_fns`; returns the `Learner`."
     import random, numpy as np
-    from fastai.vision import ImageDataBunch, create_cnn, models, accuracy, URLs
+    try: from fastai.vision import ImageDataBunch, create_cnn, models, accuracy, URLs
+    except ImportError as e:
+        raise ImportError(f"mnist_v1 needs fastai 1.0.x ({e}); under fastai v2 run `fastai-accum demo mnist`") from None
     if path is None:
         real = Path.home()/'.fastai'/'data'/'mnist_sample'
         stand_in = Path(os.environ.get('FASTAI_ACCUM_DATA') or Path.home()/'.fastai'/'data')/'mnist_sample_digits'

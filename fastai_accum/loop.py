@@ -151,11 +151,9 @@ class Accumulation(WindowSteps):
         if self._micro is None: raise RuntimeError("Accumulation: backward() without a micro-batch from batches() (or start_micro)")
         self._exit_offload()  # the backward unpacks what the forward saved
         bs, final = self._micro
-        if self.exact:
-            self.window.reset(); self.window.n_micro, self.window.n_seen = 1, bs
-            if loss is not None: self.window.loss_sum = loss.detach().float() * bs
+        if self.exact:  # the window, trained as one batch, is one micro-batch of weight 1
             self._ends_window = True
-            return 1.
+            return self.window.add_whole(bs, loss)
         w = self.window.add(bs, loss)
         if final:  # before the last backward, so that under DDP the all-reduced gradient is already the global mean
             f = self.window.correction(device=loss.device if loss is not None else None)

@@ -62,6 +62,16 @@ class AccumulationWindow:
         if loss is not None: self.loss_sum = self.loss_sum + loss.detach().float() * bs
         return 1. if self.loss_reduction == 'sum' else bs / self.ref
 
+    def add_whole(self,
+                  bs:int, # samples in the whole window, trained as one batch (the 'exact' policy)
+                  loss:Tensor|None=None, # its (mean) loss
+                 ) -> float:
+        "Record a whole window trained as one batch (however many samples it holds); its loss weight is 1."
+        self.reset()
+        self.n_micro, self.n_seen, self.ref = 1, bs, bs
+        if loss is not None: self.loss_sum = loss.detach().float() * bs
+        return 1.
+
     @property
     def empty(self) -> bool: return self.n_micro == 0
 
