@@ -4,7 +4,7 @@
 
 # %% ../nbs/03_callback.ipynb #61a32000
 from __future__ import annotations
-import inspect, time, warnings
+import time, warnings
 from contextlib import nullcontext
 import torch
 from fastai.basics import *

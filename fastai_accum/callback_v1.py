@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch.nn.utils import parameters_to_vector
 from .exact import peek_batches
-from .window import WindowLoader, validate_window_args, loss_reduction, _check_count, scale_grads
+from .window import WindowLoader, validate_window_args, loss_reduction, _check_count, scale_grads, batch_size
 from .loop import Accumulation, accumulation_options
 
 
@@ -128,7 +128,7 @@ class GradientAccumulationV1:
             print(self.acc._exact_message() if self.exact else self.acc._preflight_table(self.learn.model, xb))
         if self.acc.needs_window and self.window.empty:
             self.acc.start_window([(last_input, last_target)] + (self.loader.window[1:] if self.loader is not None else []))
-        bs = (last_target[0] if isinstance(last_target, (list, tuple)) else last_target).shape[0]
+        bs = batch_size(last_target)
         fills = self.window.fills(bs)
         ends = self.exact or fills or num_batch == len(self.learn.data.train_dl) - 1  # the window (or the epoch) ends here
         self._drop = ends and self.partial == 'drop' and not self.exact and not fills

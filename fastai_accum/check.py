@@ -68,7 +68,7 @@ def _bn_flow(root, bn_inputs:dict|None=None) -> tuple[dict, dict]:
     return params, layers
 
 # %% ../nbs/06_check.ipynb #a6714df5
-from .divergence import _ROOT  # how per-module tables name the model itself, as the divergence finder does
+from .divergence import _ROOT, _owner  # how per-module tables name the model itself, as the divergence finder does
 _STAT_KINDS = ('running_mean', 'running_var', 'num_batches_tracked')
 
 def _fmt(v) -> str:
@@ -440,10 +440,6 @@ def _stat_diffs(a:tuple, b:tuple) -> list:
     return res
 
 # %% ../nbs/06_check.ipynb #d0b9f276
-def _owner(name:str) -> str:
-    "The module that holds parameter `name`."
-    return name.rsplit('.', 1)[0] if '.' in name else _ROOT
-
 def _row(name, module, layer, kind, numel, ref, d, rel, fwd, bwd) -> dict:
     return dict(name=name, module=module, layer=layer, kind=kind, numel=numel, ref_max=ref, abs_diff=d, rel_diff=rel,
                 rel_diff_bn_eval=math.nan, bn_forward=fwd, bn_backward=bwd)

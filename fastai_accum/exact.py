@@ -11,9 +11,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from .meters import SavedTensorMeter, fmt_bytes
+from .meters import SavedTensorMeter, fmt_bytes, _tensors
 from .batchnorm import bn_layers
-from .window import cat_batches
 
 # %% auto #0
 __all__ = ['rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'leaves_no_trace', 'Footprint',
@@ -67,11 +66,7 @@ def leaves_no_trace(model:nn.Module):
             for m in bn_layers(model, accumulating=True): m.reset_stats()
 
 # %% ../nbs/02a_exact.ipynb #3dad639e
-def _nbytes(o) -> int:
-    if torch.is_tensor(o): return o.numel() * o.element_size()
-    if isinstance(o, (tuple, list)): return sum(map(_nbytes, o))
-    if isinstance(o, dict): return sum(map(_nbytes, o.values()))
-    return 0
+def _nbytes(o) -> int: return sum(t.numel() * t.element_size() for t in _tensors(o))
 
 @dataclass
 class Footprint:

@@ -8,7 +8,7 @@ import collections, warnings
 import torch
 try: import lightning.pytorch as pl
 except ImportError: import pytorch_lightning as pl
-from .batchnorm import wrap_bn, bn_layers
+from .batchnorm import wrap_bn, bn_layers, _check_policy
 from .window import (AccumulationWindow, WindowSteps, _check_count, scale_grads, drop_window, batch_size)
 from .loop import default_inputs
 
@@ -38,7 +38,7 @@ class BatchNormAccumulation(WindowSteps, pl.Callback):
                  prepass_memory:int|None=None, # 'window' policy: bytes the pre-pass may hold on the device (default: what training holds at the micro-batch)
                 ):
         if policy == 'exact': raise ValueError("BatchNormAccumulation: 'exact' is accumulate_grad_batches=1 with the window as the batch size")
-        wrap_bn(torch.nn.BatchNorm1d(1), policy)  # validates the policy name
+        _check_policy(policy)
         _check_count('prepass_bs', prepass_bs)
         self.policy, self.wrap, self.inputs, self.loss_reduction = policy, wrap, inputs, loss_reduction
         self.prepasses, self.prepass_bs, self.prepass_memory = None, prepass_bs, prepass_memory

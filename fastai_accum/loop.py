@@ -4,15 +4,15 @@
 
 # %% ../nbs/07_loop.ipynb #d39581af
 from __future__ import annotations
-import collections, inspect, warnings
+import inspect, warnings
 from contextlib import nullcontext
 import torch
 from torch import nn, Tensor
 from torch.nn.parallel import DistributedDataParallel
 from .batchnorm import wrap_bn, bn_layers
-from .exact import choose_exact, saved_on_host, cat_batches
+from .exact import choose_exact, saved_on_host
 from .window import (AccumulationWindow, WindowSteps, WindowLoader, validate_window_args, _check_count, scale_grads,
-                     commit_window, drop_window, batch_size, world_size)
+                     commit_window, drop_window, batch_size, world_size, cat_batches)
 
 # %% auto #0
 __all__ = ['default_inputs', 'Accumulation', 'accumulation_options']

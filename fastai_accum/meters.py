@@ -76,10 +76,6 @@ class SavedTensorMeter:
             self.live -= ref[1]
             del self._refs[key]
 
-    def reset_peak(self):
-        "Start a new peak from what is alive now."
-        self.peak = self.live
-
     @property
     def storages(self) -> dict:
         "The storages held now: `{key: nbytes}`."

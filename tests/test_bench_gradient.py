@@ -5,6 +5,7 @@ timm mobilenetv3_small_100), digits at 32 px, windows of 16 in 8 micro-batches o
 Measured (cosine with the big-batch gradient, first window / after 10 big-batch AdamW steps):
 default ('auto' -> 'exact' here) 1.000 / 1.000 on both; 'window' resnet18 0.311 / 0.503, mobilenetv3 -0.444 / 0.365.
 At windows of 64 (2 x 32) and 50-100 steps see nbs/22_bench_gradient.ipynb."""
+import math
 import pytest
 import torch
 from torch import nn
@@ -16,7 +17,7 @@ SETTLE = 10  # big-batch AdamW steps (lr 1e-3) before the settled measurement
 # 'window' cosine at (first window, settled): measured resnet18 0.311 / 0.503, mobilenetv3 -0.444 / 0.365 (torch 2.14
 # CPU, 1 thread); asserted with margin. Far below 0.98: the window policy's estimated backward terms are the open problem
 # (issue 13); the default meets 0.98 because it trains each window as one batch.
-WINDOW_MIN = {'resnet18': (0.2, 0.35), 'mobilenetv3': (-1., 0.25)}
+WINDOW_MIN = {'resnet18': (0.2, 0.35), 'mobilenetv3': (None, 0.25)}  # None: no bound at random init (any cosine), only a finite value
 
 
 def model(name):
@@ -41,4 +42,5 @@ def test_default_policy_gradient(name):
         assert t.loc[(k, 'auto'), 'cosine'] >= 0.98 and t.loc[(k, 'auto'), 'rel_err'] < 1e-3
     # 'window' (micro-batches of 2 with the window's forward statistics, estimated backward terms)
     w0, w1 = t.loc[(0, 'window'), 'cosine'], t.loc[(SETTLE, 'window'), 'cosine']
-    assert w0 >= WINDOW_MIN[name][0] and w1 >= WINDOW_MIN[name][1], (w0, w1)
+    lo0, lo1 = WINDOW_MIN[name]
+    assert (math.isfinite(w0) if lo0 is None else w0 >= lo0) and w1 >= lo1, (w0, w1)
