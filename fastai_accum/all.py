@@ -7,10 +7,12 @@ __all__ = ['fastai_major']
 
 # %% ../nbs/99_all.ipynb #b7ad9e4d
 import importlib
-import fastai_accum.stats, fastai_accum.batchnorm, fastai_accum.window, fastai_accum.callback_v1, fastai_accum.repro, fastai_accum.divergence, fastai_accum.distributed
+import fastai_accum.stats, fastai_accum.batchnorm, fastai_accum.window, fastai_accum.loop, fastai_accum.accelerate, fastai_accum.callback_v1, fastai_accum.repro, fastai_accum.divergence, fastai_accum.distributed
 from .stats import *
 from .batchnorm import *
 from .window import *
+from .loop import *
+from .accelerate import *
 from .callback_v1 import *
 from .repro import *
 from .divergence import *
@@ -24,8 +26,8 @@ def fastai_major() -> int|None:
     return int(fastai.__version__.split('.')[0])
 
 # %% ../nbs/99_all.ipynb #99983a4c
-_modules = [fastai_accum.stats, fastai_accum.batchnorm, fastai_accum.window, fastai_accum.callback_v1, fastai_accum.repro,
-            fastai_accum.divergence, fastai_accum.distributed]
+_modules = [fastai_accum.stats, fastai_accum.batchnorm, fastai_accum.window, fastai_accum.loop, fastai_accum.accelerate,
+            fastai_accum.callback_v1, fastai_accum.repro, fastai_accum.divergence, fastai_accum.distributed]
 if fastai_major() == 1:
     GradientAccumulation = GradientAccumulationV1
     _extra = ['GradientAccumulation']

@@ -18,8 +18,8 @@ from .meters import ByteMeter, SavedTensorMeter
 # %% auto #0
 __all__ = ['bn_policies', 'auto_policy', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d',
            'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class',
-           'bn_layers', 'wrap_bn', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'PrepassPlan', 'prepass_plan',
-           'prepass_info', 'window_prepasses', 'bn_preflight']
+           'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats',
+           'untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight']
 
 # %% ../nbs/01_batchnorm.ipynb #6839b6a1
 bn_policies = ('micro', 'running', 'frozen', 'window', 'auto')
@@ -312,14 +312,16 @@ def wrap_bn(model:nn.Module, # any model; its BatchNorm layers are changed in pl
 _accumulation_state = ('_policy', 'pending', 'layer_name', 'grad_pool', 'window_stats', '_prepass', '_prepass_stats',
                        '_chunk_stats', '_prepass_sync', '_prepass_group')  # what `_setup_accumulation` adds to a layer
 
+def unwrap_layer(m:AccumulateBatchNorm):
+    "Turn the accumulating layer `m` back into its plain BatchNorm class, in place, leaving nothing of ours on it."
+    m.__class__ = m.plain_class
+    for attr in _accumulation_state: m.__dict__.pop(attr, None)
+
 def unwrap_bn(model:nn.Module) -> int:
     "Turn every `AccumulateBatchNorm` of `model` back into its plain BatchNorm class, in place; returns how many."
-    n = 0
-    for m in bn_layers(model, accumulating=True):
-        m.__class__ = m.plain_class
-        for attr in _accumulation_state: m.__dict__.pop(attr, None)
-        n += 1
-    return n
+    layers = bn_layers(model, accumulating=True)
+    for m in layers: unwrap_layer(m)
+    return len(layers)
 
 # %% ../nbs/01_batchnorm.ipynb #fc758225
 def update_bn_stats(model:nn.Module) -> int:
@@ -355,11 +357,20 @@ def _trace(model):
     if model not in _traces:
         try: _traces[model] = trace_model(model, lambda m: isinstance(m, _BatchNorm))
         except Exception as e:
-            why = f'{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ""}'[:300]
-            _traces[model] = why
-            warnings.warn(f"window_prepasses: torch.fx cannot trace {type(model).__name__} ({why}); its pre-pass runs "
-                          "the whole window in one forward: exact, but its activations grow with the window.")
+            _traces[model] = _one_line(e)
+            warnings.warn(f"window_prepasses: {untraceable_reason(model)}")
     return _traces[model]
+
+def _one_line(e:BaseException) -> str:
+    "The exception's type and its whole message, on one line."
+    return f"{type(e).__name__}: {' '.join(str(e).split())}".rstrip(': ')
+
+def untraceable_reason(model:nn.Module) -> str|None:
+    "Why the staged pre-pass cannot run on `model` (torch.fx could not trace it), in one line; None if it can (or was never asked)."
+    why = _traces.get(model)
+    if not isinstance(why, str): return None
+    return (f"torch.fx cannot trace {type(model).__name__} ({why}); its pre-pass runs the whole window in one forward: "
+            "exact, but its activations grow with the window.")
 
 def _saved_bytes(model, xb) -> int:
     "Bytes autograd saves for backward in one forward of `xb` (distinct storages, parameters and buffers excluded)."
@@ -398,7 +409,7 @@ class PrepassPlan:
     def describe(self, n:int|None=None) -> str:
         "The chosen mode in words, for the pre-flight table."
         budget = f"{self.budget/2**20:.1f} MiB" + (' = training at this micro-batch' if self.memory is None else ' cap')
-        if not self.traced: return f"whole window (not traceable: {self.reason})"
+        if not self.traced: return "whole window (not traceable)"  # why: `untraceable_reason`, said once
         if n is not None:
             mode, chunk = self.choose(n)
             return f"whole window of {n}" if mode == 'whole' else f"staged, {n} in chunks of {chunk} ({budget})"
@@ -500,8 +511,9 @@ def _metered_forward(model, xb) -> int:
     return bm.peak
 
 # %% ../nbs/01_batchnorm.ipynb #e0cc0a8b
-def _treatment(m, n:int) -> tuple[str, str]:
-    "(forward, backward) of layer `m` for a micro-batch with `n` values per channel."
+def _treatment(m, n:int, training:bool=True) -> tuple[str, str]:
+    "(forward, backward) of layer `m` for a micro-batch with `n` values per channel, when it is in training mode or not."
+    if not training: return 'running stats (frozen: eval mode)', 'none through the stats'
     if not isinstance(m, AccumulateBatchNorm): return f'micro-batch stats ({n} values), stats updated per micro-batch', 'micro-batch'
     if m.policy == 'micro': return f'micro-batch stats ({n} values)', 'micro-batch'
     if m.policy in ('running', 'frozen'): return 'running stats', 'none through the stats'
@@ -514,18 +526,18 @@ def bn_preflight(model:nn.Module, # the model (its state is not changed: the for
                 ):
     "A table of the model's BatchNorm layers: values per channel per micro-batch, risk, what the policy does, and how the pre-pass runs."
     import pandas as pd
-    plan = prepass_plan(model, xb, memory) if any(map(_window_layer, bn_layers(model))) else None
+    plan = prepass_plan(model, xb, memory) if any(_window_layer(m) and m.training for m in bn_layers(model)) else None
     prepass = plan.describe(window) if plan is not None else '-'
     names = {mod: name for name, mod in model.named_modules()}
     modes = {mod: mod.training for mod in model.modules()}
     rows, hooks = [], []
     def hook(mod, inp):
         n = inp[0].numel() // inp[0].shape[1]
-        fwd, bwd = _treatment(mod, n)
+        fwd, bwd = _treatment(mod, n, modes[mod])
         rows.append(dict(layer=names[mod] or type(mod).__name__, type=type(mod).__name__, channels=mod.num_features,
                          values_per_channel=n, at_risk=n < GradPool.min_micro,
                          policy=getattr(mod, 'policy', 'plain BN'), forward=fwd, backward=bwd,
-                         prepass=prepass if _window_layer(mod) else '-'))
+                         prepass=prepass if _window_layer(mod) and modes[mod] else '-'))
     for mod in bn_layers(model): hooks.append(mod.register_forward_pre_hook(hook))
     try:
         model.eval()  # shapes are all we need: eval mode touches no statistics

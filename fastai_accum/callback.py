@@ -4,10 +4,11 @@
 
 # %% ../nbs/03_callback.ipynb #61a32000
 from __future__ import annotations
-import time, warnings
+import ast, sys, time, warnings
 from contextlib import nullcontext
 import torch
 from fastai.basics import *
+import fastai.callback.training
 from fastai.callback.fp16 import MixedPrecision
 from .exact import peek_batches
 from .window import validate_window_args, loss_reduction, _check_count, WindowLoader
@@ -18,10 +19,16 @@ __all__ = ['WindowPrefetch', 'GradientAccumulation']
 
 # %% ../nbs/03_callback.ipynb #c2ce77c4
 class WindowPrefetch(Callback):
-    "Installs `WindowLoader` as `learn.dl` after every other DataLoader wrapper (e.g. fastai's `DistributedDL`)."
+    "Installs `WindowLoader` as `learn.dl` after every other DataLoader wrapper (e.g. fastai's `DistributedDL`), when `ga` reads windows ahead."
     order,run_valid = 12,False  # after DistributedTrainer (11)
-    def __init__(self, n_step=None, n_acc=None, exact=False, partial='step'): store_attr(); self.loader = None
+    def __init__(self, n_step=None, n_acc=None, exact=False, partial='step',
+                 ga=None): # the `GradientAccumulation` whose chosen path (made in its `before_train`, order 6) says whether and how
+        store_attr(); self.loader = None
     def before_train(self):
+        acc = getattr(self.ga, 'acc', None)
+        if acc is not None:
+            if not (acc.exact or acc.needs_window): self.loader = None; return  # micro-batch by micro-batch: nothing to read ahead
+            self.exact = acc.exact
         self.learn.dl = self.loader = WindowLoader(self.learn.dl, self.n_step, self.n_acc, self.exact, self.partial)
 
 # %% ../nbs/03_callback.ipynb #957a3b99
@@ -31,17 +38,20 @@ class GradientAccumulation(Callback):
     order,run_valid = MixedPrecision.order-4,False
 
     def __init__(self,
-                 n_step:int|None=None, # micro-batches per optimizer step
-                 n_acc:int|None=None,  # or: samples per optimizer step (the effective batch size), as fastai's `n_acc`
-                 preflight:bool=True,  # print the pre-flight (the 'exact' plan, or the BatchNorm table) at the first micro-batch
+                 n_acc:int|None=None,  # samples per optimizer step (the effective batch size), as fastai's `n_acc` (32 if neither is given, as fastai)
+                 n_step:int|None=None, # or: micro-batches per optimizer step
+                 preflight:bool=True,  # print how a fit trains (the 'exact' plan, or the BatchNorm table) at its first micro-batch, and again when a later fit trains differently
                  prepasses:int|None=None, # deprecated: the 'window' pre-pass is exact in one pass
                  **kwargs, # the core's options, documented on `Accumulation` (`policy`, `partial`, `wrap`, `offload`, ...)
                 ):
+        if n_step is None and n_acc is None: n_acc = 32  # fastai's default
+        n_acc, n_step, prepasses = _check_count('n_acc', n_acc), _check_count('n_step', n_step), _check_count('prepasses', prepasses)
         options = accumulation_options(kwargs, 'GradientAccumulation')
         validate_window_args(n_step, n_acc, options['policy'], options['partial'], exact_ok=True)
-        _check_count('prepasses', prepasses)
         store_attr('n_step,n_acc,preflight,prepasses', **options)
-        self._options, self.acc, self.train_time = list(options), None, 0.
+        self._args = dict(n_acc=n_acc, n_step=n_step, preflight=preflight, prepasses=prepasses, **kwargs)  # what an export rebuilds it from
+        self._options, self.acc, self.train_time, self._said = list(options), None, 0., None
+        self._fitting, self._nested = False, 0  # a fit has started training; `validate` calls inside it
 
     # What the core keeps, read through the callback (`learn.gradient_accumulation.losses`, `.exact`, ...)
     losses = property(lambda self: L(self.acc.losses) if self.acc is not None else L())
@@ -51,23 +61,45 @@ class GradientAccumulation(Callback):
     plan = property(lambda self: getattr(self.acc, 'plan', None))
     window = property(lambda self: getattr(self.acc, 'window', None))
     bns = property(lambda self: getattr(self.acc, 'bns', None))
+    path = property(lambda self: getattr(self.acc, 'path', None))
 
 # %% ../nbs/03_callback.ipynb #3d19dae1
 @patch
 def before_fit(self:GradientAccumulation):
+    "A fit, or `validate`/`get_preds` (fastai runs `before_fit` for them too), starts; inside a fit, a nested one is left alone."
+    if self._fitting: self._nested += 1; return
     self._check_batch_size()
+    self._lengthen_lr_find()
+    self._guard_interrupts()
+    if not hasattr(self.learn, 'window_prefetch'):
+        self.learn.add_cb(WindowPrefetch(self.n_step, self.n_acc, partial=self.partial, ga=self))
+
+@patch
+def _start_fit(self:GradientAccumulation):
+    "The fit's first training epoch starts: build the core for it (a `validate` or `get_preds` never gets here)."
     self.acc = Accumulation(self.learn.model, self.n_step, self.n_acc, **{k: getattr(self, k) for k in self._options},
                             loss_reduction=loss_reduction(self.learn.loss_func), inputs=self._inputs, autocast=self._autocast,
                             merge_exact=False, name='GradientAccumulation')
     self.acc.prepasses = self.prepasses
+    self.train_time, self._final, self._drop, self._announce, self._fitting = 0., False, False, False, True
+
+@patch
+def before_train(self:GradientAccumulation):
+    "Each epoch's training starts: the model is in the modes it trains in (`TrainEvalCallback`, `BnFreeze`), in DDP if distributed."
+    if not self._fitting: self._start_fit()
+    self._t0 = time.perf_counter()
+    self.acc.use_model(self.learn.model)  # fastai's DistributedTrainer wrapped it in DDP (and made SyncBatchNorm) after our before_fit
+    if self.acc.needs_setup(): self._choose()
+    else: self.acc.find_bns()
+
+@patch
+def _choose(self:GradientAccumulation):
+    "Choose how this fit trains; say so at its first micro-batch if that differs from what was said last (not in `lr_find`)."
     self.acc.setup(self._peek_batch)  # 'exact' or not (measuring a peeked micro-batch only if it must), wrap BatchNorm
-    for m in self.bns: m.grad_pool.reset()  # each fit starts afresh: nothing of an earlier fit steers this one
-    self.train_time, self._final, self._drop = 0., False, False
-    self._warn_lr_find()
-    self._clear()
-    self._guard_interrupts()
-    if (self.acc.needs_window or self.exact) and not hasattr(self.learn, 'window_prefetch'):
-        self.learn.add_cb(WindowPrefetch(self.n_step, self.n_acc, self.exact, self.partial))
+    finding = getattr(self.learn, 'lr_finder', None) is not None
+    if finding: self._warn_lr_find()
+    self._announce = (self.preflight and not finding and not rank_distrib() and self.path != 'no BatchNorm'
+                      and self.path != self._said)
 
 @patch
 def _peek_batch(self:GradientAccumulation):
@@ -94,12 +126,6 @@ def _autocast(self:GradientAccumulation):
     if ac is None or not getattr(ac, '_enabled', False): return nullcontext()
     return torch.autocast(ac.device, dtype=ac.fast_dtype)
 
-@patch
-def before_train(self:GradientAccumulation):
-    self._t0 = time.perf_counter()
-    self.acc.use_model(self.learn.model)  # fastai's DistributedTrainer wrapped it in DDP (and made SyncBatchNorm) after our before_fit
-    self.acc.find_bns()
-
 _cancels = (CancelBatchException, CancelStepException, CancelBackwardException, CancelEpochException,
             CancelTrainException, CancelValidException, CancelFitException)
 
@@ -110,6 +136,15 @@ def _clear(self:GradientAccumulation):
     self._final = self._drop = False
 
 @patch
+def _release(self:GradientAccumulation):
+    "The fit is over, or broke off: drop any partial window, hand the model back with plain torch BatchNorm layers, remove what the fit added."
+    if self.acc is not None: self.acc.release()
+    self._final = self._drop = self._fitting = False
+    self._nested = 0
+    self.learn.__dict__.pop('_do_epoch', None)
+    if hasattr(self.learn, 'window_prefetch'): self.learn.remove_cb(self.learn.window_prefetch)
+
+@patch
 def _guard_interrupts(self:GradientAccumulation):
     "fastai runs no event after an exception it does not expect (e.g. KeyboardInterrupt): clean up on the way out."
     learn, do_epoch = self.learn, type(self.learn)._do_epoch
@@ -117,37 +152,37 @@ def _guard_interrupts(self:GradientAccumulation):
         try: do_epoch(learn)
         except _cancels: raise
         except BaseException:
-            self._clear()
-            learn.__dict__.pop('_do_epoch', None)
-            if hasattr(learn, 'window_prefetch'): learn.remove_cb(learn.window_prefetch)
+            self._release()
             raise
     learn._do_epoch = _do_epoch
 
 @patch
-def _warn_lr_find(self:GradientAccumulation):
+def _lengthen_lr_find(self:GradientAccumulation):
+    "Under 'exact' each `lr_find` iteration is a window: give its fit epochs enough for `num_it` windows (it stops at `num_it` anyway)."
     finder = getattr(self.learn, 'lr_finder', None)
-    if finder is None: return
-    if self.exact:  # every iteration is a step; lr_find sized its epochs in micro-batches: give it enough windows
-        windows = max(1, len(WindowLoader(self.dls.train, self.n_step, self.n_acc, True, self.partial)))
-        self.learn.n_epoch = max(self.learn.n_epoch, finder.num_it // windows + 1)
-        return
+    if finder is None or self.policy not in ('exact', 'auto'): return
+    windows = max(1, len(WindowLoader(self.dls.train, self.n_step, self.n_acc, True, self.partial)))
+    self.learn.n_epoch = max(self.learn.n_epoch, finder.num_it // windows + 1)
+
+@patch
+def _warn_lr_find(self:GradientAccumulation):
+    "Micro-batch by micro-batch, `lr_find` makes one optimizer step per window: warn when `num_it` gives fewer than 20."
+    if self.exact: return
     per_step = self.n_step or max(1, self.n_acc // max(1, getattr(self.dls.train, 'bs', 1)))
-    if finder.num_it / per_step < 20:
-        warnings.warn(f"lr_find with gradient accumulation makes one optimizer step per window: num_it={finder.num_it} "
-                      f"gives only {finder.num_it // per_step} steps. Pass num_it={20*per_step} or more.")
+    num_it = self.learn.lr_finder.num_it
+    if num_it / per_step < 20:
+        warnings.warn(f"lr_find with gradient accumulation makes one optimizer step per window: num_it={num_it} "
+                      f"gives only {num_it // per_step} steps. Pass num_it={20*per_step} or more.")
 
 # %% ../nbs/03_callback.ipynb #4744ee14
 @patch
 def _show_preflight(self:GradientAccumulation):
-    self._preflight_done = True
-    if getattr(self.learn, 'lr_finder', None) is not None or rank_distrib(): return
-    if self.exact:
-        print(self.acc._exact_message())
-        return
-    if self.plan is not None:
-        print(f"GradientAccumulation: policy 'auto' -> window BatchNorm: 'exact' would need host offload or more memory "
-              f"({self.plan.describe()}).")
-    print(self.acc._preflight_table(self.acc.module, self.learn.xb))
+    "Print how this fit trains (and, if an earlier fit trained otherwise, that it changed)."
+    self._announce = False
+    if self._said is not None:
+        print(f"GradientAccumulation: this fit trains otherwise than the one before ({self._said!r} -> {self.path!r}):")
+    print(self.acc.preflight(self.learn.xb))
+    self._said = self.path
 
 # %% ../nbs/03_callback.ipynb #45970d89
 @patch
@@ -160,14 +195,13 @@ def after_epoch(self:GradientAccumulation): self._clear()
 
 @patch
 def after_fit(self:GradientAccumulation):
-    self._clear()
-    self.learn.__dict__.pop('_do_epoch', None)
-    if hasattr(self.learn, 'window_prefetch'): self.learn.remove_cb(self.learn.window_prefetch)
+    if self._nested: self._nested -= 1  # the end of a `validate` inside the fit
+    else: self._release()
 
 # %% ../nbs/03_callback.ipynb #8deebdf2
 @patch
 def before_batch(self:GradientAccumulation):
-    if self.preflight and (self.bns or self.exact) and not getattr(self, '_preflight_done', False): self._show_preflight()
+    if self._announce: self._show_preflight()
     if self.acc.needs_window and self.window.empty: self.acc.start_window(self._window())
     bs = find_bs(self.learn.yb)
     fills = self.window.fills(bs)
@@ -194,6 +228,41 @@ def before_step(self:GradientAccumulation):
 
 @patch
 def after_batch(self:GradientAccumulation): self.acc.end_micro()  # at the window's end: commit BatchNorm statistics
+
+# %% ../nbs/03_callback.ipynb #ac820318
+def _rebuild_expression(args:dict) -> str|None:
+    "A constant expression giving `GradientAccumulation(**args)` where fastai_accum is installed, else a fastai `Callback` (None if an argument is not a literal)."
+    try:
+        if any(ast.literal_eval(repr(v)) != v for v in args.values()): return None
+    except (ValueError, SyntaxError): return None
+    kw = ', '.join(f'{k}={v!r}' for k, v in args.items())
+    return (f"__import__('fastai_accum.callback', fromlist=['_']).GradientAccumulation({kw}) "
+            f"if __import__('importlib.util', fromlist=['_']).find_spec('fastai_accum') is not None "
+            f"else __import__('fastai.callback.core', fromlist=['_']).Callback()")
+
+@patch
+def __reduce_ex__(self:GradientAccumulation, protocol):
+    expression = _rebuild_expression(self._args)
+    if expression is None: return super(GradientAccumulation, self).__reduce_ex__(protocol)  # by name: needs the package to load
+    return eval, (expression,), {'learn': self.learn}
+
+# %% ../nbs/03_callback.ipynb #580ee8b7
+_fastai_gradient_accumulation = fastai.callback.training.GradientAccumulation  # fastai's own, left where it lives
+
+def _replaceable(obj) -> bool:
+    "fastai's `GradientAccumulation`, or an earlier copy of this one (the package's, then a pasted cell's, say)."
+    return obj is _fastai_gradient_accumulation or (isinstance(obj, type) and obj.__name__ == 'GradientAccumulation'
+                                                     and hasattr(obj, '_start_fit'))
+
+def _export_to_fastai():
+    "Make `GradientAccumulation` in fastai's star-import modules, loaded now or later, this callback."
+    import fastai.callback.all  # every `fastai.<application>.all` star-imports from here
+    for name, mod in list(sys.modules.items()):
+        if name.split('.')[0] == 'fastai' and name != 'fastai.callback.training' and \
+           _replaceable(getattr(mod, 'GradientAccumulation', None)):
+            mod.GradientAccumulation = GradientAccumulation
+
+_export_to_fastai()
 
 # %% ../nbs/03_callback.ipynb #60e9adaa
 @patch

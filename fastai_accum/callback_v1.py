@@ -25,6 +25,11 @@ def _active_callback(learn, cls_name:str, attr:str):
         if getattr(getattr(f, 'func', f), '__name__', None) == cls_name: return learn.__dict__.get(attr)
     return None
 
+def _uses_callback(learn, cls_name:str) -> bool:
+    "Does this fit run a fastai v1 callback of class `cls_name` (in `learn.callbacks` or `learn.callback_fns`)?"
+    fns = [getattr(f, 'func', f) for f in getattr(learn, 'callback_fns', [])]
+    return any(getattr(c, '__name__', type(c).__name__) == cls_name for c in [*getattr(learn, 'callbacks', []), *fns])
+
 def _inputs_v1(b) -> list:
     "The model inputs of a fastai v1 batch `(xb, yb)`, as a list."
     return list(b[0]) if isinstance(b[0], (list, tuple)) else [b[0]]
@@ -64,6 +69,7 @@ class GradientAccumulationV1:
         self.learn, self.n_step, self.n_acc, self.preflight, self.prepasses = learn, n_step, n_acc, preflight, prepasses
         self._options = list(options); self.__dict__.update(options)  # as attributes, as the v2 callback keeps them
         self.acc, self.mp, self.loader, self._patched, self._final, self._drop = None, None, None, [], False, False
+        self._announce = False
 
     # What the core (`Accumulation`) keeps, read through the callback
     n_steps = property(lambda self: self.acc.n_steps if self.acc is not None else 0)
@@ -90,14 +96,27 @@ class GradientAccumulationV1:
                                 loss_reduction=loss_reduction(learn.loss_func), inputs=_inputs_v1, params=self._params,
                                 merge_exact=False, name='GradientAccumulationV1')
         self.acc.prepasses = self.prepasses
-        self.acc.setup(self._peek)  # 'exact' or not (measuring a peeked micro-batch only if it must), wrap BatchNorm
-        for m in self.bns: m.grad_pool.reset()  # each fit starts afresh, as in v2
-        self._preflight_done = False
+        self._choose()
         self._clear()
         self._patch(self.mp, self._mp_backward_end)
         self._patch(clip, self._clip_backward_end)
         if self.acc.needs_window or self.exact:  # read each window ahead (restored in on_train_end, which v1 runs however the fit ends)
             self.loader = learn.data.train_dl = WindowLoader(self._train_dl(), self.n_step, self.n_acc, self.exact, self.partial)
+
+    def _choose(self):
+        "Choose how this fit trains, from the modes it trains in: v1 calls `model.train()` at each epoch, then `BnFreeze` (if used) puts BatchNorm layers without trainable parameters in eval mode."
+        model, learn = self.learn.model, self.learn
+        modes = {m: m.training for m in model.modules()}
+        try:
+            model.train()
+            if _uses_callback(learn, 'BnFreeze'):
+                from fastai.torch_core import set_bn_eval  # fastai v1's, as its BnFreeze calls it
+                set_bn_eval(model)
+            self.acc.setup(self._peek)  # 'exact' or not (measuring a peeked micro-batch only if it must), wrap BatchNorm
+        finally:
+            for m, t in modes.items(): m.training = t
+        said = getattr(learn, '_gradient_accumulation_said', None)  # the callback is built anew for each fit: kept on the learner
+        self._announce = self.preflight and self.acc.path not in ('no BatchNorm', said)
 
     def _train_dl(self):
         "The training DataLoader under any `WindowLoader` (one is left behind by a fit that failed before it started)."
@@ -122,10 +141,13 @@ class GradientAccumulationV1:
 
     def on_batch_begin(self, last_input, last_target, num_batch, train=True, **kwargs):
         if not train: return
-        if self.preflight and (self.bns or self.exact) and not self._preflight_done:
-            self._preflight_done = True
-            xb = list(last_input) if isinstance(last_input, (list, tuple)) else [last_input]
-            print(self.acc._exact_message() if self.exact else self.acc._preflight_table(self.learn.model, xb))
+        if self._announce:
+            self._announce = False
+            said = getattr(self.learn, '_gradient_accumulation_said', None)
+            if said is not None:
+                print(f"GradientAccumulation: this fit trains otherwise than the one before ({said!r} -> {self.acc.path!r}):")
+            print(self.acc.preflight(list(last_input) if isinstance(last_input, (list, tuple)) else [last_input]))
+            self.learn._gradient_accumulation_said = self.acc.path
         if self.acc.needs_window and self.window.empty:
             self.acc.start_window([(last_input, last_target)] + (self.loader.window[1:] if self.loader is not None else []))
         bs = batch_size(last_target)
@@ -178,6 +200,7 @@ class GradientAccumulationV1:
 
     def on_train_end(self, **kwargs):
         self._clear()
+        if self.acc is not None: self.acc.release()  # plain torch BatchNorm layers between fits
         if self.loader is not None and self.learn.data.train_dl is self.loader: self.learn.data.train_dl = self.loader.dl
         for cb in self._patched: cb.__dict__.pop('on_backward_end', None)
         self.loader, self._patched = None, []

@@ -9,7 +9,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn, Tensor
 from torch.nn.parallel import DistributedDataParallel
-from .batchnorm import wrap_bn, bn_layers
+from .batchnorm import AccumulateBatchNorm, wrap_bn, bn_layers, unwrap_layer, untraceable_reason
 from .exact import choose_exact, saved_on_host
 from .window import (AccumulationWindow, WindowSteps, WindowLoader, validate_window_args, _check_count, scale_grads,
                      commit_window, drop_window, batch_size, world_size, cat_batches)
@@ -53,8 +53,8 @@ class Accumulation(WindowSteps):
                  merge_exact:bool=True, # 'exact' under DDP: wrap BatchNorm so that running statistics merge across processes (fastai leaves that to `sync_bn`)
                  name:str|None=None,   # who speaks in error messages and the pre-flight (default: the class name)
                 ):
+        n_step, n_acc, prepass_bs = _check_count('n_step', n_step), _check_count('n_acc', n_acc), _check_count('prepass_bs', prepass_bs)
         validate_window_args(n_step, n_acc, policy, partial, exact_ok=True)
-        _check_count('prepass_bs', prepass_bs)
         self.model, self.n_step, self.n_acc, self.policy, self.partial = model, n_step, n_acc, policy, partial
         self.inputs, self.autocast, self.wrap, self.sync_each_batch = inputs, autocast, wrap, sync_each_batch
         self.prepasses, self.prepass_bs, self.prepass_memory = None, prepass_bs, prepass_memory
@@ -63,7 +63,9 @@ class Accumulation(WindowSteps):
         self.use_model(model)
         self.device = device if device is not None else next(self.module.parameters()).device
         self.window = AccumulationWindow(n_step, n_acc, loss_reduction)
-        self.exact, self.plan, self.bns = None, None, []  # decided at the first window ('auto' measures a micro-batch)
+        self.exact, self.plan, self.bns, self.needs_window = None, None, [], False  # decided at the first window ('auto' measures a micro-batch)
+        self.path = None  # how training runs, once chosen: 'exact', 'frozen BatchNorm', 'no BatchNorm', or a BatchNorm policy
+        self._modes, self._wrapped, self._own_policy, self._pools = None, [], {}, {}
         self.n_steps, self.losses, self.prepass_time = 0, [], 0.
         self._micro, self._offload, self._ends_window = None, None, False
 
@@ -80,24 +82,60 @@ class Accumulation(WindowSteps):
         self.module = model.module if self.ddp is not None else model
 
     def setup(self, b):
-        "Choose 'exact' or per-micro-batch training from the first micro-batch `b` (on the device; or a callable giving it, called only if needed), and wrap BatchNorm."
+        "Choose how training runs from the modes the BatchNorm layers are in now (the modes training runs in) and the first micro-batch `b` (on the device; or a callable giving it, called only if needed); wrap BatchNorm."
+        self._modes = self._bn_modes()
         self.exact = self._choose_exact(b)
         self.find_bns()
+        self.path = self._path()
+
+    def _bn_modes(self) -> tuple: return tuple(m.training for m in bn_layers(self.module))
+
+    def needs_setup(self) -> bool:
+        "Must `setup` choose (again)? Before the first window, and when other BatchNorm layers train than when it chose (a freeze, `BnFreeze`, `model.eval()`)."
+        return self.exact is None or self._bn_modes() != self._modes
+
+    @property
+    def frozen_bn(self) -> bool:
+        "The model has BatchNorm layers but none trains (all in eval mode): it trains as a model without BatchNorm."
+        return bool(self._modes) and not any(self._modes)
+
+    def _path(self) -> str:
+        "How training runs, in a word (`path`): 'exact', 'frozen BatchNorm', 'no BatchNorm', or the accumulating layers' policy."
+        if self.exact: return 'exact'
+        if self.frozen_bn: return 'frozen BatchNorm'
+        return self.bns[0].policy if self.bns else 'no BatchNorm'
 
     def find_bns(self):
         "Wrap (if asked) and collect the accumulating BatchNorm layers; again after anything replaces layers (fastai's `DistributedTrainer`)."
-        if self.exact:  # one batch per window: already-wrapped layers normalize it with its own statistics
-            if self.wrap and self.merge_exact and world_size() > 1:  # so that the running statistics are merged across processes at the step
-                with warnings.catch_warnings():
-                    warnings.simplefilter('ignore')
-                    wrap_bn(self.module, 'micro')
-            for m in bn_layers(self.module, accumulating=True): m.policy = 'micro'
-        elif self.wrap:
+        if self.exact:  # one batch per window; under DDP wrapped as 'micro' so that running statistics merge across processes at the step
+            self._wrap('micro', new=self.wrap and self.merge_exact and world_size() > 1)
+        elif not self.frozen_bn: self._wrap(self.policy, new=self.wrap)
+        self.bns = bn_layers(self.module, accumulating=True)
+        self.needs_window = any(m.policy == 'window' and m.training for m in self.bns)
+
+    def _wrap(self, policy:str, new:bool):
+        "Give every accumulating layer `policy` (`release` gives an earlier-wrapped layer its own back); with `new` wrap plain BatchNorm layers too (`release` unwraps them)."
+        before = bn_layers(self.module, accumulating=True)
+        for m in before:
+            if m not in self._wrapped: self._own_policy.setdefault(m, m.policy)
+        if new:
             with warnings.catch_warnings():
                 warnings.simplefilter('ignore')  # a model without BatchNorm accumulates fine: no warning
-                wrap_bn(self.module, self.policy)
-        self.bns = bn_layers(self.module, accumulating=True)
-        self.needs_window = any(m.policy == 'window' for m in self.bns)
+                wrap_bn(self.module, policy)
+        for m in bn_layers(self.module, accumulating=True):
+            m.policy = policy
+            if new and not any(m is o for o in before):
+                self._wrapped.append(m)
+                if m in self._pools: m.grad_pool = self._pools.pop(m)  # 'window': the last window's backward means, across `batches` calls
+
+    def release(self):
+        "Hand the model back with plain torch BatchNorm layers: unwrap those this wrapped, give earlier-wrapped ones their own policy back."
+        self.clear()
+        self._pools = {m: m.grad_pool for m in self._wrapped if isinstance(m, AccumulateBatchNorm)}
+        for m in self._wrapped:
+            if isinstance(m, AccumulateBatchNorm): unwrap_layer(m)
+        for m, policy in self._own_policy.items(): m.policy = policy
+        self._wrapped, self._own_policy, self.bns, self.needs_window = [], {}, [], False
 
     def _choose_exact(self, b) -> bool:
         "The callback's rule (`choose_exact`): 'exact' if it fits; 'auto' if the model has BatchNorm and the window fits without offload."
@@ -106,15 +144,35 @@ class Accumulation(WindowSteps):
                                         self.device_memory, self.host_memory, self.offload, name=self.name)
         return exact
 
+    def preflight(self, xb:tuple, # one micro-batch's model inputs
+                 ) -> str:
+        "What training does, as the pre-flight prints it: the 'exact' plan, frozen BatchNorm, or why not 'exact' and the BatchNorm table."
+        if self.exact: return self._exact_message()
+        if self.frozen_bn:
+            return (f"GradientAccumulation: all {len(self._modes)} BatchNorm layers are frozen (eval mode) in this fit: it trains "
+                    "as a model without BatchNorm, micro-batch by micro-batch (no pre-pass; their running statistics stay).")
+        lines = []
+        if self.plan is not None:
+            lines.append(f"GradientAccumulation: policy 'auto' -> window BatchNorm: 'exact' would need host offload or more "
+                         f"memory ({self.plan.describe()}).")
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')  # a model torch.fx cannot trace: said once, below, not as a warning
+            table = self._preflight_table(self.module, xb)
+        why = untraceable_reason(self.module) if self.needs_window else None
+        if why: lines.append(f"GradientAccumulation: {why}")
+        return '\n'.join(lines + [table])
+
     def batches(self, loader):
         "Iterate `loader` (any iterable of batches) one window ahead: micro-batches, or whole windows under 'exact'."
         self.clear()
         try:
-            windows = WindowLoader(loader, self.n_step, self.n_acc)
+            windows, ready = WindowLoader(loader, self.n_step, self.n_acc), False
             for window in windows._windows():
                 if self.partial == 'drop' and not windows._full(window): continue
                 window = [_on_device(b, self.device) for b in window]
-                if self.exact is None: self.setup(window[0])
+                if not ready:  # chosen from the modes the user put the model in before the loop (re-measured only if they changed)
+                    self.setup(window[0]) if self.needs_setup() else self.find_bns()
+                    ready = True
                 if self.exact: window = [cat_batches(window)]
                 self.start_window(window)
                 for i, b in enumerate(window):
@@ -123,7 +181,7 @@ class Accumulation(WindowSteps):
         finally:
             self._exit_offload()
             if self.ddp is not None: self.ddp.require_backward_grad_sync = True
-            self.clear()
+            self.release()  # between epochs the model holds plain torch BatchNorm layers
 
     # The events an adapter calls when it cannot hand its loop to `batches`
     def start_window(self, window:list):
@@ -209,5 +267,5 @@ def accumulation_options(kwargs:dict, # keyword arguments a front end got for th
     options = {k: p.default for k, p in inspect.signature(Accumulation).parameters.items() if k not in own}
     bad = [k for k in kwargs if k not in options]
     if bad: raise TypeError(f"{name}() got an unexpected keyword argument {bad[0]!r}")
-    _check_count('prepass_bs', kwargs.get('prepass_bs'))
-    return {**options, **kwargs}
+    counts = {k: _check_count(k, kwargs[k]) for k in ('prepass_bs',) if k in kwargs}  # plain ints (numpy integers too)
+    return {**options, **kwargs, **counts}

@@ -5,7 +5,7 @@ the core `Accumulation` is built from (and through it the fastai v2 callback and
 
 # %% ../nbs/02_window.ipynb #21e8f46b
 from __future__ import annotations
-import itertools, math, time
+import itertools, math, numbers, time
 from contextlib import nullcontext
 import torch
 import torch.distributed as dist
@@ -18,11 +18,13 @@ __all__ = ['world_size', 'AccumulationWindow', 'validate_window_args', 'loss_red
            'drop_window', 'WindowSteps', 'batch_size', 'cat_batches', 'WindowLoader']
 
 # %% ../nbs/02_window.ipynb #6b430344
-def _check_count(name, value):
-    if value is None: return
-    if isinstance(value, bool) or not isinstance(value, int):
+def _check_count(name, value) -> int|None:
+    "`value` as a plain `int` (numpy integers too), or None; a bool, a float, a string or a count below 1 is refused, naming `name`."
+    if value is None: return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if value < 1: raise ValueError(f"{name} must be at least 1, got {value}")
+    return int(value)
 
 # %% ../nbs/02_window.ipynb #91463929
 def world_size(group=None) -> int:
@@ -36,7 +38,7 @@ class AccumulationWindow:
                  n_acc:int|None=None,  # or: samples per optimizer step (the effective batch size)
                  loss_reduction:str='mean', # the loss's reduction: 'mean' (weighted by samples) or 'sum' (not weighted)
                 ):
-        _check_count('n_step', n_step); _check_count('n_acc', n_acc)
+        n_step, n_acc = _check_count('n_step', n_step), _check_count('n_acc', n_acc)
         if (n_step is None) == (n_acc is None):
             raise ValueError(f"Give exactly one of n_step (micro-batches per step) and n_acc (samples per step); "
                              f"got n_step={n_step!r}, n_acc={n_acc!r}")
