@@ -685,14 +685,16 @@ def wrap_bn(model:nn.Module, # any model; its BatchNorm layers are changed in pl
 _accumulation_state = ('_policy', 'pending', 'layer_name', 'grad_pool', 'window_stats', '_prepass', '_prepass_stats',
                        '_chunk_stats', '_prepass_sync', '_prepass_group')  # what `_setup_accumulation` adds to a layer
 
+def unwrap_layer(m:AccumulateBatchNorm):
+    "Turn the accumulating layer `m` back into its plain BatchNorm class, in place, leaving nothing of ours on it."
+    m.__class__ = m.plain_class
+    for attr in _accumulation_state: m.__dict__.pop(attr, None)
+
 def unwrap_bn(model:nn.Module) -> int:
     "Turn every `AccumulateBatchNorm` of `model` back into its plain BatchNorm class, in place; returns how many."
-    n = 0
-    for m in bn_layers(model, accumulating=True):
-        m.__class__ = m.plain_class
-        for attr in _accumulation_state: m.__dict__.pop(attr, None)
-        n += 1
-    return n
+    layers = bn_layers(model, accumulating=True)
+    for m in layers: unwrap_layer(m)
+    return len(layers)
 
 # %% ../nbs/01_batchnorm.ipynb #fc758225
 def update_bn_stats(model:nn.Module) -> int:
@@ -728,11 +730,20 @@ def _trace(model):
     if model not in _traces:
         try: _traces[model] = trace_model(model, lambda m: isinstance(m, _BatchNorm))
         except Exception as e:
-            why = f'{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ""}'[:300]
-            _traces[model] = why
-            warnings.warn(f"window_prepasses: torch.fx cannot trace {type(model).__name__} ({why}); its pre-pass runs "
-                          "the whole window in one forward: exact, but its activations grow with the window.")
+            _traces[model] = _one_line(e)
+            warnings.warn(f"window_prepasses: {untraceable_reason(model)}")
     return _traces[model]
+
+def _one_line(e:BaseException) -> str:
+    "The exception's type and its whole message, on one line."
+    return f"{type(e).__name__}: {' '.join(str(e).split())}".rstrip(': ')
+
+def untraceable_reason(model:nn.Module) -> str|None:
+    "Why the staged pre-pass cannot run on `model` (torch.fx could not trace it), in one line; None if it can (or was never asked)."
+    why = _traces.get(model)
+    if not isinstance(why, str): return None
+    return (f"torch.fx cannot trace {type(model).__name__} ({why}); its pre-pass runs the whole window in one forward: "
+            "exact, but its activations grow with the window.")
 
 def _saved_bytes(model, xb) -> int:
     "Bytes autograd saves for backward in one forward of `xb` (distinct storages, parameters and buffers excluded)."
@@ -771,7 +782,7 @@ class PrepassPlan:
     def describe(self, n:int|None=None) -> str:
         "The chosen mode in words, for the pre-flight table."
         budget = f"{self.budget/2**20:.1f} MiB" + (' = training at this micro-batch' if self.memory is None else ' cap')
-        if not self.traced: return f"whole window (not traceable: {self.reason})"
+        if not self.traced: return "whole window (not traceable)"  # why: `untraceable_reason`, said once
         if n is not None:
             mode, chunk = self.choose(n)
             return f"whole window of {n}" if mode == 'whole' else f"staged, {n} in chunks of {chunk} ({budget})"
@@ -873,8 +884,9 @@ def _metered_forward(model, xb) -> int:
     return bm.peak
 
 # %% ../nbs/01_batchnorm.ipynb #e0cc0a8b
-def _treatment(m, n:int) -> tuple[str, str]:
-    "(forward, backward) of layer `m` for a micro-batch with `n` values per channel."
+def _treatment(m, n:int, training:bool=True) -> tuple[str, str]:
+    "(forward, backward) of layer `m` for a micro-batch with `n` values per channel, when it is in training mode or not."
+    if not training: return 'running stats (frozen: eval mode)', 'none through the stats'
     if not isinstance(m, AccumulateBatchNorm): return f'micro-batch stats ({n} values), stats updated per micro-batch', 'micro-batch'
     if m.policy == 'micro': return f'micro-batch stats ({n} values)', 'micro-batch'
     if m.policy in ('running', 'frozen'): return 'running stats', 'none through the stats'
@@ -887,18 +899,18 @@ def bn_preflight(model:nn.Module, # the model (its state is not changed: the for
                 ):
     "A table of the model's BatchNorm layers: values per channel per micro-batch, risk, what the policy does, and how the pre-pass runs."
     import pandas as pd
-    plan = prepass_plan(model, xb, memory) if any(map(_window_layer, bn_layers(model))) else None
+    plan = prepass_plan(model, xb, memory) if any(_window_layer(m) and m.training for m in bn_layers(model)) else None
     prepass = plan.describe(window) if plan is not None else '-'
     names = {mod: name for name, mod in model.named_modules()}
     modes = {mod: mod.training for mod in model.modules()}
     rows, hooks = [], []
     def hook(mod, inp):
         n = inp[0].numel() // inp[0].shape[1]
-        fwd, bwd = _treatment(mod, n)
+        fwd, bwd = _treatment(mod, n, modes[mod])
         rows.append(dict(layer=names[mod] or type(mod).__name__, type=type(mod).__name__, channels=mod.num_features,
                          values_per_channel=n, at_risk=n < GradPool.min_micro,
                          policy=getattr(mod, 'policy', 'plain BN'), forward=fwd, backward=bwd,
-                         prepass=prepass if _window_layer(mod) else '-'))
+                         prepass=prepass if _window_layer(mod) and modes[mod] else '-'))
     for mod in bn_layers(model): hooks.append(mod.register_forward_pre_hook(hook))
     try:
         model.eval()  # shapes are all we need: eval mode touches no statistics
@@ -1105,7 +1117,7 @@ def _agreed(exact:bool) -> bool:
 
 # ======== fastai_accum/window.py ========
 # %% ../nbs/02_window.ipynb #21e8f46b
-import itertools, math, time
+import itertools, math, numbers, time
 from contextlib import nullcontext
 import torch
 import torch.distributed as dist
@@ -1114,11 +1126,13 @@ from torch import Tensor
 # %% auto #0
 
 # %% ../nbs/02_window.ipynb #6b430344
-def _check_count(name, value):
-    if value is None: return
-    if isinstance(value, bool) or not isinstance(value, int):
+def _check_count(name, value) -> int|None:
+    "`value` as a plain `int` (numpy integers too), or None; a bool, a float, a string or a count below 1 is refused, naming `name`."
+    if value is None: return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if value < 1: raise ValueError(f"{name} must be at least 1, got {value}")
+    return int(value)
 
 # %% ../nbs/02_window.ipynb #91463929
 def world_size(group=None) -> int:
@@ -1132,7 +1146,7 @@ class AccumulationWindow:
                  n_acc:int|None=None,  # or: samples per optimizer step (the effective batch size)
                  loss_reduction:str='mean', # the loss's reduction: 'mean' (weighted by samples) or 'sum' (not weighted)
                 ):
-        _check_count('n_step', n_step); _check_count('n_acc', n_acc)
+        n_step, n_acc = _check_count('n_step', n_step), _check_count('n_acc', n_acc)
         if (n_step is None) == (n_acc is None):
             raise ValueError(f"Give exactly one of n_step (micro-batches per step) and n_acc (samples per step); "
                              f"got n_step={n_step!r}, n_acc={n_acc!r}")
@@ -1394,8 +1408,8 @@ class Accumulation(WindowSteps):
                  merge_exact:bool=True, # 'exact' under DDP: wrap BatchNorm so that running statistics merge across processes (fastai leaves that to `sync_bn`)
                  name:str|None=None,   # who speaks in error messages and the pre-flight (default: the class name)
                 ):
+        n_step, n_acc, prepass_bs = _check_count('n_step', n_step), _check_count('n_acc', n_acc), _check_count('prepass_bs', prepass_bs)
         validate_window_args(n_step, n_acc, policy, partial, exact_ok=True)
-        _check_count('prepass_bs', prepass_bs)
         self.model, self.n_step, self.n_acc, self.policy, self.partial = model, n_step, n_acc, policy, partial
         self.inputs, self.autocast, self.wrap, self.sync_each_batch = inputs, autocast, wrap, sync_each_batch
         self.prepasses, self.prepass_bs, self.prepass_memory = None, prepass_bs, prepass_memory
@@ -1404,7 +1418,9 @@ class Accumulation(WindowSteps):
         self.use_model(model)
         self.device = device if device is not None else next(self.module.parameters()).device
         self.window = AccumulationWindow(n_step, n_acc, loss_reduction)
-        self.exact, self.plan, self.bns = None, None, []  # decided at the first window ('auto' measures a micro-batch)
+        self.exact, self.plan, self.bns, self.needs_window = None, None, [], False  # decided at the first window ('auto' measures a micro-batch)
+        self.path = None  # how training runs, once chosen: 'exact', 'frozen BatchNorm', 'no BatchNorm', or a BatchNorm policy
+        self._modes, self._wrapped, self._own_policy, self._pools = None, [], {}, {}
         self.n_steps, self.losses, self.prepass_time = 0, [], 0.
         self._micro, self._offload, self._ends_window = None, None, False
 
@@ -1421,24 +1437,60 @@ class Accumulation(WindowSteps):
         self.module = model.module if self.ddp is not None else model
 
     def setup(self, b):
-        "Choose 'exact' or per-micro-batch training from the first micro-batch `b` (on the device; or a callable giving it, called only if needed), and wrap BatchNorm."
+        "Choose how training runs from the modes the BatchNorm layers are in now (the modes training runs in) and the first micro-batch `b` (on the device; or a callable giving it, called only if needed); wrap BatchNorm."
+        self._modes = self._bn_modes()
         self.exact = self._choose_exact(b)
         self.find_bns()
+        self.path = self._path()
+
+    def _bn_modes(self) -> tuple: return tuple(m.training for m in bn_layers(self.module))
+
+    def needs_setup(self) -> bool:
+        "Must `setup` choose (again)? Before the first window, and when other BatchNorm layers train than when it chose (a freeze, `BnFreeze`, `model.eval()`)."
+        return self.exact is None or self._bn_modes() != self._modes
+
+    @property
+    def frozen_bn(self) -> bool:
+        "The model has BatchNorm layers but none trains (all in eval mode): it trains as a model without BatchNorm."
+        return bool(self._modes) and not any(self._modes)
+
+    def _path(self) -> str:
+        "How training runs, in a word (`path`): 'exact', 'frozen BatchNorm', 'no BatchNorm', or the accumulating layers' policy."
+        if self.exact: return 'exact'
+        if self.frozen_bn: return 'frozen BatchNorm'
+        return self.bns[0].policy if self.bns else 'no BatchNorm'
 
     def find_bns(self):
         "Wrap (if asked) and collect the accumulating BatchNorm layers; again after anything replaces layers (fastai's `DistributedTrainer`)."
-        if self.exact:  # one batch per window: already-wrapped layers normalize it with its own statistics
-            if self.wrap and self.merge_exact and world_size() > 1:  # so that the running statistics are merged across processes at the step
-                with warnings.catch_warnings():
-                    warnings.simplefilter('ignore')
-                    wrap_bn(self.module, 'micro')
-            for m in bn_layers(self.module, accumulating=True): m.policy = 'micro'
-        elif self.wrap:
+        if self.exact:  # one batch per window; under DDP wrapped as 'micro' so that running statistics merge across processes at the step
+            self._wrap('micro', new=self.wrap and self.merge_exact and world_size() > 1)
+        elif not self.frozen_bn: self._wrap(self.policy, new=self.wrap)
+        self.bns = bn_layers(self.module, accumulating=True)
+        self.needs_window = any(m.policy == 'window' and m.training for m in self.bns)
+
+    def _wrap(self, policy:str, new:bool):
+        "Give every accumulating layer `policy` (`release` gives an earlier-wrapped layer its own back); with `new` wrap plain BatchNorm layers too (`release` unwraps them)."
+        before = bn_layers(self.module, accumulating=True)
+        for m in before:
+            if m not in self._wrapped: self._own_policy.setdefault(m, m.policy)
+        if new:
             with warnings.catch_warnings():
                 warnings.simplefilter('ignore')  # a model without BatchNorm accumulates fine: no warning
-                wrap_bn(self.module, self.policy)
-        self.bns = bn_layers(self.module, accumulating=True)
-        self.needs_window = any(m.policy == 'window' for m in self.bns)
+                wrap_bn(self.module, policy)
+        for m in bn_layers(self.module, accumulating=True):
+            m.policy = policy
+            if new and not any(m is o for o in before):
+                self._wrapped.append(m)
+                if m in self._pools: m.grad_pool = self._pools.pop(m)  # 'window': the last window's backward means, across `batches` calls
+
+    def release(self):
+        "Hand the model back with plain torch BatchNorm layers: unwrap those this wrapped, give earlier-wrapped ones their own policy back."
+        self.clear()
+        self._pools = {m: m.grad_pool for m in self._wrapped if isinstance(m, AccumulateBatchNorm)}
+        for m in self._wrapped:
+            if isinstance(m, AccumulateBatchNorm): unwrap_layer(m)
+        for m, policy in self._own_policy.items(): m.policy = policy
+        self._wrapped, self._own_policy, self.bns, self.needs_window = [], {}, [], False
 
     def _choose_exact(self, b) -> bool:
         "The callback's rule (`choose_exact`): 'exact' if it fits; 'auto' if the model has BatchNorm and the window fits without offload."
@@ -1447,15 +1499,35 @@ class Accumulation(WindowSteps):
                                         self.device_memory, self.host_memory, self.offload, name=self.name)
         return exact
 
+    def preflight(self, xb:tuple, # one micro-batch's model inputs
+                 ) -> str:
+        "What training does, as the pre-flight prints it: the 'exact' plan, frozen BatchNorm, or why not 'exact' and the BatchNorm table."
+        if self.exact: return self._exact_message()
+        if self.frozen_bn:
+            return (f"GradientAccumulation: all {len(self._modes)} BatchNorm layers are frozen (eval mode) in this fit: it trains "
+                    "as a model without BatchNorm, micro-batch by micro-batch (no pre-pass; their running statistics stay).")
+        lines = []
+        if self.plan is not None:
+            lines.append(f"GradientAccumulation: policy 'auto' -> window BatchNorm: 'exact' would need host offload or more "
+                         f"memory ({self.plan.describe()}).")
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')  # a model torch.fx cannot trace: said once, below, not as a warning
+            table = self._preflight_table(self.module, xb)
+        why = untraceable_reason(self.module) if self.needs_window else None
+        if why: lines.append(f"GradientAccumulation: {why}")
+        return '\n'.join(lines + [table])
+
     def batches(self, loader):
         "Iterate `loader` (any iterable of batches) one window ahead: micro-batches, or whole windows under 'exact'."
         self.clear()
         try:
-            windows = WindowLoader(loader, self.n_step, self.n_acc)
+            windows, ready = WindowLoader(loader, self.n_step, self.n_acc), False
             for window in windows._windows():
                 if self.partial == 'drop' and not windows._full(window): continue
                 window = [_on_device(b, self.device) for b in window]
-                if self.exact is None: self.setup(window[0])
+                if not ready:  # chosen from the modes the user put the model in before the loop (re-measured only if they changed)
+                    self.setup(window[0]) if self.needs_setup() else self.find_bns()
+                    ready = True
                 if self.exact: window = [cat_batches(window)]
                 self.start_window(window)
                 for i, b in enumerate(window):
@@ -1464,7 +1536,7 @@ class Accumulation(WindowSteps):
         finally:
             self._exit_offload()
             if self.ddp is not None: self.ddp.require_backward_grad_sync = True
-            self.clear()
+            self.release()  # between epochs the model holds plain torch BatchNorm layers
 
     # The events an adapter calls when it cannot hand its loop to `batches`
     def start_window(self, window:list):
@@ -1550,24 +1622,31 @@ def accumulation_options(kwargs:dict, # keyword arguments a front end got for th
     options = {k: p.default for k, p in inspect.signature(Accumulation).parameters.items() if k not in own}
     bad = [k for k in kwargs if k not in options]
     if bad: raise TypeError(f"{name}() got an unexpected keyword argument {bad[0]!r}")
-    _check_count('prepass_bs', kwargs.get('prepass_bs'))
-    return {**options, **kwargs}
+    counts = {k: _check_count(k, kwargs[k]) for k in ('prepass_bs',) if k in kwargs}  # plain ints (numpy integers too)
+    return {**options, **kwargs, **counts}
 
 # ======== fastai_accum/callback.py ========
 # %% ../nbs/03_callback.ipynb #61a32000
-import time, warnings
+import ast, sys, time, warnings
 from contextlib import nullcontext
 import torch
+import fastai.callback.training
 from fastai.callback.fp16 import MixedPrecision
 
 # %% auto #0
 
 # %% ../nbs/03_callback.ipynb #c2ce77c4
 class WindowPrefetch(Callback):
-    "Installs `WindowLoader` as `learn.dl` after every other DataLoader wrapper (e.g. fastai's `DistributedDL`)."
+    "Installs `WindowLoader` as `learn.dl` after every other DataLoader wrapper (e.g. fastai's `DistributedDL`), when `ga` reads windows ahead."
     order,run_valid = 12,False  # after DistributedTrainer (11)
-    def __init__(self, n_step=None, n_acc=None, exact=False, partial='step'): store_attr(); self.loader = None
+    def __init__(self, n_step=None, n_acc=None, exact=False, partial='step',
+                 ga=None): # the `GradientAccumulation` whose chosen path (made in its `before_train`, order 6) says whether and how
+        store_attr(); self.loader = None
     def before_train(self):
+        acc = getattr(self.ga, 'acc', None)
+        if acc is not None:
+            if not (acc.exact or acc.needs_window): self.loader = None; return  # micro-batch by micro-batch: nothing to read ahead
+            self.exact = acc.exact
         self.learn.dl = self.loader = WindowLoader(self.learn.dl, self.n_step, self.n_acc, self.exact, self.partial)
 
 # %% ../nbs/03_callback.ipynb #957a3b99
@@ -1577,17 +1656,20 @@ class GradientAccumulation(Callback):
     order,run_valid = MixedPrecision.order-4,False
 
     def __init__(self,
-                 n_step:int|None=None, # micro-batches per optimizer step
-                 n_acc:int|None=None,  # or: samples per optimizer step (the effective batch size), as fastai's `n_acc`
-                 preflight:bool=True,  # print the pre-flight (the 'exact' plan, or the BatchNorm table) at the first micro-batch
+                 n_acc:int|None=None,  # samples per optimizer step (the effective batch size), as fastai's `n_acc` (32 if neither is given, as fastai)
+                 n_step:int|None=None, # or: micro-batches per optimizer step
+                 preflight:bool=True,  # print how a fit trains (the 'exact' plan, or the BatchNorm table) at its first micro-batch, and again when a later fit trains differently
                  prepasses:int|None=None, # deprecated: the 'window' pre-pass is exact in one pass
                  **kwargs, # the core's options, documented on `Accumulation` (`policy`, `partial`, `wrap`, `offload`, ...)
                 ):
+        if n_step is None and n_acc is None: n_acc = 32  # fastai's default
+        n_acc, n_step, prepasses = _check_count('n_acc', n_acc), _check_count('n_step', n_step), _check_count('prepasses', prepasses)
         options = accumulation_options(kwargs, 'GradientAccumulation')
         validate_window_args(n_step, n_acc, options['policy'], options['partial'], exact_ok=True)
-        _check_count('prepasses', prepasses)
         store_attr('n_step,n_acc,preflight,prepasses', **options)
-        self._options, self.acc, self.train_time = list(options), None, 0.
+        self._args = dict(n_acc=n_acc, n_step=n_step, preflight=preflight, prepasses=prepasses, **kwargs)  # what an export rebuilds it from
+        self._options, self.acc, self.train_time, self._said = list(options), None, 0., None
+        self._fitting, self._nested = False, 0  # a fit has started training; `validate` calls inside it
 
     # What the core keeps, read through the callback (`learn.gradient_accumulation.losses`, `.exact`, ...)
     losses = property(lambda self: L(self.acc.losses) if self.acc is not None else L())
@@ -1597,23 +1679,45 @@ class GradientAccumulation(Callback):
     plan = property(lambda self: getattr(self.acc, 'plan', None))
     window = property(lambda self: getattr(self.acc, 'window', None))
     bns = property(lambda self: getattr(self.acc, 'bns', None))
+    path = property(lambda self: getattr(self.acc, 'path', None))
 
 # %% ../nbs/03_callback.ipynb #3d19dae1
 @patch
 def before_fit(self:GradientAccumulation):
+    "A fit, or `validate`/`get_preds` (fastai runs `before_fit` for them too), starts; inside a fit, a nested one is left alone."
+    if self._fitting: self._nested += 1; return
     self._check_batch_size()
+    self._lengthen_lr_find()
+    self._guard_interrupts()
+    if not hasattr(self.learn, 'window_prefetch'):
+        self.learn.add_cb(WindowPrefetch(self.n_step, self.n_acc, partial=self.partial, ga=self))
+
+@patch
+def _start_fit(self:GradientAccumulation):
+    "The fit's first training epoch starts: build the core for it (a `validate` or `get_preds` never gets here)."
     self.acc = Accumulation(self.learn.model, self.n_step, self.n_acc, **{k: getattr(self, k) for k in self._options},
                             loss_reduction=loss_reduction(self.learn.loss_func), inputs=self._inputs, autocast=self._autocast,
                             merge_exact=False, name='GradientAccumulation')
     self.acc.prepasses = self.prepasses
+    self.train_time, self._final, self._drop, self._announce, self._fitting = 0., False, False, False, True
+
+@patch
+def before_train(self:GradientAccumulation):
+    "Each epoch's training starts: the model is in the modes it trains in (`TrainEvalCallback`, `BnFreeze`), in DDP if distributed."
+    if not self._fitting: self._start_fit()
+    self._t0 = time.perf_counter()
+    self.acc.use_model(self.learn.model)  # fastai's DistributedTrainer wrapped it in DDP (and made SyncBatchNorm) after our before_fit
+    if self.acc.needs_setup(): self._choose()
+    else: self.acc.find_bns()
+
+@patch
+def _choose(self:GradientAccumulation):
+    "Choose how this fit trains; say so at its first micro-batch if that differs from what was said last (not in `lr_find`)."
     self.acc.setup(self._peek_batch)  # 'exact' or not (measuring a peeked micro-batch only if it must), wrap BatchNorm
-    for m in self.bns: m.grad_pool.reset()  # each fit starts afresh: nothing of an earlier fit steers this one
-    self.train_time, self._final, self._drop = 0., False, False
-    self._warn_lr_find()
-    self._clear()
-    self._guard_interrupts()
-    if (self.acc.needs_window or self.exact) and not hasattr(self.learn, 'window_prefetch'):
-        self.learn.add_cb(WindowPrefetch(self.n_step, self.n_acc, self.exact, self.partial))
+    finding = getattr(self.learn, 'lr_finder', None) is not None
+    if finding: self._warn_lr_find()
+    self._announce = (self.preflight and not finding and not rank_distrib() and self.path != 'no BatchNorm'
+                      and self.path != self._said)
 
 @patch
 def _peek_batch(self:GradientAccumulation):
@@ -1640,12 +1744,6 @@ def _autocast(self:GradientAccumulation):
     if ac is None or not getattr(ac, '_enabled', False): return nullcontext()
     return torch.autocast(ac.device, dtype=ac.fast_dtype)
 
-@patch
-def before_train(self:GradientAccumulation):
-    self._t0 = time.perf_counter()
-    self.acc.use_model(self.learn.model)  # fastai's DistributedTrainer wrapped it in DDP (and made SyncBatchNorm) after our before_fit
-    self.acc.find_bns()
-
 _cancels = (CancelBatchException, CancelStepException, CancelBackwardException, CancelEpochException,
             CancelTrainException, CancelValidException, CancelFitException)
 
@@ -1656,6 +1754,15 @@ def _clear(self:GradientAccumulation):
     self._final = self._drop = False
 
 @patch
+def _release(self:GradientAccumulation):
+    "The fit is over, or broke off: drop any partial window, hand the model back with plain torch BatchNorm layers, remove what the fit added."
+    if self.acc is not None: self.acc.release()
+    self._final = self._drop = self._fitting = False
+    self._nested = 0
+    self.learn.__dict__.pop('_do_epoch', None)
+    if hasattr(self.learn, 'window_prefetch'): self.learn.remove_cb(self.learn.window_prefetch)
+
+@patch
 def _guard_interrupts(self:GradientAccumulation):
     "fastai runs no event after an exception it does not expect (e.g. KeyboardInterrupt): clean up on the way out."
     learn, do_epoch = self.learn, type(self.learn)._do_epoch
@@ -1663,37 +1770,37 @@ def _guard_interrupts(self:GradientAccumulation):
         try: do_epoch(learn)
         except _cancels: raise
         except BaseException:
-            self._clear()
-            learn.__dict__.pop('_do_epoch', None)
-            if hasattr(learn, 'window_prefetch'): learn.remove_cb(learn.window_prefetch)
+            self._release()
             raise
     learn._do_epoch = _do_epoch
 
 @patch
-def _warn_lr_find(self:GradientAccumulation):
+def _lengthen_lr_find(self:GradientAccumulation):
+    "Under 'exact' each `lr_find` iteration is a window: give its fit epochs enough for `num_it` windows (it stops at `num_it` anyway)."
     finder = getattr(self.learn, 'lr_finder', None)
-    if finder is None: return
-    if self.exact:  # every iteration is a step; lr_find sized its epochs in micro-batches: give it enough windows
-        windows = max(1, len(WindowLoader(self.dls.train, self.n_step, self.n_acc, True, self.partial)))
-        self.learn.n_epoch = max(self.learn.n_epoch, finder.num_it // windows + 1)
-        return
+    if finder is None or self.policy not in ('exact', 'auto'): return
+    windows = max(1, len(WindowLoader(self.dls.train, self.n_step, self.n_acc, True, self.partial)))
+    self.learn.n_epoch = max(self.learn.n_epoch, finder.num_it // windows + 1)
+
+@patch
+def _warn_lr_find(self:GradientAccumulation):
+    "Micro-batch by micro-batch, `lr_find` makes one optimizer step per window: warn when `num_it` gives fewer than 20."
+    if self.exact: return
     per_step = self.n_step or max(1, self.n_acc // max(1, getattr(self.dls.train, 'bs', 1)))
-    if finder.num_it / per_step < 20:
-        warnings.warn(f"lr_find with gradient accumulation makes one optimizer step per window: num_it={finder.num_it} "
-                      f"gives only {finder.num_it // per_step} steps. Pass num_it={20*per_step} or more.")
+    num_it = self.learn.lr_finder.num_it
+    if num_it / per_step < 20:
+        warnings.warn(f"lr_find with gradient accumulation makes one optimizer step per window: num_it={num_it} "
+                      f"gives only {num_it // per_step} steps. Pass num_it={20*per_step} or more.")
 
 # %% ../nbs/03_callback.ipynb #4744ee14
 @patch
 def _show_preflight(self:GradientAccumulation):
-    self._preflight_done = True
-    if getattr(self.learn, 'lr_finder', None) is not None or rank_distrib(): return
-    if self.exact:
-        print(self.acc._exact_message())
-        return
-    if self.plan is not None:
-        print(f"GradientAccumulation: policy 'auto' -> window BatchNorm: 'exact' would need host offload or more memory "
-              f"({self.plan.describe()}).")
-    print(self.acc._preflight_table(self.acc.module, self.learn.xb))
+    "Print how this fit trains (and, if an earlier fit trained otherwise, that it changed)."
+    self._announce = False
+    if self._said is not None:
+        print(f"GradientAccumulation: this fit trains otherwise than the one before ({self._said!r} -> {self.path!r}):")
+    print(self.acc.preflight(self.learn.xb))
+    self._said = self.path
 
 # %% ../nbs/03_callback.ipynb #45970d89
 @patch
@@ -1706,14 +1813,13 @@ def after_epoch(self:GradientAccumulation): self._clear()
 
 @patch
 def after_fit(self:GradientAccumulation):
-    self._clear()
-    self.learn.__dict__.pop('_do_epoch', None)
-    if hasattr(self.learn, 'window_prefetch'): self.learn.remove_cb(self.learn.window_prefetch)
+    if self._nested: self._nested -= 1  # the end of a `validate` inside the fit
+    else: self._release()
 
 # %% ../nbs/03_callback.ipynb #8deebdf2
 @patch
 def before_batch(self:GradientAccumulation):
-    if self.preflight and (self.bns or self.exact) and not getattr(self, '_preflight_done', False): self._show_preflight()
+    if self._announce: self._show_preflight()
     if self.acc.needs_window and self.window.empty: self.acc.start_window(self._window())
     bs = find_bs(self.learn.yb)
     fills = self.window.fills(bs)
@@ -1741,6 +1847,41 @@ def before_step(self:GradientAccumulation):
 @patch
 def after_batch(self:GradientAccumulation): self.acc.end_micro()  # at the window's end: commit BatchNorm statistics
 
+# %% ../nbs/03_callback.ipynb #ac820318
+def _rebuild_expression(args:dict) -> str|None:
+    "A constant expression giving `GradientAccumulation(**args)` where fastai_accum is installed, else a fastai `Callback` (None if an argument is not a literal)."
+    try:
+        if any(ast.literal_eval(repr(v)) != v for v in args.values()): return None
+    except (ValueError, SyntaxError): return None
+    kw = ', '.join(f'{k}={v!r}' for k, v in args.items())
+    return (f"__import__('fastai_accum.callback', fromlist=['_']).GradientAccumulation({kw}) "
+            f"if __import__('importlib.util', fromlist=['_']).find_spec('fastai_accum') is not None "
+            f"else __import__('fastai.callback.core', fromlist=['_']).Callback()")
+
+@patch
+def __reduce_ex__(self:GradientAccumulation, protocol):
+    expression = _rebuild_expression(self._args)
+    if expression is None: return super(GradientAccumulation, self).__reduce_ex__(protocol)  # by name: needs the package to load
+    return eval, (expression,), {'learn': self.learn}
+
+# %% ../nbs/03_callback.ipynb #580ee8b7
+_fastai_gradient_accumulation = fastai.callback.training.GradientAccumulation  # fastai's own, left where it lives
+
+def _replaceable(obj) -> bool:
+    "fastai's `GradientAccumulation`, or an earlier copy of this one (the package's, then a pasted cell's, say)."
+    return obj is _fastai_gradient_accumulation or (isinstance(obj, type) and obj.__name__ == 'GradientAccumulation'
+                                                     and hasattr(obj, '_start_fit'))
+
+def _export_to_fastai():
+    "Make `GradientAccumulation` in fastai's star-import modules, loaded now or later, this callback."
+    import fastai.callback.all  # every `fastai.<application>.all` star-imports from here
+    for name, mod in list(sys.modules.items()):
+        if name.split('.')[0] == 'fastai' and name != 'fastai.callback.training' and \
+           _replaceable(getattr(mod, 'GradientAccumulation', None)):
+            mod.GradientAccumulation = GradientAccumulation
+
+_export_to_fastai()
+
 # %% ../nbs/03_callback.ipynb #60e9adaa
 @patch
 def plot_losses(self:GradientAccumulation, ax=None):
@@ -1750,4 +1891,4 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['ByteMeter', 'SavedTensorMeter', 'fmt_bytes', 'stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'trace_model', 'StagedGraph', 'bn_policies', 'auto_policy', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'auto_picks_exact', 'saved_on_host', 'choose_exact', 'world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'WindowSteps', 'batch_size', 'cat_batches', 'WindowLoader', 'default_inputs', 'Accumulation', 'accumulation_options', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['ByteMeter', 'SavedTensorMeter', 'fmt_bytes', 'stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'trace_model', 'StagedGraph', 'bn_policies', 'auto_policy', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'auto_picks_exact', 'saved_on_host', 'choose_exact', 'world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'WindowSteps', 'batch_size', 'cat_batches', 'WindowLoader', 'default_inputs', 'Accumulation', 'accumulation_options', 'WindowPrefetch', 'GradientAccumulation']

@@ -734,6 +734,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                          'fastai_accum/lightning.py'),
                                         'fastai_accum.lightning.BatchNormAccumulation.setup': ( 'lightning.html#batchnormaccumulation.setup',
                                                                                                 'fastai_accum/lightning.py'),
+                                        'fastai_accum.lightning.BatchNormAccumulation.teardown': ( 'lightning.html#batchnormaccumulation.teardown',
+                                                                                                   'fastai_accum/lightning.py'),
                                         'fastai_accum.lightning._Lookahead': ('lightning.html#_lookahead', 'fastai_accum/lightning.py'),
                                         'fastai_accum.lightning._Lookahead.__init__': ( 'lightning.html#_lookahead.__init__',
                                                                                         'fastai_accum/lightning.py'),

@@ -8,7 +8,7 @@ import collections, warnings
 import torch
 try: import lightning.pytorch as pl
 except ImportError: import pytorch_lightning as pl
-from .batchnorm import wrap_bn, bn_layers, _check_policy
+from .batchnorm import wrap_bn, unwrap_layer, bn_layers, _check_policy
 from .window import (AccumulationWindow, WindowSteps, _check_count, scale_grads, drop_window, batch_size)
 from .loop import default_inputs
 
@@ -47,9 +47,18 @@ class BatchNormAccumulation(WindowSteps, pl.Callback):
 
     def setup(self, trainer, pl_module, stage):
         if stage != 'fit' or not self.wrap: return
+        before = bn_layers(pl_module, accumulating=True)
         with warnings.catch_warnings():
             warnings.simplefilter('ignore')  # a model without BatchNorm accumulates fine
             wrap_bn(pl_module, self.policy)
+        self._wrapped = [m for m in bn_layers(pl_module, accumulating=True) if not any(m is o for o in before)]
+
+    def teardown(self, trainer, pl_module, stage):
+        "After fitting, the LightningModule holds plain torch BatchNorm layers again (those this callback wrapped)."
+        if stage != 'fit': return
+        self._clear()
+        for m in getattr(self, '_wrapped', []): unwrap_layer(m)
+        self._wrapped, self.bns = [], []
 
     def on_train_start(self, trainer, pl_module):
         if not pl_module.automatic_optimization: raise RuntimeError("BatchNormAccumulation needs automatic optimization")

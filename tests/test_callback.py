@@ -158,11 +158,24 @@ def test_validation_never_accumulates_and_window_losses_recorded():
     learn.validate()
     assert [bn.num_batches_tracked.item() for bn in bn_layers(learn.model)] == tracked
 
-def test_stays_wrapped_after_fit_and_unwrap_gives_plain_bn():
-    learn = make_learner(2, bn_net, image=True, cbs=GradientAccumulation(n_step=2, policy='window'))
+def norm_types(model): return {type(m) for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+
+@pytest.mark.parametrize('policy', ['auto', 'exact', 'window', 'micro', 'running', 'frozen'])
+def test_plain_torch_norm_layers_between_fits_whatever_the_policy(policy):
+    learn = make_learner(2, bn_net, image=True, cbs=GradientAccumulation(n_step=2, policy=policy, preflight=False))
     learn.fit(1, lr=0.01)
-    assert all(isinstance(m, AccumulateBatchNorm) for m in bn_layers(learn.model))
-    assert unwrap_bn(learn.model) == 2 and type(learn.model[1]) is nn.BatchNorm2d
+    assert norm_types(learn.model) == {nn.BatchNorm2d, nn.BatchNorm1d}
+    learn.get_preds(); learn.validate()
+    assert norm_types(learn.model) == {nn.BatchNorm2d, nn.BatchNorm1d}
+    try: learn.fit(1, lr=0.01, cbs=Interrupt(KeyboardInterrupt()))
+    except KeyboardInterrupt: pass
+    assert norm_types(learn.model) == {nn.BatchNorm2d, nn.BatchNorm1d}
+
+def test_layers_wrapped_by_the_user_keep_their_policy():
+    learn = make_learner(2, bn_net, image=True, cbs=GradientAccumulation(n_step=2, wrap=False, policy='micro'))
+    wrap_bn(learn.model, 'running')
+    learn.fit(1, lr=0.01)
+    assert [m.policy for m in bn_layers(learn.model, accumulating=True)] == ['running', 'running']
     learn2 = make_learner(2, bn_net, image=True, cbs=GradientAccumulation(n_step=2, wrap=False))
     learn2.fit(1, lr=0.01)
     assert not any(isinstance(m, AccumulateBatchNorm) for m in learn2.model.modules())
@@ -199,3 +212,78 @@ def test_preflight_table_printed_once(capsys):
     assert out.count('GradientAccumulation: 2 BatchNorm layers, 1 with < 32 values per channel') == 1
     assert "previous window's means" in out and 'micro-batch, mapped to the window' in out
     assert bn_preflight(learn.model, torch.randn(2, 3, 4, 4)).values_per_channel.tolist() == [32, 2]
+
+def write_images(root, n=8, size=32):
+    "A two-class image folder (train/valid) of small random PNGs, the classes told apart by their red channel."
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    for split, k in (('train', n), ('valid', n // 2)):
+        for c, shade in (('a', 200), ('b', 30)):
+            (root/split/c).mkdir(parents=True, exist_ok=True)
+            for i in range(k):
+                a = rng.integers(0, 255, (size, size, 3), dtype=np.uint8); a[..., 0] = shade
+                Image.fromarray(a).save(root/split/c/f'{i}.png')
+    return root
+
+LOAD_WITHOUT_PACKAGE = '''
+import sys, warnings; warnings.simplefilter('ignore')
+sys.modules['fastai_accum'] = None  # as in a process where the package is not installed
+import torch
+from fastai.vision.all import *
+learn = load_learner(sys.argv[1])
+assert not any('fastai_accum' in type(c).__module__ for c in learn.cbs), learn.cbs
+assert not any('fastai_accum' in type(m).__module__ for m in learn.model.modules())
+files = sorted(get_image_files(Path(sys.argv[2])))
+torch.save(learn.get_preds(dl=learn.dls.test_dl(files))[0], sys.argv[3])
+'''
+
+def test_export_loads_without_the_package_and_trains_on_with_it(tmp_path):
+    import subprocess, sys
+    from fastai.vision.all import ImageDataLoaders, vision_learner, resnet18, load_learner, get_image_files
+    path = write_images(tmp_path)
+    dls = ImageDataLoaders.from_folder(path, bs=2, num_workers=0)
+    ga = GradientAccumulation(n_step=4, policy='window', preflight=False)  # 'window' wraps BatchNorm during fits
+    learn = vision_learner(dls, resnet18, pretrained=False, cbs=ga)
+    learn.fit(1, 1e-3); learn.get_preds(); learn.tta(n=1)
+    assert not any(isinstance(m, AccumulateBatchNorm) for m in learn.model.modules())
+    learn.export('export.pkl')
+    r = subprocess.run([sys.executable, '-c', LOAD_WITHOUT_PACKAGE, str(path/'export.pkl'), str(path/'valid'), str(path/'preds.pt')],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    files = sorted(get_image_files(path/'valid'))
+    preds = learn.get_preds(dl=learn.dls.test_dl(files))[0]
+    assert torch.allclose(torch.load(path/'preds.pt'), preds, atol=1e-6)
+    loaded = load_learner(path/'export.pkl')  # here the package is installed: the same callback, and training goes on
+    cb = loaded.gradient_accumulation
+    assert type(cb) is GradientAccumulation and (cb.n_step, cb.policy, cb.preflight) == (4, 'window', False) and cb.learn is loaded
+    loaded.dls = dls
+    loaded.fit(1, 1e-3)
+    assert cb.n_steps == 2
+
+def test_untraceable_model_reason_said_once_in_one_line(capsys):
+    "fastai's DynamicUnet (its hooks) defeats torch.fx: the pre-flight says why in one full line, once, not in every row."
+    from fastai.vision.all import unet_learner, resnet18, CrossEntropyLossFlat
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 2, (8, 32, 32), generator=g)
+    dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=2), DataLoader(TensorDataset(x[:4], y[:4]), bs=2))
+    learn = unet_learner(dls, resnet18, pretrained=False, n_out=2, loss_func=CrossEntropyLossFlat(axis=1),
+                         cbs=GradientAccumulation(n_step=2, policy='window'))
+    with learn.no_bar(), learn.no_logging(), warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter('always'); learn.fit(1, 1e-3)
+    out = capsys.readouterr().out
+    said = [l for l in out.splitlines() if 'cannot trace' in l]
+    assert len(said) == 1 and said[0].startswith('GradientAccumulation: torch.fx cannot trace DynamicUnet (') and \
+           said[0].endswith('its activations grow with the window.'), out
+    assert 'Error' not in out.replace(said[0], '') and 'whole window (not traceable)' in out
+    assert not [w for w in ws if 'cannot trace' in str(w.message)]  # said once: not also as a warning
+
+def test_each_fit_chooses_its_path_from_the_modes_it_trains_in(capsys):
+    "Three fits in a row, and a fit after validate: each 'exact' (fastai leaves the model in eval mode after a fit)."
+    ga = GradientAccumulation(n_step=4)
+    learn = make_learner(2, bn_net, image=True, cbs=ga)
+    paths = []
+    for _ in range(3): learn.fit(1, lr=0.01); paths.append(ga.path)
+    learn.validate(); learn.fit(1, lr=0.01); paths.append(ga.path)
+    assert paths == ['exact'] * 4
+    assert capsys.readouterr().out.count("-> 'exact'") == 1

@@ -1,5 +1,6 @@
 "Packaging: version single-sourced, console script, public API."
 import subprocess, sys
+import pytest
 from configparser import ConfigParser
 from pathlib import Path
 import fastai_accum
@@ -26,3 +27,24 @@ def test_ci_runs_the_readme_test_command():
     readme, ci = (ROOT/'README.md').read_text(), (ROOT/'.ci/run').read_text()
     cmd = next(l for l in readme.splitlines() if 'pytest' in l and l.startswith('python3 -m venv'))
     assert cmd in ci.splitlines()
+
+IMPORT_ORDER = '''
+{imports}
+import torch
+from torch.utils.data import TensorDataset
+assert GradientAccumulation.__module__ == 'fastai_accum.callback', GradientAccumulation.__module__
+x = torch.randn(32, 4); y = x.sum(1, keepdim=True)
+dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=2), DataLoader(TensorDataset(x[:8], y[:8]), bs=2))
+learn = Learner(dls, nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)), loss_func=MSELossFlat())
+ga = GradientAccumulation(n_step=8, preflight=False)
+learn.fit(1, 1e-2, cbs=ga)
+assert (ga.n_steps, ga.path) == (2, 'exact'), (ga.n_steps, ga.path)
+print('OK')
+'''
+
+@pytest.mark.parametrize('imports', ['from fastai_accum.all import *\nfrom fastai.vision.all import *',
+                                     'from fastai.vision.all import *\nfrom fastai_accum.all import *'],
+                         ids=['ours_first', 'fastai_first'])
+def test_either_import_order_gives_this_callback(imports):
+    r = subprocess.run([sys.executable, '-c', IMPORT_ORDER.format(imports=imports)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and 'OK' in r.stdout, r.stderr[-3000:]

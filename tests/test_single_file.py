@@ -49,3 +49,19 @@ def test_alone_matches_package_bit_for_bit(policy, tmp_path):
     a, b = torch.load(tmp_path/'file.pt'), torch.load(tmp_path/'package.pt')
     assert a.keys() == b.keys()
     for k in a: assert torch.equal(a[k], b[k]), k
+
+PASTE_THEN_FASTAI = '''
+import sys
+sys.modules['fastai_accum'] = None  # the package is not installed
+exec(compile(open('fastai_accum_single.py').read(), 'fastai_accum_single.py', 'exec'))  # the cell, pasted first
+pasted = GradientAccumulation
+from fastai.vision.all import *  # then the usual imports
+assert GradientAccumulation is pasted, GradientAccumulation
+assert GradientAccumulation(n_step=8).n_step == 8
+print('OK')
+'''
+
+def test_paste_cell_before_the_fastai_imports(tmp_path):
+    (tmp_path/'fastai_accum_single.py').write_text(FILE.read_text())
+    r = subprocess.run([sys.executable, '-I', '-c', PASTE_THEN_FASTAI], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and 'OK' in r.stdout, r.stderr[-3000:]

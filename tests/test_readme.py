@@ -1,0 +1,66 @@
+"""Every Python block of README.md runs as written, offline: the fastai v2 blocks in order in one fresh process (as a
+reader pastes them into one notebook), the fastai v1 block in the v1 overlay. Only the network is replaced:
+`untar_data` returns a small MNIST_SAMPLE-shaped folder written from sklearn's digits, and torchvision finds
+resnet18's 'pretrained' weights (random ones) in a temporary torch cache."""
+import re, subprocess, sys, textwrap
+from pathlib import Path
+from conftest import run_v1
+
+ROOT = Path(__file__).parents[1]
+
+def readme_blocks() -> list[str]:
+    "The ```python blocks of README.md, in order."
+    return re.findall(r'^```python\n(.*?)^```', (ROOT/'README.md').read_text(), flags=re.S | re.M)
+
+def is_v1(block:str) -> bool: return 'from fastai.vision import *' in block  # fastai v1's import
+
+# Writes the stand-ins; then `untar_data(URLs.MNIST_SAMPLE)` (v1 or v2) gives the folder. Formatted with `root`.
+OFFLINE = '''
+import os, warnings; warnings.simplefilter('ignore')
+from pathlib import Path
+import numpy as np, torch, torchvision
+from PIL import Image
+from sklearn.datasets import load_digits
+root = Path({root!r})
+os.environ['TORCH_HOME'] = str(root/'torch')  # torch's cache: random 'pretrained' weights, so nothing is downloaded
+url = torchvision.models.ResNet18_Weights.IMAGENET1K_V1.url
+(root/'torch'/'hub'/'checkpoints').mkdir(parents=True, exist_ok=True)
+torch.save(torchvision.models.resnet18().state_dict(), root/'torch'/'hub'/'checkpoints'/url.rsplit('/', 1)[1])
+mnist, digits = root/'mnist_sample', load_digits()
+for label in (3, 7):
+    imgs = digits.images[digits.target == label]
+    for split, ids in (('train', range(40)), ('valid', range(40, 50))):  # 40 micro-batches: more than one window
+        (mnist/split/str(label)).mkdir(parents=True, exist_ok=True)
+        for i in ids: Image.fromarray((imgs[i]*16).astype(np.uint8)).resize((28, 28)).save(mnist/split/str(label)/f'{{i}}.png')
+def untar_data(url, *args, **kwargs): return mnist
+'''
+
+V2_OFFLINE = OFFLINE + '''
+import fastai.data.external, fastai.vision.all
+fastai.data.external.untar_data = fastai.vision.all.untar_data = untar_data
+'''
+
+V1_OFFLINE = OFFLINE + '''
+import fastai.datasets, fastai.vision
+fastai.datasets.untar_data = fastai.vision.untar_data = untar_data
+'''
+
+def numbered(blocks:list[str]) -> str:
+    "The blocks as one script, each announced, so that a failure names its block."
+    return '\n'.join(f"print('README block {i}', flush=True)\n{b}" for i, b in blocks)
+
+def test_readme_has_the_blocks_a_user_reads():
+    blocks = readme_blocks()
+    assert sum(map(is_v1, blocks)) == 1 and len(blocks) >= 4, blocks
+    assert any('Accumulation(model' in b for b in blocks)  # the plain-PyTorch loop
+
+def test_readme_fastai_v2_and_plain_pytorch_blocks_run_as_written(tmp_path):
+    blocks = [(i, b) for i, b in enumerate(readme_blocks()) if not is_v1(b)]
+    code = V2_OFFLINE.format(root=str(tmp_path)) + numbered(blocks) + "\nprint('README OK')\n"
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert r.returncode == 0 and 'README OK' in r.stdout, (r.stdout[-3000:], r.stderr[-3000:])
+
+def test_readme_fastai_v1_block_runs_as_written(tmp_path):
+    blocks = [(i, b) for i, b in enumerate(readme_blocks()) if is_v1(b)]
+    r = run_v1(V1_OFFLINE.format(root=str(tmp_path)) + numbered(blocks) + "\nprint('README OK')\n", timeout=900)
+    assert r.returncode == 0 and 'README OK' in r.stdout, (r.stdout[-3000:], r.stderr[-3000:])
