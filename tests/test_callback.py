@@ -287,3 +287,7 @@ def test_each_fit_chooses_its_path_from_the_modes_it_trains_in(capsys):
     learn.validate(); learn.fit(1, lr=0.01); paths.append(ga.path)
     assert paths == ['exact'] * 4
     assert capsys.readouterr().out.count("-> 'exact'") == 1
+    for m in bn_layers(learn.model): m.requires_grad_(False)
+    learn.fit(1, lr=0.01, cbs=BnFreeze())  # every BatchNorm layer frozen now: the fit says it trains otherwise
+    out = capsys.readouterr().out
+    assert "trains otherwise than the one before ('exact' -> 'frozen BatchNorm')" in out and 'are frozen (eval mode)' in out

@@ -105,7 +105,8 @@ def test_auto_picks_exact_when_the_window_fits_else_window_bn(capsys):
     learn = make_learner(4, bn_net, image=True, cbs=GradientAccumulation(n_step=4, host_memory=1000))
     learn.fit(1, lr=0.01)
     assert not learn.gradient_accumulation.exact
-    assert all(m.policy == 'window' for m in bn_layers(learn.model))
+    assert learn.gradient_accumulation.path == 'window'
+    assert not any(isinstance(m, AccumulateBatchNorm) for m in learn.model.modules())  # wrapped for the fit only
     assert "policy 'auto' -> window BatchNorm" in capsys.readouterr().out
 
 def test_peeking_the_first_batch_changes_nothing():
@@ -120,11 +121,11 @@ def test_peeking_the_first_batch_changes_nothing():
     assert rel(run(4, GradientAccumulation(n_step=4, policy='exact')), run(16, None)) <= 1e-6
 
 def test_wrapped_layers_train_exactly_under_exact():
-    "Layers wrapped by an earlier fit normalize the big batch with its own statistics and commit them once per window."
+    "Layers the user wrapped normalize the big batch with its own statistics, commit them once per window, and get their policy back."
     acc, big, ga = exact_and_big()
     wrap_bn(acc.model, 'window')
     acc.fit(1, lr=0.05); big.fit(1, lr=0.05)
-    assert all(m.policy == 'micro' for m in bn_layers(acc.model))
+    assert all(isinstance(m, AccumulateBatchNorm) and m.policy == 'window' for m in bn_layers(acc.model))
     assert rel(params(acc), params(big)) <= 1e-6 and rel(bn_stats(acc), bn_stats(big)) <= 1e-6
 
 def _launch(mode, outdir):

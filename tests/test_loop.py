@@ -99,7 +99,7 @@ def test_break_mid_window_clears():
         acc.backward(nn.functional.mse_loss(m(xb), yb))
         if i == 1: break
     assert acc.window.empty and all(p.grad is None for p in m.parameters())
-    assert all(bn.pending.count == 0 and bn.window_stats is None for bn in bn_layers(m))
+    assert all(type(bn) in (nn.BatchNorm1d, nn.BatchNorm2d) and 'pending' not in vars(bn) for bn in bn_layers(m))  # torch's own again
 
 def test_backward_without_batches_fails():
     m = mlp(); acc = Accumulation(m, n_step=2)

@@ -56,19 +56,19 @@ OptimWrapper.step = lambda self: steps.append(1) or _step(self)
 _pre = fw.window_prepasses
 fw.window_prepasses = lambda model, xbs, *a, **k: prepasses.append(sum(x[0].shape[0] for x in xbs)) or _pre(model, xbs, *a, **k)
 learn = mnist_v1(root, n_step=4, micro_bs=2, epochs=1, lr=1e-3, policy='window')
-bns = bn_layers(learn.model, accumulating=True)
+bns = bn_layers(learn.model)
 print('RESULT', json.dumps(dict(n_batches=len(learn.data.train_dl), steps=len(steps), prepasses=prepasses, bn=len(bns),
-      policies=sorted({b.policy for b in bns}), tracked=sorted({int(b.num_batches_tracked) for b in bns}),
-      pending=sum(b.pending.count for b in bns), restored=type(learn.data.train_dl) is DeviceDataLoader)))
+      plain=not any(isinstance(b, AccumulateBatchNorm) for b in bns), tracked=sorted({int(b.num_batches_tracked) for b in bns}),
+      restored=type(learn.data.train_dl) is DeviceDataLoader)))
 ''')
     out = _result(r)
     assert out['n_batches'] == 5                        # 10 images in micro-batches of 2: windows of 4 and 1
     windows = 2
     assert out['steps'] == windows
     assert out['bn'] == 22                              # 20 in the resnet18 body + 2 BatchNorm1d in the head
-    assert out['policies'] == ['window']
+    assert out['plain']                                 # wrapped ('window') for the fit, torch's own layers after it
     assert out['tracked'] == [windows]                  # every BN layer committed once per optimizer step
-    assert out['pending'] == 0 and out['restored']
+    assert out['restored']
     assert out['prepasses'] == [8, 2]                   # one pre-pass per window, over the whole window
     assert "policy 'window':" in r.stdout and 'window stats' in r.stdout  # the pre-flight table, once
     assert r.stdout.count('BatchNorm layers,') == 1
@@ -220,3 +220,32 @@ outs = torch.cat(Probe.outs)
 print('RESULT', json.dumps(dict(err=((outs - Probe.ref).abs().max() / Probe.ref.abs().max()).item(), n=len(outs))))
 '''))
     assert out['n'] == 8 and out['err'] < 1e-4
+
+def test_v1_every_fit_chooses_from_the_modes_it_trains_in():
+    "v1 leaves the model in eval mode after a fit: the next fits still train 'exact', said once; all BatchNorm frozen (BnFreeze) trains as no BatchNorm."
+    r = run_v1('''
+import json, torch, warnings; warnings.simplefilter('ignore')
+from functools import partial
+from fastai.basic_data import DataBunch
+from fastai.basic_train import Learner
+from fastai.train import BnFreeze
+from torch.utils.data import TensorDataset
+from fastai_accum.all import *
+torch.manual_seed(0)
+x = torch.randn(64, 4); y = (x[:, 0] > 0).long()
+data = DataBunch.create(TensorDataset(x[:48], y[:48]), TensorDataset(x[48:], y[48:]), bs=4, num_workers=0)
+def learner(fns):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    return Learner(data, model, loss_func=torch.nn.CrossEntropyLoss(), callback_fns=fns)
+learn = learner([partial(GradientAccumulation, n_step=4)])
+for _ in range(3): learn.fit(1, 1e-2)
+plain = type(learn.model[1]) is torch.nn.BatchNorm1d
+frozen = learner([BnFreeze, partial(GradientAccumulation, n_step=4)])
+frozen.model[1].requires_grad_(False)
+frozen.fit(1, 1e-2); frozen.fit(1, 1e-2)
+print('RESULT', json.dumps(dict(plain=plain, tracked=int(learn.model[1].num_batches_tracked), frozen_tracked=int(frozen.model[1].num_batches_tracked))))
+''')
+    out = _result(r)
+    assert r.stdout.count("-> 'exact'") == 1 and 'BatchNorm layers,' not in r.stdout  # never window BN
+    assert out['plain'] and out['tracked'] == 9                # 3 fits x 3 windows, each one batch
+    assert r.stdout.count('are frozen (eval mode)') == 1 and out['frozen_tracked'] == 0
