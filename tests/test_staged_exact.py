@@ -1,0 +1,27 @@
+"Staged exact on models nobody here wrote: one window step equals the big batch's (float64; output, gradients, running statistics)."
+import copy
+import pytest, torch
+from fastai_accum.staged_exact import install_staged
+
+def flat(ts): return torch.cat([t.flatten() for t in ts])
+def rel(a, b): return ((a - b).abs().max() / b.abs().max()).item()
+
+def timm_model(name): import timm; return lambda: timm.create_model(name, num_classes=5)
+def tv_resnet50(): import torchvision; return torchvision.models.resnet50(num_classes=5)
+
+@pytest.mark.parametrize('make', [timm_model('resnet18'), timm_model('efficientnet_b0'), timm_model('mobilenetv3_small_100'),
+                                  timm_model('densenet121'), tv_resnet50],
+                         ids=['timm_resnet18', 'timm_efficientnet_b0', 'timm_mobilenetv3_small_100', 'timm_densenet121', 'tv_resnet50'])
+def test_staged_step_is_the_big_batch(make):
+    torch.manual_seed(0)
+    big = make().double().train(); st = copy.deepcopy(big); install_staged(st, chunk=3)
+    x = torch.randn(8, 3, 32, 32, dtype=torch.float64)  # a window of 8 in ragged chunks of 3
+    outs = []
+    for m in (big, st):
+        torch.manual_seed(1); out = m(x); outs.append(out.detach())
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+    assert rel(*outs[::-1]) < 1e-12
+    assert rel(*[flat(p.grad for p in m.parameters() if p.grad is not None) for m in (st, big)]) < 1e-10
+    assert rel(*[flat(b for b in m.buffers() if b.is_floating_point()) for m in (st, big)]) < 1e-12
+    assert [int(m.num_batches_tracked) for m in st.modules() if hasattr(m, 'num_batches_tracked')] == \
+           [int(m.num_batches_tracked) for m in big.modules() if hasattr(m, 'num_batches_tracked')]
