@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from .meters import SavedTensorMeter, fmt_bytes, _tensors
-from .batchnorm import bn_layers
+from .batchnorm import bn_layers, _trace, untraceable_reason
 
 # %% auto #0
 __all__ = ['rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'leaves_no_trace', 'Footprint',
@@ -108,6 +108,9 @@ class ExactPlan:
     device_budget:int|None # accelerator bytes it may use (None on CPU)
     host_budget:int       # host bytes it may use
     offload:bool=False    # saved activations in host memory
+    staged:bool=False     # trained stage by stage in chunks (`fastai_accum.staged_exact`): the device holds one chunk of one stage
+    chunk:int|None=None   # samples per chunk of a staged step (the micro-batch)
+    reason:str|None=None  # why a staged step was not chosen
 
     @property
     def on_accelerator(self) -> bool: return self.device != 'cpu'
@@ -123,11 +126,26 @@ class ExactPlan:
         return int(self.window * self.footprint.saved) if self.offload else 0
     @property
     def fits(self) -> bool:
-        if not self.on_accelerator: return self.host_needed <= self.host_budget
-        return self.device_needed <= self.device_budget and self.host_needed <= self.host_budget
+        "The whole window as one batch fits (on CPU also within `device_budget` when one was given)."
+        device_ok = self.device_budget is None or self.device_needed <= self.device_budget
+        if not self.on_accelerator: return self.host_needed <= self.host_budget and device_ok
+        return device_ok and self.host_needed <= self.host_budget
+    @property
+    def staged_device_needed(self) -> int:
+        "Bytes a staged step needs on the device: at most training at one chunk."
+        return int((self.chunk or 1) * (self.footprint.saved + 2 * self.footprint.working) + 3 * self.params)
+    @property
+    def staged_host_needed(self) -> int:
+        "Bytes of the values a staged step keeps between stages (and their gradients), bounded by the saved activations."
+        return int(self.window * self.footprint.saved)
 
     def describe(self) -> str:
         "What this plan does and the numbers it rests on."
+        if self.staged:
+            budget = f"budget {fmt_bytes(self.device_budget)}" if self.device_budget is not None else f"budget {fmt_bytes(self.host_budget)}"
+            return (f"a window of {self.window} samples as one batch would need {fmt_bytes(self.device_needed)} ({budget}), so it "
+                    f"trains as one batch stage by stage in chunks of {self.chunk}: about {fmt_bytes(self.staged_device_needed)} on "
+                    f"the device and {fmt_bytes(self.staged_host_needed)} of values kept between stages")
         if not self.on_accelerator:
             return (f"a window of {self.window} samples as one batch needs {fmt_bytes(self.host_needed)} of memory, "
                     f"budget {fmt_bytes(self.host_budget)}")
@@ -174,31 +192,52 @@ def saved_on_host(plan:ExactPlan):
     return torch.autograd.graph.save_on_cpu(pin_memory=plan.device == 'cuda')
 
 # %% ../nbs/02a_exact.ipynb #95035e37
-def choose_exact(policy:str, # the callback's policy: 'exact', 'auto' or a BatchNorm policy
+def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' or a BatchNorm policy
                  model:nn.Module, # the model to train
                  peek, # called without arguments: one training micro-batch's model inputs (only when needed)
                  n_step:int|None=None, # micro-batches per window
                  n_acc:int|None=None, # or: samples per window
-                 device_memory:int|None=None, # accelerator bytes it may use (`plan_exact`)
+                 device_memory:int|None=None, # device bytes it may use (`plan_exact`; also honoured on CPU)
                  host_memory:int|None=None, # host bytes it may use
                  offload:bool|None=None, # saved activations in host memory
                  name:str='GradientAccumulation', # the callback, for the error message
                 ) -> tuple:
-    "(train each window as one batch?, the `ExactPlan` or None): 'exact' if it fits (else `ExactModeMemoryError`); 'auto' if the model has BatchNorm and the window fits without offload."
-    if policy not in ('exact', 'auto'): return False, None
+    "(train each window as one batch?, the `ExactPlan` or None; `plan.staged` if stage by stage): see the rule below."
+    if policy not in ('exact', 'staged', 'auto'): return False, None
     if policy == 'auto' and not any(m.training for m in bn_layers(model)): return False, None
     xb = peek()
     plan = plan_exact(model, xb, n_acc or n_step * xb[0].shape[0], device_memory, host_memory, offload)
+    plan.chunk = xb[0].shape[0]
     if policy == 'exact':
         if not plan.fits:
-            raise ExactModeMemoryError(f"{name}(policy='exact'): {plan.describe()}. Lower n_step/n_acc, free memory, set the "
-                                       "budget with device_memory=/host_memory=, or use policy='window' (memory of one micro-batch).")
+            raise ExactModeMemoryError(f"{name}(policy='exact'): {plan.describe()}. Lower n_step/n_acc, free memory, set the budget "
+                                       "with device_memory=/host_memory=, or use policy='staged' (memory of one chunk) or 'window'.")
         return True, plan
-    return _agreed(auto_picks_exact(plan)), plan
+    plan.reason = _staged_blocker(model, plan)
+    if policy == 'staged':
+        if plan.reason: raise ExactModeMemoryError(f"{name}(policy='staged'): {plan.reason}")
+        plan.staged = True
+        return True, plan
+    if auto_picks_exact(plan) or _world() > 1: return _agreed(auto_picks_exact(plan)), plan
+    plan.staged = plan.reason is None
+    return plan.staged, plan
+
+def _world() -> int: return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+def _staged_blocker(model:nn.Module, plan:ExactPlan) -> str|None:
+    "Why a window cannot train staged (untraceable model, memory, several processes), or None."
+    if _world() > 1: return "staged exact runs in one process (under DDP the default trains the whole window or window BN)"
+    if isinstance(_trace(model), str): return untraceable_reason(model)
+    if plan.staged_host_needed > plan.host_budget:
+        return f"its kept values need {fmt_bytes(plan.staged_host_needed)} of host memory (budget {fmt_bytes(plan.host_budget)})"
+    budget = plan.device_budget if plan.device_budget is not None else plan.host_budget
+    if plan.staged_device_needed > budget:
+        return f"one chunk of {plan.chunk} needs {fmt_bytes(plan.staged_device_needed)} (budget {fmt_bytes(budget)})"
+    return None
 
 def _agreed(exact:bool) -> bool:
     "Under data parallelism every rank must train the same way: exact only if every rank's window fits (one all-reduce)."
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1: return exact
+    if _world() == 1: return exact
     flag = torch.tensor([float(exact)], device='cuda' if dist.get_backend() == 'nccl' else 'cpu')
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())

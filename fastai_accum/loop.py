@@ -11,6 +11,7 @@ from torch import nn, Tensor
 from torch.nn.parallel import DistributedDataParallel
 from .batchnorm import AccumulateBatchNorm, wrap_bn, bn_layers, unwrap_layer, untraceable_reason
 from .exact import choose_exact, saved_on_host
+from .staged_exact import install_staged, uninstall_staged
 from .window import (AccumulationWindow, WindowSteps, WindowLoader, validate_window_args, _check_count, scale_grads,
                      commit_window, drop_window, batch_size, world_size, cat_batches)
 
@@ -38,7 +39,7 @@ class Accumulation(WindowSteps):
     def __init__(self, model:nn.Module, # the model (or its DDP wrapper); its BatchNorm layers are wrapped in place
                  n_step:int|None=None, # micro-batches per optimizer step
                  n_acc:int|None=None,  # or: samples per optimizer step (the effective batch size)
-                 policy:str='auto',    # 'exact' (each window one batch), a BatchNorm policy (`bn_policies`), or 'auto'
+                 policy:str='auto',    # 'exact' (each window one batch), 'staged' (the same, stage by stage in chunks: memory of one chunk), a BatchNorm policy (`bn_policies`), or 'auto'
                  partial:str='step',   # incomplete last window of an epoch: 'step' (scaled exactly) or 'drop' (skipped)
                  loss_reduction:str='mean', # the loss's reduction: 'mean' (weighted by samples) or 'sum'
                  inputs=default_inputs, # batch -> tuple of positional model inputs (for the pre-pass and 'exact' planning)
@@ -83,9 +84,11 @@ class Accumulation(WindowSteps):
 
     def setup(self, b):
         "Choose how training runs from the modes the BatchNorm layers are in now (the modes training runs in) and the first micro-batch `b` (on the device; or a callable giving it, called only if needed); wrap BatchNorm."
+        uninstall_staged(self.module)  # measuring runs the model's own forward
         self._modes = self._bn_modes()
         self.exact = self._choose_exact(b)
         self.find_bns()
+        if self.exact and self.plan.staged: install_staged(self.module, self.plan.chunk)
         self.path = self._path()
 
     def _bn_modes(self) -> tuple: return tuple(m.training for m in bn_layers(self.module))
@@ -101,7 +104,7 @@ class Accumulation(WindowSteps):
 
     def _path(self) -> str:
         "How training runs, in a word (`path`): 'exact', 'frozen BatchNorm', 'no BatchNorm', or the accumulating layers' policy."
-        if self.exact: return 'exact'
+        if self.exact: return 'staged exact' if self.plan.staged else 'exact'
         if self.frozen_bn: return 'frozen BatchNorm'
         return self.bns[0].policy if self.bns else 'no BatchNorm'
 
@@ -131,6 +134,7 @@ class Accumulation(WindowSteps):
     def release(self):
         "Hand the model back with plain torch BatchNorm layers: unwrap those this wrapped, give earlier-wrapped ones their own policy back."
         self.clear()
+        uninstall_staged(self.module)
         self._pools = {m: m.grad_pool for m in self._wrapped if isinstance(m, AccumulateBatchNorm)}
         for m in self._wrapped:
             if isinstance(m, AccumulateBatchNorm): unwrap_layer(m)

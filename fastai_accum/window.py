@@ -115,10 +115,10 @@ def validate_window_args(n_step, n_acc, policy, partial,
                         ):
     "Validate the arguments every front end shares (the core `Accumulation`, the fastai v2 and v1 callbacks), at construction."
     AccumulationWindow(n_step, n_acc)
-    if not (exact_ok and policy == 'exact'):
+    if not (exact_ok and policy in ('exact', 'staged')):
         try: _check_policy(policy)
         except ValueError as e:
-            hint = ", or 'exact' (each window trained as one batch)" if exact_ok else " ('exact' needs the fastai v2 callback)"
+            hint = ", 'exact' (each window trained as one batch) or 'staged' (the same, stage by stage)" if exact_ok else " ('exact' needs the fastai v2 callback)"
             raise ValueError(f"{e}{hint}") from None
     if partial not in ('step', 'drop'): raise ValueError(f"partial must be 'step' or 'drop', got {partial!r}")
 
@@ -176,7 +176,8 @@ class WindowSteps:
 
     def _exact_message(self) -> str:
         "What the pre-flight says when each window trains as one batch (needs `policy`, `plan`)."
-        return (f"GradientAccumulation: policy {self.policy!r} -> 'exact': each window trains as one batch (BatchNorm exact: "
+        mode = "'staged exact'" if self.plan.staged else "'exact'"
+        return (f"GradientAccumulation: policy {self.policy!r} -> {mode}: each window trains as one batch (BatchNorm exact: "
                 f"forward, backward, running statistics); {self.plan.describe()}.")
 
     def _preflight_table(self, model, xb) -> str:
