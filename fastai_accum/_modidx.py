@@ -634,6 +634,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                     'fastai_accum.exact.Footprint': ('exact.html#footprint', 'fastai_accum/exact.py'),
                                     'fastai_accum.exact.Footprint.__repr__': ('exact.html#footprint.__repr__', 'fastai_accum/exact.py'),
                                     'fastai_accum.exact._agreed': ('exact.html#_agreed', 'fastai_accum/exact.py'),
+                                    'fastai_accum.exact._largest_chunk': ('exact.html#_largest_chunk', 'fastai_accum/exact.py'),
                                     'fastai_accum.exact._nbytes': ('exact.html#_nbytes', 'fastai_accum/exact.py'),
                                     'fastai_accum.exact._staged_blocker': ('exact.html#_staged_blocker', 'fastai_accum/exact.py'),
                                     'fastai_accum.exact._world': ('exact.html#_world', 'fastai_accum/exact.py'),

@@ -216,11 +216,18 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
     plan.reason = _staged_blocker(model, plan)
     if policy == 'staged':
         if plan.reason: raise ExactModeMemoryError(f"{name}(policy='staged'): {plan.reason}")
-        plan.staged = True
+        plan.staged, plan.chunk = True, _largest_chunk(plan)
         return True, plan
     if auto_picks_exact(plan) or _world() > 1: return _agreed(auto_picks_exact(plan)), plan
-    plan.staged = plan.reason is None
+    if plan.reason is None: plan.staged, plan.chunk = True, _largest_chunk(plan)
     return plan.staged, plan
+
+def _largest_chunk(plan:ExactPlan) -> int:
+    "The most samples per chunk the device budget holds, training as at that batch size (at least the micro-batch): fewer, larger kernels."
+    budget = plan.device_budget if plan.device_budget is not None else plan.host_budget
+    per = plan.footprint.saved + 2 * plan.footprint.working
+    fit = int((budget - 3 * plan.params) // per) if per > 0 else plan.window
+    return max(plan.chunk, min(plan.window, fit))
 
 def _world() -> int: return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
