@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from .meters import SavedTensorMeter, fmt_bytes, _tensors
+from .meters import SavedTensorMeter, fmt_bytes, _nbytes
 from .batchnorm import bn_layers, _trace, untraceable_reason
 
 # %% auto #0
@@ -66,8 +66,6 @@ def leaves_no_trace(model:nn.Module):
             for m in bn_layers(model, accumulating=True): m.reset_stats()
 
 # %% ../nbs/02a_exact.ipynb #3dad639e
-def _nbytes(o) -> int: return sum(t.numel() * t.element_size() for t in _tensors(o))
-
 @dataclass
 class Footprint:
     "Activation bytes per sample of a model's training forward."

@@ -18,6 +18,10 @@ def _tensors(v) -> list:
     map_aggregate(v, lambda a: out.append(a) if isinstance(a, Tensor) else a)
     return out
 
+def _nbytes(v) -> int:
+    "Bytes of the tensors in `v` (views counted at their own size)."
+    return sum(t.numel() * t.element_size() for t in _tensors(v))
+
 class ByteMeter:
     "Bytes of the distinct storages of the values `hold` registered and `drop` did not release yet; tracks the peak."
     def __init__(self): self.refs, self.live, self.peak = {}, 0, 0

@@ -10,7 +10,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn, fx, Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
-from .meters import _tensors
+from .meters import _nbytes
 from .stats import ChannelStats
 from .staged import StagedGraph, _to
 from .batchnorm import _trace, untraceable_reason
@@ -33,8 +33,6 @@ def _after_norm(m, y):
 def _plain(t):
     "`t` as a plain `Tensor` (a subclass such as fastai's `TensorImage` would make every op dispatch through it)."
     return t.as_subclass(Tensor) if isinstance(t, Tensor) and type(t) is not Tensor else t
-
-def _nbytes(o) -> int: return sum(t.numel() * t.element_size() for t in _tensors(o))
 
 def _rng_state(dev):
     return torch.get_rng_state(), (torch.cuda.get_rng_state(dev) if dev.type == 'cuda' else None)
@@ -89,7 +87,7 @@ def _run_stage(self, s:int, env:dict, xb:tuple, grad:bool):
 
 def _xb(self, a:int, b:int) -> tuple: return tuple(t[a:b] if isinstance(t, Tensor) else t for t in self.xb)
 
-def _inputs(self, s:int, a:int, b:int, dev, grad:bool=False) -> dict:
+def _stage_inputs(self, s:int, a:int, b:int, dev, grad:bool=False) -> dict:
     "Samples a:b of the values stage `s` reads from earlier stages, on `dev` (leaves that collect gradients if `grad`)."
     env = {}
     for n in self.stage_in[s]:
@@ -105,7 +103,7 @@ def _keep(self, d:dict, n, v:Tensor, a:int, b:int, add:bool=False):
     if add: d[n][a:b] += v
     else: d[n][a:b] = v
 
-StagedStep._run_stage = _run_stage; StagedStep._xb = _xb; StagedStep._inputs = _inputs; StagedStep._keep = _keep
+StagedStep._run_stage = _run_stage; StagedStep._xb = _xb; StagedStep._stage_inputs = _stage_inputs; StagedStep._keep = _keep
 
 # %% ../nbs/02b_staged_exact.ipynb #b06b8998
 def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
@@ -125,7 +123,7 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
         bar = self.nodes[self.stages[s + 1][0]] if s + 1 < len(self.stages) else None
         st = ChannelStats()
         for a, b in self.spans[s]:
-            env = self._inputs(s, a, b, dev)
+            env = self._stage_inputs(s, a, b, dev)
             self.rng[s, a] = _rng_state(dev)
             with torch.no_grad(): self._run_stage(s, env, self._xb(a, b), grad=False)
             for n in self.stage_out[s]: self._keep(self.kept, n, env[n], a, b)
@@ -168,7 +166,7 @@ def _backward(self, grad:Tensor, # the gradient of the loss with respect to the 
         outs = [self.output.args[0]] if s == len(self.stages) - 1 else [n for n in self.stage_out[s] if n in grads]
         gx = []  # per chunk: (a, b, x̂, dL/dx̂) of the barrier opening this stage
         for a, b in self.spans[s]:
-            env = self._inputs(s, a, b, dev, grad=True)
+            env = self._stage_inputs(s, a, b, dev, grad=True)
             with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []), torch.enable_grad(), autocast:
                 _set_rng_state(self.rng[s, a], dev)
                 xhat = self._run_stage(s, env, self._xb(a, b), grad=True)
