@@ -1025,6 +1025,7 @@ class ExactPlan:
     staged:bool=False     # trained stage by stage in chunks (`fastai_accum.staged_exact`): the device holds one chunk of one stage
     chunk:int|None=None   # samples per chunk of a staged step (the micro-batch)
     reason:str|None=None  # why a staged step was not chosen
+    whole:bool=False      # staged in one chunk of the whole window (under DDP: BatchNorm reduced over the processes)
 
     @property
     def on_accelerator(self) -> bool: return self.device != 'cpu'
@@ -1055,6 +1056,9 @@ class ExactPlan:
 
     def describe(self) -> str:
         "What this plan does and the numbers it rests on."
+        if self.staged and self.whole:
+            return (f"a window of {self.window} samples as one batch per process, each BatchNorm layer normalizing over all "
+                    f"{_world()} processes' windows (SyncBatchNorm's semantics: 2 collectives per layer), needs {fmt_bytes(self.device_needed)}")
         if self.staged:
             budget = f"budget {fmt_bytes(self.device_budget)}" if self.device_budget is not None else f"budget {fmt_bytes(self.host_budget)}"
             return (f"a window of {self.window} samples as one batch would need {fmt_bytes(self.device_needed)} ({budget}), so it "
@@ -1122,19 +1126,40 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
     xb = peek()
     plan = plan_exact(model, xb, n_acc or n_step * xb[0].shape[0], device_memory, host_memory, offload)
     plan.chunk = xb[0].shape[0]
+    plan.reason = _staged_blocker(model, plan)
+    synced = _world() > 1 and not _syncs_itself(model)  # DDP with per-process BatchNorm: only a staged step reduces it over the processes
+    untraceable = untraceable_reason(model) if synced and isinstance(_trace(model), str) else None
     if policy == 'exact':
         if not plan.fits:
             raise ExactModeMemoryError(f"{name}(policy='exact'): {plan.describe()}. Lower n_step/n_acc, free memory, set the budget "
                                        "with device_memory=/host_memory=, or use policy='staged' (memory of one chunk) or 'window'.")
+        if untraceable: raise ExactModeMemoryError(f"{name}(policy='exact') under DDP normalizes over all processes' windows stage by stage, "
+                                                   f"but {untraceable} Convert BatchNorm to SyncBatchNorm or use policy='window'.")
+        if synced: _whole_staged(plan)
         return True, plan
-    plan.reason = _staged_blocker(model, plan)
     if policy == 'staged':
         if plan.reason: raise ExactModeMemoryError(f"{name}(policy='staged'): {plan.reason}")
         plan.staged, plan.chunk = True, _largest_chunk(plan)
         return True, plan
-    if auto_picks_exact(plan) or _world() > 1: return _agreed(auto_picks_exact(plan)), plan
-    if plan.reason is None: plan.staged, plan.chunk = True, _largest_chunk(plan)
-    return plan.staged, plan
+    whole, staged, offloaded = _agreed(auto_picks_exact(plan) and not untraceable, plan.reason is None,
+                                       plan.fits and plan.offload and not synced)
+    if whole:
+        if synced: _whole_staged(plan)
+        return True, plan
+    if staged:
+        plan.staged, plan.chunk, plan.offload = True, _largest_chunk(plan), False
+        return True, plan
+    if offloaded: return True, plan
+    plan.reason = plan.reason or untraceable or 'another process cannot train its window as one batch'
+    return False, plan
+
+def _whole_staged(plan:ExactPlan):
+    "Under DDP the whole window runs as one chunk of a staged step (its BatchNorm reduced over the processes), kept values on the device."
+    plan.staged, plan.chunk, plan.offload, plan.whole = True, plan.window, False, True
+
+def _syncs_itself(model:nn.Module) -> bool:
+    "Every training BatchNorm layer is a `SyncBatchNorm`, which reduces over the processes itself."
+    return all(isinstance(m, nn.SyncBatchNorm) for m in bn_layers(model) if m.training)
 
 def _largest_chunk(plan:ExactPlan) -> int:
     "The most samples per chunk the device budget holds, training as at that batch size (at least the micro-batch): fewer, larger kernels."
@@ -1146,8 +1171,7 @@ def _largest_chunk(plan:ExactPlan) -> int:
 def _world() -> int: return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 def _staged_blocker(model:nn.Module, plan:ExactPlan) -> str|None:
-    "Why a window cannot train staged (untraceable model, memory, several processes), or None."
-    if _world() > 1: return "staged exact runs in one process (under DDP the default trains the whole window or window BN)"
+    "Why a window cannot train staged in chunks (untraceable model, memory), or None."
     if isinstance(_trace(model), str): return untraceable_reason(model)
     if plan.staged_host_needed > plan.host_budget:
         return f"its kept values need {fmt_bytes(plan.staged_host_needed)} of host memory (budget {fmt_bytes(plan.host_budget)})"
@@ -1156,12 +1180,12 @@ def _staged_blocker(model:nn.Module, plan:ExactPlan) -> str|None:
         return f"one chunk of {plan.chunk} needs {fmt_bytes(plan.staged_device_needed)} (budget {fmt_bytes(budget)})"
     return None
 
-def _agreed(exact:bool) -> bool:
-    "Under data parallelism every rank must train the same way: exact only if every rank's window fits (one all-reduce)."
-    if _world() == 1: return exact
-    flag = torch.tensor([float(exact)], device='cuda' if dist.get_backend() == 'nccl' else 'cpu')
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+def _agreed(*flags:bool) -> list:
+    "Under data parallelism every rank must train the same way: each option only if every rank can take it (one all-reduce)."
+    if _world() == 1: return list(flags)
+    t = torch.tensor([float(f) for f in flags], device='cuda' if dist.get_backend() == 'nccl' else 'cpu')
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return [bool(v) for v in t.tolist()]
 
 # ======== fastai_accum/window.py ========
 # %% ../nbs/02_window.ipynb #21e8f46b
@@ -1415,6 +1439,7 @@ class WindowLoader:
 # %% ../nbs/02b_staged_exact.ipynb #bc1cb743
 from contextlib import nullcontext
 import torch
+import torch.distributed as dist
 from torch import nn, fx, Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -1545,7 +1570,8 @@ def _output(self, out, env:dict, a:int, b:int) -> Tensor:
 
 @torch.no_grad()
 def _close(self, m:_BatchNorm, st:ChannelStats):
-    "Barrier `m` has seen its window: fix the statistics it normalizes with, commit its running statistics as BatchNorm on the window does."
+    "Barrier `m` has seen its window (under DDP: the union of the processes' windows, one collective): fix the statistics it normalizes with, commit its running statistics as BatchNorm on that batch does."
+    if world_size() > 1: all_reduce_stats([st], [m.num_features])
     dt = m.weight.dtype if m.weight is not None else st.mean.dtype
     mean, var = st.mean.to(dt), st.biased_var.to(dt)
     self.stats[m], self.count[m] = (mean, torch.rsqrt(var + m.eps)), st.count
@@ -1559,9 +1585,12 @@ StagedStep.forward = _forward; StagedStep._output = _output; StagedStep._close =
 
 # %% ../nbs/02b_staged_exact.ipynb #1494d3bf
 def _backward(self, grad:Tensor, # the gradient of the loss with respect to the window's output
-            ):
-    "Back-propagate through the window: every parameter's `.grad` gets the big batch's gradient."
-    dev, grads = grad.device, {self.output.args[0]: grad}
+              params:list|None=None, # parameters whose gradients to return (default: every trainable one, added to its `.grad`)
+             ) -> list:
+    "Back-propagate through the window: the big batch's gradient of each of `params`."
+    own = params is None
+    params = [p for p in self.model.parameters() if p.requires_grad] if own else list(params)
+    dev, grads, pgrads = grad.device, {self.output.args[0]: grad}, [None] * len(params)
     autocast = torch.autocast(dev.type, dtype=self.autocast) if self.autocast else nullcontext()
     for s in reversed(range(len(self.stages))):
         bar = self.nodes[self.stages[s][0]] if s > 0 else None
@@ -1573,64 +1602,88 @@ def _backward(self, grad:Tensor, # the gradient of the loss with respect to the 
                 _set_rng_state(self.rng[s, a], dev)
                 xhat = self._run_stage(s, env, self._xb(a, b), grad=True)
             pairs = [(env[n], _to(grads[n][a:b], dev)) for n in outs if isinstance(env.get(n), Tensor) and env[n].requires_grad]
-            if pairs: torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-            for n in self.stage_in[s]:
-                v = env.get(n)
-                if isinstance(v, Tensor) and v.grad is not None: self._keep(grads, n, v.grad, a, b, add=True)
-            if bar is not None: gx.append((a, b, xhat.detach(), xhat.grad if xhat.grad is not None else torch.zeros_like(xhat)))
+            leaves = [n for n in self.stage_in[s] if isinstance(env.get(n), Tensor) and env[n].requires_grad]
+            got = self._grads(pairs, [env[n] for n in leaves] + ([xhat] if xhat is not None else []), params, pgrads)
+            for n, g in zip(leaves, got):
+                if g is not None: self._keep(grads, n, g, a, b, add=True)
+            if bar is not None: gx.append((a, b, xhat.detach(), got[-1] if got and got[-1] is not None else torch.zeros_like(xhat)))
         for n in outs: grads.pop(n, None)
         if bar is not None: self._project(bar, gx, grads)
     self.kept = self.xb = None
+    if own:
+        for p, g in zip(params, pgrads):
+            if g is not None: p.grad = g if p.grad is None else p.grad + g
+    return pgrads
+
+def _grads(self, pairs:list, leaves:list, params:list, pgrads:list) -> list:
+    "Gradients of `leaves` from one chunk's stage (None where unused); its parameter gradients added to `pgrads` (no `.grad` is touched)."
+    if not pairs: return [None] * len(leaves)
+    got = torch.autograd.grad([t for t, _ in pairs], leaves + params, [g for _, g in pairs], allow_unused=True)
+    for i, g in enumerate(got[len(leaves):]):
+        if g is not None: pgrads[i] = g if pgrads[i] is None else pgrads[i] + g
+    return list(got[:len(leaves)])
 
 @torch.no_grad()
 def _project(self, bar, gx:list, grads:dict):
-    "BatchNorm's exact backward at `bar` over the window: dx = (g - mean(g) - x̂ mean(g x̂)) / σ, with window means."
+    "BatchNorm's exact backward at `bar` over the window: dx = (g - mean(g) - x̂ mean(g x̂)) / σ, with window means (over all processes under DDP)."
     m = self.modules[bar.target]
     dims = [0] + list(range(2, gx[0][2].dim()))
-    sum_g, sum_gx = sum(g.sum(dims) for *_, g in gx), sum((g * xh).sum(dims) for _, _, xh, g in gx)
+    sums = torch.stack([sum(g.sum(dims) for *_, g in gx), sum((g * xh).sum(dims) for _, _, xh, g in gx)])
+    if world_size() > 1: dist.all_reduce(sums)  # Σ dy and Σ dy·x̂ of the union of the processes' windows: one collective
+    sum_g, sum_gx = sums
     mean, invstd = self.stats[m]
     shape, n = [1, -1] + [1] * (gx[0][2].dim() - 2), self.count[m]
     for a, b, xh, g in gx:
         dx = (g - (sum_g / n).view(shape) - xh * (sum_gx / n).view(shape)) * invstd.view(shape)
         self._keep(grads, bar.args[0], dx, a, b, add=True)
 
-StagedStep.backward = _backward; StagedStep._project = _project
+StagedStep.backward = _backward; StagedStep._grads = _grads; StagedStep._project = _project
 
 # %% ../nbs/02b_staged_exact.ipynb #23d35454
 class _StagedFunction(torch.autograd.Function):
+    "The staged step as one autograd node: its inputs are the window's model inputs and the trainable parameters, whose gradients its backward returns (so each parameter's gradient arrives once per window, as DDP's reducer expects)."
     @staticmethod
-    def forward(ctx, anchor, step, chunk, *xb):
-        ctx.step, ctx.n = step, len(xb)
-        return step.forward(xb, chunk)
+    def forward(ctx, anchor, step, chunk, n_x, *inputs):
+        ctx.step, ctx.n_x = step, n_x
+        ctx.save_for_backward(*inputs[n_x:])
+        return step.forward(inputs[:n_x], chunk)
     @staticmethod
     def backward(ctx, grad):
-        ctx.step.backward(grad)
-        return (None, None, None) + (None,) * ctx.n
+        return (None, None, None, None) + (None,) * ctx.n_x + tuple(ctx.step.backward(grad, ctx.saved_tensors))
 
 class StagedForward:
     "A model's `forward` that trains a window as the big batch, staged; the model's own forward when it does not train."
     def __init__(self, model:nn.Module, # a model torch.fx can trace
                  chunk:int, # samples per chunk
                  store=None, # where values kept between stages live (default: host memory for a model on an accelerator)
+                 autocast=None, # callable returning the autocast context training runs in (a wrapper such as Accelerate's is replaced)
                 ):
         graph = _trace(model)
         if isinstance(graph, str): raise ValueError(f"staged exact: {untraceable_reason(model)}")
         dev = next(model.parameters()).device
-        self.model, self.chunk = model, chunk
+        self.model, self.chunk, self.autocast = model, chunk, autocast
+        self.own = model.__dict__.get('forward')  # a forward set on the instance (Accelerate's autocast wrapper): put back on uninstall
         self.step = StagedStep(model, graph, store if store is not None or dev.type == 'cpu' else 'cpu')
         self.anchor = torch.empty(0, requires_grad=True)  # gives the Function a gradient to call its backward for
     def __call__(self, *xb, **kwargs):
-        if kwargs or not (self.model.training and torch.is_grad_enabled()): return type(self.model).forward(self.model, *xb, **kwargs)
-        return _StagedFunction.apply(self.anchor, self.step, self.chunk, *xb)
+        if kwargs or not (self.model.training and torch.is_grad_enabled()):
+            return self.own(*xb, **kwargs) if self.own is not None else type(self.model).forward(self.model, *xb, **kwargs)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        with self.autocast() if self.autocast is not None else nullcontext():
+            return _StagedFunction.apply(self.anchor, self.step, self.chunk, len(xb), *xb, *params)
 
-def install_staged(model:nn.Module, chunk:int, store=None) -> StagedForward:
+def install_staged(model:nn.Module, chunk:int, store=None, autocast=None) -> StagedForward:
     "Make `model` train each batch as a staged exact step in chunks of `chunk` (until `uninstall_staged`)."
-    model.forward = f = StagedForward(model, chunk, store)
+    uninstall_staged(model)
+    model.forward = f = StagedForward(model, chunk, store, autocast)
     return f
 
 def uninstall_staged(model:nn.Module):
-    "The model's own forward again."
-    model.__dict__.pop('forward', None)
+    "The forward `model` had before `install_staged` (its class's, or the one set on the instance before)."
+    f = model.__dict__.get('forward')
+    if not isinstance(f, StagedForward): return
+    if f.own is not None: model.forward = f.own
+    else: del model.__dict__['forward']
 
 # ======== fastai_accum/loop.py ========
 # %% ../nbs/07_loop.ipynb #d39581af
@@ -1712,7 +1765,6 @@ class Accumulation(WindowSteps):
         self._modes = self._bn_modes()
         self.exact = self._choose_exact(b)
         self.find_bns()
-        if self.exact and self.plan.staged: install_staged(self.module, self.plan.chunk)
         self.path = self._path()
 
     def _bn_modes(self) -> tuple: return tuple(m.training for m in bn_layers(self.module))
@@ -1733,8 +1785,10 @@ class Accumulation(WindowSteps):
         return self.bns[0].policy if self.bns else 'no BatchNorm'
 
     def find_bns(self):
-        "Wrap (if asked) and collect the accumulating BatchNorm layers; again after anything replaces layers (fastai's `DistributedTrainer`)."
-        if self.exact:  # one batch per window; under DDP wrapped as 'micro' so that running statistics merge across processes at the step
+        "Wrap (if asked) and collect the accumulating BatchNorm layers, or install the staged step; again after anything replaces layers (fastai's `DistributedTrainer`) and after `release`."
+        if self.exact and self.plan.staged:  # the whole window as one chunk (DDP) keeps its values where it trains
+            install_staged(self.module, self.plan.chunk, store=self.plan.device if self.plan.whole else None, autocast=self.autocast)
+        elif self.exact:  # one batch per window; under DDP wrapped as 'micro' so that running statistics merge across processes at the step
             self._wrap('micro', new=self.wrap and self.merge_exact and world_size() > 1)
         elif not self.frozen_bn: self._wrap(self.policy, new=self.wrap)
         self.bns = bn_layers(self.module, accumulating=True)
@@ -1781,8 +1835,8 @@ class Accumulation(WindowSteps):
                     "as a model without BatchNorm, micro-batch by micro-batch (no pre-pass; their running statistics stay).")
         lines = []
         if self.plan is not None:
-            lines.append(f"GradientAccumulation: policy 'auto' -> window BatchNorm: 'exact' would need host offload or more "
-                         f"memory ({self.plan.describe()}).")
+            lines.append(f"GradientAccumulation: policy 'auto' -> window BatchNorm: {self.plan.describe()}; staged exact cannot "
+                         f"run: {self.plan.reason}.")
         with warnings.catch_warnings():
             warnings.simplefilter('ignore')  # a model torch.fx cannot trace: said once, below, not as a warning
             table = self._preflight_table(self.module, xb)

@@ -159,7 +159,7 @@ def resolve_auto(model:nn.Module, # the model, BatchNorm layers in the mode trai
     exact, plan = choose_exact('auto', model, lambda: xb, n_acc=window)  # the callback's own decision
     if plan is None: return auto_policy, f"policy 'auto' is {auto_policy!r}: no BatchNorm in training mode"
     if exact: return 'exact', f"policy 'auto' is 'exact' here, as in GradientAccumulation: {plan.describe()}"
-    return auto_policy, f"policy 'auto' is {auto_policy!r} here: 'exact' would need host offload or more memory ({plan.describe()})"
+    return auto_policy, f"policy 'auto' is {auto_policy!r} here: {plan.describe()}; staged exact cannot run: {plan.reason}"
 
 # %% ../nbs/06_check.ipynb #1d10b993
 def _dropouts(model:nn.Module) -> list:

@@ -109,6 +109,7 @@ class ExactPlan:
     staged:bool=False     # trained stage by stage in chunks (`fastai_accum.staged_exact`): the device holds one chunk of one stage
     chunk:int|None=None   # samples per chunk of a staged step (the micro-batch)
     reason:str|None=None  # why a staged step was not chosen
+    whole:bool=False      # staged in one chunk of the whole window (under DDP: BatchNorm reduced over the processes)
 
     @property
     def on_accelerator(self) -> bool: return self.device != 'cpu'
@@ -139,6 +140,9 @@ class ExactPlan:
 
     def describe(self) -> str:
         "What this plan does and the numbers it rests on."
+        if self.staged and self.whole:
+            return (f"a window of {self.window} samples as one batch per process, each BatchNorm layer normalizing over all "
+                    f"{_world()} processes' windows (SyncBatchNorm's semantics: 2 collectives per layer), needs {fmt_bytes(self.device_needed)}")
         if self.staged:
             budget = f"budget {fmt_bytes(self.device_budget)}" if self.device_budget is not None else f"budget {fmt_bytes(self.host_budget)}"
             return (f"a window of {self.window} samples as one batch would need {fmt_bytes(self.device_needed)} ({budget}), so it "
@@ -206,19 +210,40 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
     xb = peek()
     plan = plan_exact(model, xb, n_acc or n_step * xb[0].shape[0], device_memory, host_memory, offload)
     plan.chunk = xb[0].shape[0]
+    plan.reason = _staged_blocker(model, plan)
+    synced = _world() > 1 and not _syncs_itself(model)  # DDP with per-process BatchNorm: only a staged step reduces it over the processes
+    untraceable = untraceable_reason(model) if synced and isinstance(_trace(model), str) else None
     if policy == 'exact':
         if not plan.fits:
             raise ExactModeMemoryError(f"{name}(policy='exact'): {plan.describe()}. Lower n_step/n_acc, free memory, set the budget "
                                        "with device_memory=/host_memory=, or use policy='staged' (memory of one chunk) or 'window'.")
+        if untraceable: raise ExactModeMemoryError(f"{name}(policy='exact') under DDP normalizes over all processes' windows stage by stage, "
+                                                   f"but {untraceable} Convert BatchNorm to SyncBatchNorm or use policy='window'.")
+        if synced: _whole_staged(plan)
         return True, plan
-    plan.reason = _staged_blocker(model, plan)
     if policy == 'staged':
         if plan.reason: raise ExactModeMemoryError(f"{name}(policy='staged'): {plan.reason}")
         plan.staged, plan.chunk = True, _largest_chunk(plan)
         return True, plan
-    if auto_picks_exact(plan) or _world() > 1: return _agreed(auto_picks_exact(plan)), plan
-    if plan.reason is None: plan.staged, plan.chunk = True, _largest_chunk(plan)
-    return plan.staged, plan
+    whole, staged, offloaded = _agreed(auto_picks_exact(plan) and not untraceable, plan.reason is None,
+                                       plan.fits and plan.offload and not synced)
+    if whole:
+        if synced: _whole_staged(plan)
+        return True, plan
+    if staged:
+        plan.staged, plan.chunk, plan.offload = True, _largest_chunk(plan), False
+        return True, plan
+    if offloaded: return True, plan
+    plan.reason = plan.reason or untraceable or 'another process cannot train its window as one batch'
+    return False, plan
+
+def _whole_staged(plan:ExactPlan):
+    "Under DDP the whole window runs as one chunk of a staged step (its BatchNorm reduced over the processes), kept values on the device."
+    plan.staged, plan.chunk, plan.offload, plan.whole = True, plan.window, False, True
+
+def _syncs_itself(model:nn.Module) -> bool:
+    "Every training BatchNorm layer is a `SyncBatchNorm`, which reduces over the processes itself."
+    return all(isinstance(m, nn.SyncBatchNorm) for m in bn_layers(model) if m.training)
 
 def _largest_chunk(plan:ExactPlan) -> int:
     "The most samples per chunk the device budget holds, training as at that batch size (at least the micro-batch): fewer, larger kernels."
@@ -230,8 +255,7 @@ def _largest_chunk(plan:ExactPlan) -> int:
 def _world() -> int: return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 def _staged_blocker(model:nn.Module, plan:ExactPlan) -> str|None:
-    "Why a window cannot train staged (untraceable model, memory, several processes), or None."
-    if _world() > 1: return "staged exact runs in one process (under DDP the default trains the whole window or window BN)"
+    "Why a window cannot train staged in chunks (untraceable model, memory), or None."
     if isinstance(_trace(model), str): return untraceable_reason(model)
     if plan.staged_host_needed > plan.host_budget:
         return f"its kept values need {fmt_bytes(plan.staged_host_needed)} of host memory (budget {fmt_bytes(plan.host_budget)})"
@@ -240,9 +264,9 @@ def _staged_blocker(model:nn.Module, plan:ExactPlan) -> str|None:
         return f"one chunk of {plan.chunk} needs {fmt_bytes(plan.staged_device_needed)} (budget {fmt_bytes(budget)})"
     return None
 
-def _agreed(exact:bool) -> bool:
-    "Under data parallelism every rank must train the same way: exact only if every rank's window fits (one all-reduce)."
-    if _world() == 1: return exact
-    flag = torch.tensor([float(exact)], device='cuda' if dist.get_backend() == 'nccl' else 'cpu')
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+def _agreed(*flags:bool) -> list:
+    "Under data parallelism every rank must train the same way: each option only if every rank can take it (one all-reduce)."
+    if _world() == 1: return list(flags)
+    t = torch.tensor([float(f) for f in flags], device='cuda' if dist.get_backend() == 'nccl' else 'cpu')
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return [bool(v) for v in t.tolist()]

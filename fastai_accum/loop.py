@@ -88,7 +88,6 @@ class Accumulation(WindowSteps):
         self._modes = self._bn_modes()
         self.exact = self._choose_exact(b)
         self.find_bns()
-        if self.exact and self.plan.staged: install_staged(self.module, self.plan.chunk)
         self.path = self._path()
 
     def _bn_modes(self) -> tuple: return tuple(m.training for m in bn_layers(self.module))
@@ -109,8 +108,10 @@ class Accumulation(WindowSteps):
         return self.bns[0].policy if self.bns else 'no BatchNorm'
 
     def find_bns(self):
-        "Wrap (if asked) and collect the accumulating BatchNorm layers; again after anything replaces layers (fastai's `DistributedTrainer`)."
-        if self.exact:  # one batch per window; under DDP wrapped as 'micro' so that running statistics merge across processes at the step
+        "Wrap (if asked) and collect the accumulating BatchNorm layers, or install the staged step; again after anything replaces layers (fastai's `DistributedTrainer`) and after `release`."
+        if self.exact and self.plan.staged:  # the whole window as one chunk (DDP) keeps its values where it trains
+            install_staged(self.module, self.plan.chunk, store=self.plan.device if self.plan.whole else None, autocast=self.autocast)
+        elif self.exact:  # one batch per window; under DDP wrapped as 'micro' so that running statistics merge across processes at the step
             self._wrap('micro', new=self.wrap and self.merge_exact and world_size() > 1)
         elif not self.frozen_bn: self._wrap(self.policy, new=self.wrap)
         self.bns = bn_layers(self.module, accumulating=True)
@@ -157,8 +158,8 @@ class Accumulation(WindowSteps):
                     "as a model without BatchNorm, micro-batch by micro-batch (no pre-pass; their running statistics stay).")
         lines = []
         if self.plan is not None:
-            lines.append(f"GradientAccumulation: policy 'auto' -> window BatchNorm: 'exact' would need host offload or more "
-                         f"memory ({self.plan.describe()}).")
+            lines.append(f"GradientAccumulation: policy 'auto' -> window BatchNorm: {self.plan.describe()}; staged exact cannot "
+                         f"run: {self.plan.reason}.")
         with warnings.catch_warnings():
             warnings.simplefilter('ignore')  # a model torch.fx cannot trace: said once, below, not as a warning
             table = self._preflight_table(self.module, xb)

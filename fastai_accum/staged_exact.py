@@ -8,10 +8,12 @@ channel."""
 from __future__ import annotations
 from contextlib import nullcontext
 import torch
+import torch.distributed as dist
 from torch import nn, fx, Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 from .meters import _nbytes
-from .stats import ChannelStats
+from .stats import ChannelStats, all_reduce_stats
+from .window import world_size
 from .staged import StagedGraph, _to
 from .batchnorm import _trace, untraceable_reason
 
@@ -143,7 +145,8 @@ def _output(self, out, env:dict, a:int, b:int) -> Tensor:
 
 @torch.no_grad()
 def _close(self, m:_BatchNorm, st:ChannelStats):
-    "Barrier `m` has seen its window: fix the statistics it normalizes with, commit its running statistics as BatchNorm on the window does."
+    "Barrier `m` has seen its window (under DDP: the union of the processes' windows, one collective): fix the statistics it normalizes with, commit its running statistics as BatchNorm on that batch does."
+    if world_size() > 1: all_reduce_stats([st], [m.num_features])
     dt = m.weight.dtype if m.weight is not None else st.mean.dtype
     mean, var = st.mean.to(dt), st.biased_var.to(dt)
     self.stats[m], self.count[m] = (mean, torch.rsqrt(var + m.eps)), st.count
@@ -157,9 +160,12 @@ StagedStep.forward = _forward; StagedStep._output = _output; StagedStep._close =
 
 # %% ../nbs/02b_staged_exact.ipynb #1494d3bf
 def _backward(self, grad:Tensor, # the gradient of the loss with respect to the window's output
-            ):
-    "Back-propagate through the window: every parameter's `.grad` gets the big batch's gradient."
-    dev, grads = grad.device, {self.output.args[0]: grad}
+              params:list|None=None, # parameters whose gradients to return (default: every trainable one, added to its `.grad`)
+             ) -> list:
+    "Back-propagate through the window: the big batch's gradient of each of `params`."
+    own = params is None
+    params = [p for p in self.model.parameters() if p.requires_grad] if own else list(params)
+    dev, grads, pgrads = grad.device, {self.output.args[0]: grad}, [None] * len(params)
     autocast = torch.autocast(dev.type, dtype=self.autocast) if self.autocast else nullcontext()
     for s in reversed(range(len(self.stages))):
         bar = self.nodes[self.stages[s][0]] if s > 0 else None
@@ -171,61 +177,85 @@ def _backward(self, grad:Tensor, # the gradient of the loss with respect to the 
                 _set_rng_state(self.rng[s, a], dev)
                 xhat = self._run_stage(s, env, self._xb(a, b), grad=True)
             pairs = [(env[n], _to(grads[n][a:b], dev)) for n in outs if isinstance(env.get(n), Tensor) and env[n].requires_grad]
-            if pairs: torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-            for n in self.stage_in[s]:
-                v = env.get(n)
-                if isinstance(v, Tensor) and v.grad is not None: self._keep(grads, n, v.grad, a, b, add=True)
-            if bar is not None: gx.append((a, b, xhat.detach(), xhat.grad if xhat.grad is not None else torch.zeros_like(xhat)))
+            leaves = [n for n in self.stage_in[s] if isinstance(env.get(n), Tensor) and env[n].requires_grad]
+            got = self._grads(pairs, [env[n] for n in leaves] + ([xhat] if xhat is not None else []), params, pgrads)
+            for n, g in zip(leaves, got):
+                if g is not None: self._keep(grads, n, g, a, b, add=True)
+            if bar is not None: gx.append((a, b, xhat.detach(), got[-1] if got and got[-1] is not None else torch.zeros_like(xhat)))
         for n in outs: grads.pop(n, None)
         if bar is not None: self._project(bar, gx, grads)
     self.kept = self.xb = None
+    if own:
+        for p, g in zip(params, pgrads):
+            if g is not None: p.grad = g if p.grad is None else p.grad + g
+    return pgrads
+
+def _grads(self, pairs:list, leaves:list, params:list, pgrads:list) -> list:
+    "Gradients of `leaves` from one chunk's stage (None where unused); its parameter gradients added to `pgrads` (no `.grad` is touched)."
+    if not pairs: return [None] * len(leaves)
+    got = torch.autograd.grad([t for t, _ in pairs], leaves + params, [g for _, g in pairs], allow_unused=True)
+    for i, g in enumerate(got[len(leaves):]):
+        if g is not None: pgrads[i] = g if pgrads[i] is None else pgrads[i] + g
+    return list(got[:len(leaves)])
 
 @torch.no_grad()
 def _project(self, bar, gx:list, grads:dict):
-    "BatchNorm's exact backward at `bar` over the window: dx = (g - mean(g) - x̂ mean(g x̂)) / σ, with window means."
+    "BatchNorm's exact backward at `bar` over the window: dx = (g - mean(g) - x̂ mean(g x̂)) / σ, with window means (over all processes under DDP)."
     m = self.modules[bar.target]
     dims = [0] + list(range(2, gx[0][2].dim()))
-    sum_g, sum_gx = sum(g.sum(dims) for *_, g in gx), sum((g * xh).sum(dims) for _, _, xh, g in gx)
+    sums = torch.stack([sum(g.sum(dims) for *_, g in gx), sum((g * xh).sum(dims) for _, _, xh, g in gx)])
+    if world_size() > 1: dist.all_reduce(sums)  # Σ dy and Σ dy·x̂ of the union of the processes' windows: one collective
+    sum_g, sum_gx = sums
     mean, invstd = self.stats[m]
     shape, n = [1, -1] + [1] * (gx[0][2].dim() - 2), self.count[m]
     for a, b, xh, g in gx:
         dx = (g - (sum_g / n).view(shape) - xh * (sum_gx / n).view(shape)) * invstd.view(shape)
         self._keep(grads, bar.args[0], dx, a, b, add=True)
 
-StagedStep.backward = _backward; StagedStep._project = _project
+StagedStep.backward = _backward; StagedStep._grads = _grads; StagedStep._project = _project
 
 # %% ../nbs/02b_staged_exact.ipynb #23d35454
 class _StagedFunction(torch.autograd.Function):
+    "The staged step as one autograd node: its inputs are the window's model inputs and the trainable parameters, whose gradients its backward returns (so each parameter's gradient arrives once per window, as DDP's reducer expects)."
     @staticmethod
-    def forward(ctx, anchor, step, chunk, *xb):
-        ctx.step, ctx.n = step, len(xb)
-        return step.forward(xb, chunk)
+    def forward(ctx, anchor, step, chunk, n_x, *inputs):
+        ctx.step, ctx.n_x = step, n_x
+        ctx.save_for_backward(*inputs[n_x:])
+        return step.forward(inputs[:n_x], chunk)
     @staticmethod
     def backward(ctx, grad):
-        ctx.step.backward(grad)
-        return (None, None, None) + (None,) * ctx.n
+        return (None, None, None, None) + (None,) * ctx.n_x + tuple(ctx.step.backward(grad, ctx.saved_tensors))
 
 class StagedForward:
     "A model's `forward` that trains a window as the big batch, staged; the model's own forward when it does not train."
     def __init__(self, model:nn.Module, # a model torch.fx can trace
                  chunk:int, # samples per chunk
                  store=None, # where values kept between stages live (default: host memory for a model on an accelerator)
+                 autocast=None, # callable returning the autocast context training runs in (a wrapper such as Accelerate's is replaced)
                 ):
         graph = _trace(model)
         if isinstance(graph, str): raise ValueError(f"staged exact: {untraceable_reason(model)}")
         dev = next(model.parameters()).device
-        self.model, self.chunk = model, chunk
+        self.model, self.chunk, self.autocast = model, chunk, autocast
+        self.own = model.__dict__.get('forward')  # a forward set on the instance (Accelerate's autocast wrapper): put back on uninstall
         self.step = StagedStep(model, graph, store if store is not None or dev.type == 'cpu' else 'cpu')
         self.anchor = torch.empty(0, requires_grad=True)  # gives the Function a gradient to call its backward for
     def __call__(self, *xb, **kwargs):
-        if kwargs or not (self.model.training and torch.is_grad_enabled()): return type(self.model).forward(self.model, *xb, **kwargs)
-        return _StagedFunction.apply(self.anchor, self.step, self.chunk, *xb)
+        if kwargs or not (self.model.training and torch.is_grad_enabled()):
+            return self.own(*xb, **kwargs) if self.own is not None else type(self.model).forward(self.model, *xb, **kwargs)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        with self.autocast() if self.autocast is not None else nullcontext():
+            return _StagedFunction.apply(self.anchor, self.step, self.chunk, len(xb), *xb, *params)
 
-def install_staged(model:nn.Module, chunk:int, store=None) -> StagedForward:
+def install_staged(model:nn.Module, chunk:int, store=None, autocast=None) -> StagedForward:
     "Make `model` train each batch as a staged exact step in chunks of `chunk` (until `uninstall_staged`)."
-    model.forward = f = StagedForward(model, chunk, store)
+    uninstall_staged(model)
+    model.forward = f = StagedForward(model, chunk, store, autocast)
     return f
 
 def uninstall_staged(model:nn.Module):
-    "The model's own forward again."
-    model.__dict__.pop('forward', None)
+    "The forward `model` had before `install_staged` (its class's, or the one set on the instance before)."
+    f = model.__dict__.get('forward')
+    if not isinstance(f, StagedForward): return
+    if f.own is not None: model.forward = f.own
+    else: del model.__dict__['forward']

@@ -5,7 +5,7 @@
 
 Uses GPUs with NCCL when available, else CPU processes with gloo. Data: sklearn's digits (offline), upsampled to 32px.
 """
-import argparse, os
+import argparse, os, sys
 import torch, torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -49,3 +49,6 @@ if __name__ == '__main__':
     if rank_distrib() == 0:
         print(f'world={world} micro_bs={args.micro_bs} n_step={n_step} effective batch={args.micro_bs * n_step * world}')
     if torch.distributed.is_initialized(): torch.distributed.destroy_process_group()  # clean gloo/NCCL shutdown
+    # Under load, a thread left by gloo can abort the interpreter's shutdown (SIGABRT, "terminate called without an active
+    # exception") after training has finished: leave without it.
+    sys.stdout.flush(); sys.stderr.flush(); os._exit(0)

@@ -1,6 +1,6 @@
 """`accelerate launch --cpu --num_processes 2 tests/accelerate_dist_script.py MODE OUTDIR`: accelerate's DDP on gloo,
 `AcceleratedAccumulation` inside `accelerator.accumulate(model)`; each rank saves what tests/test_accelerate.py checks."""
-import sys, torch
+import os, sys, torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -50,3 +50,6 @@ torch.save(dict(allreduces=count[0], steps=steps[0], params=[p.detach() for p in
                 reference=[(r.running_mean, r.running_var) for r in reference]), f'{outdir}/rank{rank}.pt')
 dist.barrier()
 dist.destroy_process_group()
+# Leave without interpreter shutdown: under load, a thread left by gloo/fastai can abort it (SIGABRT, "terminate called
+# without an active exception") after everything above has finished and been saved.
+sys.stdout.flush(); sys.stderr.flush(); os._exit(0)

@@ -139,20 +139,45 @@ def _launch(mode, outdir):
     return [torch.load(outdir/f'rank{i}.pt', weights_only=False) for i in range(2)]
 
 def test_auto_under_ddp_trains_the_same_way_on_every_rank(tmp_path):
-    "Rank 1 cannot fit the window as one batch: 'auto' then picks window BatchNorm on both ranks (no mismatch, no hang)."
+    "Rank 1 can train its window neither whole nor staged: 'auto' then picks window BatchNorm on both ranks (no mismatch, no hang)."
     r0, r1 = _launch('auto_disagree', tmp_path/'auto')
     assert r0['exact'] is False and r1['exact'] is False
     assert r0['allreduces'] == r1['allreduces'] == 8
     for p0, p1 in zip(r0['params'], r1['params']): assert torch.equal(p0, p1)
 
-def test_exact_under_ddp_one_allreduce_per_window_equals_plain_ddp(tmp_path):
-    "2 ranks (gloo): micro 2 x 4 under 'exact' == plain DDP at batch 8; 4 windows x 2 epochs = 8 gradient all-reduces."
-    out = {mode: _launch(mode, tmp_path/mode) for mode in ('exact', 'reference')}
-    (e0, e1), (r0, _) = out['exact'], out['reference']
-    assert e0['allreduces'] == e1['allreduces'] == r0['allreduces'] == 8
-    for p0, p1, pr in zip(e0['params'], e1['params'], r0['params']):
+def _union_reference():
+    "One process training both ranks' windows as one batch of 16 (fastai's DistributedDL gives rank r the contiguous half r)."
+    from fastai.basics import Learner, DataLoaders, DataLoader, SGD, MSELossFlat
+    from torch.utils.data import TensorDataset
+    from dist_helpers import data, bn_net
+    x, y = data(image=True)
+    # window k of rank r holds samples 32r + 8k ... 32r + 8k + 7 (micro-batches of 2 x 4): big batch k is both ranks' window k
+    order = [i for k in range(4) for r in range(2) for i in range(32*r + 8*k, 32*r + 8*k + 8)]
+    dls = DataLoaders(DataLoader(TensorDataset(x[order].double(), y[order].double()), bs=16),
+                      DataLoader(TensorDataset(x[:8].double(), y[:8].double()), bs=16))
+    torch.manual_seed(0)
+    ref = Learner(dls, bn_net().double(), loss_func=MSELossFlat(), opt_func=SGD)
+    with ref.no_bar(), ref.no_logging(): ref.fit(2, lr=0.05)
+    return ref.model
+
+@pytest.mark.parametrize('mode', ['exact', 'auto', 'staged'])
+def test_exact_modes_under_ddp_equal_one_process_on_the_union(mode, tmp_path):
+    """2 ranks (gloo), plain BatchNorm, micro 2 x 4: whole-window ('exact', and 'auto' where it fits) and staged exact train
+    as one process on the union of the ranks' windows (SyncBatchNorm's semantics), float64; ranks bitwise equal. Per window:
+    one gradient all-reduce, and per BatchNorm layer one all-gather (its statistics) and one all-reduce (its two backward sums)."""
+    r0, r1 = _launch(mode, tmp_path/mode)
+    assert r0['exact'] and r0['path'] == r1['path'] == 'staged exact'
+    assert r0['chunk'] == (2 if mode == 'staged' else 8)
+    ref = _union_reference()
+    for p0, p1, pr in zip(r0['params'], r1['params'], ref.parameters()):
         assert torch.equal(p0, p1)
-        assert ((p0 - pr).abs().max() / pr.abs().max()).item() <= 1e-6
+        assert ((p0 - pr.detach()).abs().max() / pr.detach().abs().max()).item() <= 1e-9
+    for b0, b1, br in zip(r0['buffers'], r1['buffers'], ref.buffers()):
+        assert torch.equal(b0, b1)
+        assert ((b0.double() - br.double()).abs().max() / br.double().abs().max()).item() <= 1e-9
+    assert r0['allreduces'] == r1['allreduces'] == 8  # 4 windows x 2 epochs, one bucket each
+    n_bn = 2
+    assert r0['collectives'] == r1['collectives'] == [1 + 2 * n_bn] * 8
 
 def test_gpu_benchmark_script_runs_on_cpu():
     "nbs/bench_exact_gpu.py is for an accelerator; a tiny CPU run keeps it from rotting."

@@ -117,15 +117,20 @@ def test_ddp_one_allreduce_per_window(mode, tmp_path):
     assert r0['allreduces'] == r1['allreduces'] == 2 * 3 and r0['steps'] == r1['steps'] == 2 * 3
     for p0, p1 in zip(r0['params'], r1['params']): assert torch.equal(p0, p1)
     for a, b in zip(r0['stats'], r1['stats']): assert torch.equal(a, b)  # identical statistics on both ranks
-    if mode == 'mlp':  # = one process on the union of both ranks' windows
+    if mode in ('mlp', 'exact'):  # = one process on the union of both ranks' windows ('exact': BatchNorm over the union too)
         x0, y0 = r0['data']; x1, y1 = r1['data']
-        torch.manual_seed(0); ref = mlp().double(); ref.load_state_dict(r0['init'])
+        ref = (mlp() if mode == 'mlp' else nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))).double()
+        ref.load_state_dict(r0['init'])
         opt = torch.optim.SGD(ref.parameters(), lr=0.05)
         for _ in range(2):
             for lo in (0, 8, 16):
                 hi = min(lo + 8, 22)
                 nn.functional.mse_loss(ref(torch.cat([x0[lo:hi], x1[lo:hi]])), torch.cat([y0[lo:hi], y1[lo:hi]])).backward()
                 opt.step(); opt.zero_grad()
-        for p, q in zip(r0['params'], ref.parameters()): assert rel(p, q.detach()) <= 1e-6
-    else:  # the running statistics are BatchNorm's on the union of both ranks' windows
+        for p, q in zip(r0['params'], ref.parameters()): assert rel(p, q.detach()) <= 1e-9
+        if mode == 'exact':
+            assert r0['path'] == r1['path'] == 'staged exact'  # plain BatchNorm under DDP: the whole window as one staged chunk
+            (m, v), bn = r0['final'][0], ref[1]
+            assert rel(m, bn.running_mean) <= 1e-9 and rel(v, bn.running_var) <= 1e-9
+    if mode == 'window':  # the running statistics are BatchNorm's on the union of both ranks' windows
         for (m, v), (rm, rv) in zip(r0['final'], r0['reference']): assert rel(m, rm) <= 1e-10 and rel(v, rv) <= 1e-10
