@@ -6,20 +6,23 @@
 from __future__ import annotations
 import argparse, gc, json, math, os, statistics, subprocess, sys, tempfile, time, warnings
 from functools import partial
-import torch
+import torch, torchvision
 from fastai.basics import *
 from fastai.callback.progress import *
 from .batchnorm import bn_policies, wrap_bn, window_prepasses, prepass_plan, prepass_info, reset_bn_stats
 from .exact import choose_exact
+from .staged_exact import install_staged, uninstall_staged
+from .meters import _nbytes
 from .experiments import (
     small_cnn, torchvision_resnet18, efficientnet_b0, synthetic_dls, default_policy, setting_batch_size,
     setting_learner, torch_threads, CountAllReduces)
 
 # %% auto #0
-__all__ = ['bench_models', 'prepass_models_fns', 'summary_keys', 'speed_variants', 'time_variants', 'median_ratio',
-           'saved_bytes_peak', 'cuda_peak_bytes', 'prepass_peak', 'tensor_bytes_alive', 'leak_per_1000',
-           'allreduce_counts', 'format_summary', 'parse_summary', 'SpeedResults', 'auto_choice', 'bench_speed',
-           'add_speed_args', 'speed_main', 'small_cnn', 'synthetic_dls', 'efficientnet_b0', 'default_policy']
+__all__ = ['bench_models', 'prepass_models_fns', 'staged_models_fns', 'summary_keys', 'speed_variants', 'time_variants',
+           'median_ratio', 'saved_bytes_peak', 'cuda_peak_bytes', 'prepass_peak', 'staged_step', 'tensor_bytes_alive',
+           'leak_per_1000', 'allreduce_counts', 'format_summary', 'parse_summary', 'SpeedResults', 'auto_choice',
+           'bench_speed', 'add_speed_args', 'speed_main', 'small_cnn', 'synthetic_dls', 'efficientnet_b0',
+           'default_policy']
 
 # %% ../nbs/21_bench_speed.ipynb #ceeb1340
 bench_models = {'small_cnn': small_cnn, 'resnet18': torchvision_resnet18} # `--models` names
@@ -133,6 +136,51 @@ def prepass_peak(model_fn, # builds the model
                 how='activations on the device from the traced graph (values freed after their last use; values kept across '
                     'BatchNorm layers are in host memory on an accelerator, counted apart)')
 
+# %% ../nbs/21_bench_speed.ipynb #57f685c3
+staged_models_fns = {'resnet18': torchvision_resnet18, 'resnet50': partial(torchvision.models.resnet50, num_classes=10),
+                     'efficientnet_b0': efficientnet_b0, 'densenet121': partial(torchvision.models.densenet121, num_classes=10),
+                     'small_cnn': small_cnn}
+
+def _step_cost(model, xb, reps:int) -> tuple:
+    "(seconds, device bytes) of one training step of `model` on `xb`: the fastest of `reps` after a warm-up; bytes: autograd's saved-tensor peak (CUDA: the allocator's peak above what was allocated before)."
+    cuda = xb.device.type == 'cuda'
+    def step():
+        model(xb).float().pow(2).mean().backward()
+        model.zero_grad(set_to_none=True)
+    step()
+    ts = []
+    for _ in range(reps):
+        _sync(xb.device); t = time.perf_counter(); step(); _sync(xb.device); ts.append(time.perf_counter() - t)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
+        step(); torch.cuda.synchronize()
+        return min(ts), torch.cuda.max_memory_allocated() - base
+    with SavedTensorMeter(model) as meter: step()
+    return min(ts), meter.peak
+
+def staged_step(model_fn, # builds the model
+                bs:int=2, # micro-batch size: the staged step's chunk
+                window:int=16, # samples per window
+                size:int=64, # image height and width
+                device='cpu', # where to train
+                reps:int=1, # timed steps per mode (after a warm-up)
+               ) -> dict:
+    "One staged exact step over a window (chunks of `bs`) against plain training at `bs` (memory) and the window as one plain batch (time)."
+    torch.manual_seed(0)
+    model = model_fn().to(device).train()
+    x = torch.randn(window, 3, size, size, device=device)
+    (t_micro, micro), (t_whole, whole) = _step_cost(model, x[:bs], reps), _step_cost(model, x, reps)
+    f = install_staged(model, bs)
+    try:
+        t_staged, staged = _step_cost(model, x, reps)
+        with torch.no_grad(): f.step.forward((x,), bs)  # what the step keeps between stages (host memory on an accelerator)
+        host = sum(_nbytes(v) for v in f.step.kept.values())
+        f.step.kept = f.step.xb = None
+    finally: uninstall_staged(model)
+    return dict(window=window, chunk=bs, micro_bytes=micro, staged_bytes=staged, whole_bytes=whole,
+                memory_ratio=staged / micro, time_vs_whole=t_staged / t_whole, time_vs_micro=t_staged / t_micro / (window / bs),
+                host_per_sample=host / window)
+
 # %% ../nbs/21_bench_speed.ipynb #f7985979
 def tensor_bytes_alive(extra:dict|None=None, # more storages, `{key: nbytes}` (e.g. `SavedTensorMeter.storages`)
                       ) -> int:
@@ -220,7 +268,8 @@ def allreduce_counts(models=('small_cnn',), # names in `bench_models`
 
 # %% ../nbs/21_bench_speed.ipynb #eb45c013
 summary_keys = ('overhead_ratio', 'memory_ratio_vs_micro', 'memory_ratio_vs_full', 'leak_bytes_per_1000',
-                'allreduce_per_window', 'default_policy_time_ratio', 'prepass_memory_ratio')
+                'allreduce_per_window', 'default_policy_time_ratio', 'prepass_memory_ratio', 'staged_memory_ratio',
+                'staged_time_ratio')
 
 def format_summary(summary:dict) -> str:
     "The machine-readable line: `key=value` for every key of `summary_keys`, in order, 3 decimals."
@@ -261,12 +310,15 @@ def auto_choice(model_fn, bs:int, n_step:int, device='cpu') -> str:
     exact, _ = choose_exact('auto', learn.model, lambda: tuple(learn.dls.train.one_batch()[:1]), n_step)  # the callback's decision
     return 'exact' if exact else 'window'
 
-_defaults = dict(quick=dict(repeats=5, windows=1, leak_micro=160, prepass_windows=(16, 64), prepass_size=64),
-                 full=dict(repeats=7, windows=4, leak_micro=1000, prepass_windows=(16, 64, 256), prepass_size=128))
+_defaults = dict(quick=dict(repeats=5, windows=1, leak_micro=160, prepass_windows=(16, 64), prepass_size=64,
+                            staged_models=('resnet18', 'efficientnet_b0'), staged_windows=(16,), staged_size=64),
+                 full=dict(repeats=7, windows=4, leak_micro=1000, prepass_windows=(16, 64, 256), prepass_size=128,
+                           staged_models=('resnet18', 'resnet50', 'efficientnet_b0', 'densenet121'),
+                           staged_windows=(16, 64, 256), staged_size=128))
 
 # %% ../nbs/21_bench_speed.ipynb #1a11791b
 def _speed_config(models, device, micro_bs, n_step, repeats, windows, leak_micro, comm, quick, prepass_models,
-                  prepass_windows, prepass_size) -> dict:
+                  prepass_windows, prepass_size, staged_models=None, staged_windows=None, staged_size=None) -> dict:
     "`bench_speed`'s arguments, checked, with the defaults of a quick or a full run filled in."
     d = _defaults['quick' if quick else 'full']
     device = str(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
@@ -277,7 +329,16 @@ def _speed_config(models, device, micro_bs, n_step, repeats, windows, leak_micro
                 windows=windows or d['windows'], leak_micro=max(n_step, (leak_micro or d['leak_micro']) // n_step * n_step),
                 comm=comm, quick=quick, prepass_windows=prepass_windows or d['prepass_windows'],
                 prepass_models=[prepass_models] if isinstance(prepass_models, str) else list(prepass_models),
-                prepass_size=prepass_size or d['prepass_size'], cuda=torch.device(device).type == 'cuda')
+                prepass_size=prepass_size or d['prepass_size'], cuda=torch.device(device).type == 'cuda',
+                staged_models=list(_names(staged_models or d['staged_models'], staged_models_fns)),
+                staged_windows=staged_windows or d['staged_windows'], staged_size=staged_size or d['staged_size'])
+
+def _names(names, known:dict) -> list:
+    "`names` (a comma-separated string or a list) checked against `known`."
+    names = names.split(',') if isinstance(names, str) else list(names)
+    for m in names:
+        if m not in known: raise ValueError(f"unknown model {m!r}; choose from {', '.join(known)}")
+    return names
 
 def _speed_row(name, v, times, saved, leak, cuda) -> dict:
     "The table's row of model `name` under variant `v`."
@@ -312,6 +373,13 @@ def _measure_prepass(c:dict, raw:dict, log):
             raw['prepass'][f'{name}/{w}'] = prepass_peak(prepass_models_fns[name], c['micro_bs'], max(1, w // c['micro_bs']),
                                                          c['device'], c['prepass_size'])
 
+def _measure_staged(c:dict, raw:dict, log):
+    "A staged exact step of each staged model and window size, into `raw['staged']`."
+    for name in c['staged_models']:
+        for w in c['staged_windows']:
+            log(f"[{name}] staged exact step, window of {w} at {c['staged_size']}px")
+            raw['staged'][f'{name}/{w}'] = staged_step(staged_models_fns[name], c['micro_bs'], w, c['staged_size'], c['device'])
+
 def _count_allreduces(c:dict, raw:dict, notes:list, log):
     "All-reduces per window of ours and naive in 2 CPU processes, into `raw['comm']` (or a note that it failed)."
     log('all-reduce count: 2 CPU processes')
@@ -342,7 +410,9 @@ def _speed_summary(table, raw:dict, chosen:dict, models:list) -> dict:
                 leak_bytes_per_1000=max(leak0[v] - leak0['plain'] for v in ours),
                 allreduce_per_window=max(comm_ours) if comm_ours else float('nan'),
                 default_policy_time_ratio=max(table.loc[(m, f'ours:{chosen[m]}'), 'time_vs_naive'] for m in models),
-                prepass_memory_ratio=max((p['ratio'] for p in raw['prepass'].values()), default=float('nan')))
+                prepass_memory_ratio=max((p['ratio'] for p in raw['prepass'].values()), default=float('nan')),
+                staged_memory_ratio=max((s['memory_ratio'] for s in raw['staged'].values()), default=float('nan')),
+                staged_time_ratio=max((s['time_vs_whole'] for s in raw['staged'].values()), default=float('nan')))
 
 def _setup_notes(c:dict, chosen:dict) -> list:
     "What the reader needs to read the table: the variants, the ratios, what 'auto' ran, the memory column."
@@ -372,6 +442,20 @@ def _prepass_notes(c:dict, raw:dict) -> list:
                      f"{p['train_bytes']/2**20:.1f} MiB (whole window in one forward: {p['whole_ratio']:.2f}x); "
                      f"kept across BatchNorm layers {p['stored_bytes']/2**20:.1f} MiB; time {p['time_vs_whole']:.2f}x "
                      f"the whole-window forward's")
+    return notes
+
+def _staged_notes(c:dict, raw:dict) -> list:
+    "The staged exact step's figures, one line per model and window."
+    if not raw['staged']: return []
+    what = 'allocator peak' if c['cuda'] else 'bytes autograd holds for the backward'
+    notes = [f"staged_memory_ratio / staged_time_ratio: a staged exact step in chunks of {c['micro_bs']} ({c['staged_size']}px), "
+             f"its {what} / one plain step at micro-batch {c['micro_bs']}'s, and its time / the window as one plain batch's; "
+             "worst over models and windows:"]
+    for key, s in raw['staged'].items():
+        notes.append(f"  {key}: memory {s['memory_ratio']:.2f}x ({s['staged_bytes']/2**20:.1f} MiB vs {s['micro_bytes']/2**20:.1f}; "
+                     f"whole window {s['whole_bytes']/2**20:.1f}), time {s['time_vs_whole']:.2f}x the whole window's, "
+                     f"{s['time_vs_micro']:.2f}x naive accumulation's micro-batches; kept between stages "
+                     f"{s['host_per_sample']/2**20:.2f} MiB per sample")
     return notes
 
 def _leak_comm_notes(c:dict, raw:dict) -> list:
@@ -404,22 +488,26 @@ def bench_speed(models=('small_cnn', 'resnet18'), # names in `bench_models`
                 prepass_models=('resnet18', 'efficientnet_b0'), # names in `prepass_models_fns` for the pre-pass memory figures
                 prepass_windows=None, # window sizes (samples) of the pre-pass figures (default: 16, 64 quick; 16, 64, 256 full)
                 prepass_size:int|None=None, # image size of the pre-pass figures (default: 64 quick, 128 full)
+                staged_models=None, # names in `staged_models_fns` for the staged exact step (default: 2 quick, 4 full)
+                staged_windows=None, # window sizes (samples) of the staged step (default: 16 quick; 16, 64, 256 full)
+                staged_size:int|None=None, # image size of the staged step (default: 64 quick, 128 full)
                ) -> SpeedResults:
     "Time, memory, leak and communication of accumulation with exact BatchNorm vs plain, naive and the seed's."
     t_start = time.perf_counter()
     c = _speed_config(models, device, micro_bs, n_step, repeats, windows, leak_micro, comm, quick, prepass_models,
-                      prepass_windows, prepass_size)
+                      prepass_windows, prepass_size, staged_models, staged_windows, staged_size)
     log = print if verbose else noop
-    rows, raw, notes = [], dict(times={}, saved={}, cuda={}, prepass={}, leak={}, comm=None), []
+    rows, raw, notes = [], dict(times={}, saved={}, cuda={}, prepass={}, staged={}, leak={}, comm=None), []
     with torch_threads(threads):
         c['threads'] = torch.get_num_threads()
         chosen = {m: auto_choice(bench_models[m], micro_bs, n_step, c['device']) for m in c['models']}  # what 'auto' runs
         for name in c['models']: rows += _measure_model(name, c, raw, log)
         _measure_prepass(c, raw, log)
+        _measure_staged(c, raw, log)
         if comm: _count_allreduces(c, raw, notes, log)
     table = _speed_table(rows, raw)
     summary = _speed_summary(table, raw, chosen, c['models'])
-    notes += _setup_notes(c, chosen) + _prepass_notes(c, raw) + _leak_comm_notes(c, raw)
+    notes += _setup_notes(c, chosen) + _prepass_notes(c, raw) + _staged_notes(c, raw) + _leak_comm_notes(c, raw)
     config = {k: c[k] for k in ('models', 'device', 'micro_bs', 'n_step', 'repeats', 'windows', 'leak_micro', 'comm', 'quick', 'threads')}
     config.update(default_policy=default_policy(), seconds=time.perf_counter() - t_start)
     return SpeedResults(summary, table, notes, raw, config)
@@ -437,6 +525,9 @@ def add_speed_args(parser:argparse.ArgumentParser, # the (sub-)parser to add the
     parser.add_argument('--micro-bs', type=int, default=2, help='samples per micro-batch (default: %(default)s)')
     parser.add_argument('--n-step', type=int, default=8, help='micro-batches per optimizer step (default: %(default)s)')
     parser.add_argument('--no-comm', action='store_true', help='skip the 2-process all-reduce count')
+    parser.add_argument('--staged-models', default=None,
+                        help=f"staged exact step: comma-separated, from: {', '.join(staged_models_fns)} (default: resnet18,efficientnet_b0 quick; all but small_cnn full)")
+    parser.add_argument('--staged-windows', default=None, help='staged exact step: comma-separated window sizes (default: 16 quick; 16,64,256 full)')
     return parser
 
 def speed_main(args:argparse.Namespace, # parsed `add_speed_args` options
@@ -444,7 +535,8 @@ def speed_main(args:argparse.Namespace, # parsed `add_speed_args` options
     "Run the benchmark, print the table and the summary line last; 0 unless a measurement failed."
     res = bench_speed(models=[m.strip() for m in args.models.split(',') if m.strip()], device=args.device,
                       micro_bs=args.micro_bs, n_step=args.n_step, repeats=args.repeats, comm=not args.no_comm,
-                      quick=args.quick, verbose=True)
+                      quick=args.quick, verbose=True, staged_models=args.staged_models,
+                      staged_windows=[int(w) for w in args.staged_windows.split(',')] if args.staged_windows else None)
     print(res.report(), flush=True)
     failed = [k for k, v in res.summary.items() if not math.isfinite(v) and not (k == 'allreduce_per_window' and args.no_comm)]
     return 1 if failed else 0

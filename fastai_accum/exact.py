@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from .meters import SavedTensorMeter, fmt_bytes, _nbytes
+from .staged_exact import samples_mixed
 from .batchnorm import bn_layers, _trace, untraceable_reason
 
 # %% auto #0
@@ -210,22 +211,22 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
     xb = peek()
     plan = plan_exact(model, xb, n_acc or n_step * xb[0].shape[0], device_memory, host_memory, offload)
     plan.chunk = xb[0].shape[0]
-    plan.reason = _staged_blocker(model, plan)
     synced = _world() > 1 and not _syncs_itself(model)  # DDP with per-process BatchNorm: only a staged step reduces it over the processes
-    untraceable = untraceable_reason(model) if synced and isinstance(_trace(model), str) else None
+    unfit = _not_staged(model, xb) if synced else None  # why the whole window cannot run as one staged chunk
     if policy == 'exact':
         if not plan.fits:
             raise ExactModeMemoryError(f"{name}(policy='exact'): {plan.describe()}. Lower n_step/n_acc, free memory, set the budget "
                                        "with device_memory=/host_memory=, or use policy='staged' (memory of one chunk) or 'window'.")
-        if untraceable: raise ExactModeMemoryError(f"{name}(policy='exact') under DDP normalizes over all processes' windows stage by stage, "
-                                                   f"but {untraceable} Convert BatchNorm to SyncBatchNorm or use policy='window'.")
+        if unfit: raise ExactModeMemoryError(f"{name}(policy='exact') under DDP normalizes over all processes' windows stage by stage, "
+                                             f"but {unfit} Convert BatchNorm to SyncBatchNorm or use policy='window'.")
         if synced: _whole_staged(plan)
         return True, plan
+    if policy == 'staged' or synced or not auto_picks_exact(plan): plan.reason = _staged_blocker(model, plan, xb)
     if policy == 'staged':
         if plan.reason: raise ExactModeMemoryError(f"{name}(policy='staged'): {plan.reason}")
         plan.staged, plan.chunk = True, _largest_chunk(plan)
         return True, plan
-    whole, staged, offloaded = _agreed(auto_picks_exact(plan) and not untraceable, plan.reason is None,
+    whole, staged, offloaded = _agreed(auto_picks_exact(plan) and not unfit, plan.reason is None,
                                        plan.fits and plan.offload and not synced)
     if whole:
         if synced: _whole_staged(plan)
@@ -234,7 +235,7 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
         plan.staged, plan.chunk, plan.offload = True, _largest_chunk(plan), False
         return True, plan
     if offloaded: return True, plan
-    plan.reason = plan.reason or untraceable or 'another process cannot train its window as one batch'
+    plan.reason = plan.reason or unfit or 'another process cannot train its window as one batch'
     return False, plan
 
 def _whole_staged(plan:ExactPlan):
@@ -254,9 +255,16 @@ def _largest_chunk(plan:ExactPlan) -> int:
 
 def _world() -> int: return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
-def _staged_blocker(model:nn.Module, plan:ExactPlan) -> str|None:
-    "Why a window cannot train staged in chunks (untraceable model, memory), or None."
+def _not_staged(model:nn.Module, xb:tuple) -> str|None:
+    "Why a staged step would not be the big batch: the model does not trace, or an op combines samples (`samples_mixed`); or None."
     if isinstance(_trace(model), str): return untraceable_reason(model)
+    mixed = samples_mixed(model, xb)
+    return f"a staged step would not be the big batch: {mixed}." if mixed else None
+
+def _staged_blocker(model:nn.Module, plan:ExactPlan, xb:tuple) -> str|None:
+    "Why a window cannot train staged in chunks (`_not_staged`, memory), or None."
+    why = _not_staged(model, xb)
+    if why: return why
     if plan.staged_host_needed > plan.host_budget:
         return f"its kept values need {fmt_bytes(plan.staged_host_needed)} of host memory (budget {fmt_bytes(plan.host_budget)})"
     budget = plan.device_budget if plan.device_budget is not None else plan.host_budget

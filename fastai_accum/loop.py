@@ -164,7 +164,7 @@ class Accumulation(WindowSteps):
             warnings.simplefilter('ignore')  # a model torch.fx cannot trace: said once, below, not as a warning
             table = self._preflight_table(self.module, xb)
         why = untraceable_reason(self.module) if self.needs_window else None
-        if why: lines.append(f"GradientAccumulation: {why}")
+        if why and not any(why in l for l in lines): lines.append(f"GradientAccumulation: {why}")  # said once
         return '\n'.join(lines + [table])
 
     def batches(self, loader):

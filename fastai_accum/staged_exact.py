@@ -18,7 +18,7 @@ from .staged import StagedGraph, _to
 from .batchnorm import _trace, untraceable_reason
 
 # %% auto #0
-__all__ = ['StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged']
+__all__ = ['StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed']
 
 # %% ../nbs/02b_staged_exact.ipynb #47a3cd82
 def _is_barrier(m) -> bool:
@@ -95,6 +95,7 @@ def _stage_inputs(self, s:int, a:int, b:int, dev, grad:bool=False) -> dict:
     for n in self.stage_in[s]:
         if n.op == 'placeholder': continue
         v = _to(self.kept[n][a:b], dev)
+        if v.device == self.kept[n].device: v = v.clone()  # a chunk of its own, as on an accelerator: the store stays out of the graph
         env[n] = v.detach().requires_grad_(v.is_floating_point()) if grad else v
     return env
 
@@ -259,3 +260,44 @@ def uninstall_staged(model:nn.Module):
     if not isinstance(f, StagedForward): return
     if f.own is not None: model.forward = f.own
     else: del model.__dict__['forward']
+
+# %% ../nbs/02b_staged_exact.ipynb #71214177
+def _perturbed(xb:tuple) -> tuple:
+    "Other samples of the same shapes: float inputs scaled and shifted, others as they are."
+    return tuple(t * 1.5 + 0.25 if isinstance(t, Tensor) and t.is_floating_point() else t for t in xb)
+
+def _cat(a:tuple, b:tuple) -> tuple: return tuple(torch.cat([x, y]) if isinstance(x, Tensor) else x for x, y in zip(a, b))
+
+def _grows(a:tuple, b:tuple) -> bool:
+    "Shape `b` is `a` with one dimension (the batch's, wherever a permute put it) doubled."
+    diff = [(i, j) for i, j in zip(a, b) if i != j]
+    return len(a) == len(b) and len(diff) == 1 and diff[0][1] == 2 * diff[0][0]
+
+@torch.no_grad()
+def _node_values(step:StagedStep, xb:tuple) -> dict:
+    "Every node's value on batch `xb`, training BatchNorm layers passing their input through (nothing in the model changes)."
+    env = {}
+    for n in step.nodes:
+        if n.op == 'call_module' and _is_barrier(step.modules[n.target]): env[n] = step._value(n.args[0], env, xb)
+        else: env[n] = _plain(step._run_node(n, env, xb))
+    return env
+
+def samples_mixed(model:nn.Module, # a model torch.fx can trace, in the modes it trains in
+                  xb:tuple, # one micro-batch of its inputs
+                 ) -> str|None:
+    "The first op outside BatchNorm whose output mixes samples (it does not grow with the batch, and changes with other samples), or None."
+    graph = _trace(model)
+    if isinstance(graph, str): return None
+    step = StagedStep(model, graph)
+    xb = tuple(_plain(t) for t in xb)
+    a = xb if xb[0].shape[0] >= 2 else _cat(xb, _perturbed(xb))  # at least 2 samples: a `squeeze()` keeps the batch dimension
+    b = _cat(a, _perturbed(a))
+    dev = a[0].device
+    with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []):
+        va, vb = _node_values(step, a), _node_values(step, b)
+    for n in step.nodes:
+        x, y = va[n], vb[n]
+        if not (isinstance(x, Tensor) and isinstance(y, Tensor)): continue
+        if not _grows(x.shape, y.shape) and (x.shape != y.shape or not torch.equal(x, y)):
+            return f"{n.name} ({n.op} {getattr(n.target, '__name__', n.target)}) combines the samples of a batch"
+    return None

@@ -1,16 +1,18 @@
-"""The 'exact' policy on an accelerator: peak memory and time per window of training each window as one batch (saved
-activations in pinned host memory), against naive accumulation at the micro-batch and against one batch held on the device.
+"""The exact modes on an accelerator: peak memory and time per window of training each window as one batch (saved
+activations in pinned host memory; or staged: stage by stage in chunks of the micro-batch, kept values in host memory),
+against naive accumulation at the micro-batch and against one batch held on the device.
 
     python nbs/bench_exact_gpu.py                     # resnet50, 224 px, windows 64 and 256, micro-batch 2, CUDA
     python nbs/bench_exact_gpu.py --device cpu --model resnet18 --size 32 --windows 8 --reps 1   # a smoke test
 
 One line per (window, mode): seconds per window, peak accelerator memory, and the plan's estimate (`plan_exact`, measured
-on one micro-batch) next to it, then a summary line of ratios. Synthetic data, random init, SGD: memory and time only.
+on one micro-batch) next to it (staged: the host traffic per window), then a summary line of ratios. Synthetic data, random init, SGD: memory and time only.
 """
-import argparse, time
+import argparse, contextlib, time
 import torch, torchvision
 from torch import nn
 from fastai_accum.exact import plan_exact, saved_on_host
+from fastai_accum.staged_exact import install_staged, uninstall_staged
 from fastai_accum.meters import fmt_bytes
 
 def parse():
@@ -38,9 +40,15 @@ def naive_window(model, opt, xs, ys, loss_func):
 
 def one_batch_window(model, opt, xs, ys, loss_func, plan):
     x, y = torch.cat(xs), torch.cat(ys)
-    with saved_on_host(plan): loss = loss_func(model(x), y)
+    with saved_on_host(plan) if plan is not None else contextlib.nullcontext(): loss = loss_func(model(x), y)
     loss.backward()
     opt.step(); opt.zero_grad()
+
+def staged_window(model, opt, xs, ys, loss_func, chunk):
+    "The window as one batch through a staged exact step in chunks of `chunk` (kept values in host memory on an accelerator)."
+    install_staged(model, chunk)
+    try: one_batch_window(model, opt, xs, ys, loss_func, plan=None)
+    finally: uninstall_staged(model)
 
 def timed(fn, dev, reps):
     fn(); sync(dev)  # warm-up (cuDNN autotuning, allocator, pinned host blocks)
@@ -66,16 +74,19 @@ def main():
         on_device = plan_exact(model, (xs[0],), w, offload=False)
         rows = [('naive', lambda: naive_window(model, opt, xs, ys, loss_func), None),
                 ('exact, host offload', lambda: one_batch_window(model, opt, xs, ys, loss_func, offloaded), offloaded),
+                ('staged exact', lambda: staged_window(model, opt, xs, ys, loss_func, a.micro_bs), 'staged'),
                 ('one batch on device', lambda: one_batch_window(model, opt, xs, ys, loss_func, on_device), on_device)]
         res = {}
         for name, fn, plan in rows:
             try: secs, mem = timed(fn, dev, a.reps)
             except torch.OutOfMemoryError: secs, mem = float('nan'), float('nan'); opt.zero_grad(); peak_reset(dev)
             res[name] = (secs, mem)
-            est = '' if plan is None else f'  estimate: device {fmt_bytes(plan.device_needed)}, host {fmt_bytes(plan.host_needed)}'
+            est = ('' if plan is None else f'  host traffic: {fmt_bytes(2 * on_device.staged_host_needed)} per window (kept values out and back)'
+                   if plan == 'staged' else f'  estimate: device {fmt_bytes(plan.device_needed)}, host {fmt_bytes(plan.host_needed)}')
             print(f'window {w:4d}  {name:20s} {secs:8.3f} s/window  peak {fmt_bytes(mem) if mem == mem else "n/a":>10s}{est}', flush=True)
-        (tn, mn), (te, me) = res['naive'], res['exact, host offload']
-        summary[w] = (te / tn, me / mn if mn == mn and mn else float('nan'))
-    print(' '.join(f'exact_time_vs_naive_w{w}={t:.2f} exact_peak_vs_naive_w{w}={m:.2f}' for w, (t, m) in summary.items()))
+        def vs(name): return res[name][0] / res['naive'][0], res[name][1] / res['naive'][1] if res['naive'][1] == res['naive'][1] and res['naive'][1] else float('nan')
+        summary[w] = vs('exact, host offload') + vs('staged exact')
+    print(' '.join(f'exact_time_vs_naive_w{w}={t:.2f} exact_peak_vs_naive_w{w}={m:.2f} staged_time_vs_naive_w{w}={ts:.2f} '
+                   f'staged_peak_vs_naive_w{w}={ms:.2f}' for w, (t, m, ts, ms) in summary.items()))
 
 if __name__ == '__main__': main()

@@ -9,7 +9,8 @@ ROOT = Path(__file__).parents[1]
 
 def test_tiny_bench_speed_gives_every_summary_key_finite():
     res = bench_speed(models='small_cnn', micro_bs=2, n_step=4, repeats=1, windows=1, leak_micro=16, comm=True,
-                      prepass_models='small_cnn', prepass_windows=(16, 64), prepass_size=32)
+                      prepass_models='small_cnn', prepass_windows=(16, 64), prepass_size=32,
+                      staged_models='small_cnn', staged_windows=(8,), staged_size=32)
     assert set(res.summary) == set(summary_keys)
     for k in summary_keys: assert math.isfinite(res[k]), (k, res[k], res.notes)
     assert res['allreduce_per_window'] == 1.0
@@ -17,6 +18,7 @@ def test_tiny_bench_speed_gives_every_summary_key_finite():
     assert res['memory_ratio_vs_full'] < 0.5 and 0.9 < res['memory_ratio_vs_micro'] < 1.2
     assert 0 < res['prepass_memory_ratio'] <= 1.0  # the pre-pass stays within training's footprint
     assert res.raw['prepass']['small_cnn/64']['mode'] == 'staged'
+    assert 0 < res['staged_memory_ratio'] <= 1.0 and res['staged_time_ratio'] > 0  # a staged step holds less than a micro-batch step
     report = res.report().splitlines()
     assert report[-1] == res.summary_line() and parse_summary(report[-1]) == pytest.approx(
         {k: round(v, 3) for k, v in res.summary.items()}, abs=1e-3)

@@ -188,6 +188,7 @@ def test_gpu_benchmark_script_runs_on_cpu():
                         '--reps', '1'], capture_output=True, text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert r.returncode == 0, r.stderr[-3000:]
     assert 'exact_time_vs_naive_w4=' in r.stdout and 'estimate: device' in r.stdout
+    assert 'staged_time_vs_naive_w4=' in r.stdout and 'host traffic:' in r.stdout
 
 def test_exact_at_micro_batch_1_equals_big_batch():
     "Micro-batches of 1 sample (BatchNorm cannot train on them): 8 of them as one window equal a batch of 8."
