@@ -462,6 +462,13 @@ class WindowNormFunction(torch.autograd.Function):
         return dx, (gy * xhat).sum(dims).to(weight.dtype), gy.sum(dims).to(weight.dtype), None, None, None
 
 # %% ../nbs/01_batchnorm.ipynb #50e7f4b8
+def _after_norm(m:nn.Module, x):
+    "The activation/dropout of timm-style norm-act layers (`drop`, `act` children of `m`), which their forward applies after BatchNorm."
+    for name in ('drop', 'act'):
+        sub = m._modules.get(name)
+        if sub is not None: x = sub(x)
+    return x
+
 class AccumulateBatchNorm(_BatchNorm):
     "BatchNorm whose running statistics are committed once per accumulation window by `update_stats`."
     plain_class = _BatchNorm # the standard class this layer is the accumulating counterpart of
@@ -497,12 +504,7 @@ class AccumulateBatchNorm(_BatchNorm):
         x = getattr(self, f'_normalize_{self.policy}')(x)
         return self._after_norm(x)
 
-    def _after_norm(self, x):
-        "Activation/dropout of timm-style norm-act layers (`drop`, `act` children); identity for plain BatchNorm."
-        for name in ('drop', 'act'):
-            m = self._modules.get(name)
-            if m is not None: x = m(x)
-        return x
+    def _after_norm(self, x): return _after_norm(self, x)
 
     def _normalize_micro(self, x):
         n = x.numel() // x.shape[1]
@@ -1188,13 +1190,6 @@ def _is_barrier(m) -> bool:
     "A BatchNorm layer that normalizes with batch statistics (training, or without running statistics): it couples samples."
     return isinstance(m, _BatchNorm) and (m.training or m.running_mean is None)
 
-def _after_norm(m, y):
-    "The activation/dropout of timm-style norm-act layers (`drop`, `act` children), which their forward applies after BatchNorm."
-    for name in ('drop', 'act'):
-        sub = m._modules.get(name)
-        if sub is not None: y = sub(y)
-    return y
-
 def _plain(t):
     "`t` as a plain `Tensor` (a subclass such as fastai's `TensorImage` would make every op dispatch through it)."
     return t.as_subclass(Tensor) if isinstance(t, Tensor) and type(t) is not Tensor else t
@@ -1259,7 +1254,7 @@ def _stage_inputs(self, s:int, a:int, b:int, dev, grad:bool=False) -> dict:
     for n in self.stage_in[s]:
         if n.op == 'placeholder': continue
         v = _to(self.kept[n][a:b], dev)
-        if v.device == self.kept[n].device: v = v.clone()  # a chunk of its own, as on an accelerator: the store stays out of the graph
+        if grad and v.device == self.kept[n].device: v = v.clone()  # a chunk of its own, as on an accelerator: the store stays out of the graph
         env[n] = v.detach().requires_grad_(v.is_floating_point()) if grad else v
     return env
 

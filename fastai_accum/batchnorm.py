@@ -85,6 +85,13 @@ class WindowNormFunction(torch.autograd.Function):
         return dx, (gy * xhat).sum(dims).to(weight.dtype), gy.sum(dims).to(weight.dtype), None, None, None
 
 # %% ../nbs/01_batchnorm.ipynb #50e7f4b8
+def _after_norm(m:nn.Module, x):
+    "The activation/dropout of timm-style norm-act layers (`drop`, `act` children of `m`), which their forward applies after BatchNorm."
+    for name in ('drop', 'act'):
+        sub = m._modules.get(name)
+        if sub is not None: x = sub(x)
+    return x
+
 class AccumulateBatchNorm(_BatchNorm):
     "BatchNorm whose running statistics are committed once per accumulation window by `update_stats`."
     plain_class = _BatchNorm # the standard class this layer is the accumulating counterpart of
@@ -120,12 +127,7 @@ class AccumulateBatchNorm(_BatchNorm):
         x = getattr(self, f'_normalize_{self.policy}')(x)
         return self._after_norm(x)
 
-    def _after_norm(self, x):
-        "Activation/dropout of timm-style norm-act layers (`drop`, `act` children); identity for plain BatchNorm."
-        for name in ('drop', 'act'):
-            m = self._modules.get(name)
-            if m is not None: x = m(x)
-        return x
+    def _after_norm(self, x): return _after_norm(self, x)
 
     def _normalize_micro(self, x):
         n = x.numel() // x.shape[1]

@@ -16,7 +16,7 @@ from .meters import _nbytes
 from .stats import ChannelStats, all_reduce_stats
 from .window import world_size
 from .staged import StagedGraph, _to
-from .batchnorm import _trace, untraceable_reason
+from .batchnorm import _trace, untraceable_reason, _after_norm
 
 # %% auto #0
 __all__ = ['StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed']
@@ -25,13 +25,6 @@ __all__ = ['StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 
 def _is_barrier(m) -> bool:
     "A BatchNorm layer that normalizes with batch statistics (training, or without running statistics): it couples samples."
     return isinstance(m, _BatchNorm) and (m.training or m.running_mean is None)
-
-def _after_norm(m, y):
-    "The activation/dropout of timm-style norm-act layers (`drop`, `act` children), which their forward applies after BatchNorm."
-    for name in ('drop', 'act'):
-        sub = m._modules.get(name)
-        if sub is not None: y = sub(y)
-    return y
 
 def _plain(t):
     "`t` as a plain `Tensor` (a subclass such as fastai's `TensorImage` would make every op dispatch through it)."
@@ -97,7 +90,7 @@ def _stage_inputs(self, s:int, a:int, b:int, dev, grad:bool=False) -> dict:
     for n in self.stage_in[s]:
         if n.op == 'placeholder': continue
         v = _to(self.kept[n][a:b], dev)
-        if v.device == self.kept[n].device: v = v.clone()  # a chunk of its own, as on an accelerator: the store stays out of the graph
+        if grad and v.device == self.kept[n].device: v = v.clone()  # a chunk of its own, as on an accelerator: the store stays out of the graph
         env[n] = v.detach().requires_grad_(v.is_floating_point()) if grad else v
     return env
 
