@@ -31,7 +31,7 @@ _all_ = ['small_cnn', 'synthetic_dls', 'efficientnet_b0', 'default_policy'] # at
 # %% ../nbs/21_bench_speed.ipynb #b41ec92b
 def speed_variants() -> list:
     "Names of the timed settings, `plain` first: `ours:<policy>` for each BatchNorm policy and 'exact' ('auto' picks one of them, see `auto_choice`)."
-    return ['plain', 'naive', 'seed'] + [f'ours:{p}' for p in bn_policies if p != 'auto'] + ['ours:exact']
+    return ['plain', 'naive', 'seed'] + [f'ours:{p}' for p in bn_policies if p != 'auto'] + ['ours:exact', 'ours:staged']
 
 def _make_learner(variant:str, model_fn, bs:int, n_step:int, n_micro:int, device=None, seed:int=0) -> Learner:
     "A fresh Learner for `variant` (a setting) with `n_micro` training batches of `setting_batch_size` (`full`: `bs*n_step`)."
@@ -305,10 +305,10 @@ class SpeedResults:
 
 # %% ../nbs/21_bench_speed.ipynb #fa0a2027
 def auto_choice(model_fn, bs:int, n_step:int, device='cpu') -> str:
-    "What the default policy ('auto') trains `model_fn`'s windows of `n_step` micro-batches with here: 'exact' or 'window'."
+    "What the default policy ('auto') trains `model_fn`'s windows of `n_step` micro-batches with here: 'exact', 'staged' or 'window'."
     learn = _make_learner('plain', model_fn, bs, n_step, n_step, device)
-    exact, _ = choose_exact('auto', learn.model, lambda: tuple(learn.dls.train.one_batch()[:1]), n_step)  # the callback's decision
-    return 'exact' if exact else 'window'
+    exact, plan = choose_exact('auto', learn.model, lambda: tuple(learn.dls.train.one_batch()[:1]), n_step)  # the callback's decision
+    return ('staged' if plan.staged else 'exact') if exact else 'window'
 
 _defaults = dict(quick=dict(repeats=5, windows=1, leak_micro=160, prepass_windows=(16, 64), prepass_size=64,
                             staged_models=('resnet18', 'efficientnet_b0'), staged_windows=(16,), staged_size=64),

@@ -39,11 +39,12 @@ def default_policy() -> str:
     return inspect.signature(GradientAccumulation).parameters['policy'].default
 
 # %% ../nbs/09a_experiments.ipynb #353470f6
-ours_policies = bn_policies + ('exact',) # what `ours:POLICY` can name
+ours_policies = bn_policies + ('exact', 'staged') # what `ours:POLICY` can name
 
 def _ours_description(policy:str|None=None) -> str:
     if policy is not None: return f"fastai_accum GradientAccumulation, policy={policy!r}"
-    runs = " ('exact' when the window fits in free memory, else 'window')" if default_policy() == 'auto' else ''
+    runs = (" ('exact' when the window fits in free memory, else 'staged' when the model traces, else 'window')"
+            if default_policy() == 'auto' else '')
     return f"fastai_accum GradientAccumulation, default policy={default_policy()!r}{runs}"
 
 experiment_settings = dict(

@@ -136,3 +136,23 @@ def test_accelerate_launch_one_allreduce_per_window(mode, tmp_path):
         for p, q in zip(r0['params'], ref.parameters()): assert rel(p, q.detach()) <= 1e-6
     else:
         for (m, v), (rm, rv) in zip(r0['final'], r0['reference']): assert rel(m, rm) <= 1e-10 and rel(v, rv) <= 1e-10
+
+def test_staged_equals_exact_through_accelerate():
+    "policy='staged' under `accelerator.accumulate`: each window trained stage by stage equals it trained as one batch (float64)."
+    runs = {p: run(bn_mlp, 20, 3, 3, torch.float64, epochs=2, policy=p) for p in ('exact', 'staged')}
+    (ne, _, ae, se), (ns, _, as_, ss) = runs['exact'], runs['staged']
+    assert (ae.path, as_.path) == ('exact', 'staged exact') and se == ss == 2 * 3
+    for p, q in zip(ns.state_dict().values(), ne.state_dict().values()):
+        assert rel(p.double(), q.double()) <= 1e-10
+
+def test_staged_under_bf16_autocast_runs_in_bf16():
+    "Accelerate's bf16 autocast wraps the model's forward; the staged step re-enters it (its BatchNorm inputs are bf16)."
+    seen = []
+    def bn_mlp_rec():
+        m = bn_mlp()
+        m[0].register_forward_hook(lambda mod, i, o: seen.append(o.dtype))
+        return m
+    net, init, acc, steps = run(bn_mlp_rec, 20, 4, 2, mixed_precision='bf16', policy='staged')
+    assert acc.path == 'staged exact' and steps == 3
+    assert seen[-4:] == [torch.bfloat16] * 4  # the last window's forward and recompute (planning measures outside autocast)
+    assert all(torch.isfinite(p).all() for p in net.parameters())
