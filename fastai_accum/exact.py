@@ -111,6 +111,7 @@ class ExactPlan:
     chunk:int|None=None   # samples per chunk of a staged step (the micro-batch)
     reason:str|None=None  # why a staged step was not chosen
     whole:bool=False      # staged in one chunk of the whole window (under DDP: BatchNorm reduced over the processes)
+    micro:int|None=None   # samples per micro-batch (of the one measured)
 
     @property
     def on_accelerator(self) -> bool: return self.device != 'cpu'
@@ -210,7 +211,7 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
     if policy == 'auto' and not any(m.training for m in bn_layers(model)): return False, None
     xb = peek()
     plan = plan_exact(model, xb, n_acc or n_step * xb[0].shape[0], device_memory, host_memory, offload)
-    plan.chunk = xb[0].shape[0]
+    plan.chunk = plan.micro = xb[0].shape[0]
     synced = _world() > 1 and not _syncs_itself(model)  # DDP with per-process BatchNorm: only a staged step reduces it over the processes
     unfit = _not_staged(model, xb) if synced else None  # why the whole window cannot run as one staged chunk
     if policy == 'exact':

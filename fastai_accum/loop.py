@@ -72,7 +72,7 @@ class Accumulation(WindowSteps):
         self.path = None  # how training runs, once chosen: 'exact', 'frozen BatchNorm', 'no BatchNorm', or a BatchNorm policy
         self._modes, self._wrapped, self._own_policy, self._pools = None, [], {}, {}
         self.n_steps, self.losses, self.prepass_time = 0, [], 0.
-        self._micro, self._offload, self._ends_window = None, None, False
+        self._micro, self._offload, self._ends_window, self._ghost_micro = None, None, False, False
 
     @property
     def params(self) -> list:
@@ -91,17 +91,21 @@ class Accumulation(WindowSteps):
         uninstall_staged(self.module); uninstall_ghost(self.module)  # measuring runs the model's own forward
         self._modes = self._bn_modes()
         self.exact = self._choose_exact(b)
-        if self.bn_batch and self.plan is not None: self._check_ghost()
+        self._ghost_micro = bool(self.bn_batch and self.plan is not None) and self._check_ghost()
         self.find_bns()
         self.path = self._path()
 
-    def _check_ghost(self):
-        "Ghost batches need the window trained as one batch, and a `bn_batch` that divides it."
-        if not self.exact or self.plan.staged:
-            why = self.plan.describe() if self.exact or self.plan.reason is None else f"{self.plan.describe()}; {self.plan.reason}"
-            raise ExactModeMemoryError(f"{self.name}(bn_batch={self.bn_batch}): ghost batches need each window trained as one batch, "
-                                       f"but {why}. Lower n_step/n_acc or set device_memory=/host_memory=.")
-        check_ghost(self.bn_batch, self.plan.window, self.module, self.name)
+    def _check_ghost(self) -> bool:
+        "Check `bn_batch` against the window; True if ghost batches train micro-batch by micro-batch (the window does not fit as one batch, but each micro-batch holds whole ghost batches)."
+        k = check_ghost(self.bn_batch, self.plan.window, self.module, self.name)
+        if self.exact and not self.plan.staged: return False
+        if self.plan.micro % k == 0:  # ghost batches never span micro-batches: each trains on its own, exactly
+            self.exact = False
+            return True
+        why = self.plan.describe() if self.exact or self.plan.reason is None else f"{self.plan.describe()}; {self.plan.reason}"
+        raise ExactModeMemoryError(f"{self.name}(bn_batch={k}): ghost batches larger than the micro-batch ({self.plan.micro}) need "
+                                   f"each window trained as one batch, but {why}. Use a bn_batch that divides the micro-batch, "
+                                   "lower n_step/n_acc or set device_memory=/host_memory=.")
 
     def _bn_modes(self) -> tuple: return tuple(m.training for m in bn_layers(self.module))
 
@@ -117,6 +121,7 @@ class Accumulation(WindowSteps):
     def _path(self) -> str:
         "How training runs, in a word (`path`): 'exact', 'frozen BatchNorm', 'no BatchNorm', or the accumulating layers' policy."
         if self.exact: return 'staged exact' if self.plan.staged else 'exact'
+        if self._ghost_micro: return 'ghost micro-batches'
         if self.frozen_bn: return 'frozen BatchNorm'
         return self.bns[0].policy if self.bns else 'no BatchNorm'
 
@@ -127,6 +132,7 @@ class Accumulation(WindowSteps):
         elif self.exact:  # one batch per window; under DDP wrapped as 'micro' so that running statistics merge across processes at the step
             self._wrap('micro', new=self.wrap and self.merge_exact and world_size() > 1)
             if self.bn_batch and self.plan is not None: install_ghost(self.module, self.bn_batch)
+        elif self._ghost_micro: install_ghost(self.module, self.bn_batch)  # plain layers, each micro-batch in ghost batches
         elif not self.frozen_bn: self._wrap(self.policy, new=self.wrap)
         self.bns = bn_layers(self.module, accumulating=True)
         self.needs_window = any(m.policy == 'window' and m.training for m in self.bns)
@@ -167,6 +173,9 @@ class Accumulation(WindowSteps):
                  ) -> str:
         "What training does, as the pre-flight prints it: the 'exact' plan, frozen BatchNorm, or why not 'exact' and the BatchNorm table."
         if self.exact: return self._exact_message()
+        if self._ghost_micro:
+            return (f"GradientAccumulation: bn_batch={self.bn_batch}: {self.plan.describe()}, so each micro-batch of {self.plan.micro} "
+                    f"trains on its own, BatchNorm in ghost batches of {self.bn_batch} (exact: no ghost batch spans two micro-batches).")
         if self.frozen_bn:
             return (f"GradientAccumulation: all {len(self._modes)} BatchNorm layers are frozen (eval mode) in this fit: it trains "
                     "as a model without BatchNorm, micro-batch by micro-batch (no pre-pass; their running statistics stay).")

@@ -103,5 +103,17 @@ def test_wrong_bn_batch_is_refused_before_the_first_step():
     with pytest.raises(ValueError, match='bn_batch must be a positive integer'): Accumulation(cnn(), n_step=8, bn_batch=2.5)
     with pytest.raises(ValueError, match="policy must be 'auto' or 'exact'"): GradientAccumulation(n_step=8, bn_batch=4, policy='window')
     acc = Accumulation(cnn().double(), n_step=8, bn_batch=4, device_memory=1)  # the window does not fit as one batch
-    with pytest.raises(Exception, match='ghost batches need each window trained as one batch'):
+    with pytest.raises(Exception, match=r'ghost batches larger than the micro-batch \(2\) need each window trained as one batch'):
         for _ in acc.batches([(x[i:i + 2], y[i:i + 2]) for i in range(0, W, 2)]): pass
+
+def test_window_too_big_ghost_batches_within_the_micro_batch_train_micro_batch_by_micro_batch():
+    "A device budget below the window: k dividing the micro-batch trains each micro-batch on its own, still the reference."
+    torch.manual_seed(0); net = cnn().double().train()
+    ref = ghost_reference(net, 2)
+    x, y = data(8)
+    nn.functional.mse_loss(ref(x), y).backward()
+    acc = Accumulation(net, n_step=4, bn_batch=2, device_memory=1)
+    for xb, yb in acc.batches([(x[i:i + 4], y[i:i + 4]) for i in range(0, W, 4)]): acc.backward(nn.functional.mse_loss(net(xb), yb))
+    assert acc.path == 'ghost micro-batches' and 'each micro-batch of 4 trains on its own' in acc.preflight((x[:4],))
+    assert_equal(grads(net), grads(ref))
+    assert_equal(state(net), state(ref))
