@@ -246,7 +246,8 @@ def _worker(argv:list) -> int:
     with open(os.path.join(a.outdir, f'rank{rank}.json'), 'w') as f: json.dump(res, f)
     if torch.distributed.is_initialized():  # clean shutdown: gloo's threads can otherwise abort the exit (SIGABRT)
         torch.distributed.barrier(); torch.distributed.destroy_process_group()
-    return 0
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(0)  # under load a thread left by gloo can still abort the interpreter's shutdown, after the counts are written
 
 def allreduce_counts(models=('small_cnn',), # names in `bench_models`
                      bs:int=2, # micro-batch size per process
@@ -402,7 +403,7 @@ def _speed_summary(table, raw:dict, chosen:dict, models:list) -> dict:
     "The headline numbers, each the worst over `models`."
     def worst(col, vs): return max(table.loc[(m, v), col] for m in models for v in vs)
     ours = [v for v in speed_variants() if v.startswith('ours:')]
-    ours_mem = [v for v in ours if v != 'ours:exact']  # 'exact' holds the window's activations by design (= full)
+    ours_mem = [v for v in ours if v not in ('ours:exact', 'ours:staged')]  # 'exact' holds the window's activations by design (= full); 'staged' chunks as large as the budget allows (its memory: staged_memory_ratio, at the micro-batch)
     comm_ours = [c['rounds'] / max(c['windows'], 1) for k, c in (raw['comm'] or {}).items() if k.endswith(f'/ours:{default_policy()}')]
     leak0 = raw['leak'][models[0]]
     return dict(overhead_ratio=worst('time_vs_plain', ['ours:micro']),
@@ -426,7 +427,8 @@ def _setup_notes(c:dict, chosen:dict) -> list:
             'means the saved steps outweigh the overhead; time_vs_naive isolates the BatchNorm handling',
             "the default policy 'auto' ran " + ', '.join(f"ours:{k} on {m}" for m, k in chosen.items()) +
             " ('exact' where the window fits in free memory without host offload); memory ratios leave 'exact' out: "
-            "it holds the window's activations, as the full batch does",
+            "it holds the window's activations, as the full batch does; and 'staged', whose chunks grow to what the "
+            "memory budget holds (its figure at the micro-batch is staged_memory_ratio)",
             'saved_MB: peak bytes autograd holds for backward (saved-tensor hooks, distinct storages, parameters '
             'excluded)' + ('' if c['cuda'] else '; CPU run: no allocator peak, saved-tensor bytes only')]
 
