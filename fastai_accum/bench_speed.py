@@ -169,7 +169,7 @@ def staged_step(model_fn, # builds the model
     torch.manual_seed(0)
     model = model_fn().to(device).train()
     x = torch.randn(window, 3, size, size, device=device)
-    (t_micro, micro), (t_whole, whole) = _step_cost(model, x[:bs], reps), _step_cost(model, x, reps)
+    (t_micro, micro), (t_whole, whole) = _step_cost(model, x[:bs].clone(), reps), _step_cost(model, x, reps)  # a micro-batch of its own
     f = install_staged(model, bs)
     try:
         t_staged, staged = _step_cost(model, x, reps)
