@@ -79,15 +79,17 @@ def test_core_window_step_equals_ghost_reference(model, micro, k):
     assert_equal(state(net), state(ref))
     assert all(type(m).forward is m.forward.__func__ for m in net.modules() if isinstance(m, nn.BatchNorm2d))  # plain layers after
 
+@pytest.mark.parametrize('model', ['cnn', 'timm'])
 @pytest.mark.parametrize('micro', [2, 4])
 @pytest.mark.parametrize('k', [2, 4, 8, 16])
-def test_v2_callback_two_windows_equal_ghost_reference(micro, k):
+def test_v2_callback_two_windows_equal_ghost_reference(model, micro, k):
     "fastai v2 `GradientAccumulation(bn_batch=k)`: two windows of 16 (SGD) equal the reference trained at batch 16."
-    x, y = data(8, 2 * W)
+    build, size = MODELS[model]
+    x, y = data(size, 2 * W)
     def learner(bs, model, cbs=None):
         dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=bs), DataLoader(TensorDataset(x[:8], y[:8]), bs=bs))
         return Learner(dls, model, loss_func=MSELossFlat(), opt_func=SGD, cbs=cbs)
-    torch.manual_seed(0); net = cnn().double()
+    torch.manual_seed(0); net = build().double()
     ref = learner(W, ghost_reference(net, k))
     learn = learner(micro, net, GradientAccumulation(n_step=W // micro, bn_batch=k, preflight=False))
     for l in (ref, learn):
