@@ -1395,13 +1395,13 @@ StagedStep._window_sums = _window_sums; StagedStep._project = _project
 class _StagedFunction(torch.autograd.Function):
     "The staged step as one autograd node: its inputs are the window's model inputs and the trainable parameters, whose gradients its backward returns (so each parameter's gradient arrives once per window, as DDP's reducer expects)."
     @staticmethod
-    def forward(ctx, anchor, step, chunk, n_x, *inputs):
+    def forward(ctx, step, chunk, n_x, *inputs):
         ctx.step, ctx.n_x = step, n_x
         ctx.save_for_backward(*inputs[n_x:])
         return step.forward(inputs[:n_x], chunk)
     @staticmethod
     def backward(ctx, grad):
-        return (None, None, None, None) + (None,) * ctx.n_x + tuple(ctx.step.backward(grad, ctx.saved_tensors))
+        return (None, None, None) + (None,) * ctx.n_x + tuple(ctx.step.backward(grad, ctx.saved_tensors))
 
 class StagedForward:
     "A model's `forward` that trains a window as the big batch, staged; the model's own forward when it does not train."
@@ -1416,13 +1416,12 @@ class StagedForward:
         self.model, self.chunk, self.autocast = model, chunk, autocast
         self.own = model.__dict__.get('forward')  # a forward set on the instance (Accelerate's autocast wrapper): put back on uninstall
         self.step = StagedStep(model, graph, store if store is not None or dev.type == 'cpu' else 'cpu')
-        self.anchor = torch.empty(0, requires_grad=True)  # gives the Function a gradient to call its backward for
     def __call__(self, *xb, **kwargs):
         if kwargs or not (self.model.training and torch.is_grad_enabled()):
             return self.own(*xb, **kwargs) if self.own is not None else type(self.model).forward(self.model, *xb, **kwargs)
         params = [p for p in self.model.parameters() if p.requires_grad]
         with self.autocast() if self.autocast is not None else nullcontext():
-            return _StagedFunction.apply(self.anchor, self.step, self.chunk, len(xb), *xb, *params)
+            return _StagedFunction.apply(self.step, self.chunk, len(xb), *xb, *params)
 
 def install_staged(model:nn.Module, chunk:int, store=None, autocast=None) -> StagedForward:
     "Make `model` train each batch as a staged exact step in chunks of `chunk` (until `uninstall_staged`)."
@@ -1613,7 +1612,7 @@ class ExactPlan:
         "What this plan does and the numbers it rests on."
         if self.staged and self.whole:
             return (f"a window of {self.window} samples as one batch per process, each BatchNorm layer normalizing over all "
-                    f"{_world()} processes' windows (SyncBatchNorm's semantics: 2 collectives per layer), needs {fmt_bytes(self.device_needed)}")
+                    f"{world_size()} processes' windows (SyncBatchNorm's semantics: 2 collectives per layer), needs {fmt_bytes(self.device_needed)}")
         if self.staged:
             budget = f"budget {fmt_bytes(self.device_budget)}" if self.device_budget is not None else f"budget {fmt_bytes(self.host_budget)}"
             return (f"a window of {self.window} samples as one batch would need {fmt_bytes(self.device_needed)} ({budget}), so it "
@@ -1681,8 +1680,9 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
     xb = peek()
     plan = plan_exact(model, xb, n_acc or n_step * xb[0].shape[0], device_memory, host_memory, offload)
     plan.chunk = plan.micro = xb[0].shape[0]
-    synced = _world() > 1 and not _syncs_itself(model)  # DDP with per-process BatchNorm: only a staged step reduces it over the processes
-    unfit = _not_staged(model, xb) if synced else None  # why the whole window cannot run as one staged chunk
+    synced = world_size() > 1 and not _syncs_itself(model)  # DDP with per-process BatchNorm: only a staged step reduces it over the processes
+    staged_asked = synced or policy == 'staged' or (policy == 'auto' and not auto_picks_exact(plan))
+    unfit = _not_staged(model, xb) if staged_asked else None  # why a staged step would not be the big batch
     if policy == 'exact':
         if not plan.fits:
             raise ExactModeMemoryError(f"{name}(policy='exact'): {plan.describe()}. Lower n_step/n_acc, free memory, set the budget "
@@ -1691,7 +1691,7 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
                                              f"but {unfit} Convert BatchNorm to SyncBatchNorm or use policy='window'.")
         if synced: _whole_staged(plan)
         return True, plan
-    if policy == 'staged' or synced or not auto_picks_exact(plan): plan.reason = _staged_blocker(model, plan, xb)
+    if staged_asked: plan.reason = unfit or _staged_memory(plan)
     if policy == 'staged':
         if plan.reason: raise ExactModeMemoryError(f"{name}(policy='staged'): {plan.reason}")
         plan.staged, plan.chunk = True, _largest_chunk(plan)
@@ -1705,7 +1705,7 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
         plan.staged, plan.chunk, plan.offload = True, _largest_chunk(plan), False
         return True, plan
     if offloaded: return True, plan
-    plan.reason = plan.reason or unfit or 'another process cannot train its window as one batch'
+    plan.reason = plan.reason or 'another process cannot train its window as one batch'
     return False, plan
 
 def _whole_staged(plan:ExactPlan):
@@ -1723,18 +1723,14 @@ def _largest_chunk(plan:ExactPlan) -> int:
     fit = int((budget - 3 * plan.params) // per) if per > 0 else plan.window
     return max(plan.chunk, min(plan.window, fit))
 
-def _world() -> int: return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
 def _not_staged(model:nn.Module, xb:tuple) -> str|None:
     "Why a staged step would not be the big batch: the model does not trace, or an op combines samples (`samples_mixed`); or None."
     if isinstance(_trace(model), str): return untraceable_reason(model)
     mixed = samples_mixed(model, xb)
     return f"a staged step would not be the big batch: {mixed}." if mixed else None
 
-def _staged_blocker(model:nn.Module, plan:ExactPlan, xb:tuple) -> str|None:
-    "Why a window cannot train staged in chunks (`_not_staged`, memory), or None."
-    why = _not_staged(model, xb)
-    if why: return why
+def _staged_memory(plan:ExactPlan) -> str|None:
+    "Why the memory budgets do not hold a staged step in chunks of the micro-batch, or None."
     if plan.staged_host_needed > plan.host_budget:
         return f"its kept values need {fmt_bytes(plan.staged_host_needed)} of host memory (budget {fmt_bytes(plan.host_budget)})"
     budget = plan.device_budget if plan.device_budget is not None else plan.host_budget
@@ -1744,7 +1740,7 @@ def _staged_blocker(model:nn.Module, plan:ExactPlan, xb:tuple) -> str|None:
 
 def _agreed(*flags:bool) -> list:
     "Under data parallelism every rank must train the same way: each option only if every rank can take it (one all-reduce)."
-    if _world() == 1: return list(flags)
+    if world_size() == 1: return list(flags)
     t = torch.tensor([float(f) for f in flags], device='cuda' if dist.get_backend() == 'nccl' else 'cpu')
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return [bool(v) for v in t.tolist()]
@@ -1934,7 +1930,7 @@ class Accumulation(WindowSteps):
             install_staged(self.module, self.plan.chunk, store=self.plan.device if self.plan.whole else None, autocast=self.autocast)
         elif self.exact:  # one batch per window; under DDP wrapped as 'micro' so that running statistics merge across processes at the step
             self._wrap('micro', new=self.wrap and self.merge_exact and world_size() > 1)
-            if self.bn_batch and self.plan is not None: install_ghost(self.module, self.bn_batch)
+            if self.bn_batch: install_ghost(self.module, self.bn_batch)
         elif self._ghost_micro: install_ghost(self.module, self.bn_batch)  # plain layers, each micro-batch in ghost batches
         elif not self.frozen_bn: self._wrap(self.policy, new=self.wrap)
         self.bns = bn_layers(self.module, accumulating=True)

@@ -323,15 +323,12 @@ def _speed_config(models, device, micro_bs, n_step, repeats, windows, leak_micro
     "`bench_speed`'s arguments, checked, with the defaults of a quick or a full run filled in."
     d = _defaults['quick' if quick else 'full']
     device = str(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
-    models = [models] if isinstance(models, str) else list(models)
-    for m in models:
-        if m not in bench_models: raise ValueError(f"unknown model {m!r}; choose from {', '.join(bench_models)}")
-    return dict(models=models, device=device, micro_bs=micro_bs, n_step=n_step, repeats=repeats or d['repeats'],
+    return dict(models=_names(models, bench_models), device=device, micro_bs=micro_bs, n_step=n_step, repeats=repeats or d['repeats'],
                 windows=windows or d['windows'], leak_micro=max(n_step, (leak_micro or d['leak_micro']) // n_step * n_step),
                 comm=comm, quick=quick, prepass_windows=prepass_windows or d['prepass_windows'],
-                prepass_models=[prepass_models] if isinstance(prepass_models, str) else list(prepass_models),
+                prepass_models=_names(prepass_models, prepass_models_fns),
                 prepass_size=prepass_size or d['prepass_size'], cuda=torch.device(device).type == 'cuda',
-                staged_models=list(_names(staged_models or d['staged_models'], staged_models_fns)),
+                staged_models=_names(staged_models or d['staged_models'], staged_models_fns),
                 staged_windows=staged_windows or d['staged_windows'], staged_size=staged_size or d['staged_size'])
 
 def _names(names, known:dict) -> list:

@@ -131,7 +131,7 @@ class Accumulation(WindowSteps):
             install_staged(self.module, self.plan.chunk, store=self.plan.device if self.plan.whole else None, autocast=self.autocast)
         elif self.exact:  # one batch per window; under DDP wrapped as 'micro' so that running statistics merge across processes at the step
             self._wrap('micro', new=self.wrap and self.merge_exact and world_size() > 1)
-            if self.bn_batch and self.plan is not None: install_ghost(self.module, self.bn_batch)
+            if self.bn_batch: install_ghost(self.module, self.bn_batch)
         elif self._ghost_micro: install_ghost(self.module, self.bn_batch)  # plain layers, each micro-batch in ghost batches
         elif not self.frozen_bn: self._wrap(self.policy, new=self.wrap)
         self.bns = bn_layers(self.module, accumulating=True)

@@ -229,13 +229,13 @@ StagedStep._window_sums = _window_sums; StagedStep._project = _project
 class _StagedFunction(torch.autograd.Function):
     "The staged step as one autograd node: its inputs are the window's model inputs and the trainable parameters, whose gradients its backward returns (so each parameter's gradient arrives once per window, as DDP's reducer expects)."
     @staticmethod
-    def forward(ctx, anchor, step, chunk, n_x, *inputs):
+    def forward(ctx, step, chunk, n_x, *inputs):
         ctx.step, ctx.n_x = step, n_x
         ctx.save_for_backward(*inputs[n_x:])
         return step.forward(inputs[:n_x], chunk)
     @staticmethod
     def backward(ctx, grad):
-        return (None, None, None, None) + (None,) * ctx.n_x + tuple(ctx.step.backward(grad, ctx.saved_tensors))
+        return (None, None, None) + (None,) * ctx.n_x + tuple(ctx.step.backward(grad, ctx.saved_tensors))
 
 class StagedForward:
     "A model's `forward` that trains a window as the big batch, staged; the model's own forward when it does not train."
@@ -250,13 +250,12 @@ class StagedForward:
         self.model, self.chunk, self.autocast = model, chunk, autocast
         self.own = model.__dict__.get('forward')  # a forward set on the instance (Accelerate's autocast wrapper): put back on uninstall
         self.step = StagedStep(model, graph, store if store is not None or dev.type == 'cpu' else 'cpu')
-        self.anchor = torch.empty(0, requires_grad=True)  # gives the Function a gradient to call its backward for
     def __call__(self, *xb, **kwargs):
         if kwargs or not (self.model.training and torch.is_grad_enabled()):
             return self.own(*xb, **kwargs) if self.own is not None else type(self.model).forward(self.model, *xb, **kwargs)
         params = [p for p in self.model.parameters() if p.requires_grad]
         with self.autocast() if self.autocast is not None else nullcontext():
-            return _StagedFunction.apply(self.anchor, self.step, self.chunk, len(xb), *xb, *params)
+            return _StagedFunction.apply(self.step, self.chunk, len(xb), *xb, *params)
 
 def install_staged(model:nn.Module, chunk:int, store=None, autocast=None) -> StagedForward:
     "Make `model` train each batch as a staged exact step in chunks of `chunk` (until `uninstall_staged`)."

@@ -53,14 +53,17 @@ def rel(a, b): return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).ite
 def state(m): return [t.detach().double() for t in m.state_dict().values() if t.is_floating_point()]
 def grads(m): return [p.grad for p in m.parameters()]
 
+def grid(test):
+    "Run `test` for k in 2, 4, 8, 16 (the window), micro-batches of 2 and 4, the BatchNorm CNN and the timm model."
+    for name, values in (('k', [2, 4, 8, 16]), ('micro', [2, 4]), ('model', ['cnn', 'timm'])): test = pytest.mark.parametrize(name, values)(test)
+    return test
+
 def assert_equal(got, ref):
     "Every tensor within 1e-9 of its reference, relative to the largest value of the reference tensors together."
     scale = max(b.abs().max().item() for b in ref)
     for a, b in zip(got, ref): assert (a - b).abs().max().item() <= 1e-9 * max(b.abs().max().item(), 1e-3 * scale)
 
-@pytest.mark.parametrize('model', ['cnn', 'timm'])
-@pytest.mark.parametrize('micro', [2, 4])
-@pytest.mark.parametrize('k', [2, 4, 8, 16])
+@grid
 def test_core_window_step_equals_ghost_reference(model, micro, k):
     "One window of 16 through `Accumulation(bn_batch=k)`: gradients, then parameters and running statistics after SGD."
     build, size = MODELS[model]
@@ -79,9 +82,7 @@ def test_core_window_step_equals_ghost_reference(model, micro, k):
     assert_equal(state(net), state(ref))
     assert all(type(m).forward is m.forward.__func__ for m in net.modules() if isinstance(m, nn.BatchNorm2d))  # plain layers after
 
-@pytest.mark.parametrize('model', ['cnn', 'timm'])
-@pytest.mark.parametrize('micro', [2, 4])
-@pytest.mark.parametrize('k', [2, 4, 8, 16])
+@grid
 def test_v2_callback_two_windows_equal_ghost_reference(model, micro, k):
     "fastai v2 `GradientAccumulation(bn_batch=k)`: two windows of 16 (SGD) equal the reference trained at batch 16."
     build, size = MODELS[model]
