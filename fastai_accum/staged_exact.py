@@ -63,6 +63,16 @@ class StagedStep(StagedGraph):
         users = {n: [last if u.op == 'output' else stage_of[u] for u in n.users if u in stage_of or u.op == 'output'] for n in stage_of}
         self.stage_in = [[n for n in stage_of if stage_of[n] < s and s in users[n]] for s in range(len(self.stages))]
         self.stage_out = [[self.nodes[i] for i in idx if any(u > s for u in users[self.nodes[i]])] for s, idx in enumerate(self.stages)]
+        self.stage_params = [_params_of(self, [self.nodes[i] for i in idx]) for idx in self.stages]
+
+def _params_of(self, nodes:list) -> list:
+    "The parameters `nodes` use: those of the modules they call and the parameters they read (`get_attr`), once each."
+    found = {}
+    for n in nodes:
+        if n.op == 'call_module': found.update((id(p), p) for p in self.modules[n.target].parameters())
+        for a in n.all_input_nodes:
+            if a.op == 'get_attr' and isinstance(v := self._value(a, {}, ()), nn.Parameter): found[id(v)] = v
+    return list(found.values())
 
 # %% ../nbs/02b_staged_exact.ipynb #97042fc2
 def _run_stage(self, s:int, env:dict, xb:tuple, grad:bool):
@@ -78,11 +88,13 @@ def _run_stage(self, s:int, env:dict, xb:tuple, grad:bool):
         env[n] = _after_norm(m, F.batch_norm(x, mean, var, m.weight, m.bias, False, 0., m.eps))
     return leaf
 
-def _xb(self, a:int, b:int) -> tuple: return tuple(t[a:b] if isinstance(t, Tensor) else t for t in self.xb)
+def _xb(self, a:int, b:int, dev, grad:bool=False) -> tuple:
+    "Samples a:b of the window's inputs (which may wait in host memory) on `dev`; for a backward, a chunk of their own."
+    return tuple((t[a:b].clone() if grad and t.device == dev else _to(t[a:b], dev)) if isinstance(t, Tensor) else t for t in self.xb)
 
 def _chunk(self, n, a:int, b:int, dev) -> Tensor:
     "Samples a:b of node `n`'s value (kept between stages, or a model input) on `dev`."
-    return self._value(n, {}, self._xb(a, b)) if n.op == 'placeholder' else _to(self.kept[n][a:b], dev)
+    return self._value(n, {}, self._xb(a, b, dev)) if n.op == 'placeholder' else _to(self.kept[n][a:b], dev)
 
 def _stage_inputs(self, s:int, a:int, b:int, dev, grad:bool=False) -> dict:
     "Samples a:b of the values stage `s` reads from earlier stages, on `dev` (leaves that collect gradients if `grad`)."
@@ -110,29 +122,35 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
     "The model's output for the window, computed stage by stage without a graph; BatchNorm running statistics committed once."
     self._plan()
     self.xb = tuple(_plain(t) for t in xb)
-    self.W, dev = self.xb[0].shape[0], self.xb[0].device
+    self.W, dev = self.xb[0].shape[0], _device(self.model, self.xb)
     self.autocast = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
     self.kept, self.rng, self.stats, self.count, self.spans, out = {}, {}, {}, {}, [], None
     per_input = _nbytes(self.xb) / self.W
     for s in range(len(self.stages)):
-        per = sum(_nbytes(self.kept[n]) for n in self.stage_in[s] if n in self.kept) / self.W
-        c = self.W if per == 0 else min(self.W, max(chunk, int(chunk * per_input // per)))
+        per = sum(_nbytes(self.kept[n]) if n in self.kept else per_input * self.W for n in self.stage_in[s]) / self.W  # bytes a sample brings in
+        c = min(self.W, max(chunk, int(chunk * per_input // max(per, 1))))  # the chunk: as many bytes in as a micro-batch's input
         self.spans.append([(a, min(a + c, self.W)) for a in range(0, self.W, c)])
         bar = self.nodes[self.stages[s + 1][0]] if s + 1 < len(self.stages) else None
         st = ChannelStats()
         for a, b in self.spans[s]:
-            env = self._stage_inputs(s, a, b, dev)
+            env, xb = self._stage_inputs(s, a, b, dev), self._xb(a, b, dev)
             self.rng[s, a] = _rng_state(dev)
-            with torch.no_grad(): self._run_stage(s, env, self._xb(a, b), grad=False)
+            with torch.no_grad(): self._run_stage(s, env, xb, grad=False)
             for n in self.stage_out[s]: self._keep(self.kept, n, env[n], a, b)
-            if bar is not None: st.add(self._value(bar.args[0], env, self._xb(a, b)))
-            else: out = self._output(out, env, a, b)
+            if bar is not None: st.add(self._value(bar.args[0], env, xb))
+            else: out = self._output(out, env, xb, a, b)
         if bar is not None: self._close(self.modules[bar.target], st)
     return out
 
-def _output(self, out, env:dict, a:int, b:int) -> Tensor:
+def _device(model:nn.Module, xb:tuple) -> torch.device:
+    "Where `model` computes: its parameters' (or buffers') device; the inputs' for a model without either."
+    t = next(iter(model.parameters()), None)
+    if t is None: t = next(iter(model.buffers()), None)
+    return t.device if t is not None else next(x for x in xb if isinstance(x, Tensor)).device
+
+def _output(self, out, env:dict, xb:tuple, a:int, b:int) -> Tensor:
     "The window's output with samples a:b filled in."
-    o = self._value(self.output.args[0], env, self._xb(a, b))
+    o = self._value(self.output.args[0], env, xb)
     if not isinstance(o, Tensor):
         raise TypeError(f"staged exact: {type(self.model).__name__} returns a {type(o).__name__}; it needs a model that returns one tensor")
     if out is None: out = o.new_empty((self.W,) + o.shape[1:])
@@ -162,19 +180,21 @@ def _backward(self, grad:Tensor, # the gradient of the loss with respect to the 
     own = params is None
     params = [p for p in self.model.parameters() if p.requires_grad] if own else list(params)
     dev, grads, pgrads = grad.device, {self.output.args[0]: grad}, [None] * len(params)
+    index = {id(p): i for i, p in enumerate(params)}
     autocast = torch.autocast(dev.type, dtype=self.autocast) if self.autocast else nullcontext()
     for s in reversed(range(len(self.stages))):
         bar = self.nodes[self.stages[s][0]] if s > 0 else None
         outs = [self.output.args[0]] if s == len(self.stages) - 1 else [n for n in self.stage_out[s] if n in grads]
         fixed, sums = {}, None  # the barrier's input gradient with its statistics held fixed (window-sized, in `store`); Σ g, Σ g·x̂
+        used = [index[id(p)] for p in self.stage_params[s] if id(p) in index]  # autograd asked only for this stage's parameters
         for a, b in self.spans[s]:
             env = self._stage_inputs(s, a, b, dev, grad=True)
             with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []), torch.enable_grad(), autocast:
                 _set_rng_state(self.rng[s, a], dev)
-                leaf = self._run_stage(s, env, self._xb(a, b), grad=True)
+                leaf = self._run_stage(s, env, self._xb(a, b, dev, grad=True), grad=True)
             pairs = [(env[n], _to(grads[n][a:b], dev)) for n in outs if isinstance(env.get(n), Tensor) and env[n].requires_grad]
             leaves = [n for n in self.stage_in[s] if isinstance(env.get(n), Tensor) and env[n].requires_grad]
-            got = self._grads(pairs, [env[n] for n in leaves] + ([leaf] if leaf is not None else []), params, pgrads)
+            got = self._grads(pairs, [env[n] for n in leaves] + ([leaf] if leaf is not None else []), params, pgrads, used)
             for n, g in zip(leaves, got):
                 if g is not None: self._keep(grads, n, g, a, b, add=True)
             if bar is not None:
@@ -189,11 +209,11 @@ def _backward(self, grad:Tensor, # the gradient of the loss with respect to the 
             if g is not None: p.grad = g if p.grad is None else p.grad + g
     return pgrads
 
-def _grads(self, pairs:list, leaves:list, params:list, pgrads:list) -> list:
-    "Gradients of `leaves` from one chunk's stage (None where unused); its parameter gradients added to `pgrads` (no `.grad` is touched)."
-    if not pairs: return [None] * len(leaves)
-    got = torch.autograd.grad([t for t, _ in pairs], leaves + params, [g for _, g in pairs], allow_unused=True)
-    for i, g in enumerate(got[len(leaves):]):
+def _grads(self, pairs:list, leaves:list, params:list, pgrads:list, used:list) -> list:
+    "Gradients of `leaves` from one chunk's stage (None where unused); those of `params[i]` for `i` in `used` added to `pgrads` (no `.grad` is touched)."
+    if not pairs or not (leaves or used): return [None] * len(leaves)
+    got = torch.autograd.grad([t for t, _ in pairs], leaves + [params[i] for i in used], [g for _, g in pairs], allow_unused=True)
+    for i, g in zip(used, got[len(leaves):]):
         if g is not None: pgrads[i] = g if pgrads[i] is None else pgrads[i] + g
     return list(got[:len(leaves)])
 

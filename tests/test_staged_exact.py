@@ -25,3 +25,16 @@ def test_staged_step_is_the_big_batch(make):
     assert rel(*[flat(b for b in m.buffers() if b.is_floating_point()) for m in (st, big)]) < 1e-12
     assert [int(m.num_batches_tracked) for m in st.modules() if hasattr(m, 'num_batches_tracked')] == \
            [int(m.num_batches_tracked) for m in big.modules() if hasattr(m, 'num_batches_tracked')]
+
+def test_staged_step_holds_one_chunk_whatever_the_window():
+    "What autograd holds for the backward of a staged step (the device's share) is one chunk of one stage: it does not grow with the window, the window's input included."
+    from fastai_accum.meters import SavedTensorMeter
+    def peak(W):
+        torch.manual_seed(0)
+        m = timm_model('resnet18')().train(); f = install_staged(m, chunk=2)
+        x = torch.randn(W, 3, 32, 32)
+        with SavedTensorMeter(m) as meter: m(x).pow(2).mean().backward()
+        assert all(b - a <= 2 for a, b in f.step.spans[0])  # the stage that reads the window's input runs micro-batch by micro-batch
+        return meter.peak
+    small, large = peak(4), peak(32)
+    assert large <= small * 1.05 and large < 32 * 3 * 32 * 32 * 4  # less than the window's input alone
