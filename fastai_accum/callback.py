@@ -25,11 +25,18 @@ class WindowPrefetch(Callback):
                  ga=None): # the `GradientAccumulation` whose chosen path (made in its `before_train`, order 6) says whether and how
         store_attr(); self.loader = None
     def before_train(self):
-        acc = getattr(self.ga, 'acc', None)
+        acc, on = getattr(self.ga, 'acc', None), None
         if acc is not None:
             if not (acc.exact or acc.needs_window): self.loader = None; return  # micro-batch by micro-batch: nothing to read ahead
-            self.exact = acc.exact
-        self.learn.dl = self.loader = WindowLoader(self.learn.dl, self.n_step, self.n_acc, self.exact, self.partial)
+            self.exact, on = acc.exact, acc.inputs_on
+        self.learn.dl = self.loader = WindowLoader(self.learn.dl, self.n_step, self.n_acc, self.exact, self.partial,
+                                                   inputs_on=on, n_inp=getattr(self.dls, 'n_inp', 1) if on is not None else 1)
+        if on is not None: self.learn._set_device = self._set_device  # removed with this callback (`GradientAccumulation._release`)
+    def _set_device(self, b):
+        "fastai's `Learner._set_device` (each batch to the model's device), but a staged window's model inputs stay in host memory."
+        if self.loader is None or self.learn.dl is not self.loader: return Learner._set_device(self.learn, b)
+        n = self.loader.n_inp
+        return tuple(b[:n]) + tuple(Learner._set_device(self.learn, tuple(b[n:])))
 
 # %% ../nbs/03_callback.ipynb #957a3b99
 @delegates(Accumulation.__init__, but=Accumulation.adapter_args)
@@ -141,7 +148,7 @@ def _release(self:GradientAccumulation):
     if self.acc is not None: self.acc.release()
     self._final = self._drop = self._fitting = False
     self._nested = 0
-    self.learn.__dict__.pop('_do_epoch', None)
+    for k in ('_do_epoch', '_set_device'): self.learn.__dict__.pop(k, None)
     if hasattr(self.learn, 'window_prefetch'): self.learn.remove_cb(self.learn.window_prefetch)
 
 @patch

@@ -101,7 +101,8 @@ class GradientAccumulationV1:
         self._patch(self.mp, self._mp_backward_end)
         self._patch(clip, self._clip_backward_end)
         if self.acc.needs_window or self.exact:  # read each window ahead (restored in on_train_end, which v1 runs however the fit ends)
-            self.loader = learn.data.train_dl = WindowLoader(self._train_dl(), self.n_step, self.n_acc, self.exact, self.partial)
+            self.loader = learn.data.train_dl = WindowLoader(self._train_dl(), self.n_step, self.n_acc, self.exact, self.partial,
+                                                             inputs_on=self.acc.inputs_on)  # v1 batches: (xb, yb)
 
     def _choose(self):
         "Choose how this fit trains, from the modes it trains in: v1 calls `model.train()` at each epoch, then `BnFreeze` (if used) puts BatchNorm layers without trainable parameters in eval mode."

@@ -197,10 +197,11 @@ class Accumulation(WindowSteps):
             windows, ready = WindowLoader(loader, self.n_step, self.n_acc), False
             for window in windows._windows():
                 if self.partial == 'drop' and not windows._full(window): continue
-                window = [_on_device(b, self.device) for b in window]
                 if not ready:  # chosen from the modes the user put the model in before the loop (re-measured only if they changed)
-                    self.setup(window[0]) if self.needs_setup() else self.find_bns()
+                    first = _on_device(window[0], self.device)
+                    self.setup(first) if self.needs_setup() else self.find_bns()
                     ready = True
+                window = [self._placed(b) for b in window]
                 if self.exact: window = [cat_batches(window)]
                 self.start_window(window)
                 for i, b in enumerate(window):
@@ -210,6 +211,19 @@ class Accumulation(WindowSteps):
             self._exit_offload()
             if self.ddp is not None: self.ddp.require_backward_grad_sync = True
             self.release()  # between epochs the model holds plain torch BatchNorm layers
+
+    @property
+    def inputs_on(self):
+        "Where a window's model inputs wait: host memory for a staged step on an accelerator (its chunks go to the device one by one); None: on the device."
+        p = self.plan
+        return 'cpu' if self.exact and p is not None and p.staged and not p.whole and p.on_accelerator else None
+
+    def _placed(self, b):
+        "Micro-batch `b` on the device, its model inputs where `inputs_on` says."
+        on = self.inputs_on
+        if on is None or not isinstance(b, (tuple, list)): return _on_device(b, self.device)
+        xs = self.inputs(b)
+        return type(b)(_on_device(o, on if any(o is x for x in xs) else self.device) for o in b)
 
     # The events an adapter calls when it cannot hand its loop to `batches`
     def start_window(self, window:list):

@@ -12,10 +12,11 @@ import torch.distributed as dist
 from torch import Tensor
 from .stats import all_reduce_stats
 from .batchnorm import _check_policy, window_prepasses, bn_preflight
+from .staged import _to
 
 # %% auto #0
 __all__ = ['world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window',
-           'drop_window', 'WindowSteps', 'batch_size', 'cat_batches', 'WindowLoader']
+           'drop_window', 'WindowSteps', 'batch_size', 'cat_batches', 'place_inputs', 'WindowLoader']
 
 # %% ../nbs/02_window.ipynb #6b430344
 def _check_count(name, value) -> int|None:
@@ -214,6 +215,14 @@ def cat_batches(batches:list, # micro-batches, each a tuple (or list) of tensors
         out.append(torch.cat(parts))
     return tuple(out)
 
+def place_inputs(b, # a batch: a tuple (or list) whose first `n_inp` elements are the model's inputs
+                 n_inp:int, # elements that are model inputs
+                 device, # where they go
+                ) -> tuple:
+    "`b` with its model inputs on `device`, the rest where it is: a staged step's window waits in host memory, its chunks go to the device one by one."
+    b = tuple(b)
+    return tuple(_to(x, device) for x in b[:n_inp]) + b[n_inp:]
+
 # %% ../nbs/02_window.ipynb #6e8baaad
 class WindowLoader:
     "Iterate `dl` reading one accumulation window ahead; `window` holds the current window's batches."
@@ -222,8 +231,11 @@ class WindowLoader:
                  n_acc:int|None=None, # or: samples per window
                  exact:bool=False, # yield each window as one concatenated batch (the 'exact' policy)
                  partial:str='step', # with `exact`: 'drop' leaves out an incomplete last window
+                 inputs_on=None, # a device for each micro-batch's model inputs as it is read (a staged step's: host memory), or None
+                 n_inp:int=1, # with `inputs_on`: elements of a batch that are model inputs
                 ):
         self.dl, self.n_step, self.n_acc, self.exact, self.partial, self.window = dl, n_step, n_acc, exact, partial, []
+        self.inputs_on, self.n_inp = inputs_on, n_inp
     def __getattr__(self, k):
         if k == 'dl': raise AttributeError(k)
         return getattr(self.dl, k)
@@ -236,6 +248,7 @@ class WindowLoader:
 
     def _windows(self):
         it = iter(self.dl)
+        if self.inputs_on is not None: it = (place_inputs(b, self.n_inp, self.inputs_on) for b in it)
         while True:
             if self.n_step is not None: window = list(itertools.islice(it, self.n_step))
             else:

@@ -33,19 +33,22 @@ def peak_reset(dev):
 
 def peak(dev): return torch.cuda.max_memory_allocated(dev) if dev.type == 'cuda' else float('nan')
 
-def naive_window(model, opt, xs, ys, loss_func):
+def naive_window(model, opt, xs, ys, loss_func, dev):
+    "Micro-batch by micro-batch, each moved from host memory to the device as it trains (as a DataLoader hands them over)."
     n = sum(len(x) for x in xs)
-    for x, y in zip(xs, ys): (loss_func(model(x), y) * len(x) / n).backward()
+    for x, y in zip(xs, ys): (loss_func(model(x.to(dev, non_blocking=True)), y) * len(x) / n).backward()
     opt.step(); opt.zero_grad()
 
-def one_batch_window(model, opt, xs, ys, loss_func, plan):
+def one_batch_window(model, opt, xs, ys, loss_func, plan, dev=None):
+    "The window as one batch, its inputs joined in host memory and moved to `dev` (None: left in host memory, a staged step's)."
     x, y = torch.cat(xs), torch.cat(ys)
+    if dev is not None: x = x.to(dev, non_blocking=True)
     with saved_on_host(plan) if plan is not None else contextlib.nullcontext(): loss = loss_func(model(x), y)
     loss.backward()
     opt.step(); opt.zero_grad()
 
 def staged_window(model, opt, xs, ys, loss_func, chunk):
-    "The window as one batch through a staged exact step in chunks of `chunk` (kept values in host memory on an accelerator)."
+    "The window as one batch through a staged exact step in chunks of `chunk` (its inputs and kept values in host memory on an accelerator)."
     install_staged(model, chunk)
     try: one_batch_window(model, opt, xs, ys, loss_func, plan=None)
     finally: uninstall_staged(model)
@@ -68,14 +71,14 @@ def main():
     print(f'{a.model} {a.size}px micro-batch {a.micro_bs} on {dev} ({torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"})')
     summary = {}
     for w in [int(s) for s in a.windows.split(',')]:
-        xs = [torch.randn(a.micro_bs, 3, a.size, a.size, device=dev) for _ in range(w // a.micro_bs)]
+        xs = [torch.randn(a.micro_bs, 3, a.size, a.size, pin_memory=dev.type == 'cuda') for _ in range(w // a.micro_bs)]  # in host memory
         ys = [torch.randint(0, 10, (a.micro_bs,), device=dev) for _ in xs]
-        offloaded = plan_exact(model, (xs[0],), w, offload=dev.type == 'cuda')
-        on_device = plan_exact(model, (xs[0],), w, offload=False)
-        rows = [('naive', lambda: naive_window(model, opt, xs, ys, loss_func), None),
-                ('exact, host offload', lambda: one_batch_window(model, opt, xs, ys, loss_func, offloaded), offloaded),
+        offloaded = plan_exact(model, (xs[0].to(dev),), w, offload=dev.type == 'cuda')
+        on_device = plan_exact(model, (xs[0].to(dev),), w, offload=False)
+        rows = [('naive', lambda: naive_window(model, opt, xs, ys, loss_func, dev), None),
+                ('exact, host offload', lambda: one_batch_window(model, opt, xs, ys, loss_func, offloaded, dev), offloaded),
                 ('staged exact', lambda: staged_window(model, opt, xs, ys, loss_func, a.micro_bs), 'staged'),
-                ('one batch on device', lambda: one_batch_window(model, opt, xs, ys, loss_func, on_device), on_device)]
+                ('one batch on device', lambda: one_batch_window(model, opt, xs, ys, loss_func, on_device, dev), on_device)]
         res = {}
         for name, fn, plan in rows:
             try: secs, mem = timed(fn, dev, a.reps)

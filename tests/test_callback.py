@@ -307,3 +307,25 @@ def test_each_fit_chooses_its_path_from_the_modes_it_trains_in(capsys):
     learn.fit(1, lr=0.01, cbs=BnFreeze())  # every BatchNorm layer frozen now: the fit says it trains otherwise
     out = capsys.readouterr().out
     assert "trains otherwise than the one before ('exact' -> 'frozen BatchNorm')" in out and 'are frozen (eval mode)' in out
+
+def test_staged_window_inputs_wait_where_inputs_on_says(monkeypatch):
+    """On an accelerator a staged window's model inputs wait in host memory (`Accumulation.inputs_on`): the loader joins
+    them there and fastai's `_set_device` leaves them alone, targets going to the device. Forced here on the CPU: fastai
+    gets the loader's input tensor itself, training is still the big batch (float64) and the fit leaves no patch behind."""
+    from fastai_accum.callback import WindowPrefetch
+    from fastai_accum.loop import Accumulation
+    monkeypatch.setattr(Accumulation, 'inputs_on', property(lambda self: 'cpu' if self.exact and self.plan.staged else None))
+    kept, set_device = [], WindowPrefetch._set_device
+    def spy(self, b):
+        out = set_device(self, b)
+        if self.learn.dl is self.loader: kept.append(out[0] is b[0])
+        return out
+    monkeypatch.setattr(WindowPrefetch, '_set_device', spy)
+    big = make_learner(16, bn_net, image=True, dtype=torch.float64)
+    ga = GradientAccumulation(n_step=4, policy='staged', preflight=False)
+    acc = make_learner(4, bn_net, image=True, dtype=torch.float64, cbs=ga)
+    for l in (big, acc):
+        with l.no_bar(), l.no_logging(): l.fit(1, 1e-2)
+    assert kept and all(kept) and len(kept) == ga.n_steps == 5
+    assert ga.path == 'staged exact' and '_set_device' not in acc.__dict__
+    assert rel(params(acc), params(big)) < 1e-9

@@ -134,3 +134,17 @@ def test_ddp_one_allreduce_per_window(mode, tmp_path):
             assert rel(m, bn.running_mean) <= 1e-9 and rel(v, bn.running_var) <= 1e-9
     if mode == 'window':  # the running statistics are BatchNorm's on the union of both ranks' windows
         for (m, v), (rm, rv) in zip(r0['final'], r0['reference']): assert rel(m, rm) <= 1e-10 and rel(v, rv) <= 1e-10
+
+def test_staged_window_with_inputs_waiting_on_the_host_is_the_big_batch(monkeypatch):
+    "`inputs_on` forced (on an accelerator: host memory for a staged step): the window's inputs are joined where they wait, the targets on the device, and the step is the big batch's (float64)."
+    monkeypatch.setattr(Accumulation, 'inputs_on', property(lambda self: 'cpu' if self.exact and self.plan.staged else None))
+    x, y = data(12, torch.float64)
+    torch.manual_seed(0); big = bn_net().double(); m = bn_net().double(); m.load_state_dict(big.state_dict())
+    nn.functional.mse_loss(big(x), y).backward()
+    acc, placed, got = Accumulation(m, n_step=3, policy='staged'), [], None
+    for xb, yb in acc.batches(DataLoader(TensorDataset(x, y), batch_size=4)):
+        placed.append(acc.inputs_on)
+        if acc.backward(nn.functional.mse_loss(m(xb), yb)): got = grads(m)
+    assert placed == ['cpu'] and acc.path == 'staged exact'
+    flat = lambda gs: torch.cat([g.flatten() for g in gs])  # biases before BatchNorm have a gradient of zero (noise): compared as one vector
+    assert rel(flat(got), flat(grads(big))) < 1e-9
