@@ -230,6 +230,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                       'fastai_accum/bench_speed.py'),
                                           'fastai_accum.bench_speed.median_ratio': ( 'bench_speed.html#median_ratio',
                                                                                      'fastai_accum/bench_speed.py'),
+                                          'fastai_accum.bench_speed.memory_matched_chunk': ( 'bench_speed.html#memory_matched_chunk',
+                                                                                             'fastai_accum/bench_speed.py'),
                                           'fastai_accum.bench_speed.parse_summary': ( 'bench_speed.html#parse_summary',
                                                                                       'fastai_accum/bench_speed.py'),
                                           'fastai_accum.bench_speed.prepass_peak': ( 'bench_speed.html#prepass_peak',

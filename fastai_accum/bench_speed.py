@@ -19,10 +19,10 @@ from .experiments import (
 
 # %% auto #0
 __all__ = ['bench_models', 'prepass_models_fns', 'staged_models_fns', 'summary_keys', 'speed_variants', 'time_variants',
-           'median_ratio', 'saved_bytes_peak', 'cuda_peak_bytes', 'prepass_peak', 'staged_step', 'tensor_bytes_alive',
-           'leak_per_1000', 'allreduce_counts', 'format_summary', 'parse_summary', 'SpeedResults', 'auto_choice',
-           'bench_speed', 'add_speed_args', 'speed_main', 'small_cnn', 'synthetic_dls', 'efficientnet_b0',
-           'default_policy']
+           'median_ratio', 'saved_bytes_peak', 'cuda_peak_bytes', 'prepass_peak', 'staged_step', 'memory_matched_chunk',
+           'tensor_bytes_alive', 'leak_per_1000', 'allreduce_counts', 'format_summary', 'parse_summary', 'SpeedResults',
+           'auto_choice', 'bench_speed', 'add_speed_args', 'speed_main', 'small_cnn', 'synthetic_dls',
+           'efficientnet_b0', 'default_policy']
 
 # %% ../nbs/21_bench_speed.ipynb #ceeb1340
 bench_models = {'small_cnn': small_cnn, 'resnet18': torchvision_resnet18} # `--models` names
@@ -142,44 +142,62 @@ staged_models_fns = {'resnet18': torchvision_resnet18, 'resnet50': partial(torch
                      'small_cnn': small_cnn}
 
 def _step_cost(model, xb, reps:int) -> tuple:
-    "(seconds, device bytes) of one training step of `model` on `xb`: the fastest of `reps` after a warm-up; bytes: autograd's saved-tensor peak (CUDA: the allocator's peak above what was allocated before)."
-    cuda = xb.device.type == 'cuda'
+    "(seconds, device bytes) of one training step of `model` on `xb` (a staged step's may wait in host memory): the fastest of `reps` after a warm-up; bytes: autograd's saved-tensor peak (CUDA: the allocator's peak above what was allocated before)."
+    dev = next(model.parameters()).device
+    cuda = dev.type == 'cuda'
     def step():
         model(xb).float().pow(2).mean().backward()
         model.zero_grad(set_to_none=True)
     step()
     ts = []
     for _ in range(reps):
-        _sync(xb.device); t = time.perf_counter(); step(); _sync(xb.device); ts.append(time.perf_counter() - t)
+        _sync(dev); t = time.perf_counter(); step(); _sync(dev); ts.append(time.perf_counter() - t)
     if cuda:
         torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
         step(); torch.cuda.synchronize()
-        return min(ts), torch.cuda.max_memory_allocated() - base
+        return min(ts, default=float('nan')), torch.cuda.max_memory_allocated() - base
     with SavedTensorMeter(model) as meter: step()
-    return min(ts), meter.peak
+    return min(ts, default=float('nan')), meter.peak
 
 def staged_step(model_fn, # builds the model
-                bs:int=2, # micro-batch size: the staged step's chunk
+                bs:int=2, # micro-batch size
                 window:int=16, # samples per window
                 size:int=64, # image height and width
                 device='cpu', # where to train
                 reps:int=1, # timed steps per mode (after a warm-up)
+                chunk:int|None=None, # samples per chunk (default: `memory_matched_chunk`, measured)
                ) -> dict:
-    "One staged exact step over a window (chunks of `bs`) against plain training at `bs` (memory) and the window as one plain batch (time)."
+    "One staged exact step over a window against plain training at `bs` (memory) and the window as one plain batch (time)."
     torch.manual_seed(0)
     model = model_fn().to(device).train()
-    x = torch.randn(window, 3, size, size, device=device)
-    (t_micro, micro), (t_whole, whole) = _step_cost(model, x[:bs].clone(), reps), _step_cost(model, x, reps)  # a micro-batch of its own
-    f = install_staged(model, bs)
+    host = torch.device(device).type != 'cpu'  # an accelerator: the window waits in host memory, as the front ends keep it
+    x = torch.randn(window, 3, size, size, pin_memory=host)
+    (t_micro, micro), (t_whole, whole) = _step_cost(model, x[:bs].to(device).clone(), reps), _step_cost(model, x.to(device), reps)  # a micro-batch of its own
+    chunk = chunk or memory_matched_chunk(model, x, bs, micro)
+    f = install_staged(model, chunk)
     try:
         t_staged, staged = _step_cost(model, x, reps)
-        with torch.no_grad(): f.step.forward((x,), bs)  # what the step keeps between stages (host memory on an accelerator)
-        host = sum(_nbytes(v) for v in f.step.kept.values())
+        with torch.no_grad(): f.step.forward((x,), chunk)  # what the step keeps between stages (host memory on an accelerator)
+        kept = sum(_nbytes(v) for v in f.step.kept.values())
         f.step.kept = f.step.xb = None
     finally: uninstall_staged(model)
-    return dict(window=window, chunk=bs, micro_bytes=micro, staged_bytes=staged, whole_bytes=whole,
+    return dict(window=window, chunk=chunk, micro_bytes=micro, staged_bytes=staged, whole_bytes=whole,
                 memory_ratio=staged / micro, time_vs_whole=t_staged / t_whole, time_vs_micro=t_staged / t_micro / (window / bs),
-                host_per_sample=host / window)
+                host_per_sample=kept / window)
+
+def memory_matched_chunk(model, x:Tensor, # the model and a window of its inputs
+                         bs:int, # the micro-batch: the smallest chunk
+                         budget:int, # device bytes a micro-batch step holds (`_step_cost`'s)
+                        ) -> int:
+    "The largest chunk, `bs` times a power of two, whose staged step holds at most `budget`: measured on a window of two chunks (a staged step's memory does not grow with the window)."
+    c = bs
+    while 2 * c <= len(x):
+        f = install_staged(model, 2 * c)
+        try: _, held = _step_cost(model, x[:4 * c], 0)
+        finally: uninstall_staged(model)
+        if held > budget: break
+        c *= 2
+    return c
 
 # %% ../nbs/21_bench_speed.ipynb #f7985979
 def tensor_bytes_alive(extra:dict|None=None, # more storages, `{key: nbytes}` (e.g. `SavedTensorMeter.storages`)
