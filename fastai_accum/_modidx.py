@@ -1060,6 +1060,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                      'fastai_accum.window.commit_window': ('window.html#commit_window', 'fastai_accum/window.py'),
                                      'fastai_accum.window.drop_window': ('window.html#drop_window', 'fastai_accum/window.py'),
                                      'fastai_accum.window.loss_reduction': ('window.html#loss_reduction', 'fastai_accum/window.py'),
+                                     'fastai_accum.window.micro_per_window': ('window.html#micro_per_window', 'fastai_accum/window.py'),
                                      'fastai_accum.window.place_inputs': ('window.html#place_inputs', 'fastai_accum/window.py'),
                                      'fastai_accum.window.scale_grads': ('window.html#scale_grads', 'fastai_accum/window.py'),
                                      'fastai_accum.window.validate_window_args': ( 'window.html#validate_window_args',

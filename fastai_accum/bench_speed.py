@@ -465,11 +465,11 @@ def _staged_notes(c:dict, raw:dict) -> list:
     "The staged exact step's figures, one line per model and window."
     if not raw['staged']: return []
     what = 'allocator peak' if c['cuda'] else 'bytes autograd holds for the backward'
-    notes = [f"staged_memory_ratio / staged_time_ratio: a staged exact step in chunks of {c['micro_bs']} ({c['staged_size']}px), "
+    notes = [f"staged_memory_ratio / staged_time_ratio: a staged exact step ({c['staged_size']}px) in the largest chunks that hold no more than a micro-batch step (measured; the window's input in host memory on an accelerator), "
              f"its {what} / one plain step at micro-batch {c['micro_bs']}'s, and its time / the window as one plain batch's; "
              "worst over models and windows:"]
     for key, s in raw['staged'].items():
-        notes.append(f"  {key}: memory {s['memory_ratio']:.2f}x ({s['staged_bytes']/2**20:.1f} MiB vs {s['micro_bytes']/2**20:.1f}; "
+        notes.append(f"  {key}, chunks of {s['chunk']}: memory {s['memory_ratio']:.2f}x ({s['staged_bytes']/2**20:.1f} MiB vs {s['micro_bytes']/2**20:.1f}; "
                      f"whole window {s['whole_bytes']/2**20:.1f}), time {s['time_vs_whole']:.2f}x the whole window's, "
                      f"{s['time_vs_micro']:.2f}x naive accumulation's micro-batches; kept between stages "
                      f"{s['host_per_sample']/2**20:.2f} MiB per sample")

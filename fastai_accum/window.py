@@ -16,7 +16,8 @@ from .staged import _to
 
 # %% auto #0
 __all__ = ['world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window',
-           'drop_window', 'WindowSteps', 'batch_size', 'cat_batches', 'place_inputs', 'WindowLoader']
+           'drop_window', 'WindowSteps', 'batch_size', 'cat_batches', 'place_inputs', 'micro_per_window',
+           'WindowLoader']
 
 # %% ../nbs/02_window.ipynb #6b430344
 def _check_count(name, value) -> int|None:
@@ -224,6 +225,10 @@ def place_inputs(b, # a batch: a tuple (or list) whose first `n_inp` elements ar
     return tuple(_to(x, device) for x in b[:n_inp]) + b[n_inp:]
 
 # %% ../nbs/02_window.ipynb #6e8baaad
+def micro_per_window(n_step:int|None, n_acc:int|None, bs:int|None) -> int:
+    "Micro-batches per window: `n_step`, or as many micro-batches of `bs` as reach `n_acc` samples (rounded up, as `WindowLoader` reads them)."
+    return n_step or max(1, math.ceil(n_acc / max(1, bs or 1)))
+
 class WindowLoader:
     "Iterate `dl` reading one accumulation window ahead; `window` holds the current window's batches."
     def __init__(self, dl, # the training DataLoader
@@ -242,8 +247,7 @@ class WindowLoader:
 
     def __len__(self):
         if not self.exact: return len(self.dl)
-        bs = getattr(self.dl, 'bs', None) or 1
-        per = self.n_step or max(1, math.ceil(self.n_acc / bs))  # micro-batches per window
+        per = micro_per_window(self.n_step, self.n_acc, getattr(self.dl, 'bs', None))
         return len(self.dl) // per if self.partial == 'drop' else math.ceil(len(self.dl) / per)
 
     def _windows(self):
