@@ -48,3 +48,12 @@ print('OK')
 def test_either_import_order_gives_this_callback(imports):
     r = subprocess.run([sys.executable, '-c', IMPORT_ORDER.format(imports=imports)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and 'OK' in r.stdout, r.stderr[-3000:]
+
+def test_declared_requirements_cover_imports_and_keep_adapters_extra():
+    "psutil (every fit's memory plan) is declared; accelerate, timm and Lightning are extras, as only their adapters or tests need them."
+    import configparser
+    cfg = configparser.ConfigParser(); cfg.read(Path(__file__).parents[1]/'settings.ini')
+    base = cfg['DEFAULT']['requirements'].split()
+    names = {r.split('>')[0].split('<')[0].split('=')[0] for r in base}
+    assert 'psutil' in names and not names & {'accelerate', 'timm', 'pytorch-lightning'}
+    for extra in ('accelerate', 'timm', 'lightning'): assert cfg['DEFAULT'][f'{extra}_requirements']
