@@ -270,9 +270,13 @@ def trace_model(model:nn.Module, # the model to trace (not changed)
 
 # %% ../nbs/00a_staged.ipynb #4d9d82e6
 def _to(v, device):
-    "`v`'s tensors on `device`: asynchronous onto an accelerator, synchronous back to the host (a read must see the data)."
-    nb = torch.device(device).type != 'cpu'
-    return map_aggregate(v, lambda a: a.to(device, non_blocking=nb) if isinstance(a, Tensor) else a)
+    "`v`'s tensors (in tuples, lists, dicts, kept as they are) on `device`: asynchronous onto an accelerator, synchronous back to the host (a read must see the data)."
+    if isinstance(v, Tensor): return v.to(device, non_blocking=torch.device(device).type != 'cpu')
+    if isinstance(v, (list, tuple)):
+        items = [_to(o, device) for o in v]
+        return type(v)(*items) if hasattr(v, '_fields') else type(v)(items)  # a namedtuple takes its fields one by one
+    if isinstance(v, dict): return type(v)((k, _to(o, device)) for k, o in v.items())
+    return v
 
 # %% ../nbs/00a_staged.ipynb #d0e418b2
 class StagedGraph:
@@ -1855,13 +1859,6 @@ from torch.nn.parallel import DistributedDataParallel
 # %% auto #0
 
 # %% ../nbs/07_loop.ipynb #e75c5500
-def _on_device(b, device):
-    "`b` (tensors in tuples, lists, dicts) on `device`."
-    if torch.is_tensor(b): return b.to(device, non_blocking=True)
-    if isinstance(b, (list, tuple)): return type(b)(_on_device(o, device) for o in b)
-    if isinstance(b, dict): return {k: _on_device(v, device) for k, v in b.items()}
-    return b
-
 def default_inputs(b) -> tuple:
     "The model inputs of batch `b`: everything but the last element (the target), or `b` itself if it has one element."
     if torch.is_tensor(b): return (b,)
@@ -2033,7 +2030,7 @@ class Accumulation(WindowSteps):
             for window in windows._windows():
                 if self.partial == 'drop' and not windows._full(window): continue
                 if not ready:  # chosen from the modes the user put the model in before the loop (re-measured only if they changed)
-                    first = _on_device(window[0], self.device)
+                    first = _to(window[0], self.device)
                     self.setup(first) if self.needs_setup() else self.find_bns()
                     ready = True
                 window = [self._placed(b) for b in window]
@@ -2056,9 +2053,9 @@ class Accumulation(WindowSteps):
     def _placed(self, b):
         "Micro-batch `b` on the device, its model inputs where `inputs_on` says."
         on = self.inputs_on
-        if on is None or not isinstance(b, (tuple, list)): return _on_device(b, self.device)
+        if on is None or not isinstance(b, (tuple, list)): return _to(b, self.device)
         xs = self.inputs(b)
-        return type(b)(_on_device(o, on if any(o is x for x in xs) else self.device) for o in b)
+        return type(b)(_to(o, on if any(o is x for x in xs) else self.device) for o in b)
 
     # The events an adapter calls when it cannot hand its loop to `batches`
     def start_window(self, window:list):

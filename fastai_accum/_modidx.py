@@ -842,7 +842,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                    'fastai_accum.loop.Accumulation.start_window': ( 'loop.html#accumulation.start_window',
                                                                                     'fastai_accum/loop.py'),
                                    'fastai_accum.loop.Accumulation.use_model': ('loop.html#accumulation.use_model', 'fastai_accum/loop.py'),
-                                   'fastai_accum.loop._on_device': ('loop.html#_on_device', 'fastai_accum/loop.py'),
                                    'fastai_accum.loop.accumulation_options': ('loop.html#accumulation_options', 'fastai_accum/loop.py'),
                                    'fastai_accum.loop.default_inputs': ('loop.html#default_inputs', 'fastai_accum/loop.py')},
             'fastai_accum.meters': { 'fastai_accum.meters.ByteMeter': ('meters.html#bytemeter', 'fastai_accum/meters.py'),

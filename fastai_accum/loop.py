@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .batchnorm import AccumulateBatchNorm, wrap_bn, bn_layers, unwrap_layer, untraceable_reason
 from .exact import choose_exact, saved_on_host, ExactModeMemoryError
 from .staged_exact import install_staged, uninstall_staged
+from .staged import _to
 from .ghost import install_ghost, uninstall_ghost, check_ghost, check_ghost_policy
 from .window import (AccumulationWindow, WindowSteps, WindowLoader, validate_window_args, _check_count, scale_grads,
                      commit_window, drop_window, batch_size, world_size, cat_batches)
@@ -20,13 +21,6 @@ from .window import (AccumulationWindow, WindowSteps, WindowLoader, validate_win
 __all__ = ['default_inputs', 'Accumulation', 'accumulation_options']
 
 # %% ../nbs/07_loop.ipynb #e75c5500
-def _on_device(b, device):
-    "`b` (tensors in tuples, lists, dicts) on `device`."
-    if torch.is_tensor(b): return b.to(device, non_blocking=True)
-    if isinstance(b, (list, tuple)): return type(b)(_on_device(o, device) for o in b)
-    if isinstance(b, dict): return {k: _on_device(v, device) for k, v in b.items()}
-    return b
-
 def default_inputs(b) -> tuple:
     "The model inputs of batch `b`: everything but the last element (the target), or `b` itself if it has one element."
     if torch.is_tensor(b): return (b,)
@@ -198,7 +192,7 @@ class Accumulation(WindowSteps):
             for window in windows._windows():
                 if self.partial == 'drop' and not windows._full(window): continue
                 if not ready:  # chosen from the modes the user put the model in before the loop (re-measured only if they changed)
-                    first = _on_device(window[0], self.device)
+                    first = _to(window[0], self.device)
                     self.setup(first) if self.needs_setup() else self.find_bns()
                     ready = True
                 window = [self._placed(b) for b in window]
@@ -221,9 +215,9 @@ class Accumulation(WindowSteps):
     def _placed(self, b):
         "Micro-batch `b` on the device, its model inputs where `inputs_on` says."
         on = self.inputs_on
-        if on is None or not isinstance(b, (tuple, list)): return _on_device(b, self.device)
+        if on is None or not isinstance(b, (tuple, list)): return _to(b, self.device)
         xs = self.inputs(b)
-        return type(b)(_on_device(o, on if any(o is x for x in xs) else self.device) for o in b)
+        return type(b)(_to(o, on if any(o is x for x in xs) else self.device) for o in b)
 
     # The events an adapter calls when it cannot hand its loop to `batches`
     def start_window(self, window:list):

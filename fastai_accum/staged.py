@@ -31,9 +31,13 @@ def trace_model(model:nn.Module, # the model to trace (not changed)
 
 # %% ../nbs/00a_staged.ipynb #4d9d82e6
 def _to(v, device):
-    "`v`'s tensors on `device`: asynchronous onto an accelerator, synchronous back to the host (a read must see the data)."
-    nb = torch.device(device).type != 'cpu'
-    return map_aggregate(v, lambda a: a.to(device, non_blocking=nb) if isinstance(a, Tensor) else a)
+    "`v`'s tensors (in tuples, lists, dicts, kept as they are) on `device`: asynchronous onto an accelerator, synchronous back to the host (a read must see the data)."
+    if isinstance(v, Tensor): return v.to(device, non_blocking=torch.device(device).type != 'cpu')
+    if isinstance(v, (list, tuple)):
+        items = [_to(o, device) for o in v]
+        return type(v)(*items) if hasattr(v, '_fields') else type(v)(items)  # a namedtuple takes its fields one by one
+    if isinstance(v, dict): return type(v)((k, _to(o, device)) for k, o in v.items())
+    return v
 
 # %% ../nbs/00a_staged.ipynb #d0e418b2
 class StagedGraph:
