@@ -288,6 +288,10 @@ def bn_layers(model:nn.Module, accumulating:bool=False) -> list:
     cls = AccumulateBatchNorm if accumulating else _BatchNorm
     return [m for m in model.modules() if isinstance(m, cls)]
 
+def _has_stats(m) -> bool:
+    "Does BatchNorm layer `m` keep running statistics?"
+    return m.track_running_stats and m.running_mean is not None and m.running_var is not None
+
 # %% ../nbs/01_batchnorm.ipynb #62dd26b4
 def wrap_bn(model:nn.Module, # any model; its BatchNorm layers are changed in place
             policy:str='micro', # how training forwards normalize, one of `bn_policies` (also set on already-wrapped layers)

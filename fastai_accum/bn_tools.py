@@ -18,7 +18,7 @@ from fastai.learner import Learner
 from fastai.callback.core import Callback
 from fastai.torch_core import to_device
 from .stats import ChannelStats, all_reduce_stats
-from .batchnorm import bn_layers, _forward_is_known
+from .batchnorm import bn_layers, _forward_is_known, _has_stats
 
 # %% auto #0
 __all__ = ['precise_bn', 'PreciseBN', 'bn_to_groupnorm', 'FrozenBatchNorm', 'bn_to_frozen', 'frozen_to_bn']
@@ -28,7 +28,6 @@ def _model_input(b, n_inp:int) -> tuple:
     "The model's inputs in batch `b` of a DataLoader: the first `n_inp` elements of a tuple/list, else `b` itself."
     return tuple(b[:n_inp]) if isinstance(b, (tuple, list)) else (b,)
 
-def _has_stats(m) -> bool: return m.track_running_stats and m.running_mean is not None and m.running_var is not None
 
 def _source(learn_or_model, dl, n_inp) -> tuple:
     "(model, dl, n_inp): the model, the batches to pool over (default: a Learner's training data), model inputs per batch."

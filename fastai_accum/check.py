@@ -19,7 +19,7 @@ from fastai.learner import Learner
 from fastai.losses import BaseLoss
 from fastai.torch_core import TensorBase
 from .batchnorm import (AccumulateBatchNorm, auto_policy, bn_policies, bn_layers, wrap_bn, unwrap_bn,
-                                    window_prepasses, _forward_is_known)
+                                    window_prepasses, _forward_is_known, _has_stats)
 from .window import AccumulationWindow, scale_grads, commit_window, drop_window, cat_batches, loss_reduction, micro_per_window
 from .exact import leaves_no_trace, choose_exact, peek_batches
 from .callback import GradientAccumulation
@@ -313,7 +313,6 @@ def _loss_in(loss_func, dtype):
 def _grads(model:nn.Module) -> dict:
     return {n: (None if p.grad is None else p.grad.detach()) for n, p in model.named_parameters() if p.requires_grad}
 
-def _has_stats(m) -> bool: return m.track_running_stats and m.running_mean is not None and m.running_var is not None
 
 def _stats(model:nn.Module) -> dict:
     names = {m: n or _ROOT for n, m in model.named_modules()}
