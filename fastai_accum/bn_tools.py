@@ -19,6 +19,7 @@ from fastai.callback.core import Callback
 from fastai.torch_core import to_device
 from .stats import ChannelStats, all_reduce_stats
 from .batchnorm import bn_layers, _forward_is_known, _has_stats
+from .helpers import learner_and_model
 
 # %% auto #0
 __all__ = ['precise_bn', 'PreciseBN', 'bn_to_groupnorm', 'FrozenBatchNorm', 'bn_to_frozen', 'frozen_to_bn']
@@ -31,8 +32,7 @@ def _model_input(b, n_inp:int) -> tuple:
 
 def _source(learn_or_model, dl, n_inp) -> tuple:
     "(model, dl, n_inp): the model, the batches to pool over (default: a Learner's training data), model inputs per batch."
-    learn = learn_or_model if isinstance(learn_or_model, Learner) else None
-    model = learn.model if learn else learn_or_model
+    learn, model = learner_and_model(learn_or_model)
     if dl is None:
         if learn is None: raise ValueError("precise_bn: pass `dl`, the batches to compute the statistics on.")
         dl = learn.dls.train

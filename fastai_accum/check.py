@@ -22,6 +22,7 @@ from .batchnorm import (AccumulateBatchNorm, auto_policy, bn_policies, bn_layers
                                     window_prepasses, _forward_is_known, _has_stats)
 from .window import AccumulationWindow, scale_grads, commit_window, drop_window, cat_batches, loss_reduction, micro_per_window
 from .exact import leaves_no_trace, choose_exact, peek_batches
+from .helpers import learner_and_model
 from .callback import GradientAccumulation
 
 # %% auto #0
@@ -185,8 +186,7 @@ def _first_window(dl, n_step:int) -> tuple:
 # %% ../nbs/06_check.ipynb #52ba3497
 def _from_learner(learn_or_model, loss_func, n_step, policy, prepasses, prepass_bs) -> tuple:
     "The arguments not given, from a Learner and its `GradientAccumulation`: (learn, model, loss_func, n_step, policy, ...)."
-    learn = learn_or_model if isinstance(learn_or_model, Learner) else None
-    model = learn.model if learn is not None else learn_or_model
+    learn, model = learner_and_model(learn_or_model)
     cb = next((c for c in learn.cbs if isinstance(c, GradientAccumulation)), None) if learn is not None else None
     if loss_func is None:
         if learn is None: raise ValueError("check_accumulation: pass `loss_func` with a plain model")

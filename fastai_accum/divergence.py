@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn, Tensor
 from .exact import random_state_kept, peek_batches
+from .helpers import learner_and_model
 from .repro import env_fingerprint, diff_env, _seed
 
 # %% auto #0
@@ -215,8 +216,6 @@ class Trace:
                 f"torch {self.env['torch']} on {self.env['device_type']})")
 
 # %% ../nbs/05a_divergence.ipynb #60abd7a5
-def _is_learner(o) -> bool: return hasattr(o, 'dls') and hasattr(o, 'model') and not isinstance(o, nn.Module)
-
 def _trace_callback(rec, fixed_batch, n_steps):
     "The callback that drives a `Learner` run (its class is built here: fastai is imported only once a `Learner` is used)."
     from fastai.callback.core import Callback, CancelValidException
@@ -310,8 +309,7 @@ def record_trace(model,            # a fastai `Learner` or an `nn.Module`
                  full_numel:int=2**16, # tensors up to this size are kept whole, bigger ones as a `summarize` summary
                 ) -> Trace:
     "Run `n_steps` training steps on `batch` with hooks on every module and parameter; return (and save) the trace."
-    learn = model if _is_learner(model) else None
-    net = learn.model if learn is not None else model
+    learn, net = learner_and_model(model)
     if learn is not None and batch is None: batch = _first_batch(learn)
     if learn is None and batch is None: raise ValueError('record_trace: pass a batch for a plain model')
     p = next(net.parameters(), None)
@@ -516,6 +514,6 @@ def find_divergence(model,            # a fastai `Learner` or an `nn.Module`
                     full_numel:int=2**16, # tensors up to this size are compared whole, bigger ones by summary
                    ) -> Divergence:
     "Run the same training steps twice (same weights, seed and batch) and report where the runs first differ."
-    if _is_learner(model) and batch is None: batch = _first_batch(model)
+    if learner_and_model(model)[0] is not None and batch is None: batch = _first_batch(model)
     kw = dict(batch=batch, loss_func=loss_func, opt=opt, n_steps=n_steps, seed=seed, n_inp=n_inp, full_numel=full_numel)
     return compare_traces(record_trace(model, **kw), record_trace(model, **kw), atol, rtol)

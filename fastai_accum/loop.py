@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .batchnorm import AccumulateBatchNorm, wrap_bn, bn_layers, unwrap_layer, untraceable_reason
 from .exact import choose_exact, saved_on_host, ExactModeMemoryError
 from .staged_exact import install_staged, uninstall_staged
-from .staged import _to
+from .helpers import _to
 from .ghost import install_ghost, uninstall_ghost, check_ghost, check_ghost_policy
 from .window import (AccumulationWindow, WindowSteps, WindowLoader, validate_window_args, _check_count, scale_grads,
                      commit_window, drop_window, batch_size, world_size, cat_batches)

@@ -10,6 +10,7 @@ import torch
 from torch import nn, fx, Tensor
 from torch.fx.node import map_aggregate
 from .meters import ByteMeter, _tensors
+from .helpers import _to
 
 # %% auto #0
 __all__ = ['trace_model', 'StagedGraph']
@@ -28,16 +29,6 @@ def trace_model(model:nn.Module, # the model to trace (not changed)
                ) -> fx.Graph:
     "The data flow of `model` as a torch.fx graph in which every `is_leaf` module is one `call_module` node."
     return _LeafTracer(is_leaf).trace(model)
-
-# %% ../nbs/00a_staged.ipynb #4d9d82e6
-def _to(v, device):
-    "`v`'s tensors (in tuples, lists, dicts, kept as they are) on `device`: asynchronous onto an accelerator, synchronous back to the host (a read must see the data)."
-    if isinstance(v, Tensor): return v.to(device, non_blocking=torch.device(device).type != 'cpu')
-    if isinstance(v, (list, tuple)):
-        items = [_to(o, device) for o in v]
-        return type(v)(*items) if hasattr(v, '_fields') else type(v)(items)  # a namedtuple takes its fields one by one
-    if isinstance(v, dict): return type(v)((k, _to(o, device)) for k, o in v.items())
-    return v
 
 # %% ../nbs/00a_staged.ipynb #d0e418b2
 class StagedGraph:

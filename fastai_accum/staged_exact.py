@@ -15,7 +15,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .meters import _nbytes
 from .stats import ChannelStats, all_reduce_stats
 from .window import world_size
-from .staged import StagedGraph, _to
+from .staged import StagedGraph
+from .helpers import _to
 from .batchnorm import _trace, untraceable_reason, _after_norm
 
 # %% auto #0

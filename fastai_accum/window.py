@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 from .stats import all_reduce_stats
 from .batchnorm import _check_policy, window_prepasses, bn_preflight
-from .staged import _to
+from .helpers import _to
 
 # %% auto #0
 __all__ = ['world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window',
