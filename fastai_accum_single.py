@@ -247,6 +247,7 @@ def all_reduce_stats(stats:list, # `ChannelStats` to merge across processes, the
 
 # ======== fastai_accum/helpers.py ========
 # %% ../nbs/00_helpers.ipynb #645bb986
+from contextlib import contextmanager
 import torch
 from torch import nn, Tensor
 
@@ -267,6 +268,15 @@ def learner_and_model(o) -> tuple:
     "(the Learner or None, the model) for `o`, a fastai `Learner` or a plain `nn.Module`."
     learn = o if hasattr(o, 'dls') and hasattr(o, 'model') and not isinstance(o, nn.Module) else None
     return learn, (learn.model if learn is not None else o)
+
+# %% ../nbs/00_helpers.ipynb #3681f824
+@contextmanager
+def modes_kept(model:nn.Module):
+    "Every module of `model` back in the train/eval mode it had when the block ends (an exception included)."
+    modes = {m: m.training for m in model.modules()}
+    try: yield model
+    finally:
+        for m, t in modes.items(): m.training = t
 
 # ======== fastai_accum/staged.py ========
 # %% ../nbs/00a_staged.ipynb #95c66691
@@ -785,15 +795,12 @@ class PrepassPlan:
         self.graph = _trace(model)
         self.traced = not isinstance(self.graph, str)
         self.reason = None if self.traced else self.graph
-        modes = {m: m.training for m in model.modules()}
-        try:
+        with modes_kept(model):
             model.eval()  # measuring changes nothing: running statistics, no dropout, no pooled moments
             with torch.no_grad():
                 if self.traced: whole, stage = StagedGraph(model, self.graph, _window_layer).measure(xb)
                 else: whole, stage = _largest_activation(model, xb), None
             self.train_bytes = _saved_bytes(model, xb)  # what training at this micro-batch holds for backward
-        finally:
-            for m, t in modes.items(): m.training = t
         self.whole_per_sample, self.stage_per_sample = whole / self.bs, None if stage is None else stage / self.bs
         self.memory = memory
         self.budget = (self.train_bytes or whole) if memory is None else memory
@@ -2436,4 +2443,4 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['ByteMeter', 'SavedTensorMeter', 'fmt_bytes', 'stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'learner_and_model', 'trace_model', 'StagedGraph', 'bn_policies', 'auto_policy', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'WindowSteps', 'batch_size', 'cat_batches', 'place_inputs', 'micro_per_window', 'WindowLoader', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'auto_picks_exact', 'saved_on_host', 'choose_exact', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'check_ghost_policy', 'default_inputs', 'Accumulation', 'accumulation_options', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['ByteMeter', 'SavedTensorMeter', 'fmt_bytes', 'stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'learner_and_model', 'modes_kept', 'trace_model', 'StagedGraph', 'bn_policies', 'auto_policy', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'WindowSteps', 'batch_size', 'cat_batches', 'place_inputs', 'micro_per_window', 'WindowLoader', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'auto_picks_exact', 'saved_on_host', 'choose_exact', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'check_ghost_policy', 'default_inputs', 'Accumulation', 'accumulation_options', 'WindowPrefetch', 'GradientAccumulation']

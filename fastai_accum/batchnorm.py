@@ -13,6 +13,7 @@ from torch.nn.modules._functions import SyncBatchNorm as sync_batch_norm
 import torch.distributed as dist
 from .stats import ChannelStats, all_reduce_stats
 from .staged import trace_model, StagedGraph
+from .helpers import modes_kept
 from .meters import ByteMeter, SavedTensorMeter
 
 # %% auto #0
@@ -390,15 +391,12 @@ class PrepassPlan:
         self.graph = _trace(model)
         self.traced = not isinstance(self.graph, str)
         self.reason = None if self.traced else self.graph
-        modes = {m: m.training for m in model.modules()}
-        try:
+        with modes_kept(model):
             model.eval()  # measuring changes nothing: running statistics, no dropout, no pooled moments
             with torch.no_grad():
                 if self.traced: whole, stage = StagedGraph(model, self.graph, _window_layer).measure(xb)
                 else: whole, stage = _largest_activation(model, xb), None
             self.train_bytes = _saved_bytes(model, xb)  # what training at this micro-batch holds for backward
-        finally:
-            for m, t in modes.items(): m.training = t
         self.whole_per_sample, self.stage_per_sample = whole / self.bs, None if stage is None else stage / self.bs
         self.memory = memory
         self.budget = (self.train_bytes or whole) if memory is None else memory

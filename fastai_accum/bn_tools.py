@@ -19,7 +19,7 @@ from fastai.callback.core import Callback
 from fastai.torch_core import to_device
 from .stats import ChannelStats, all_reduce_stats
 from .batchnorm import bn_layers, _forward_is_known, _has_stats
-from .helpers import learner_and_model
+from .helpers import learner_and_model, modes_kept
 
 # %% auto #0
 __all__ = ['precise_bn', 'PreciseBN', 'bn_to_groupnorm', 'FrozenBatchNorm', 'bn_to_frozen', 'frozen_to_bn']
@@ -43,19 +43,18 @@ def _source(learn_or_model, dl, n_inp) -> tuple:
 def _pooling(model:nn.Module, layers:list, train_mode:bool):
     "Inside, `layers` normalize with batch statistics (buffers untouched), their inputs pooled into the `ChannelStats` yielded."
     stats = {m: ChannelStats() for m in layers}
-    modes = {m: m.training for m in model.modules()}
     tracking = {m: m.track_running_stats for m in layers}
     hooks = [m.register_forward_pre_hook(lambda m, args: stats[m].add(args[0])) for m in layers]
     try:
-        model.train(train_mode)
-        for m in bn_layers(model):  # the others normalize with their running stats, and are not changed in train mode
-            if m not in stats and _has_stats(m): m.eval()
-        for m in layers: m.train(); m.track_running_stats = False # batch statistics, buffers untouched
-        yield stats
+        with modes_kept(model):
+            model.train(train_mode)
+            for m in bn_layers(model):  # the others normalize with their running stats, and are not changed in train mode
+                if m not in stats and _has_stats(m): m.eval()
+            for m in layers: m.train(); m.track_running_stats = False # batch statistics, buffers untouched
+            yield stats
     finally:
         for h in hooks: h.remove()
         for m, t in tracking.items(): m.track_running_stats = t
-        for m, t in modes.items(): m.training = t
 
 def _feed(model:nn.Module, dl, n_batches:int|None, n_inp:int, show_progress:bool, parent) -> int:
     "Run at most `n_batches` batches of `dl` through `model` (on its device), with a progress bar if asked; returns how many ran."

@@ -11,6 +11,7 @@ from torch.nn.utils import parameters_to_vector
 from .exact import peek_batches
 from .window import WindowLoader, validate_window_args, loss_reduction, _check_count, scale_grads, batch_size
 from .loop import Accumulation, accumulation_options
+from .helpers import modes_kept
 
 
 # %% auto #0
@@ -107,15 +108,12 @@ class GradientAccumulationV1:
     def _choose(self):
         "Choose how this fit trains, from the modes it trains in: v1 calls `model.train()` at each epoch, then `BnFreeze` (if used) puts BatchNorm layers without trainable parameters in eval mode."
         model, learn = self.learn.model, self.learn
-        modes = {m: m.training for m in model.modules()}
-        try:
+        with modes_kept(model):
             model.train()
             if _uses_callback(learn, 'BnFreeze'):
                 from fastai.torch_core import set_bn_eval  # fastai v1's, as its BnFreeze calls it
                 set_bn_eval(model)
             self.acc.setup(self._peek)  # 'exact' or not (measuring a peeked micro-batch only if it must), wrap BatchNorm
-        finally:
-            for m, t in modes.items(): m.training = t
         said = getattr(learn, '_gradient_accumulation_said', None)  # the callback is built anew for each fit: kept on the learner
         self._announce = self.preflight and self.acc.path not in ('no BatchNorm', said)
 

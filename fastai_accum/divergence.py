@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn, Tensor
 from .exact import random_state_kept, peek_batches
-from .helpers import learner_and_model
+from .helpers import learner_and_model, modes_kept
 from .repro import env_fingerprint, diff_env, _seed
 
 # %% auto #0
@@ -292,11 +292,10 @@ def _name(f) -> str:
 @contextmanager
 def _model_kept(net:nn.Module):
     "Weights, buffers and train/eval modes of `net` come back on exit."
-    state, modes = copy.deepcopy(net.state_dict()), {m: m.training for m in net.modules()}
-    try: yield
-    finally:
-        net.load_state_dict(state)
-        for m, t in modes.items(): m.training = t
+    state = copy.deepcopy(net.state_dict())
+    with modes_kept(net):
+        try: yield
+        finally: net.load_state_dict(state)
 
 def record_trace(model,            # a fastai `Learner` or an `nn.Module`
                  batch=None,       # `(*inputs, *targets)`; for a `Learner` default `learn.dls.train.one_batch()`

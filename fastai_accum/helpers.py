@@ -4,11 +4,12 @@
 
 # %% ../nbs/00_helpers.ipynb #645bb986
 from __future__ import annotations
+from contextlib import contextmanager
 import torch
 from torch import nn, Tensor
 
 # %% auto #0
-__all__ = ['learner_and_model']
+__all__ = ['learner_and_model', 'modes_kept']
 
 # %% ../nbs/00_helpers.ipynb #5f390a10
 def _to(v, device):
@@ -25,3 +26,12 @@ def learner_and_model(o) -> tuple:
     "(the Learner or None, the model) for `o`, a fastai `Learner` or a plain `nn.Module`."
     learn = o if hasattr(o, 'dls') and hasattr(o, 'model') and not isinstance(o, nn.Module) else None
     return learn, (learn.model if learn is not None else o)
+
+# %% ../nbs/00_helpers.ipynb #3681f824
+@contextmanager
+def modes_kept(model:nn.Module):
+    "Every module of `model` back in the train/eval mode it had when the block ends (an exception included)."
+    modes = {m: m.training for m in model.modules()}
+    try: yield model
+    finally:
+        for m, t in modes.items(): m.training = t
