@@ -278,6 +278,16 @@ def modes_kept(model:nn.Module):
     finally:
         for m, t in modes.items(): m.training = t
 
+# %% ../nbs/00_helpers.ipynb #03bca2e2
+def split_batch(b, # a batch: a tensor, or a tuple/list of its elements
+                n_inp:int|None=None, # elements that are model inputs (default: all but the last; a lone element is an input)
+               ) -> tuple:
+    "(model inputs, targets) of batch `b`, each a tuple."
+    if isinstance(b, Tensor): return (b,), ()
+    b = tuple(b)
+    n = n_inp if n_inp is not None else (1 if len(b) == 1 else len(b) - 1)
+    return b[:n], b[n:]
+
 # ======== fastai_accum/staged.py ========
 # %% ../nbs/00a_staged.ipynb #95c66691
 import torch
@@ -1885,9 +1895,7 @@ from torch.nn.parallel import DistributedDataParallel
 # %% ../nbs/07_loop.ipynb #e75c5500
 def default_inputs(b) -> tuple:
     "The model inputs of batch `b`: everything but the last element (the target), or `b` itself if it has one element."
-    if torch.is_tensor(b): return (b,)
-    b = tuple(b)
-    return b[:1 if len(b) == 1 else len(b) - 1]
+    return split_batch(b)[0]
 
 # %% ../nbs/07_loop.ipynb #8f133906
 class Accumulation(WindowSteps):
@@ -2286,7 +2294,7 @@ def _check_batch_size(self:GradientAccumulation):
 @patch
 def _inputs(self:GradientAccumulation, b):
     b = self.learn._set_device(b)
-    return b[:getattr(self.dls, 'n_inp', 1 if len(b) == 1 else len(b) - 1)]
+    return split_batch(b, getattr(self.dls, 'n_inp', None))[0]
 
 @patch
 def _autocast(self:GradientAccumulation):
@@ -2443,4 +2451,4 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['ByteMeter', 'SavedTensorMeter', 'fmt_bytes', 'stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'learner_and_model', 'modes_kept', 'trace_model', 'StagedGraph', 'bn_policies', 'auto_policy', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'WindowSteps', 'batch_size', 'cat_batches', 'place_inputs', 'micro_per_window', 'WindowLoader', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'auto_picks_exact', 'saved_on_host', 'choose_exact', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'check_ghost_policy', 'default_inputs', 'Accumulation', 'accumulation_options', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['ByteMeter', 'SavedTensorMeter', 'fmt_bytes', 'stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'learner_and_model', 'modes_kept', 'split_batch', 'trace_model', 'StagedGraph', 'bn_policies', 'auto_policy', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'WindowSteps', 'batch_size', 'cat_batches', 'place_inputs', 'micro_per_window', 'WindowLoader', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'auto_picks_exact', 'saved_on_host', 'choose_exact', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'check_ghost_policy', 'default_inputs', 'Accumulation', 'accumulation_options', 'WindowPrefetch', 'GradientAccumulation']

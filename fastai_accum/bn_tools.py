@@ -19,17 +19,12 @@ from fastai.callback.core import Callback
 from fastai.torch_core import to_device
 from .stats import ChannelStats, all_reduce_stats
 from .batchnorm import bn_layers, _forward_is_known, _has_stats
-from .helpers import learner_and_model, modes_kept
+from .helpers import learner_and_model, modes_kept, split_batch
 
 # %% auto #0
 __all__ = ['precise_bn', 'PreciseBN', 'bn_to_groupnorm', 'FrozenBatchNorm', 'bn_to_frozen', 'frozen_to_bn']
 
 # %% ../nbs/04_bn_tools.ipynb #fe613d68
-def _model_input(b, n_inp:int) -> tuple:
-    "The model's inputs in batch `b` of a DataLoader: the first `n_inp` elements of a tuple/list, else `b` itself."
-    return tuple(b[:n_inp]) if isinstance(b, (tuple, list)) else (b,)
-
-
 def _source(learn_or_model, dl, n_inp) -> tuple:
     "(model, dl, n_inp): the model, the batches to pool over (default: a Learner's training data), model inputs per batch."
     learn, model = learner_and_model(learn_or_model)
@@ -66,7 +61,7 @@ def _feed(model:nn.Module, dl, n_batches:int|None, n_inp:int, show_progress:bool
     if show_progress: batches = progress_bar(batches, total=total, parent=parent, leave=False)
     seen = 0
     for b in batches:
-        xb = _model_input(b, n_inp)
+        xb = split_batch(b, n_inp)[0]
         model(*(to_device(xb, device) if device is not None else xb))
         seen += 1
     return seen

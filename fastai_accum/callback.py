@@ -13,6 +13,7 @@ from fastai.callback.fp16 import MixedPrecision
 from .exact import peek_batches
 from .window import validate_window_args, loss_reduction, _check_count, WindowLoader, micro_per_window
 from .loop import Accumulation, accumulation_options
+from .helpers import split_batch
 
 # %% auto #0
 __all__ = ['WindowPrefetch', 'GradientAccumulation']
@@ -123,7 +124,7 @@ def _check_batch_size(self:GradientAccumulation):
 @patch
 def _inputs(self:GradientAccumulation, b):
     b = self.learn._set_device(b)
-    return b[:getattr(self.dls, 'n_inp', 1 if len(b) == 1 else len(b) - 1)]
+    return split_batch(b, getattr(self.dls, 'n_inp', None))[0]
 
 @patch
 def _autocast(self:GradientAccumulation):

@@ -22,7 +22,7 @@ from .batchnorm import (AccumulateBatchNorm, auto_policy, bn_policies, bn_layers
                                     window_prepasses, _forward_is_known, _has_stats)
 from .window import AccumulationWindow, scale_grads, commit_window, drop_window, cat_batches, loss_reduction, micro_per_window
 from .exact import leaves_no_trace, choose_exact, peek_batches
-from .helpers import learner_and_model
+from .helpers import learner_and_model, split_batch
 from .callback import GradientAccumulation
 
 # %% auto #0
@@ -257,7 +257,7 @@ def _resolve(learn_or_model, batch=None, n_step=None, loss_func=None, policy=Non
                                                                                    prepasses, prepass_bs)
     _check_args(n_step, policy)
     batch = _the_batch(learn, batch, n_step)
-    if n_inp is None: n_inp = getattr(learn.dls, 'n_inp', len(batch) - 1) if learn is not None else len(batch) - 1
+    if n_inp is None: n_inp = len(split_batch(batch, getattr(learn.dls, 'n_inp', None) if learn is not None else None)[0])
     p0 = next(model.parameters(), None)
     if p0 is None: raise ValueError("check_accumulation: the model has no parameters")
     dt = dtype or p0.dtype
@@ -720,9 +720,8 @@ def gradient_screen(model:nn.Module, # the model at its starting point (copied: 
             reports[step, t[2]] = check_accumulation(m, batch, n_step, loss_func, policy=t[2], dtype=dtype,
                                                      previous=prev, **kwargs)
             continue
-        ni = n_inp if n_inp is not None else len(batch) - 1
         dev = next(m.parameters()).device
-        xb, yb = [t.to(dev) for t in batch[:ni]], [t.to(dev) for t in batch[ni:]]
+        xb, yb = [[t.to(dev) for t in part] for part in split_batch(batch, n_inp)]
         opt.zero_grad()
         loss_func(m(*xb), *yb).backward()
         opt.step()

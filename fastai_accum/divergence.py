@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn, Tensor
 from .exact import random_state_kept, peek_batches
-from .helpers import learner_and_model, modes_kept
+from .helpers import learner_and_model, modes_kept, split_batch
 from .repro import env_fingerprint, diff_env, _seed
 
 # %% auto #0
@@ -258,8 +258,7 @@ def _first_batch(learn):
     return peek_batches(learn.dls.train)[0]
 
 def _run_plain(model, batch, loss_func, opt, n_steps, n_inp, rec):
-    batch = tuple(batch) if isinstance(batch, (list, tuple)) else (batch,)
-    xb, yb = batch[:n_inp], batch[n_inp:]
+    xb, yb = split_batch(batch, n_inp)
     opt_state = None
     if opt is not None:
         if hasattr(opt, 'step'): opt_state = copy.deepcopy(opt.state_dict())

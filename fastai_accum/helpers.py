@@ -9,7 +9,7 @@ import torch
 from torch import nn, Tensor
 
 # %% auto #0
-__all__ = ['learner_and_model', 'modes_kept']
+__all__ = ['learner_and_model', 'modes_kept', 'split_batch']
 
 # %% ../nbs/00_helpers.ipynb #5f390a10
 def _to(v, device):
@@ -35,3 +35,13 @@ def modes_kept(model:nn.Module):
     try: yield model
     finally:
         for m, t in modes.items(): m.training = t
+
+# %% ../nbs/00_helpers.ipynb #03bca2e2
+def split_batch(b, # a batch: a tensor, or a tuple/list of its elements
+                n_inp:int|None=None, # elements that are model inputs (default: all but the last; a lone element is an input)
+               ) -> tuple:
+    "(model inputs, targets) of batch `b`, each a tuple."
+    if isinstance(b, Tensor): return (b,), ()
+    b = tuple(b)
+    n = n_inp if n_inp is not None else (1 if len(b) == 1 else len(b) - 1)
+    return b[:n], b[n:]

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .batchnorm import AccumulateBatchNorm, wrap_bn, bn_layers, unwrap_layer, untraceable_reason
 from .exact import choose_exact, saved_on_host, ExactModeMemoryError
 from .staged_exact import install_staged, uninstall_staged
-from .helpers import _to
+from .helpers import _to, split_batch
 from .ghost import install_ghost, uninstall_ghost, check_ghost, check_ghost_policy
 from .window import (AccumulationWindow, WindowSteps, WindowLoader, validate_window_args, _check_count, scale_grads,
                      commit_window, drop_window, batch_size, world_size, cat_batches)
@@ -23,9 +23,7 @@ __all__ = ['default_inputs', 'Accumulation', 'accumulation_options']
 # %% ../nbs/07_loop.ipynb #e75c5500
 def default_inputs(b) -> tuple:
     "The model inputs of batch `b`: everything but the last element (the target), or `b` itself if it has one element."
-    if torch.is_tensor(b): return (b,)
-    b = tuple(b)
-    return b[:1 if len(b) == 1 else len(b) - 1]
+    return split_batch(b)[0]
 
 # %% ../nbs/07_loop.ipynb #8f133906
 class Accumulation(WindowSteps):
