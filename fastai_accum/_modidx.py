@@ -878,7 +878,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                     'fastai_accum.repro.ReproReport._repr_markdown_': ( 'repro.html#reproreport._repr_markdown_',
                                                                                         'fastai_accum/repro.py'),
                                     'fastai_accum.repro.ReproReport.lines': ('repro.html#reproreport.lines', 'fastai_accum/repro.py'),
-                                    'fastai_accum.repro.__getattr__': ('repro.html#__getattr__', 'fastai_accum/repro.py'),
                                     'fastai_accum.repro._cpu_name': ('repro.html#_cpu_name', 'fastai_accum/repro.py'),
                                     'fastai_accum.repro._cudnn_version': ('repro.html#_cudnn_version', 'fastai_accum/repro.py'),
                                     'fastai_accum.repro._dataloaders': ('repro.html#_dataloaders', 'fastai_accum/repro.py'),

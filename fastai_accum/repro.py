@@ -182,11 +182,3 @@ def reproducible(seed:int=42,       # as in `set_reproducible`
     state = _save_state(dls)
     try: yield set_reproducible(seed, warn_only, dls)
     finally: _restore_state(state)
-
-# %% ../nbs/05_repro.ipynb #d58c884d
-def __getattr__(name:str):
-    "The divergence finder's names moved to `fastai_accum.divergence`; imports of them from here keep working."
-    import importlib
-    divergence = importlib.import_module('fastai_accum.divergence')
-    if name in divergence.__all__: return getattr(divergence, name)
-    raise AttributeError(f"module 'fastai_accum.repro' has no attribute {name!r}")

@@ -57,3 +57,25 @@ def test_declared_requirements_cover_imports_and_keep_adapters_extra():
     names = {r.split('>')[0].split('<')[0].split('=')[0] for r in base}
     assert 'psutil' in names and not names & {'accelerate', 'timm', 'pytorch-lightning'}
     for extra in ('accelerate', 'timm', 'lightning'): assert cfg['DEFAULT'][f'{extra}_requirements']
+
+def test_module_imports_form_no_circle():
+    "The package's modules import each other as a DAG: relative imports at any depth and `import_module('fastai_accum.X')` counted."
+    import ast, re
+    pkg = Path(fastai_accum.__file__).parent
+    names = {p.stem for p in pkg.glob('*.py')}
+    graph = {}
+    for p in pkg.glob('*.py'):
+        deps = set()
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module: deps.add(node.module.split('.')[0])
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith('fastai_accum.'): deps.add(node.module.split('.')[1])
+        deps |= set(re.findall(r"['\"]fastai_accum\.(\w+)['\"]", p.read_text()))
+        graph[p.stem] = (deps & names) - {p.stem}
+    state = {}
+    def visit(n, path):
+        if state.get(n) == 'done': return
+        assert state.get(n) != 'open', f"import circle: {' -> '.join(path + [n])}"
+        state[n] = 'open'
+        for d in sorted(graph[n]): visit(d, path + [n])
+        state[n] = 'done'
+    for n in sorted(graph): visit(n, [])
