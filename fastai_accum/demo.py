@@ -347,7 +347,8 @@ def plot_results(results:DemoResults, # what `run_experiment` returned
         title = (f"{c['task']}: {'real data' if c['real_data'] else 'offline stand-in data'}, "
                  f"micro-batch {c['micro_bs']} x {c['n_step']} steps\n" + textwrap.shorten(c['weights'], 120))
     ax.set(xlabel='epoch', ylabel='validation accuracy')
-    ax.xaxis.get_major_locator().set_params(integer=True)
+    n = max(map(len, results.curves.values()), default=1)
+    ax.set(xticks=range(1, n + 1), xlim=(0.5, n + 0.5))  # whole epochs (one epoch: the points in the middle)
     ax.grid(alpha=0.3); ax.legend(fontsize='small')
     t, y = results.table, np.arange(len(results.table))
     forum = 'forum' in t and t['forum'].notna().any()
@@ -356,7 +357,7 @@ def plot_results(results:DemoResults, # what `run_experiment` returned
     if forum: bx.barh(y + h/2, t['forum'].fillna(0), height=h, color='lightgray', label='forum')
     for yi, v in zip(y, t['accuracy']): bx.text(v, yi - (h/2 if forum else 0), f' {v:.3f}', va='center', fontsize='small')
     bx.set(yticks=y, yticklabels=t['setting'], xlim=(0, 1.1), xlabel='final validation accuracy')
-    bx.invert_yaxis(); bx.grid(alpha=0.3, axis='x'); bx.legend(fontsize='small', loc='lower right')
+    bx.invert_yaxis(); bx.grid(alpha=0.3, axis='x'); bx.legend(fontsize='small', loc='upper center', bbox_to_anchor=(0.5, -0.12), ncol=2)  # below: the bars span the width
     fig.suptitle(title, fontsize='medium')
     fig.tight_layout()
     if fname is None: return fig
