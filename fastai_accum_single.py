@@ -1172,7 +1172,7 @@ def cat_batches(batches:list, # micro-batches, each a tuple (or list) of tensors
         out.append(torch.cat(parts))
     return tuple(out)
 
-def place_inputs(b, # a batch: a tuple (or list) whose first `n_inp` elements are the model's inputs
+def _place_inputs(b, # a batch: a tuple (or list) whose first `n_inp` elements are the model's inputs
                  n_inp:int, # elements that are model inputs
                  device, # where they go
                 ) -> tuple:
@@ -1181,7 +1181,7 @@ def place_inputs(b, # a batch: a tuple (or list) whose first `n_inp` elements ar
     return tuple(_to(x, device) for x in b[:n_inp]) + b[n_inp:]
 
 # %% ../nbs/02_window.ipynb #6e8baaad
-def micro_per_window(n_step:int|None, n_acc:int|None, bs:int|None) -> int:
+def _micro_per_window(n_step:int|None, n_acc:int|None, bs:int|None) -> int:
     "Micro-batches per window: `n_step`, or as many micro-batches of `bs` as reach `n_acc` samples (rounded up, as `WindowLoader` reads them)."
     return n_step or max(1, math.ceil(n_acc / max(1, bs or 1)))
 
@@ -1203,12 +1203,12 @@ class WindowLoader:
 
     def __len__(self):
         if not self.exact: return len(self.dl)
-        per = micro_per_window(self.n_step, self.n_acc, getattr(self.dl, 'bs', None))
+        per = _micro_per_window(self.n_step, self.n_acc, getattr(self.dl, 'bs', None))
         return len(self.dl) // per if self.partial == 'drop' else math.ceil(len(self.dl) / per)
 
     def _windows(self):
         it = iter(self.dl)
-        if self.inputs_on is not None: it = (place_inputs(b, self.n_inp, self.inputs_on) for b in it)
+        if self.inputs_on is not None: it = (_place_inputs(b, self.n_inp, self.inputs_on) for b in it)
         while True:
             if self.n_step is not None: window = list(itertools.islice(it, self.n_step))
             else:
@@ -2346,7 +2346,7 @@ def _lengthen_lr_find(self:GradientAccumulation):
 def _warn_lr_find(self:GradientAccumulation):
     "Micro-batch by micro-batch, `lr_find` makes one optimizer step per window: warn when `num_it` gives fewer than 20."
     if self.exact: return
-    per_step = micro_per_window(self.n_step, self.n_acc, getattr(self.dls.train, 'bs', 1))
+    per_step = _micro_per_window(self.n_step, self.n_acc, getattr(self.dls.train, 'bs', 1))
     num_it = self.learn.lr_finder.num_it
     if num_it / per_step < 20:
         warnings.warn(f"lr_find with gradient accumulation makes one optimizer step per window: num_it={num_it} "
@@ -2451,4 +2451,4 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['ByteMeter', 'SavedTensorMeter', 'fmt_bytes', 'stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'learner_and_model', 'modes_kept', 'split_batch', 'trace_model', 'StagedGraph', 'bn_policies', 'auto_policy', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'WindowSteps', 'batch_size', 'cat_batches', 'place_inputs', 'micro_per_window', 'WindowLoader', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'auto_picks_exact', 'saved_on_host', 'choose_exact', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'check_ghost_policy', 'default_inputs', 'Accumulation', 'accumulation_options', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['ByteMeter', 'SavedTensorMeter', 'fmt_bytes', 'stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'learner_and_model', 'modes_kept', 'split_batch', 'trace_model', 'StagedGraph', 'bn_policies', 'auto_policy', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'WindowSteps', 'batch_size', 'cat_batches', 'WindowLoader', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'auto_picks_exact', 'saved_on_host', 'choose_exact', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'check_ghost_policy', 'default_inputs', 'Accumulation', 'accumulation_options', 'WindowPrefetch', 'GradientAccumulation']

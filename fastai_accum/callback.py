@@ -11,7 +11,7 @@ from fastai.basics import *
 import fastai.callback.training
 from fastai.callback.fp16 import MixedPrecision
 from .exact import peek_batches
-from .window import validate_window_args, loss_reduction, _check_count, WindowLoader, micro_per_window
+from .window import validate_window_args, loss_reduction, _check_count, WindowLoader, _micro_per_window
 from .loop import Accumulation, accumulation_options
 from .helpers import split_batch
 
@@ -176,7 +176,7 @@ def _lengthen_lr_find(self:GradientAccumulation):
 def _warn_lr_find(self:GradientAccumulation):
     "Micro-batch by micro-batch, `lr_find` makes one optimizer step per window: warn when `num_it` gives fewer than 20."
     if self.exact: return
-    per_step = micro_per_window(self.n_step, self.n_acc, getattr(self.dls.train, 'bs', 1))
+    per_step = _micro_per_window(self.n_step, self.n_acc, getattr(self.dls.train, 'bs', 1))
     num_it = self.learn.lr_finder.num_it
     if num_it / per_step < 20:
         warnings.warn(f"lr_find with gradient accumulation makes one optimizer step per window: num_it={num_it} "

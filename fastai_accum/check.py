@@ -20,7 +20,7 @@ from fastai.losses import BaseLoss
 from fastai.torch_core import TensorBase
 from .batchnorm import (AccumulateBatchNorm, auto_policy, bn_policies, bn_layers, wrap_bn, unwrap_bn,
                                     window_prepasses, _forward_is_known, _has_stats)
-from .window import AccumulationWindow, scale_grads, commit_window, drop_window, cat_batches, loss_reduction, micro_per_window
+from .window import AccumulationWindow, scale_grads, commit_window, drop_window, cat_batches, loss_reduction, _micro_per_window
 from .exact import leaves_no_trace, choose_exact, peek_batches
 from .helpers import learner_and_model, split_batch
 from .callback import GradientAccumulation
@@ -192,7 +192,7 @@ def _from_learner(learn_or_model, loss_func, n_step, policy, prepasses, prepass_
         if learn is None: raise ValueError("check_accumulation: pass `loss_func` with a plain model")
         loss_func = learn.loss_func
     if n_step is None and cb is not None:
-        n_step = micro_per_window(cb.n_step, cb.n_acc, learn.dls.train.bs)
+        n_step = _micro_per_window(cb.n_step, cb.n_acc, learn.dls.train.bs)
     if policy is None: policy = cb.policy if cb is not None else 'micro'
     if cb is not None and prepasses is None: prepasses = cb.prepasses
     if cb is not None and prepass_bs is None: prepass_bs = cb.prepass_bs

@@ -16,8 +16,7 @@ from .helpers import _to
 
 # %% auto #0
 __all__ = ['world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window',
-           'drop_window', 'WindowSteps', 'batch_size', 'cat_batches', 'place_inputs', 'micro_per_window',
-           'WindowLoader']
+           'drop_window', 'WindowSteps', 'batch_size', 'cat_batches', 'WindowLoader']
 
 # %% ../nbs/02_window.ipynb #6b430344
 def _check_count(name, value) -> int|None:
@@ -216,7 +215,7 @@ def cat_batches(batches:list, # micro-batches, each a tuple (or list) of tensors
         out.append(torch.cat(parts))
     return tuple(out)
 
-def place_inputs(b, # a batch: a tuple (or list) whose first `n_inp` elements are the model's inputs
+def _place_inputs(b, # a batch: a tuple (or list) whose first `n_inp` elements are the model's inputs
                  n_inp:int, # elements that are model inputs
                  device, # where they go
                 ) -> tuple:
@@ -225,7 +224,7 @@ def place_inputs(b, # a batch: a tuple (or list) whose first `n_inp` elements ar
     return tuple(_to(x, device) for x in b[:n_inp]) + b[n_inp:]
 
 # %% ../nbs/02_window.ipynb #6e8baaad
-def micro_per_window(n_step:int|None, n_acc:int|None, bs:int|None) -> int:
+def _micro_per_window(n_step:int|None, n_acc:int|None, bs:int|None) -> int:
     "Micro-batches per window: `n_step`, or as many micro-batches of `bs` as reach `n_acc` samples (rounded up, as `WindowLoader` reads them)."
     return n_step or max(1, math.ceil(n_acc / max(1, bs or 1)))
 
@@ -247,12 +246,12 @@ class WindowLoader:
 
     def __len__(self):
         if not self.exact: return len(self.dl)
-        per = micro_per_window(self.n_step, self.n_acc, getattr(self.dl, 'bs', None))
+        per = _micro_per_window(self.n_step, self.n_acc, getattr(self.dl, 'bs', None))
         return len(self.dl) // per if self.partial == 'drop' else math.ceil(len(self.dl) / per)
 
     def _windows(self):
         it = iter(self.dl)
-        if self.inputs_on is not None: it = (place_inputs(b, self.n_inp, self.inputs_on) for b in it)
+        if self.inputs_on is not None: it = (_place_inputs(b, self.n_inp, self.inputs_on) for b in it)
         while True:
             if self.n_step is not None: window = list(itertools.islice(it, self.n_step))
             else:
