@@ -148,3 +148,8 @@ def test_staged_window_with_inputs_waiting_on_the_host_is_the_big_batch(monkeypa
     assert placed == ['cpu'] and acc.path == 'staged exact'
     flat = lambda gs: torch.cat([g.flatten() for g in gs])  # biases before BatchNorm have a gradient of zero (noise): compared as one vector
     assert rel(flat(got), flat(grads(big))) < 1e-9
+    # where each element goes, seen with a device of its own ('meta' stands in for host memory): inputs there, targets on the model's device
+    monkeypatch.setattr(Accumulation, 'inputs_on', property(lambda self: 'meta' if self.exact and self.plan.staged else None))
+    acc = Accumulation(bn_net().double(), n_step=3, policy='staged')
+    xb, yb = next(iter(acc.batches(DataLoader(TensorDataset(x, y), batch_size=4))))
+    assert (xb.device.type, yb.device.type, xb.shape[0]) == ('meta', 'cpu', 12)
