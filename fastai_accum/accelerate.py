@@ -5,7 +5,7 @@
 # %% ../nbs/07a_accelerate.ipynb #8d63bfe4
 from __future__ import annotations
 import torch
-from .loop import Accumulation
+from .core import Accumulation
 
 # %% auto #0
 __all__ = ['AcceleratedAccumulation']

@@ -7,11 +7,11 @@ __all__ = ['fastai_major']
 
 # %% ../nbs/99_all.ipynb #b7ad9e4d
 import importlib
-import fastai_accum.stats, fastai_accum.batchnorm, fastai_accum.window, fastai_accum.loop, fastai_accum.accelerate, fastai_accum.callback_v1, fastai_accum.repro, fastai_accum.divergence, fastai_accum.distributed
+import fastai_accum.stats, fastai_accum.batchnorm, fastai_accum.window, fastai_accum.core, fastai_accum.accelerate, fastai_accum.callback_v1, fastai_accum.repro, fastai_accum.divergence, fastai_accum.distributed
 from .stats import *
 from .batchnorm import *
 from .window import *
-from .loop import *
+from .core import *
 from .accelerate import *
 from .callback_v1 import *
 from .repro import *
@@ -26,7 +26,7 @@ def fastai_major() -> int|None:
     return int(fastai.__version__.split('.')[0])
 
 # %% ../nbs/99_all.ipynb #99983a4c
-_modules = [fastai_accum.stats, fastai_accum.batchnorm, fastai_accum.window, fastai_accum.loop, fastai_accum.accelerate,
+_modules = [fastai_accum.stats, fastai_accum.batchnorm, fastai_accum.window, fastai_accum.core, fastai_accum.accelerate,
             fastai_accum.callback_v1, fastai_accum.repro, fastai_accum.divergence, fastai_accum.distributed]
 if fastai_major() == 1:
     GradientAccumulation = GradientAccumulationV1

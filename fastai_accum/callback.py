@@ -12,7 +12,7 @@ import fastai.callback.training
 from fastai.callback.fp16 import MixedPrecision
 from .exact import peek_batches
 from .window import validate_window_args, loss_reduction, _check_count, WindowLoader, _micro_per_window
-from .loop import Accumulation, accumulation_options
+from .core import Accumulation, accumulation_options
 from .helpers import split_batch
 
 # %% auto #0

@@ -10,7 +10,7 @@ import torch
 from torch.nn.utils import parameters_to_vector
 from .exact import peek_batches
 from .window import WindowLoader, validate_window_args, loss_reduction, _check_count, scale_grads, batch_size
-from .loop import Accumulation, accumulation_options
+from .core import Accumulation, accumulation_options
 from .helpers import modes_kept
 
 

@@ -10,7 +10,7 @@ try: import lightning.pytorch as pl
 except ImportError: import pytorch_lightning as pl
 from .batchnorm import wrap_bn, unwrap_layer, bn_layers, _check_policy
 from .window import (AccumulationWindow, WindowSteps, _check_count, scale_grads, drop_window, batch_size)
-from .loop import default_inputs
+from .core import default_inputs
 
 # %% auto #0
 __all__ = ['BatchNormAccumulation']

@@ -313,7 +313,7 @@ def test_staged_window_inputs_wait_where_inputs_on_says(monkeypatch):
     them there and fastai's `_set_device` leaves them alone, targets going to the device. Forced here on the CPU: fastai
     gets the loader's input tensor itself, training is still the big batch (float64) and the fit leaves no patch behind."""
     from fastai_accum.callback import WindowPrefetch
-    from fastai_accum.loop import Accumulation
+    from fastai_accum.core import Accumulation
     monkeypatch.setattr(Accumulation, 'inputs_on', property(lambda self: 'cpu' if self.exact and self.plan.staged else None))
     kept, set_device = [], WindowPrefetch._set_device
     def spy(self, b):

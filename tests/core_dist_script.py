@@ -1,11 +1,11 @@
-"""`python -m torch.distributed.run --standalone --nproc_per_node 2 tests/loop_dist_script.py MODE OUTDIR`: a plain
-DDP loop driven by `Accumulation` on gloo; each rank saves what tests/test_loop.py checks to OUTDIR/rankR.pt."""
+"""`python -m torch.distributed.run --standalone --nproc_per_node 2 tests/core_dist_script.py MODE OUTDIR`: a plain
+DDP loop driven by `Accumulation` on gloo; each rank saves what tests/test_core.py checks to OUTDIR/rankR.pt."""
 import os, sys, torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
-from fastai_accum.loop import Accumulation
+from fastai_accum.core import Accumulation
 from fastai_accum.batchnorm import bn_layers
 
 torch.set_num_threads(1)

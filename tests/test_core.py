@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest, torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-from fastai_accum.loop import Accumulation
+from fastai_accum.core import Accumulation
 from fastai_accum.batchnorm import bn_layers
 
 def mlp(): return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -105,7 +105,7 @@ def test_backward_without_batches_fails():
     m = mlp(); acc = Accumulation(m, n_step=2)
     with pytest.raises(RuntimeError, match='without a micro-batch'): acc.backward(m(torch.randn(2, 6)).sum())
 
-SCRIPT = Path(__file__).parent/'loop_dist_script.py'
+SCRIPT = Path(__file__).parent/'core_dist_script.py'
 
 @pytest.mark.parametrize('mode', ['mlp', 'window', 'exact'])
 def test_ddp_one_allreduce_per_window(mode, tmp_path):
