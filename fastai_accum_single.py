@@ -865,7 +865,6 @@ def prepass_info(model:nn.Module) -> dict|None:
 @torch.no_grad()
 def window_prepasses(model:nn.Module, # a model with `AccumulateBatchNorm` layers under the 'window' policy
                      xbs:list, # the window's micro-batch inputs, each a tuple of model inputs
-                     passes:int|None=None, # deprecated: the pre-pass is exact in one pass (other values warn and are ignored)
                      chunk:int|None=None, # samples per chunk of a staged pre-pass (default: chosen within `memory`)
                      group=None, # under data parallelism: the process group whose windows make one (default: the world)
                      memory:int|None=None, # bytes the pre-pass may hold on the device (default: what training holds at the micro-batch)
@@ -875,9 +874,6 @@ def window_prepasses(model:nn.Module, # a model with `AccumulateBatchNorm` layer
     "One exact no-grad pre-pass that gives every 'window' layer its window statistics; returns how many layers."
     layers = [m for m in bn_layers(model, accumulating=True) if _window_layer(m) and m.training]
     if not layers or not xbs: return 0
-    if passes not in (None, 1):
-        warnings.warn(f"window_prepasses: passes={passes} is ignored: the pre-pass is exact in one pass "
-                      "(the fixed-point passes over chunks it replaces diverge on deep nets)")
     sync = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     mode, chunk, sg = _prepass_mode(model, layers, xbs, chunk, memory)
     info = _last_run[model] = dict(mode=mode, chunk=chunk, samples=sum(xb[0].shape[0] for xb in xbs), sync=sync)
@@ -967,7 +963,7 @@ def bn_preflight(model:nn.Module, # the model (its state is not changed: the for
 
 # ======== fastai_accum/window.py ========
 # %% ../nbs/02_window.ipynb #21e8f46b
-import itertools, math, numbers, time
+import math, numbers, time
 from contextlib import nullcontext
 import torch
 import torch.distributed as dist
@@ -985,6 +981,12 @@ def _check_count(name, value) -> int|None:
     return int(value)
 
 # %% ../nbs/02_window.ipynb #91463929
+def window_full(n_step:int|None, n_acc:int|None, # the window's size: micro-batches, or samples
+                n_micro:int, n_seen:int, # micro-batches and samples it holds
+               ) -> bool:
+    "The one rule for a complete window: `n_step` micro-batches, or at least `n_acc` samples."
+    return n_micro >= n_step if n_step is not None else n_seen >= n_acc
+
 def world_size(group=None) -> int:
     "Processes in `group` (1 when torch.distributed is not initialised)."
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
@@ -1038,12 +1040,12 @@ class AccumulationWindow:
     @property
     def full(self) -> bool:
         "True once the window holds `n_step` micro-batches (or at least `n_acc` samples)."
-        return self.n_micro >= self.n_step if self.n_step is not None else self.n_seen >= self.n_acc
+        return window_full(self.n_step, self.n_acc, self.n_micro, self.n_seen)
 
     def fills(self, bs:int, # samples in the coming micro-batch
              ) -> bool:
         "Will the coming micro-batch of `bs` samples make the window `full`? (Known before its forward.)"
-        return self.n_micro + 1 >= self.n_step if self.n_step is not None else self.n_seen + bs >= self.n_acc
+        return window_full(self.n_step, self.n_acc, self.n_micro + 1, self.n_seen + bs)
 
     @property
     def grad_correction(self) -> float:
@@ -1127,9 +1129,9 @@ class WindowSteps:
                         xbs:list, # the window's micro-batch inputs, each a list of model inputs
                         autocast=None, # the training forward's autocast context, if any
                        ):
-        "The 'window' policy's pre-pass over the window that starts now (needs `prepasses`, `prepass_bs`, `prepass_memory`); timed in `prepass_time`."
+        "The 'window' policy's pre-pass over the window that starts now (needs `prepass_bs`, `prepass_memory`); timed in `prepass_time`."
         t = time.perf_counter()
-        with autocast or nullcontext(): window_prepasses(model, xbs, self.prepasses, self.prepass_bs, memory=self.prepass_memory)
+        with autocast or nullcontext(): window_prepasses(model, xbs, chunk=self.prepass_bs, memory=self.prepass_memory)
         self.prepass_time += time.perf_counter() - t
 
     def _exact_message(self) -> str:
@@ -1206,28 +1208,27 @@ class WindowLoader:
         per = _micro_per_window(self.n_step, self.n_acc, getattr(self.dl, 'bs', None))
         return len(self.dl) // per if self.partial == 'drop' else math.ceil(len(self.dl) / per)
 
-    def _windows(self):
+    def windows(self):
+        "The windows of `dl`, each a list of its micro-batches (the last may be incomplete: `is_full`)."
         it = iter(self.dl)
         if self.inputs_on is not None: it = (_place_inputs(b, self.n_inp, self.inputs_on) for b in it)
         while True:
-            if self.n_step is not None: window = list(itertools.islice(it, self.n_step))
-            else:
-                window, seen = [], 0
-                for b in it:
-                    window.append(b); seen += batch_size(b)
-                    if seen >= self.n_acc: break
+            window = []
+            for b in it:
+                window.append(b)
+                if self.is_full(window): break
             if not window: return
             yield window
 
-    def _full(self, window) -> bool:
-        if self.n_step is not None: return len(window) >= self.n_step
-        return sum(map(batch_size, window)) >= self.n_acc
+    def is_full(self, window:list) -> bool:
+        "Does `window` (a list of micro-batches) hold a whole window (`window_full`)?"
+        return window_full(self.n_step, self.n_acc, len(window), sum(map(batch_size, window)) if self.n_acc else 0)
 
     def __iter__(self):
-        for window in self._windows():
+        for window in self.windows():
             self.window = window
             if not self.exact: yield from window
-            elif self.partial == 'step' or self._full(window): yield cat_batches(window)
+            elif self.partial == 'step' or self.is_full(window): yield cat_batches(window)
         self.window = []
 
 # ======== fastai_accum/staged_exact.py ========
@@ -1926,7 +1927,7 @@ class Accumulation(WindowSteps):
         check_ghost_policy(self.bn_batch, policy, name or type(self).__name__)
         self.model, self.n_step, self.n_acc, self.policy, self.partial = model, n_step, n_acc, policy, partial
         self.inputs, self.autocast, self.wrap, self.sync_each_batch = inputs, autocast, wrap, sync_each_batch
-        self.prepasses, self.prepass_bs, self.prepass_memory = None, prepass_bs, prepass_memory
+        self.prepass_bs, self.prepass_memory = prepass_bs, prepass_memory
         self.offload, self.device_memory, self.host_memory = offload, device_memory, host_memory
         self._params, self.merge_exact, self.name = params, merge_exact, name or type(self).__name__
         self.use_model(model)
@@ -2059,8 +2060,8 @@ class Accumulation(WindowSteps):
         self.clear()
         try:
             windows, ready = WindowLoader(loader, self.n_step, self.n_acc), False
-            for window in windows._windows():
-                if self.partial == 'drop' and not windows._full(window): continue
+            for window in windows.windows():
+                if self.partial == 'drop' and not windows.is_full(window): continue
                 if not ready:  # chosen from the modes the user put the model in before the loop (re-measured only if they changed)
                     first = _to(window[0], self.device)
                     self.setup(first) if self.needs_setup() else self.find_bns()
@@ -2096,13 +2097,22 @@ class Accumulation(WindowSteps):
         if self.needs_window and not self.exact:
             self._prepass_window(self.module, [tuple(self.inputs(b)) for b in window], self.autocast() if self.autocast else None)
 
+    def ends(self, bs:int, # samples in the micro-batch about to run forward
+             last:bool=False, # it is the epoch's last micro-batch
+            ) -> tuple[bool, bool]:
+        "The window rule, before a micro-batch's forward: (the optimizer steps after it, its window is dropped). A window ends when it is full (`window_full`), and at the epoch's end; with partial='drop' an incomplete one is dropped there ('exact': every micro-batch is a whole window)."
+        fills = bool(self.exact) or self.window.fills(bs)
+        drop = last and not fills and self.partial == 'drop'
+        return (fills or last) and not drop, drop
+
     def start_micro(self, bs:int, # samples in the micro-batch about to run forward
-                    final:bool, # does it end its window?
+                    final:bool, # does it end its window? (`ends`)
+                    drop:bool=False, # does it end a window that is dropped? (`ends`; its gradients still all-reduce under DDP, as every window's end)
                    ):
         "Before a micro-batch's forward: set DDP's gradient sync, enter the 'exact' plan's offload."
         final = final or bool(self.exact)
         self._micro = (bs, final)
-        self._before_forward(final)
+        self._before_forward(final or drop)
         if self.exact: self._enter_offload()
 
     def _before_forward(self, final:bool):
@@ -2178,6 +2188,53 @@ def accumulation_options(kwargs:dict, # keyword arguments a front end got for th
     check_ghost_policy(options['bn_batch'], options['policy'], name)
     return options
 
+# %% ../nbs/02d_core.ipynb #fe1ea718
+class FrontEnd:
+    "What a framework's callback built on the core shares: arguments checked once, the core built per fit, the window rule before each micro-batch, the core's state read through."
+    def _take_args(self, n_step:int|None, n_acc:int|None, preflight:bool, kwargs:dict, name:str):
+        "Check the window's size and the core's options (`kwargs`, named after the front end `name` in errors); keep them as attributes."
+        self.n_step, self.n_acc = _check_count('n_step', n_step), _check_count('n_acc', n_acc)
+        options = accumulation_options(kwargs, name)
+        validate_window_args(self.n_step, self.n_acc, options['policy'], options['partial'], exact_ok=True)
+        self.preflight, self._name, self._options = preflight, name, list(options)
+        self.__dict__.update(options)
+        self.acc, self._final, self._drop, self._announce = None, False, False, False
+
+    def _core(self, model:nn.Module, **kwargs) -> Accumulation:
+        "The core for a fit of `model` with this front end's options; `kwargs`: what the framework fills in (`Accumulation.adapter_args`)."
+        return Accumulation(model, self.n_step, self.n_acc, **{k: getattr(self, k) for k in self._options},
+                            merge_exact=False, name=self._name, **kwargs)
+
+    def _start_micro(self, bs:int, # samples in the micro-batch about to run forward
+                     last:bool, # it is the epoch's last micro-batch
+                    ):
+        "Before a micro-batch's forward: the window rule (`Accumulation.ends`), then the core's `start_micro`."
+        self._final, self._drop = self.acc.ends(bs, last)
+        self.acc.start_micro(bs, self._final, self._drop)
+
+    def _clear(self):
+        "Drop any partial window: accumulated gradients and pending BatchNorm statistics."
+        if self.acc is not None: self.acc.clear()
+        self._final = self._drop = False
+
+    def _print_preflight(self, xb:tuple, # one micro-batch's model inputs
+                         said:str|None, # how the previous fit trained (`path`), if it was announced
+                        ) -> str:
+        "Print how this fit trains (and that it changed, if an earlier fit trained otherwise); returns the path said."
+        if said is not None: print(f"GradientAccumulation: this fit trains otherwise than the one before ({said!r} -> {self.path!r}):")
+        print(self.acc.preflight(xb))
+        return self.path
+
+    # The core's state, read through the front end (`learn.gradient_accumulation.losses`, ...); before a fit: empty
+    losses = property(lambda self: list(self.acc.losses) if self.acc is not None else [])
+    n_steps = property(lambda self: self.acc.n_steps if self.acc is not None else 0)
+    prepass_time = property(lambda self: self.acc.prepass_time if self.acc is not None else 0.)
+    exact = property(lambda self: getattr(self.acc, 'exact', None))
+    plan = property(lambda self: getattr(self.acc, 'plan', None))
+    window = property(lambda self: getattr(self.acc, 'window', None))
+    bns = property(lambda self: getattr(self.acc, 'bns', []))
+    path = property(lambda self: getattr(self.acc, 'path', None))
+
 # ======== fastai_accum/callback.py ========
 # %% ../nbs/03_callback.ipynb #61a32000
 import ast, sys, time, warnings
@@ -2211,7 +2268,7 @@ class WindowPrefetch(Callback):
 
 # %% ../nbs/03_callback.ipynb #957a3b99
 @delegates(Accumulation.__init__, but=Accumulation.adapter_args)
-class GradientAccumulation(Callback):
+class GradientAccumulation(Callback, FrontEnd):
     "Accumulate gradients over windows of micro-batches, weighting by samples, with exact BatchNorm statistics"
     order,run_valid = MixedPrecision.order-4,False
 
@@ -2219,27 +2276,13 @@ class GradientAccumulation(Callback):
                  n_acc:int|None=None,  # samples per optimizer step (the effective batch size), as fastai's `n_acc` (32 if neither is given, as fastai)
                  n_step:int|None=None, # or: micro-batches per optimizer step
                  preflight:bool=True,  # print how a fit trains (the 'exact' plan, or the BatchNorm table) at its first micro-batch, and again when a later fit trains differently
-                 prepasses:int|None=None, # deprecated: the 'window' pre-pass is exact in one pass
                  **kwargs, # the core's options, documented on `Accumulation` (`policy`, `partial`, `wrap`, `offload`, ...)
                 ):
         if n_step is None and n_acc is None: n_acc = 32  # fastai's default
-        n_acc, n_step, prepasses = _check_count('n_acc', n_acc), _check_count('n_step', n_step), _check_count('prepasses', prepasses)
-        options = accumulation_options(kwargs, 'GradientAccumulation')
-        validate_window_args(n_step, n_acc, options['policy'], options['partial'], exact_ok=True)
-        store_attr('n_step,n_acc,preflight,prepasses', **options)
-        self._args = dict(n_acc=n_acc, n_step=n_step, preflight=preflight, prepasses=prepasses, **kwargs)  # what an export rebuilds it from
-        self._options, self.acc, self.train_time, self._said = list(options), None, 0., None
+        self._take_args(n_step, n_acc, preflight, kwargs, 'GradientAccumulation')
+        self._args = dict(n_acc=n_acc, n_step=n_step, preflight=preflight, **kwargs)  # what an export rebuilds it from
+        self.train_time, self._said = 0., None
         self._fitting, self._nested = False, 0  # a fit has started training; `validate` calls inside it
-
-    # What the core keeps, read through the callback (`learn.gradient_accumulation.losses`, `.exact`, ...)
-    losses = property(lambda self: L(self.acc.losses) if self.acc is not None else L())
-    n_steps = property(lambda self: self.acc.n_steps if self.acc is not None else 0)
-    prepass_time = property(lambda self: self.acc.prepass_time if self.acc is not None else 0.)
-    exact = property(lambda self: getattr(self.acc, 'exact', None))
-    plan = property(lambda self: getattr(self.acc, 'plan', None))
-    window = property(lambda self: getattr(self.acc, 'window', None))
-    bns = property(lambda self: getattr(self.acc, 'bns', None))
-    path = property(lambda self: getattr(self.acc, 'path', None))
 
 # %% ../nbs/03_callback.ipynb #3d19dae1
 @patch
@@ -2255,10 +2298,8 @@ def before_fit(self:GradientAccumulation):
 @patch
 def _start_fit(self:GradientAccumulation):
     "The fit's first training epoch starts: build the core for it (a `validate` or `get_preds` never gets here)."
-    self.acc = Accumulation(self.learn.model, self.n_step, self.n_acc, **{k: getattr(self, k) for k in self._options},
-                            loss_reduction=loss_reduction(self.learn.loss_func), inputs=self._inputs, autocast=self._autocast,
-                            merge_exact=False, name='GradientAccumulation')
-    self.acc.prepasses = self.prepasses
+    self.acc = self._core(self.learn.model, loss_reduction=loss_reduction(self.learn.loss_func), inputs=self._inputs,
+                          autocast=self._autocast)
     self.train_time, self._final, self._drop, self._announce, self._fitting = 0., False, False, False, True
 
 @patch
@@ -2308,12 +2349,6 @@ _cancels = (CancelBatchException, CancelStepException, CancelBackwardException, 
             CancelTrainException, CancelValidException, CancelFitException)
 
 @patch
-def _clear(self:GradientAccumulation):
-    "Drop any partial window: accumulated gradients and pending BatchNorm statistics."
-    if self.acc is not None: self.acc.clear()
-    self._final = self._drop = False
-
-@patch
 def _release(self:GradientAccumulation):
     "The fit is over, or broke off: drop any partial window, hand the model back with plain torch BatchNorm layers, remove what the fit added."
     if self.acc is not None: self.acc.release()
@@ -2357,10 +2392,7 @@ def _warn_lr_find(self:GradientAccumulation):
 def _show_preflight(self:GradientAccumulation):
     "Print how this fit trains (and, if an earlier fit trained otherwise, that it changed)."
     self._announce = False
-    if self._said is not None:
-        print(f"GradientAccumulation: this fit trains otherwise than the one before ({self._said!r} -> {self.path!r}):")
-    print(self.acc.preflight(self.learn.xb))
-    self._said = self.path
+    self._said = self._print_preflight(self.learn.xb, self._said)
 
 # %% ../nbs/03_callback.ipynb #45970d89
 @patch
@@ -2381,13 +2413,7 @@ def after_fit(self:GradientAccumulation):
 def before_batch(self:GradientAccumulation):
     if self._announce: self._show_preflight()
     if self.acc.needs_window and self.window.empty: self.acc.start_window(self._window())
-    bs = find_bs(self.learn.yb)
-    fills = self.window.fills(bs)
-    ends = self.exact or fills or self.learn.iter == self.learn.n_iter - 1  # the window (or the epoch) ends here
-    self._drop = ends and self.partial == 'drop' and not self.exact and not fills
-    self._final = ends and not self._drop
-    self.acc.start_micro(bs, self._final)  # DDP's gradient sync, the 'exact' plan's offload
-    if self._drop and self.acc.ddp is not None: self.acc.ddp.require_backward_grad_sync = True  # as every window's end
+    self._start_micro(find_bs(self.learn.yb), last=self.learn.iter == self.learn.n_iter - 1)  # the window rule; DDP's gradient sync
 
 @patch
 def _window(self:GradientAccumulation) -> list:
@@ -2451,4 +2477,4 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['ByteMeter', 'SavedTensorMeter', 'fmt_bytes', 'stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'learner_and_model', 'modes_kept', 'split_batch', 'trace_model', 'StagedGraph', 'bn_policies', 'auto_policy', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'WindowSteps', 'batch_size', 'cat_batches', 'WindowLoader', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'auto_picks_exact', 'saved_on_host', 'choose_exact', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'check_ghost_policy', 'default_inputs', 'Accumulation', 'accumulation_options', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['ByteMeter', 'SavedTensorMeter', 'fmt_bytes', 'stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'learner_and_model', 'modes_kept', 'split_batch', 'trace_model', 'StagedGraph', 'bn_policies', 'auto_policy', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'window_full', 'world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'WindowSteps', 'batch_size', 'cat_batches', 'WindowLoader', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'auto_picks_exact', 'saved_on_host', 'choose_exact', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'check_ghost_policy', 'default_inputs', 'Accumulation', 'accumulation_options', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']

@@ -451,7 +451,6 @@ def prepass_info(model:nn.Module) -> dict|None:
 @torch.no_grad()
 def window_prepasses(model:nn.Module, # a model with `AccumulateBatchNorm` layers under the 'window' policy
                      xbs:list, # the window's micro-batch inputs, each a tuple of model inputs
-                     passes:int|None=None, # deprecated: the pre-pass is exact in one pass (other values warn and are ignored)
                      chunk:int|None=None, # samples per chunk of a staged pre-pass (default: chosen within `memory`)
                      group=None, # under data parallelism: the process group whose windows make one (default: the world)
                      memory:int|None=None, # bytes the pre-pass may hold on the device (default: what training holds at the micro-batch)
@@ -461,9 +460,6 @@ def window_prepasses(model:nn.Module, # a model with `AccumulateBatchNorm` layer
     "One exact no-grad pre-pass that gives every 'window' layer its window statistics; returns how many layers."
     layers = [m for m in bn_layers(model, accumulating=True) if _window_layer(m) and m.training]
     if not layers or not xbs: return 0
-    if passes not in (None, 1):
-        warnings.warn(f"window_prepasses: passes={passes} is ignored: the pre-pass is exact in one pass "
-                      "(the fixed-point passes over chunks it replaces diverge on deep nets)")
     sync = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     mode, chunk, sg = _prepass_mode(model, layers, xbs, chunk, memory)
     info = _last_run[model] = dict(mode=mode, chunk=chunk, samples=sum(xb[0].shape[0] for xb in xbs), sync=sync)

@@ -11,8 +11,8 @@ from fastai.basics import *
 import fastai.callback.training
 from fastai.callback.fp16 import MixedPrecision
 from .exact import peek_batches
-from .window import validate_window_args, loss_reduction, _check_count, WindowLoader, _micro_per_window
-from .core import Accumulation, accumulation_options
+from .window import loss_reduction, WindowLoader, _micro_per_window
+from .core import Accumulation, FrontEnd
 from .helpers import split_batch
 
 # %% auto #0
@@ -41,7 +41,7 @@ class WindowPrefetch(Callback):
 
 # %% ../nbs/03_callback.ipynb #957a3b99
 @delegates(Accumulation.__init__, but=Accumulation.adapter_args)
-class GradientAccumulation(Callback):
+class GradientAccumulation(Callback, FrontEnd):
     "Accumulate gradients over windows of micro-batches, weighting by samples, with exact BatchNorm statistics"
     order,run_valid = MixedPrecision.order-4,False
 
@@ -49,27 +49,13 @@ class GradientAccumulation(Callback):
                  n_acc:int|None=None,  # samples per optimizer step (the effective batch size), as fastai's `n_acc` (32 if neither is given, as fastai)
                  n_step:int|None=None, # or: micro-batches per optimizer step
                  preflight:bool=True,  # print how a fit trains (the 'exact' plan, or the BatchNorm table) at its first micro-batch, and again when a later fit trains differently
-                 prepasses:int|None=None, # deprecated: the 'window' pre-pass is exact in one pass
                  **kwargs, # the core's options, documented on `Accumulation` (`policy`, `partial`, `wrap`, `offload`, ...)
                 ):
         if n_step is None and n_acc is None: n_acc = 32  # fastai's default
-        n_acc, n_step, prepasses = _check_count('n_acc', n_acc), _check_count('n_step', n_step), _check_count('prepasses', prepasses)
-        options = accumulation_options(kwargs, 'GradientAccumulation')
-        validate_window_args(n_step, n_acc, options['policy'], options['partial'], exact_ok=True)
-        store_attr('n_step,n_acc,preflight,prepasses', **options)
-        self._args = dict(n_acc=n_acc, n_step=n_step, preflight=preflight, prepasses=prepasses, **kwargs)  # what an export rebuilds it from
-        self._options, self.acc, self.train_time, self._said = list(options), None, 0., None
+        self._take_args(n_step, n_acc, preflight, kwargs, 'GradientAccumulation')
+        self._args = dict(n_acc=n_acc, n_step=n_step, preflight=preflight, **kwargs)  # what an export rebuilds it from
+        self.train_time, self._said = 0., None
         self._fitting, self._nested = False, 0  # a fit has started training; `validate` calls inside it
-
-    # What the core keeps, read through the callback (`learn.gradient_accumulation.losses`, `.exact`, ...)
-    losses = property(lambda self: L(self.acc.losses) if self.acc is not None else L())
-    n_steps = property(lambda self: self.acc.n_steps if self.acc is not None else 0)
-    prepass_time = property(lambda self: self.acc.prepass_time if self.acc is not None else 0.)
-    exact = property(lambda self: getattr(self.acc, 'exact', None))
-    plan = property(lambda self: getattr(self.acc, 'plan', None))
-    window = property(lambda self: getattr(self.acc, 'window', None))
-    bns = property(lambda self: getattr(self.acc, 'bns', None))
-    path = property(lambda self: getattr(self.acc, 'path', None))
 
 # %% ../nbs/03_callback.ipynb #3d19dae1
 @patch
@@ -85,10 +71,8 @@ def before_fit(self:GradientAccumulation):
 @patch
 def _start_fit(self:GradientAccumulation):
     "The fit's first training epoch starts: build the core for it (a `validate` or `get_preds` never gets here)."
-    self.acc = Accumulation(self.learn.model, self.n_step, self.n_acc, **{k: getattr(self, k) for k in self._options},
-                            loss_reduction=loss_reduction(self.learn.loss_func), inputs=self._inputs, autocast=self._autocast,
-                            merge_exact=False, name='GradientAccumulation')
-    self.acc.prepasses = self.prepasses
+    self.acc = self._core(self.learn.model, loss_reduction=loss_reduction(self.learn.loss_func), inputs=self._inputs,
+                          autocast=self._autocast)
     self.train_time, self._final, self._drop, self._announce, self._fitting = 0., False, False, False, True
 
 @patch
@@ -138,12 +122,6 @@ _cancels = (CancelBatchException, CancelStepException, CancelBackwardException, 
             CancelTrainException, CancelValidException, CancelFitException)
 
 @patch
-def _clear(self:GradientAccumulation):
-    "Drop any partial window: accumulated gradients and pending BatchNorm statistics."
-    if self.acc is not None: self.acc.clear()
-    self._final = self._drop = False
-
-@patch
 def _release(self:GradientAccumulation):
     "The fit is over, or broke off: drop any partial window, hand the model back with plain torch BatchNorm layers, remove what the fit added."
     if self.acc is not None: self.acc.release()
@@ -187,10 +165,7 @@ def _warn_lr_find(self:GradientAccumulation):
 def _show_preflight(self:GradientAccumulation):
     "Print how this fit trains (and, if an earlier fit trained otherwise, that it changed)."
     self._announce = False
-    if self._said is not None:
-        print(f"GradientAccumulation: this fit trains otherwise than the one before ({self._said!r} -> {self.path!r}):")
-    print(self.acc.preflight(self.learn.xb))
-    self._said = self.path
+    self._said = self._print_preflight(self.learn.xb, self._said)
 
 # %% ../nbs/03_callback.ipynb #45970d89
 @patch
@@ -211,13 +186,7 @@ def after_fit(self:GradientAccumulation):
 def before_batch(self:GradientAccumulation):
     if self._announce: self._show_preflight()
     if self.acc.needs_window and self.window.empty: self.acc.start_window(self._window())
-    bs = find_bs(self.learn.yb)
-    fills = self.window.fills(bs)
-    ends = self.exact or fills or self.learn.iter == self.learn.n_iter - 1  # the window (or the epoch) ends here
-    self._drop = ends and self.partial == 'drop' and not self.exact and not fills
-    self._final = ends and not self._drop
-    self.acc.start_micro(bs, self._final)  # DDP's gradient sync, the 'exact' plan's offload
-    if self._drop and self.acc.ddp is not None: self.acc.ddp.require_backward_grad_sync = True  # as every window's end
+    self._start_micro(find_bs(self.learn.yb), last=self.learn.iter == self.learn.n_iter - 1)  # the window rule; DDP's gradient sync
 
 @patch
 def _window(self:GradientAccumulation) -> list:

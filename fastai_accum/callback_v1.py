@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from torch.nn.utils import parameters_to_vector
 from .exact import peek_batches
-from .window import WindowLoader, validate_window_args, loss_reduction, _check_count, scale_grads, batch_size
-from .core import Accumulation, accumulation_options
+from .window import WindowLoader, loss_reduction, scale_grads, batch_size
+from .core import FrontEnd
 from .helpers import modes_kept
 
 
@@ -53,7 +53,7 @@ def _add_model_grads(mp):
 
 
 # %% ../nbs/03a_callback_v1.ipynb #4622f4db
-class GradientAccumulationV1:
+class GradientAccumulationV1(FrontEnd):
     "fastai v1 callback (use through `callback_fns`): accumulate gradients over windows with exact BatchNorm statistics."
     _order = -25  # before fastai v1's MixUp (-20), Recorder (-10), and MixedPrecision (999)
 
@@ -61,25 +61,10 @@ class GradientAccumulationV1:
                  n_step:int|None=None, # micro-batches per optimizer step
                  n_acc:int|None=None,  # or: samples per optimizer step (the effective batch size)
                  preflight:bool=True,  # print the pre-flight (the 'exact' plan, or the BatchNorm table) at the first micro-batch
-                 prepasses:int|None=None, # deprecated: the 'window' pre-pass is exact in one pass
                  **kwargs, # the core's options, documented on `Accumulation` (`policy`, `partial`, `wrap`, `offload`, ...)
                 ):
-        options = accumulation_options(kwargs, 'GradientAccumulationV1')
-        validate_window_args(n_step, n_acc, options['policy'], options['partial'], exact_ok=True)
-        _check_count('prepasses', prepasses)
-        self.learn, self.n_step, self.n_acc, self.preflight, self.prepasses = learn, n_step, n_acc, preflight, prepasses
-        self._options = list(options); self.__dict__.update(options)  # as attributes, as the v2 callback keeps them
-        self.acc, self.mp, self.loader, self._patched, self._final, self._drop = None, None, None, [], False, False
-        self._announce = False
-
-    # What the core (`Accumulation`) keeps, read through the callback
-    n_steps = property(lambda self: self.acc.n_steps if self.acc is not None else 0)
-    losses = property(lambda self: self.acc.losses if self.acc is not None else [])
-    prepass_time = property(lambda self: self.acc.prepass_time if self.acc is not None else 0.)
-    exact = property(lambda self: bool(getattr(self.acc, 'exact', False)))
-    plan = property(lambda self: getattr(self.acc, 'plan', None))
-    window = property(lambda self: getattr(self.acc, 'window', None))
-    bns = property(lambda self: getattr(self.acc, 'bns', []))
+        self._take_args(n_step, n_acc, preflight, kwargs, 'GradientAccumulationV1')
+        self.learn, self.mp, self.loader, self._patched = learn, None, None, []
 
     def __getattr__(self, name):
         # fastai v1 calls every on_<event>; those we do not handle are no-ops (as in its `Callback` base class)
@@ -93,10 +78,7 @@ class GradientAccumulationV1:
         if self.mp is not None and clip is not None and clip.clip:
             raise ValueError(f"GradientAccumulationV1: clip_grad(clip={clip.clip}) with to_fp16() would clip the last "
                              "micro-batch's half-precision gradients, not the window's: pass the clip to to_fp16(clip=...)")
-        self.acc = Accumulation(learn.model, self.n_step, self.n_acc, **{k: getattr(self, k) for k in self._options},
-                                loss_reduction=loss_reduction(learn.loss_func), inputs=_inputs_v1, params=self._params,
-                                merge_exact=False, name='GradientAccumulationV1')
-        self.acc.prepasses = self.prepasses
+        self.acc = self._core(learn.model, loss_reduction=loss_reduction(learn.loss_func), inputs=_inputs_v1, params=self._params)
         self._choose()
         self._clear()
         self._patch(self.mp, self._mp_backward_end)
@@ -142,19 +124,11 @@ class GradientAccumulationV1:
         if not train: return
         if self._announce:
             self._announce = False
-            said = getattr(self.learn, '_gradient_accumulation_said', None)
-            if said is not None:
-                print(f"GradientAccumulation: this fit trains otherwise than the one before ({said!r} -> {self.acc.path!r}):")
-            print(self.acc.preflight(list(last_input) if isinstance(last_input, (list, tuple)) else [last_input]))
-            self.learn._gradient_accumulation_said = self.acc.path
+            xb = list(last_input) if isinstance(last_input, (list, tuple)) else [last_input]
+            self.learn._gradient_accumulation_said = self._print_preflight(xb, getattr(self.learn, '_gradient_accumulation_said', None))
         if self.acc.needs_window and self.window.empty:
             self.acc.start_window([(last_input, last_target)] + (self.loader.window[1:] if self.loader is not None else []))
-        bs = batch_size(last_target)
-        fills = self.window.fills(bs)
-        ends = self.exact or fills or num_batch == len(self.learn.data.train_dl) - 1  # the window (or the epoch) ends here
-        self._drop = ends and self.partial == 'drop' and not self.exact and not fills
-        self._final = ends and not self._drop
-        self.acc.start_micro(bs, self._final)  # the 'exact' plan's offload
+        self._start_micro(batch_size(last_target), last=num_batch == len(self.learn.data.train_dl) - 1)  # the window rule
 
     def on_backward_begin(self, last_loss, train=True, **kwargs):
         if not train: return
@@ -210,11 +184,9 @@ class GradientAccumulationV1:
 
     def _clear(self):
         "Drop any partial window: accumulated gradients (the model's and, under `to_fp16`, the masters') and pending statistics."
-        if self.acc is None: return
-        if not self.window.empty:
+        if self.acc is not None and not self.window.empty:
             for p in self.learn.model.parameters(): p.grad = None
-        self.acc.clear()
-        self._final = self._drop = False
+        super()._clear()
 
 # %% ../nbs/03a_callback_v1.ipynb #01ee3691
 def mnist_v1(path=None, # an MNIST_SAMPLE-style folder (`None`: fastai's MNIST_SAMPLE if on disk, else the offline stand-in)

@@ -184,7 +184,7 @@ def _first_window(dl, n_step:int) -> tuple:
     return cat_batches(batches)
 
 # %% ../nbs/06_check.ipynb #52ba3497
-def _from_learner(learn_or_model, loss_func, n_step, policy, prepasses, prepass_bs) -> tuple:
+def _from_learner(learn_or_model, loss_func, n_step, policy, prepass_bs) -> tuple:
     "The arguments not given, from a Learner and its `GradientAccumulation`: (learn, model, loss_func, n_step, policy, ...)."
     learn, model = learner_and_model(learn_or_model)
     cb = next((c for c in learn.cbs if isinstance(c, GradientAccumulation)), None) if learn is not None else None
@@ -194,9 +194,8 @@ def _from_learner(learn_or_model, loss_func, n_step, policy, prepasses, prepass_
     if n_step is None and cb is not None:
         n_step = _micro_per_window(cb.n_step, cb.n_acc, learn.dls.train.bs)
     if policy is None: policy = cb.policy if cb is not None else 'micro'
-    if cb is not None and prepasses is None: prepasses = cb.prepasses
     if cb is not None and prepass_bs is None: prepass_bs = cb.prepass_bs
-    return learn, model, loss_func, n_step, policy, prepasses, prepass_bs
+    return learn, model, loss_func, n_step, policy, prepass_bs
 
 def _check_args(n_step, policy):
     if n_step is None: raise ValueError("check_accumulation: pass `n_step`, the micro-batches to split the batch into")
@@ -236,7 +235,6 @@ class _Setup:
     dt:torch.dtype       # dtype the copies run in
     seed:int             # torch seed every run starts from
     dropout:bool         # keep dropout-like modules in training mode
-    prepasses:int|None   # 'window' policy: as `GradientAccumulation`
     prepass_bs:int|None  # 'window' policy: samples per pre-pass forward
     loss_weight_fn:object # replaces each micro-batch's loss weight, if given
     notes:list           # what resolving found worth saying
@@ -251,10 +249,9 @@ class _Setup:
     drops = property(lambda self: [n for n, _ in _dropouts(self.model)])
 
 def _resolve(learn_or_model, batch=None, n_step=None, loss_func=None, policy=None, dtype=torch.float64, seed=0,
-             dropout=False, n_inp=None, prepasses=None, prepass_bs=None, loss_weight_fn=None, previous=None) -> _Setup:
+             dropout=False, n_inp=None, prepass_bs=None, loss_weight_fn=None, previous=None) -> _Setup:
     "Step 1: the arguments checked and completed (from a Learner and its callback); 'auto' resolved as the callback would."
-    learn, model, loss_func, n_step, policy, prepasses, prepass_bs = _from_learner(learn_or_model, loss_func, n_step, policy,
-                                                                                   prepasses, prepass_bs)
+    learn, model, loss_func, n_step, policy, prepass_bs = _from_learner(learn_or_model, loss_func, n_step, policy, prepass_bs)
     _check_args(n_step, policy)
     batch = _the_batch(learn, batch, n_step)
     if n_inp is None: n_inp = len(split_batch(batch, getattr(learn.dls, 'n_inp', None) if learn is not None else None)[0])
@@ -272,7 +269,7 @@ def _resolve(learn_or_model, batch=None, n_step=None, loss_func=None, policy=Non
         policy, why = resolve_auto(model, tuple(t.to(p0.dtype) if t.is_floating_point() else t for t in micro[0][:n_inp]),
                                    batch[0].shape[0])
         notes.append(why)
-    return _Setup(model, batch, micro, previous, n_inp, loss_func, policy, dtype, dt, seed, dropout, prepasses, prepass_bs,
+    return _Setup(model, batch, micro, previous, n_inp, loss_func, policy, dtype, dt, seed, dropout, prepass_bs,
                   loss_weight_fn, notes)
 
 # %% ../nbs/06_check.ipynb #7422c1b6
@@ -370,7 +367,7 @@ def _accumulate(model, micro:list, s:_Setup) -> float:
     parts = [cat_batches(micro)] if s.policy == 'exact' else micro  # 'exact': the window as one batch, as the callback trains it
     window = AccumulationWindow(n_step=len(parts), loss_reduction=s.reduction)
     if any(m.policy == 'window' for m in bns):
-        with _seeded(s.seed, s.device): window_prepasses(model, [mb[:s.n_inp] for mb in parts], s.prepasses, s.prepass_bs)
+        with _seeded(s.seed, s.device): window_prepasses(model, [mb[:s.n_inp] for mb in parts], chunk=s.prepass_bs)
     with _seeded(s.seed, s.device): objective = sum(_micro_backward(model, mb, window, s) for mb in parts)
     f = window.grad_correction
     scale_grads(list(model.parameters()), f)
@@ -547,7 +544,7 @@ def _window_text(g:pd.DataFrame, tol:float, n_micro:int) -> str:
             (f" (exact here: the parameters whose gradient does not flow back through BatchNorm statistics match, "
              f"max {v:.3g});" if v <= tol else
              f" (parameters whose gradient does not flow back through BatchNorm statistics still differ by {v:.3g}: "
-             "the pre-passes did not reach the window's exact statistics; try more `prepasses`);") +
+             "the window's statistics are not the big batch's: randomness in the forward (dropout) or a BatchNorm the pre-pass did not reach, see the notes);") +
             f" the gradient through each BatchNorm's statistics is projected with each micro-batch's own "
             f"statistics (micro-batches of {n_micro}; layers with fewer than 32 values per channel use the previous "
             "window's means), so the parameters before a BatchNorm differ.")
@@ -602,7 +599,7 @@ def _notes(s:_Setup, loss_dtype) -> list:
     if drops and not s.dropout: notes.append(f"{len(drops)} dropout-like module(s) ran in eval mode in every run "
                                              f"({_first3(drops)}); dropout=True keeps them active")
     notes += _layer_notes(s.model)
-    if s.policy == 'window': notes.append("'window' policy: the window pre-passes ran before the accumulated forwards, as in "
+    if s.policy == 'window': notes.append("'window' policy: the window pre-pass ran before the accumulated forwards, as in "
                                           "GradientAccumulation; " + ("the backward's pooled window terms start empty, as in a fit's first window"
                                           if s.previous is None else "the backward's pooled window terms are those of `previous`, "
                                           "accumulated first with the same weights (in a fit: one step earlier's)"))
@@ -621,14 +618,13 @@ def check_accumulation(learn_or_model:Learner|nn.Module, # a fastai `Learner` (i
                        seed:int=0, # torch seed every run starts from (the caller's random state is restored)
                        dropout:bool=False, # keep dropout-like modules in training mode (their masks cannot match)
                        n_inp:int|None=None, # model inputs at the start of `batch`; default: `dls.n_inp`, else all but the last
-                       prepasses:int|None=None, # 'window' policy: pre-passes, as `GradientAccumulation(prepasses=...)`
                        prepass_bs:int|None=None, # 'window' policy: samples per pre-pass forward
                        loss_weight_fn=None, # `f(bs, window) -> weight` replacing each micro-batch's loss weight (to test this check)
                        previous:tuple|list|None=None, # the window before `batch`: accumulated first (then forgotten but for the backward's pooled terms), as in a fit past its first window
                        explain:bool=True, # also run both with BatchNorm in eval mode, to attribute differences (False: half the cost)
                       ) -> AccumulationReport:
     "Compare one accumulated window of `n_step` micro-batches with `batch` as one big batch, from copies of the model."
-    s = _resolve(learn_or_model, batch, n_step, loss_func, policy, dtype, seed, dropout, n_inp, prepasses, prepass_bs,
+    s = _resolve(learn_or_model, batch, n_step, loss_func, policy, dtype, seed, dropout, n_inp, prepass_bs,
                  loss_weight_fn, previous)                         # 1. resolve the arguments
     acc, big = _run_pair(s)                                        # 2. run (a) the accumulated window, (b) the big batch
     rows = _compare(s, acc, big)                                   # 3. compare them ...
@@ -699,7 +695,7 @@ def gradient_screen(model:nn.Module, # the model at its starting point (copied: 
                     lr:float=1e-3, # its learning rate
                     dtype:torch.dtype|None=None, # dtype of the measurements (`None`: the model's own); training runs in the model's
                     progress:bool=True, # show a progress bar over training steps and measurements
-                    **kwargs, # more `check_accumulation` arguments: `seed`, `n_inp`, `prepasses`, `loss_weight_fn`, `explain`...
+                    **kwargs, # more `check_accumulation` arguments: `seed`, `n_inp`, `prepass_bs`, `loss_weight_fn`, `explain`...
                    ) -> GradientScreen:
     "Train a copy of `model` with big batches; at each step of `at`, compare the next window's accumulated gradient per policy with its big-batch gradient."
     bad = [p for p in policies if p not in check_policies]

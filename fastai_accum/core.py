@@ -18,7 +18,7 @@ from .window import (AccumulationWindow, WindowSteps, WindowLoader, validate_win
                      commit_window, drop_window, batch_size, world_size, cat_batches)
 
 # %% auto #0
-__all__ = ['default_inputs', 'Accumulation', 'accumulation_options']
+__all__ = ['default_inputs', 'Accumulation', 'accumulation_options', 'FrontEnd']
 
 # %% ../nbs/02d_core.ipynb #e75c5500
 def default_inputs(b) -> tuple:
@@ -54,7 +54,7 @@ class Accumulation(WindowSteps):
         check_ghost_policy(self.bn_batch, policy, name or type(self).__name__)
         self.model, self.n_step, self.n_acc, self.policy, self.partial = model, n_step, n_acc, policy, partial
         self.inputs, self.autocast, self.wrap, self.sync_each_batch = inputs, autocast, wrap, sync_each_batch
-        self.prepasses, self.prepass_bs, self.prepass_memory = None, prepass_bs, prepass_memory
+        self.prepass_bs, self.prepass_memory = prepass_bs, prepass_memory
         self.offload, self.device_memory, self.host_memory = offload, device_memory, host_memory
         self._params, self.merge_exact, self.name = params, merge_exact, name or type(self).__name__
         self.use_model(model)
@@ -187,8 +187,8 @@ class Accumulation(WindowSteps):
         self.clear()
         try:
             windows, ready = WindowLoader(loader, self.n_step, self.n_acc), False
-            for window in windows._windows():
-                if self.partial == 'drop' and not windows._full(window): continue
+            for window in windows.windows():
+                if self.partial == 'drop' and not windows.is_full(window): continue
                 if not ready:  # chosen from the modes the user put the model in before the loop (re-measured only if they changed)
                     first = _to(window[0], self.device)
                     self.setup(first) if self.needs_setup() else self.find_bns()
@@ -224,13 +224,22 @@ class Accumulation(WindowSteps):
         if self.needs_window and not self.exact:
             self._prepass_window(self.module, [tuple(self.inputs(b)) for b in window], self.autocast() if self.autocast else None)
 
+    def ends(self, bs:int, # samples in the micro-batch about to run forward
+             last:bool=False, # it is the epoch's last micro-batch
+            ) -> tuple[bool, bool]:
+        "The window rule, before a micro-batch's forward: (the optimizer steps after it, its window is dropped). A window ends when it is full (`window_full`), and at the epoch's end; with partial='drop' an incomplete one is dropped there ('exact': every micro-batch is a whole window)."
+        fills = bool(self.exact) or self.window.fills(bs)
+        drop = last and not fills and self.partial == 'drop'
+        return (fills or last) and not drop, drop
+
     def start_micro(self, bs:int, # samples in the micro-batch about to run forward
-                    final:bool, # does it end its window?
+                    final:bool, # does it end its window? (`ends`)
+                    drop:bool=False, # does it end a window that is dropped? (`ends`; its gradients still all-reduce under DDP, as every window's end)
                    ):
         "Before a micro-batch's forward: set DDP's gradient sync, enter the 'exact' plan's offload."
         final = final or bool(self.exact)
         self._micro = (bs, final)
-        self._before_forward(final)
+        self._before_forward(final or drop)
         if self.exact: self._enter_offload()
 
     def _before_forward(self, final:bool):
@@ -305,3 +314,50 @@ def accumulation_options(kwargs:dict, # keyword arguments a front end got for th
     options = {**options, **kwargs, **counts}
     check_ghost_policy(options['bn_batch'], options['policy'], name)
     return options
+
+# %% ../nbs/02d_core.ipynb #fe1ea718
+class FrontEnd:
+    "What a framework's callback built on the core shares: arguments checked once, the core built per fit, the window rule before each micro-batch, the core's state read through."
+    def _take_args(self, n_step:int|None, n_acc:int|None, preflight:bool, kwargs:dict, name:str):
+        "Check the window's size and the core's options (`kwargs`, named after the front end `name` in errors); keep them as attributes."
+        self.n_step, self.n_acc = _check_count('n_step', n_step), _check_count('n_acc', n_acc)
+        options = accumulation_options(kwargs, name)
+        validate_window_args(self.n_step, self.n_acc, options['policy'], options['partial'], exact_ok=True)
+        self.preflight, self._name, self._options = preflight, name, list(options)
+        self.__dict__.update(options)
+        self.acc, self._final, self._drop, self._announce = None, False, False, False
+
+    def _core(self, model:nn.Module, **kwargs) -> Accumulation:
+        "The core for a fit of `model` with this front end's options; `kwargs`: what the framework fills in (`Accumulation.adapter_args`)."
+        return Accumulation(model, self.n_step, self.n_acc, **{k: getattr(self, k) for k in self._options},
+                            merge_exact=False, name=self._name, **kwargs)
+
+    def _start_micro(self, bs:int, # samples in the micro-batch about to run forward
+                     last:bool, # it is the epoch's last micro-batch
+                    ):
+        "Before a micro-batch's forward: the window rule (`Accumulation.ends`), then the core's `start_micro`."
+        self._final, self._drop = self.acc.ends(bs, last)
+        self.acc.start_micro(bs, self._final, self._drop)
+
+    def _clear(self):
+        "Drop any partial window: accumulated gradients and pending BatchNorm statistics."
+        if self.acc is not None: self.acc.clear()
+        self._final = self._drop = False
+
+    def _print_preflight(self, xb:tuple, # one micro-batch's model inputs
+                         said:str|None, # how the previous fit trained (`path`), if it was announced
+                        ) -> str:
+        "Print how this fit trains (and that it changed, if an earlier fit trained otherwise); returns the path said."
+        if said is not None: print(f"GradientAccumulation: this fit trains otherwise than the one before ({said!r} -> {self.path!r}):")
+        print(self.acc.preflight(xb))
+        return self.path
+
+    # The core's state, read through the front end (`learn.gradient_accumulation.losses`, ...); before a fit: empty
+    losses = property(lambda self: list(self.acc.losses) if self.acc is not None else [])
+    n_steps = property(lambda self: self.acc.n_steps if self.acc is not None else 0)
+    prepass_time = property(lambda self: self.acc.prepass_time if self.acc is not None else 0.)
+    exact = property(lambda self: getattr(self.acc, 'exact', None))
+    plan = property(lambda self: getattr(self.acc, 'plan', None))
+    window = property(lambda self: getattr(self.acc, 'window', None))
+    bns = property(lambda self: getattr(self.acc, 'bns', []))
+    path = property(lambda self: getattr(self.acc, 'path', None))

@@ -41,7 +41,7 @@ class BatchNormAccumulation(WindowSteps, pl.Callback):
         _check_policy(policy)
         _check_count('prepass_bs', prepass_bs)
         self.policy, self.wrap, self.inputs, self.loss_reduction = policy, wrap, inputs, loss_reduction
-        self.prepasses, self.prepass_bs, self.prepass_memory = None, prepass_bs, prepass_memory
+        self.prepass_bs, self.prepass_memory = prepass_bs, prepass_memory
         self.window, self.bns, self.losses, self.n_steps, self.prepass_time = None, [], [], 0, 0.
         self._micro, self._ends_window = None, False
 

@@ -5,7 +5,7 @@ the core `Accumulation` is built from (and through it the fastai v2 callback and
 
 # %% ../nbs/02_window.ipynb #21e8f46b
 from __future__ import annotations
-import itertools, math, numbers, time
+import math, numbers, time
 from contextlib import nullcontext
 import torch
 import torch.distributed as dist
@@ -15,8 +15,8 @@ from .batchnorm import _check_policy, window_prepasses, bn_preflight
 from .helpers import _to
 
 # %% auto #0
-__all__ = ['world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window',
-           'drop_window', 'WindowSteps', 'batch_size', 'cat_batches', 'WindowLoader']
+__all__ = ['window_full', 'world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads',
+           'commit_window', 'drop_window', 'WindowSteps', 'batch_size', 'cat_batches', 'WindowLoader']
 
 # %% ../nbs/02_window.ipynb #6b430344
 def _check_count(name, value) -> int|None:
@@ -28,6 +28,12 @@ def _check_count(name, value) -> int|None:
     return int(value)
 
 # %% ../nbs/02_window.ipynb #91463929
+def window_full(n_step:int|None, n_acc:int|None, # the window's size: micro-batches, or samples
+                n_micro:int, n_seen:int, # micro-batches and samples it holds
+               ) -> bool:
+    "The one rule for a complete window: `n_step` micro-batches, or at least `n_acc` samples."
+    return n_micro >= n_step if n_step is not None else n_seen >= n_acc
+
 def world_size(group=None) -> int:
     "Processes in `group` (1 when torch.distributed is not initialised)."
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
@@ -81,12 +87,12 @@ class AccumulationWindow:
     @property
     def full(self) -> bool:
         "True once the window holds `n_step` micro-batches (or at least `n_acc` samples)."
-        return self.n_micro >= self.n_step if self.n_step is not None else self.n_seen >= self.n_acc
+        return window_full(self.n_step, self.n_acc, self.n_micro, self.n_seen)
 
     def fills(self, bs:int, # samples in the coming micro-batch
              ) -> bool:
         "Will the coming micro-batch of `bs` samples make the window `full`? (Known before its forward.)"
-        return self.n_micro + 1 >= self.n_step if self.n_step is not None else self.n_seen + bs >= self.n_acc
+        return window_full(self.n_step, self.n_acc, self.n_micro + 1, self.n_seen + bs)
 
     @property
     def grad_correction(self) -> float:
@@ -170,9 +176,9 @@ class WindowSteps:
                         xbs:list, # the window's micro-batch inputs, each a list of model inputs
                         autocast=None, # the training forward's autocast context, if any
                        ):
-        "The 'window' policy's pre-pass over the window that starts now (needs `prepasses`, `prepass_bs`, `prepass_memory`); timed in `prepass_time`."
+        "The 'window' policy's pre-pass over the window that starts now (needs `prepass_bs`, `prepass_memory`); timed in `prepass_time`."
         t = time.perf_counter()
-        with autocast or nullcontext(): window_prepasses(model, xbs, self.prepasses, self.prepass_bs, memory=self.prepass_memory)
+        with autocast or nullcontext(): window_prepasses(model, xbs, chunk=self.prepass_bs, memory=self.prepass_memory)
         self.prepass_time += time.perf_counter() - t
 
     def _exact_message(self) -> str:
@@ -249,26 +255,25 @@ class WindowLoader:
         per = _micro_per_window(self.n_step, self.n_acc, getattr(self.dl, 'bs', None))
         return len(self.dl) // per if self.partial == 'drop' else math.ceil(len(self.dl) / per)
 
-    def _windows(self):
+    def windows(self):
+        "The windows of `dl`, each a list of its micro-batches (the last may be incomplete: `is_full`)."
         it = iter(self.dl)
         if self.inputs_on is not None: it = (_place_inputs(b, self.n_inp, self.inputs_on) for b in it)
         while True:
-            if self.n_step is not None: window = list(itertools.islice(it, self.n_step))
-            else:
-                window, seen = [], 0
-                for b in it:
-                    window.append(b); seen += batch_size(b)
-                    if seen >= self.n_acc: break
+            window = []
+            for b in it:
+                window.append(b)
+                if self.is_full(window): break
             if not window: return
             yield window
 
-    def _full(self, window) -> bool:
-        if self.n_step is not None: return len(window) >= self.n_step
-        return sum(map(batch_size, window)) >= self.n_acc
+    def is_full(self, window:list) -> bool:
+        "Does `window` (a list of micro-batches) hold a whole window (`window_full`)?"
+        return window_full(self.n_step, self.n_acc, len(window), sum(map(batch_size, window)) if self.n_acc else 0)
 
     def __iter__(self):
-        for window in self._windows():
+        for window in self.windows():
             self.window = window
             if not self.exact: yield from window
-            elif self.partial == 'step' or self._full(window): yield cat_batches(window)
+            elif self.partial == 'step' or self.is_full(window): yield cat_batches(window)
         self.window = []

@@ -53,7 +53,7 @@ def deep_net(depth=30):
     layers = [m for _ in range(depth) for m in (nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())]
     return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), *layers, nn.Flatten(), nn.Linear(4 * 16, 2))
 
-def test_chunks_are_exact_and_more_passes_only_warn():
+def test_chunks_are_exact():
     torch.manual_seed(0)
     net = deep_net().double(); big = copy.deepcopy(net).train()
     xs = [torch.randn(2, 1, 4, 4, dtype=torch.float64) * 3 + 1 for _ in range(8)]
@@ -67,8 +67,6 @@ def test_chunks_are_exact_and_more_passes_only_warn():
         window_prepasses(net, [(x,) for x in xs], chunk=chunk, store='cpu' if chunk == 6 else None)
         assert prepass_info(net)['mode'] == ('whole' if chunk >= 16 else 'staged')
         assert window_error(bn_layers(net), ref) <= 1e-9
-    with pytest.warns(UserWarning, match='passes=3 is ignored'): window_prepasses(net, [(x,) for x in xs], 3, 2)
-    assert window_error(bn_layers(net), ref) <= 1e-9
     update_bn_stats(net)
     for a, b in zip(bn_layers(net), bn_layers(big)): torch.testing.assert_close(a.running_var, b.running_var)
 
