@@ -6,17 +6,14 @@
 __all__ = ['fastai_major']
 
 # %% ../nbs/99_all.ipynb #b7ad9e4d
-import importlib
-import fastai_accum.stats, fastai_accum.batchnorm, fastai_accum.window, fastai_accum.core, fastai_accum.accelerate, fastai_accum.callback_v1, fastai_accum.repro, fastai_accum.divergence, fastai_accum.distributed
-from .stats import *
-from .batchnorm import *
-from .window import *
-from .core import *
-from .accelerate import *
-from .callback_v1 import *
-from .repro import *
-from .divergence import *
-from .distributed import *
+from .core import Accumulation
+from .accelerate import AcceleratedAccumulation
+from .exact import measure_footprint, ExactModeMemoryError
+from .batchnorm import AccumulateBatchNorm, wrap_bn, unwrap_bn
+from .prepass import bn_preflight
+from .repro import set_reproducible, reproducible, env_fingerprint, diff_env
+from .divergence import record_trace, compare_traces, find_divergence
+from .distributed import fix_distributed_dl
 
 # %% ../nbs/99_all.ipynb #c71ed641
 def fastai_major() -> int|None:
@@ -26,14 +23,18 @@ def fastai_major() -> int|None:
     return int(fastai.__version__.split('.')[0])
 
 # %% ../nbs/99_all.ipynb #99983a4c
-_modules = [fastai_accum.stats, fastai_accum.batchnorm, fastai_accum.window, fastai_accum.core, fastai_accum.accelerate,
-            fastai_accum.callback_v1, fastai_accum.repro, fastai_accum.divergence, fastai_accum.distributed]
+__all__ = ['GradientAccumulation', 'Accumulation', 'AcceleratedAccumulation',  # front ends
+           'measure_footprint', 'ExactModeMemoryError',  # will the window fit as one batch? the error when it must and cannot
+           'AccumulateBatchNorm', 'wrap_bn', 'unwrap_bn', 'bn_preflight',  # BatchNorm layers
+           'set_reproducible', 'reproducible', 'env_fingerprint', 'diff_env',  # reproducibility
+           'record_trace', 'compare_traces', 'find_divergence',  # where two runs part
+           'fix_distributed_dl']
 if fastai_major() == 1:
-    GradientAccumulation = GradientAccumulationV1
-    _extra = ['GradientAccumulation']
+    from fastai_accum.callback_v1 import GradientAccumulationV1 as GradientAccumulation
 elif fastai_major() is not None:
-    _v2_modules = [importlib.import_module(f'fastai_accum.{m}') for m in ('callback', 'bn_tools', 'check')]
-    for _m in _v2_modules: globals().update({k: getattr(_m, k) for k in _m.__all__})
-    _modules += _v2_modules
-    _extra = []
-__all__ = [name for mod in _modules for name in mod.__all__] + _extra + ['fastai_major']
+    from fastai_accum.callback import GradientAccumulation
+    from fastai_accum.bn_tools import precise_bn, PreciseBN, bn_to_groupnorm, bn_to_frozen, frozen_to_bn
+    from fastai_accum.check import check_accumulation, check_policies
+    __all__ += ['precise_bn', 'PreciseBN', 'bn_to_groupnorm', 'bn_to_frozen', 'frozen_to_bn',  # BatchNorm around accumulation
+                'check_accumulation', 'check_policies']  # does accumulation equal the big batch here?
+else: __all__.remove('GradientAccumulation')

@@ -49,7 +49,9 @@ from fastai.basic_train import OptimWrapper
 from fastai.basic_data import DeviceDataLoader
 import fastai_accum.window as fw
 from fastai_accum.all import *
-assert GradientAccumulation is GradientAccumulationV1
+from fastai_accum.batchnorm import bn_layers
+from fastai_accum.callback_v1 import GradientAccumulationV1, mnist_v1
+assert GradientAccumulation is GradientAccumulationV1  # under fastai v1 the star import gives the v1 adapter
 steps, prepasses = [], []
 _step = OptimWrapper.step
 OptimWrapper.step = lambda self: steps.append(1) or _step(self)
@@ -83,6 +85,7 @@ from fastai.basic_data import DataBunch
 from fastai.basic_train import Learner, OptimWrapper
 from fastai.train import *
 from fastai_accum.all import *
+from fastai_accum.batchnorm import bn_layers
 g = torch.Generator().manual_seed(0)
 x = torch.randn(96, 8, generator=g); y = (x[:, :2].sum(1) > 0).long()
 ds = TensorDataset(x, y)
@@ -204,6 +207,7 @@ def test_v1_window_forward_is_the_big_batch(tmp_path):
 from fastai.vision import *
 from fastai.callback import Callback
 from fastai_accum.all import *
+from fastai_accum.batchnorm import bn_layers
 import copy, json
 torch.manual_seed(0)
 data = ImageDataBunch.from_folder(root, bs=2, size=32, num_workers=0, ds_tfms=None)
@@ -232,6 +236,7 @@ from fastai.basic_train import Learner
 from fastai.train import BnFreeze
 from torch.utils.data import TensorDataset
 from fastai_accum.all import *
+from fastai_accum.batchnorm import bn_layers
 torch.manual_seed(0)
 x = torch.randn(64, 4); y = (x[:, 0] > 0).long()
 data = DataBunch.create(TensorDataset(x[:48], y[:48]), TensorDataset(x[48:], y[48:]), bs=4, num_workers=0)
