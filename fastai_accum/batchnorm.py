@@ -4,23 +4,20 @@
 
 # %% ../nbs/01_batchnorm.ipynb #3f4c9b79
 from __future__ import annotations
-import copy, warnings, weakref
+import copy, warnings
 import torch
 from torch import nn, Tensor
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules._functions import SyncBatchNorm as sync_batch_norm
 import torch.distributed as dist
+from fastcore.basics import patch
 from .stats import ChannelStats, all_reduce_stats
-from .staged import trace_model, StagedGraph
-from .helpers import modes_kept
-from .meters import ByteMeter, SavedTensorMeter
 
 # %% auto #0
 __all__ = ['bn_policies', 'auto_policy', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d',
            'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class',
-           'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats',
-           'untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight']
+           'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats']
 
 # %% ../nbs/01_batchnorm.ipynb #6839b6a1
 bn_policies = ('micro', 'running', 'frozen', 'window', 'auto')
@@ -130,131 +127,6 @@ class AccumulateBatchNorm(_BatchNorm):
 
     def _after_norm(self, x): return _after_norm(self, x)
 
-    def _normalize_micro(self, x):
-        n = x.numel() // x.shape[1]
-        if n < 2: raise ValueError(
-            f"{self.layer_name}: BatchNorm got {n} value per channel in a training forward (input shape {tuple(x.shape)}). "
-            "A micro-batch of 1 sample cannot be normalized by its own statistics: use micro-batches of at least 2 "
-            "samples (drop_last=True on the DataLoader avoids a 1-sample last batch) or policy='running'.")
-        group = self._sync_group(x)
-        if group is not None:  # SyncBatchNorm across processes: normalize with all ranks' micro-batches, pool ours
-            out = sync_batch_norm.apply(x, self.weight, self.bias, None, None, self.eps, 0., group, dist.get_world_size(group))
-            self.pending.add(x)  # local moments: update_stats merges the ranks exactly (one extra pass over x)
-            return out
-        scratch = torch.zeros(2, self.num_features, device=x.device, dtype=self.running_mean.dtype)
-        mean, var = scratch[0], scratch[1]
-        # momentum=1 leaves the batch mean and *unbiased* variance in the scratch buffers, from the fused kernel
-        out = F.batch_norm(x, mean, var, self.weight, self.bias, True, 1.0, self.eps)
-        self.pending.add_moments(n, mean, var)
-        return out
-
-    def _sync_group(self, x):
-        "The process group a `SyncBatchNorm` syncs over in this forward (as torch decides it), else None."
-        if not isinstance(self, nn.SyncBatchNorm) or x.device.type == 'cpu': return None
-        if not (dist.is_available() and dist.is_initialized()): return None
-        group = self.process_group or dist.group.WORLD
-        return group if dist.get_world_size(group) > 1 else None
-
-    def _normalize_running(self, x):
-        self.pending.add(x)
-        return self._normalize_with_running_stats(x)
-
-    def _normalize_frozen(self, x): return self._normalize_with_running_stats(x)
-
-    def _normalize_window(self, x):
-        if self._prepass is not None: return self._normalize_prepass(x)
-        if self.window_stats is None: return self._normalize_micro(x)  # no pre-pass ran: behave as 'micro'
-        mean, var = self.window_stats
-        if x.numel() // x.shape[1] >= GradPool.min_micro: return self._renormalize(x, mean, var)
-        # plain tensors in: a tensor subclass (fastai's TensorImage, also in statistics pooled from it) would make the
-        # output a view of the Function's, which an in-place activation after this layer (fastai's head) may not modify
-        x, mean, var = (t.as_subclass(Tensor) if type(t) is not Tensor else t for t in (x, mean, var))
-        return WindowNormFunction.apply(x, self.weight, self.bias, mean, var, self)
-
-    def _renormalize(self, x, mean, var):
-        "Window normalization as Batch Renorm: micro-batch BN with r, d (constants) mapping it onto the window's statistics."
-        dims = [0] + list(range(2, x.dim()))
-        with torch.no_grad():
-            acc = torch.promote_types(x.dtype, torch.float32)  # at least float32, float64 stays float64
-            var_b, mean_b = torch.var_mean(x.to(acc), dims, correction=0)
-            std_b, std_w = (var_b + self.eps).sqrt(), (var.to(acc) + self.eps).sqrt()
-            r, d = (std_b / std_w).to(var.dtype), ((mean_b - mean.to(acc)) / std_w).to(var.dtype)
-        # (x - mean_b)/std_b * r + d == (x - mean)/std_w: the forward is the window's; the fused backward projects
-        # with the micro-batch's statistics, keeping BatchNorm's invariances exactly in every micro-batch
-        w, b = (self.weight * r, self.bias + self.weight * d) if self.affine else (r, d)
-        return F.batch_norm(x, None, None, w, b, True, 0., self.eps)
-
-    @torch.no_grad()
-    def _normalize_prepass(self, x):
-        if self._prepass == 'staged':  # the staged pre-pass closed this call's window: normalize with its statistics
-            mean, var = self.window_stats
-            return F.batch_norm(x, mean, var, self.weight, self.bias, False, 0., self.eps)
-        n = x.numel() // x.shape[1]
-        if n < 2: raise ValueError(f"{self.layer_name}: BatchNorm got {n} value per channel in a pre-pass forward")
-        if not self._prepass_sync:  # one forward over the whole window: BatchNorm's own, its moments pooled for free
-            mean, var = torch.zeros(2, self.num_features, device=x.device, dtype=self.running_mean.dtype)
-            out = F.batch_norm(x, mean, var, self.weight, self.bias, True, 1.0, self.eps)
-            self._prepass_stats.add_moments(n, mean, var)
-            return out
-        st = ChannelStats()  # across processes: merge the input's moments over every rank's window first (as SyncBatchNorm)
-        st.add(x)
-        self._close_prepass(st)
-        mean, var = self.window_stats
-        return F.batch_norm(x, mean, var, self.weight, self.bias, False, 0., self.eps)
-
-    def _begin_prepass(self,
-                       mode:str='whole', # 'whole': the window in one forward; 'staged': chunks fed by `StagedGraph`
-                       sync:bool=False, # merge each call's statistics across the processes of `group` before normalizing
-                       group=None):
-        self._prepass, self._prepass_sync, self._prepass_group = mode, sync, group
-        self._prepass_stats, self._chunk_stats = ChannelStats(), ChannelStats()
-
-    def _observe_prepass(self, x:Tensor):
-        "Staged pre-pass: one chunk of this call's window input."
-        self._chunk_stats.add(x)
-
-    @torch.no_grad()
-    def _close_prepass(self, st:ChannelStats|None=None):
-        "This call has seen its whole window (`st`, default: the observed chunks): fix the statistics it normalizes with."
-        if st is None: st, self._chunk_stats = self._chunk_stats, ChannelStats()
-        if self._prepass_sync:  # one small collective per layer call per window
-            all_reduce_stats([st], [self.num_features], self._prepass_group, self.running_mean.device)
-        if st.count: self.window_stats = (st.mean.to(self.running_mean.dtype), st.biased_var.to(self.running_mean.dtype))
-        self._prepass_stats.merge(st)
-
-    def _end_prepass(self):
-        st, self._prepass, self._prepass_stats, self._chunk_stats = self._prepass_stats, None, None, None
-        if not st.count: return
-        self.window_stats = (st.mean.to(self.running_mean.dtype), st.biased_var.to(self.running_mean.dtype))
-        st.merged = self._prepass_sync  # already every process's window: the commit must not merge it again
-        self.pending = st  # the pre-pass's statistics are the window's: update_stats commits them
-
-    def _normalize_with_running_stats(self, x):
-        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0., self.eps)
-
-    @torch.no_grad()
-    def update_stats(self):
-        "Commit the pending window to the running statistics: one momentum step, as BN on the whole window would."
-        st = self.pending
-        self.window_stats = None  # a window's statistics never serve the next window
-        self.grad_pool.roll()
-        if not st.count: return
-        if st.count < 2:
-            st.reset()
-            raise ValueError(f"{self.layer_name}: the window had 1 value per channel; its variance is undefined. "
-                             "Accumulate at least 2 samples per window.")
-        self.num_batches_tracked.add_(1)
-        f = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        for buf, new in ((self.running_mean, st.mean), (self.running_var, st.var)):
-            buf.copy_(buf.to(new.dtype) * (1 - f) + new.to(buf.device) * f)
-        st.reset()
-
-    def reset_stats(self):
-        "Drop the pending window without touching the running statistics."
-        self.pending.reset()
-        self._clear_window_state()
-        self.grad_pool.drop_current()
-
     def extra_repr(self): return super().extra_repr() + f', policy={self.policy!r}'
 
     def __reduce_ex__(self, protocol):
@@ -282,6 +154,150 @@ def _rebuild_accumulating(plain_class, state):
     m.__setstate__(state)
     m.__class__ = accumulating_class(plain_class)
     return m
+
+# %% ../nbs/01_batchnorm.ipynb #5980e074
+@patch
+def _normalize_micro(self:AccumulateBatchNorm, x):
+    n = x.numel() // x.shape[1]
+    if n < 2: raise ValueError(
+        f"{self.layer_name}: BatchNorm got {n} value per channel in a training forward (input shape {tuple(x.shape)}). "
+        "A micro-batch of 1 sample cannot be normalized by its own statistics: use micro-batches of at least 2 "
+        "samples (drop_last=True on the DataLoader avoids a 1-sample last batch) or policy='running'.")
+    group = self._sync_group(x)
+    if group is not None:  # SyncBatchNorm across processes: normalize with all ranks' micro-batches, pool ours
+        out = sync_batch_norm.apply(x, self.weight, self.bias, None, None, self.eps, 0., group, dist.get_world_size(group))
+        self.pending.add(x)  # local moments: update_stats merges the ranks exactly (one extra pass over x)
+        return out
+    scratch = torch.zeros(2, self.num_features, device=x.device, dtype=self.running_mean.dtype)
+    mean, var = scratch[0], scratch[1]
+    # momentum=1 leaves the batch mean and *unbiased* variance in the scratch buffers, from the fused kernel
+    out = F.batch_norm(x, mean, var, self.weight, self.bias, True, 1.0, self.eps)
+    self.pending.add_moments(n, mean, var)
+    return out
+
+@patch
+def _sync_group(self:AccumulateBatchNorm, x):
+    "The process group a `SyncBatchNorm` syncs over in this forward (as torch decides it), else None."
+    if not isinstance(self, nn.SyncBatchNorm) or x.device.type == 'cpu': return None
+    if not (dist.is_available() and dist.is_initialized()): return None
+    group = self.process_group or dist.group.WORLD
+    return group if dist.get_world_size(group) > 1 else None
+
+# %% ../nbs/01_batchnorm.ipynb #f1d122b1
+@patch
+def _normalize_running(self:AccumulateBatchNorm, x):
+    self.pending.add(x)
+    return self._normalize_with_running_stats(x)
+
+@patch
+def _normalize_frozen(self:AccumulateBatchNorm, x): return self._normalize_with_running_stats(x)
+
+@patch
+def _normalize_with_running_stats(self:AccumulateBatchNorm, x):
+    return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0., self.eps)
+
+# %% ../nbs/01_batchnorm.ipynb #e8087124
+@patch
+def _normalize_window(self:AccumulateBatchNorm, x):
+    if self._prepass is not None: return self._normalize_prepass(x)
+    if self.window_stats is None: return self._normalize_micro(x)  # no pre-pass ran: behave as 'micro'
+    mean, var = self.window_stats
+    if x.numel() // x.shape[1] >= GradPool.min_micro: return self._renormalize(x, mean, var)
+    # plain tensors in: a tensor subclass (fastai's TensorImage, also in statistics pooled from it) would make the
+    # output a view of the Function's, which an in-place activation after this layer (fastai's head) may not modify
+    x, mean, var = (t.as_subclass(Tensor) if type(t) is not Tensor else t for t in (x, mean, var))
+    return WindowNormFunction.apply(x, self.weight, self.bias, mean, var, self)
+
+@patch
+def _renormalize(self:AccumulateBatchNorm, x, mean, var):
+    "Window normalization as Batch Renorm: micro-batch BN with r, d (constants) mapping it onto the window's statistics."
+    dims = [0] + list(range(2, x.dim()))
+    with torch.no_grad():
+        acc = torch.promote_types(x.dtype, torch.float32)  # at least float32, float64 stays float64
+        var_b, mean_b = torch.var_mean(x.to(acc), dims, correction=0)
+        std_b, std_w = (var_b + self.eps).sqrt(), (var.to(acc) + self.eps).sqrt()
+        r, d = (std_b / std_w).to(var.dtype), ((mean_b - mean.to(acc)) / std_w).to(var.dtype)
+    # (x - mean_b)/std_b * r + d == (x - mean)/std_w: the forward is the window's; the fused backward projects
+    # with the micro-batch's statistics, keeping BatchNorm's invariances exactly in every micro-batch
+    w, b = (self.weight * r, self.bias + self.weight * d) if self.affine else (r, d)
+    return F.batch_norm(x, None, None, w, b, True, 0., self.eps)
+
+# %% ../nbs/01_batchnorm.ipynb #8e9e5472
+@patch
+def _begin_prepass(self:AccumulateBatchNorm,
+                   mode:str='whole', # 'whole': the window in one forward; 'staged': chunks fed by `StagedGraph`
+                   sync:bool=False, # merge each call's statistics across the processes of `group` before normalizing
+                   group=None):
+    self._prepass, self._prepass_sync, self._prepass_group = mode, sync, group
+    self._prepass_stats, self._chunk_stats = ChannelStats(), ChannelStats()
+
+@patch
+def _observe_prepass(self:AccumulateBatchNorm, x:Tensor):
+    "Staged pre-pass: one chunk of this call's window input."
+    self._chunk_stats.add(x)
+
+@patch
+@torch.no_grad()
+def _close_prepass(self:AccumulateBatchNorm, st:ChannelStats|None=None):
+    "This call has seen its whole window (`st`, default: the observed chunks): fix the statistics it normalizes with."
+    if st is None: st, self._chunk_stats = self._chunk_stats, ChannelStats()
+    if self._prepass_sync:  # one small collective per layer call per window
+        all_reduce_stats([st], [self.num_features], self._prepass_group, self.running_mean.device)
+    if st.count: self.window_stats = (st.mean.to(self.running_mean.dtype), st.biased_var.to(self.running_mean.dtype))
+    self._prepass_stats.merge(st)
+
+@patch
+def _end_prepass(self:AccumulateBatchNorm):
+    st, self._prepass, self._prepass_stats, self._chunk_stats = self._prepass_stats, None, None, None
+    if not st.count: return
+    self.window_stats = (st.mean.to(self.running_mean.dtype), st.biased_var.to(self.running_mean.dtype))
+    st.merged = self._prepass_sync  # already every process's window: the commit must not merge it again
+    self.pending = st  # the pre-pass's statistics are the window's: update_stats commits them
+
+@patch
+@torch.no_grad()
+def _normalize_prepass(self:AccumulateBatchNorm, x):
+    if self._prepass == 'staged':  # the staged pre-pass closed this call's window: normalize with its statistics
+        mean, var = self.window_stats
+        return F.batch_norm(x, mean, var, self.weight, self.bias, False, 0., self.eps)
+    n = x.numel() // x.shape[1]
+    if n < 2: raise ValueError(f"{self.layer_name}: BatchNorm got {n} value per channel in a pre-pass forward")
+    if not self._prepass_sync:  # one forward over the whole window: BatchNorm's own, its moments pooled for free
+        mean, var = torch.zeros(2, self.num_features, device=x.device, dtype=self.running_mean.dtype)
+        out = F.batch_norm(x, mean, var, self.weight, self.bias, True, 1.0, self.eps)
+        self._prepass_stats.add_moments(n, mean, var)
+        return out
+    st = ChannelStats()  # across processes: merge the input's moments over every rank's window first (as SyncBatchNorm)
+    st.add(x)
+    self._close_prepass(st)
+    mean, var = self.window_stats
+    return F.batch_norm(x, mean, var, self.weight, self.bias, False, 0., self.eps)
+
+# %% ../nbs/01_batchnorm.ipynb #9c752bab
+@patch
+@torch.no_grad()
+def update_stats(self:AccumulateBatchNorm):
+    "Commit the pending window to the running statistics: one momentum step, as BN on the whole window would."
+    st = self.pending
+    self.window_stats = None  # a window's statistics never serve the next window
+    self.grad_pool.roll()
+    if not st.count: return
+    if st.count < 2:
+        st.reset()
+        raise ValueError(f"{self.layer_name}: the window had 1 value per channel; its variance is undefined. "
+                         "Accumulate at least 2 samples per window.")
+    self.num_batches_tracked.add_(1)
+    f = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+    for buf, new in ((self.running_mean, st.mean), (self.running_var, st.var)):
+        buf.copy_(buf.to(new.dtype) * (1 - f) + new.to(buf.device) * f)
+    st.reset()
+
+@patch
+def reset_stats(self:AccumulateBatchNorm):
+    "Drop the pending window without touching the running statistics."
+    self.pending.reset()
+    self._clear_window_state()
+    self.grad_pool.drop_current()
 
 # %% ../nbs/01_batchnorm.ipynb #0755c075
 def bn_layers(model:nn.Module, accumulating:bool=False) -> list:
@@ -340,209 +356,3 @@ def update_bn_stats(model:nn.Module) -> int:
 def reset_bn_stats(model:nn.Module):
     "Drop the pending window of every `AccumulateBatchNorm` of `model`."
     for m in bn_layers(model, accumulating=True): m.reset_stats()
-
-# %% ../nbs/01_batchnorm.ipynb #b7202dc1
-def _chunks(xbs:list, chunk:int|None) -> list:
-    "Regroup micro-batch inputs (tuples of tensors) into concatenated chunks of at most `chunk` samples (None: one)."
-    if chunk is None: chunk = sum(xb[0].shape[0] for xb in xbs)
-    out, cur, n = [], [], 0
-    for xb in xbs:
-        if cur and n + xb[0].shape[0] > chunk: out.append(cur); cur, n = [], 0
-        cur.append(xb); n += xb[0].shape[0]
-    if cur: out.append(cur)
-    return [tuple(torch.cat(ts) for ts in zip(*c)) if len(c) > 1 else c[0] for c in out]
-
-def _window_layer(m) -> bool:
-    return isinstance(m, AccumulateBatchNorm) and m.policy == 'window' and m.track_running_stats
-
-# %% ../nbs/01_batchnorm.ipynb #4f47d376
-_traces = weakref.WeakKeyDictionary()  # model -> torch.fx graph with every BatchNorm a leaf, or why tracing failed
-_plans = weakref.WeakKeyDictionary()   # model -> {(input shapes, dtype, memory): PrepassPlan}
-_last_run = weakref.WeakKeyDictionary() # model -> what the last `window_prepasses` did
-
-def _trace(model):
-    if model not in _traces:
-        try: _traces[model] = trace_model(model, lambda m: isinstance(m, _BatchNorm))
-        except Exception as e:
-            _traces[model] = _one_line(e)
-            warnings.warn(f"window_prepasses: {untraceable_reason(model)}")
-    return _traces[model]
-
-def _one_line(e:BaseException) -> str:
-    "The exception's type and its whole message, on one line."
-    return f"{type(e).__name__}: {' '.join(str(e).split())}".rstrip(': ')
-
-def untraceable_reason(model:nn.Module) -> str|None:
-    "Why the staged pre-pass cannot run on `model` (torch.fx could not trace it), in one line; None if it can (or was never asked)."
-    why = _traces.get(model)
-    if not isinstance(why, str): return None
-    return (f"torch.fx cannot trace {type(model).__name__} ({why}); its pre-pass runs the whole window in one forward: "
-            "exact, but its activations grow with the window.")
-
-def _saved_bytes(model, xb) -> int:
-    "Bytes autograd saves for backward in one forward of `xb` (distinct storages, parameters and buffers excluded)."
-    with torch.enable_grad(), SavedTensorMeter(exclude=model) as meter: model(*xb)  # the output is dropped at once
-    return meter.peak
-
-class PrepassPlan:
-    "How `window_prepasses` runs a model's pre-pass within a memory budget, from one micro-batch's measured sizes."
-    def __init__(self, model, xb, memory=None):
-        self.bs = xb[0].shape[0]
-        self.graph = _trace(model)
-        self.traced = not isinstance(self.graph, str)
-        self.reason = None if self.traced else self.graph
-        with modes_kept(model):
-            model.eval()  # measuring changes nothing: running statistics, no dropout, no pooled moments
-            with torch.no_grad():
-                if self.traced: whole, stage = StagedGraph(model, self.graph, _window_layer).measure(xb)
-                else: whole, stage = _largest_activation(model, xb), None
-            self.train_bytes = _saved_bytes(model, xb)  # what training at this micro-batch holds for backward
-        self.whole_per_sample, self.stage_per_sample = whole / self.bs, None if stage is None else stage / self.bs
-        self.memory = memory
-        self.budget = (self.train_bytes or whole) if memory is None else memory
-        per = max(self.whole_per_sample, 1e-9)
-        big = 2**62  # no cap: any window
-        self.max_whole = int(min(self.budget / per, big))  # the largest window one forward keeps within the budget
-        self.chunk = None if stage is None else max(1, int(min(self.budget / max(self.stage_per_sample, 1e-9), big)))
-
-    def choose(self, n:int) -> tuple[str, int|None]:
-        "('whole', None) or ('staged', samples per chunk) for a window of `n` samples."
-        if n <= self.max_whole or not self.traced: return 'whole', None
-        return 'staged', min(self.chunk, n)
-
-    def describe(self, n:int|None=None) -> str:
-        "The chosen mode in words, for the pre-flight table."
-        budget = f"{self.budget/2**20:.1f} MiB" + (' = training at this micro-batch' if self.memory is None else ' cap')
-        if not self.traced: return "whole window (not traceable)"  # why: `untraceable_reason`, said once
-        if n is not None:
-            mode, chunk = self.choose(n)
-            return f"whole window of {n}" if mode == 'whole' else f"staged, {n} in chunks of {chunk} ({budget})"
-        return f"whole window up to {self.max_whole} samples, else staged in chunks of {self.chunk} ({budget})"
-
-    def __repr__(self): return f'{type(self).__name__}({self.describe()})'
-
-def _largest_activation(model, xb) -> int:
-    "Largest leaf-module input + output in one forward: a lower bound on what a forward holds (untraceable models)."
-    peak = [0]
-    def hook(m, inp, out):
-        peak[0] = max(peak[0], sum(t.untyped_storage().nbytes() for t in (*inp, out) if isinstance(t, Tensor)))
-    hooks = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
-    try: model(*xb)
-    finally:
-        for h in hooks: h.remove()
-    return peak[0]
-
-def prepass_plan(model:nn.Module, # a model with `AccumulateBatchNorm` layers
-                 xb:tuple, # one micro-batch of model inputs (sizes are measured on it)
-                 memory:int|None=None, # bytes the pre-pass may hold on the device (default: what training holds at this micro-batch)
-                ) -> PrepassPlan:
-    "The pre-pass plan of `model` for micro-batches shaped like `xb` (measured once, then cached)."
-    key = (tuple((tuple(t.shape[1:]), t.dtype, str(t.device)) for t in xb if isinstance(t, Tensor)), memory,
-           tuple(id(m) for m in bn_layers(model) if _window_layer(m)))
-    plans = _plans.setdefault(model, {})
-    if key not in plans: plans[key] = PrepassPlan(model, xb, memory)
-    return plans[key]
-
-def prepass_info(model:nn.Module) -> dict|None:
-    "What the last `window_prepasses` on `model` did: mode, chunk, samples, and measured bytes when it was metered."
-    return _last_run.get(model)
-
-# %% ../nbs/01_batchnorm.ipynb #713d978c
-@torch.no_grad()
-def window_prepasses(model:nn.Module, # a model with `AccumulateBatchNorm` layers under the 'window' policy
-                     xbs:list, # the window's micro-batch inputs, each a tuple of model inputs
-                     chunk:int|None=None, # samples per chunk of a staged pre-pass (default: chosen within `memory`)
-                     group=None, # under data parallelism: the process group whose windows make one (default: the world)
-                     memory:int|None=None, # bytes the pre-pass may hold on the device (default: what training holds at the micro-batch)
-                     store=None, # where a staged pre-pass keeps values across BatchNorm layers (default: 'cpu' for an accelerator)
-                     meter:bool=False, # count the activation bytes of the run (`prepass_info`)
-                    ) -> int:
-    "One exact no-grad pre-pass that gives every 'window' layer its window statistics; returns how many layers."
-    layers = [m for m in bn_layers(model, accumulating=True) if _window_layer(m) and m.training]
-    if not layers or not xbs: return 0
-    sync = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-    mode, chunk, sg = _prepass_mode(model, layers, xbs, chunk, memory)
-    info = _last_run[model] = dict(mode=mode, chunk=chunk, samples=sum(xb[0].shape[0] for xb in xbs), sync=sync)
-    if store is None and layers[0].running_mean.device.type != 'cpu': store = 'cpu'
-    for m in layers: m._begin_prepass(mode, sync, group)
-    try: _run_prepass(model, xbs, mode, chunk, sg, store, meter, info)
-    finally:
-        for m in layers: m._end_prepass()
-    return len(layers)
-
-def _prepass_mode(model, layers, xbs, chunk, memory) -> tuple:
-    "How the pre-pass runs: ('whole' or 'staged', samples per chunk, the `StagedGraph` when staged)."
-    n = sum(xb[0].shape[0] for xb in xbs)
-    if chunk is not None:
-        mode = 'whole' if chunk >= n else 'staged'
-        graph = _trace(model) if mode == 'staged' else None
-        if isinstance(graph, str): mode, chunk = 'whole', None  # not traceable (warned): the whole window at once
-    else:
-        plan = prepass_plan(model, xbs[0], memory)
-        (mode, chunk), graph = plan.choose(n), plan.graph
-    if mode != 'staged': return mode, chunk, None
-    barriers = set(layers)
-    sg = StagedGraph(model, graph, lambda m: m in barriers)
-    hidden = barriers - {sg.modules[sg.nodes[i].target] for i in sg.barriers}
-    if hidden:  # a BatchNorm inside a module the tracer keeps whole: no barrier can stop there
-        warnings.warn(f"window_prepasses: {len(hidden)} BatchNorm layer(s) of {type(model).__name__} are not nodes "
-                      "of its torch.fx graph; the pre-pass runs the whole window in one forward")
-        return 'whole', None, None
-    return mode, chunk, sg
-
-def _run_prepass(model, xbs, mode, chunk, sg, store, meter, info):
-    "The pre-pass forward(s): the whole window at once, or staged over chunks; the activation bytes into `info` if `meter`."
-    if mode == 'whole':
-        xb = _chunks(xbs, None)[0]
-        if meter: info['device_bytes'] = _metered_forward(model, xb)
-        else: model(*xb)
-        return
-    dm, hm = (ByteMeter(), ByteMeter()) if meter else (None, None)
-    sg.run(_chunks(xbs, chunk), lambda m, x: m._observe_prepass(x), lambda m: m._close_prepass(),
-           store=store, meter=dm, stored=hm)
-    if meter: info.update(device_bytes=dm.peak, stored_bytes=hm.peak)
-
-def _metered_forward(model, xb) -> int:
-    "Run `model(*xb)`; the peak activation bytes of the forward (traced: from the graph's liveness; else leaf modules)."
-    graph = _trace(model)
-    if isinstance(graph, str): return _largest_activation(model, xb)
-    bm = ByteMeter()
-    StagedGraph(model, graph, lambda m: isinstance(m, _BatchNorm)).forward(xb, bm)  # up to the last BatchNorm
-    return bm.peak
-
-# %% ../nbs/01_batchnorm.ipynb #e0cc0a8b
-def _treatment(m, n:int, training:bool=True) -> tuple[str, str]:
-    "(forward, backward) of layer `m` for a micro-batch with `n` values per channel, when it is in training mode or not."
-    if not training: return 'running stats (frozen: eval mode)', 'none through the stats'
-    if not isinstance(m, AccumulateBatchNorm): return f'micro-batch stats ({n} values), stats updated per micro-batch', 'micro-batch'
-    if m.policy == 'micro': return f'micro-batch stats ({n} values)', 'micro-batch'
-    if m.policy in ('running', 'frozen'): return 'running stats', 'none through the stats'
-    return 'window stats', 'micro-batch, mapped to the window' if n >= GradPool.min_micro else "previous window's means"
-
-def bn_preflight(model:nn.Module, # the model (its state is not changed: the forward runs in eval mode, no grad)
-                 *xb, # one micro-batch of model inputs
-                 window:int|None=None, # samples per window, to name the pre-pass mode chosen for it ('window' policy)
-                 memory:int|None=None, # the pre-pass's memory cap in bytes, as given to `window_prepasses`
-                ):
-    "A table of the model's BatchNorm layers: values per channel per micro-batch, risk, what the policy does, and how the pre-pass runs."
-    import pandas as pd
-    plan = prepass_plan(model, xb, memory) if any(_window_layer(m) and m.training for m in bn_layers(model)) else None
-    prepass = plan.describe(window) if plan is not None else '-'
-    names = {mod: name for name, mod in model.named_modules()}
-    modes = {mod: mod.training for mod in model.modules()}
-    rows, hooks = [], []
-    def hook(mod, inp):
-        n = inp[0].numel() // inp[0].shape[1]
-        fwd, bwd = _treatment(mod, n, modes[mod])
-        rows.append(dict(layer=names[mod] or type(mod).__name__, type=type(mod).__name__, channels=mod.num_features,
-                         values_per_channel=n, at_risk=n < GradPool.min_micro,
-                         policy=getattr(mod, 'policy', 'plain BN'), forward=fwd, backward=bwd,
-                         prepass=prepass if _window_layer(mod) and modes[mod] else '-'))
-    for mod in bn_layers(model): hooks.append(mod.register_forward_pre_hook(hook))
-    try:
-        model.eval()  # shapes are all we need: eval mode touches no statistics
-        with torch.no_grad(): model(*xb)
-    finally:
-        for h in hooks: h.remove()
-        for mod, mode in modes.items(): mod.training = mode
-    return pd.DataFrame(rows)

@@ -9,7 +9,8 @@ from contextlib import nullcontext
 import torch
 from torch import nn, Tensor
 from torch.nn.parallel import DistributedDataParallel
-from .batchnorm import AccumulateBatchNorm, wrap_bn, bn_layers, unwrap_layer, untraceable_reason
+from .batchnorm import AccumulateBatchNorm, wrap_bn, bn_layers, unwrap_layer
+from .prepass import untraceable_reason
 from .exact import choose_exact, saved_on_host, ExactModeMemoryError
 from .staged_exact import install_staged, uninstall_staged
 from .helpers import _to, split_batch

@@ -14,7 +14,8 @@ from torch import nn
 from .meters import SavedTensorMeter, fmt_bytes, _nbytes
 from .staged_exact import samples_mixed
 from .window import world_size
-from .batchnorm import bn_layers, _trace, untraceable_reason
+from .batchnorm import bn_layers
+from .prepass import _trace, untraceable_reason
 
 # %% auto #0
 __all__ = ['rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'leaves_no_trace', 'Footprint',

@@ -17,7 +17,8 @@ from .stats import ChannelStats, all_reduce_stats
 from .window import world_size
 from .staged import StagedGraph
 from .helpers import _to
-from .batchnorm import _trace, untraceable_reason, _after_norm
+from .batchnorm import _after_norm
+from .prepass import _trace, untraceable_reason
 
 # %% auto #0
 __all__ = ['StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed']

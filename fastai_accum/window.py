@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from .stats import all_reduce_stats
-from .batchnorm import _check_policy, window_prepasses, bn_preflight
+from .batchnorm import _check_policy
+from .prepass import window_prepasses, bn_preflight
 from .helpers import _to
 
 # %% auto #0

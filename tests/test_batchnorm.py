@@ -5,6 +5,7 @@ from torch import nn
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 from fastai_accum.batchnorm import *
+from fastai_accum.prepass import window_prepasses
 from fastai_accum.stats import ChannelStats
 
 def rel_err(a, b): return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
@@ -223,14 +224,14 @@ def _small_convnet():
     return nn.Sequential(*blk(1, 8), *blk(8, 16), *blk(16, 16), nn.Flatten(), nn.Linear(64, 16, bias=False),
                          nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
 
-@pytest.mark.parametrize('passes,chunk', [(1, None), (None, 2)], ids=['one_forward', 'staged_micro_chunks'])
-def test_window_forward_matches_bn_on_concatenated_window(passes, chunk):
+@pytest.mark.parametrize('kw', [dict(memory=float('inf')), dict(chunk=2)], ids=['one_forward', 'staged_micro_chunks'])
+def test_window_forward_matches_bn_on_concatenated_window(kw):
     torch.manual_seed(0)
     net = _small_convnet(); big = copy.deepcopy(net)
     window = [torch.randn(2, 1, 16, 16) * 3 + 1 for _ in range(8)]
     with torch.no_grad(): ref = big(torch.cat(window))
     wrap_bn(net, policy='window')
-    window_prepasses(net, [(x,) for x in window], passes=passes, chunk=chunk)
+    window_prepasses(net, [(x,) for x in window], **kw)
     with torch.no_grad(): out = torch.cat([net(x) for x in window])
     assert rel_err(out, ref) <= 1e-4
     update_bn_stats(net)

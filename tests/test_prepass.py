@@ -2,8 +2,8 @@
 import copy, warnings
 import pytest, torch
 from torch import nn
-from fastai_accum.batchnorm import (wrap_bn, bn_layers, window_prepasses, prepass_plan, prepass_info, bn_preflight,
-                                    update_bn_stats)
+from fastai_accum.batchnorm import wrap_bn, bn_layers, update_bn_stats
+from fastai_accum.prepass import window_prepasses, prepass_plan, prepass_info, bn_preflight
 
 def window_error(layers, ref) -> float:
     "max over layers/channels of |d mean|/std + |log var ratio| against `ref` [(mean, biased var)]."
