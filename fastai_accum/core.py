@@ -13,8 +13,7 @@ from .batchnorm import AccumulateBatchNorm, wrap_bn, bn_layers, unwrap_layer
 from .prepass import untraceable_reason
 from .exact import choose_exact, saved_on_host, ExactModeMemoryError
 from .staged_exact import install_staged, uninstall_staged
-from .helpers import _to, split_batch
-from .ghost import install_ghost, uninstall_ghost, check_ghost, check_ghost_policy
+from .helpers import _to, split_batch, _optional
 from .window import (AccumulationWindow, WindowSteps, WindowLoader, validate_window_args, _check_count, scale_grads,
                      commit_window, drop_window, batch_size, world_size, cat_batches)
 
@@ -25,6 +24,10 @@ __all__ = ['default_inputs', 'Accumulation', 'accumulation_options', 'FrontEnd']
 def default_inputs(b) -> tuple:
     "The model inputs of batch `b`: everything but the last element (the target), or `b` itself if it has one element."
     return split_batch(b)[0]
+
+def _ghost():
+    "The ghost-batch module (`bn_batch`), which the default path never imports."
+    return _optional('ghost', 'bn_batch (ghost batches)')
 
 # %% ../nbs/02d_core.ipynb #8f133906
 class Accumulation(WindowSteps):
@@ -52,7 +55,7 @@ class Accumulation(WindowSteps):
         n_step, n_acc, prepass_bs = _check_count('n_step', n_step), _check_count('n_acc', n_acc), _check_count('prepass_bs', prepass_bs)
         validate_window_args(n_step, n_acc, policy, partial, exact_ok=True)
         self.bn_batch = _check_count('bn_batch', bn_batch)
-        check_ghost_policy(self.bn_batch, policy, name or type(self).__name__)
+        if self.bn_batch: _ghost().check_ghost_policy(self.bn_batch, policy, name or type(self).__name__)
         self.model, self.n_step, self.n_acc, self.policy, self.partial = model, n_step, n_acc, policy, partial
         self.inputs, self.autocast, self.wrap, self.sync_each_batch = inputs, autocast, wrap, sync_each_batch
         self.prepass_bs, self.prepass_memory = prepass_bs, prepass_memory
@@ -81,7 +84,7 @@ class Accumulation(WindowSteps):
 
     def setup(self, b):
         "Choose how training runs from the modes the BatchNorm layers are in now (the modes training runs in) and the first micro-batch `b` (on the device; or a callable giving it, called only if needed); wrap BatchNorm."
-        uninstall_staged(self.module); uninstall_ghost(self.module)  # measuring runs the model's own forward
+        self._uninstall()  # measuring runs the model's own forward
         self._modes = self._bn_modes()
         self.exact = self._choose_exact(b)
         self._ghost_micro = bool(self.bn_batch and self.plan is not None) and self._check_ghost()
@@ -90,7 +93,7 @@ class Accumulation(WindowSteps):
 
     def _check_ghost(self) -> bool:
         "Check `bn_batch` against the window; True if ghost batches train micro-batch by micro-batch (the window does not fit as one batch, but each micro-batch holds whole ghost batches)."
-        k = check_ghost(self.bn_batch, self.plan.window, self.module, self.name)
+        k = _ghost().check_ghost(self.bn_batch, self.plan.window, self.module, self.name)
         if self.exact and not self.plan.staged: return False
         if self.plan.micro % k == 0:  # ghost batches never span micro-batches: each trains on its own, exactly
             self.exact = False
@@ -99,6 +102,11 @@ class Accumulation(WindowSteps):
         raise ExactModeMemoryError(f"{self.name}(bn_batch={k}): ghost batches larger than the micro-batch ({self.plan.micro}) need "
                                    f"each window trained as one batch, but {why}. Use a bn_batch that divides the micro-batch, "
                                    "lower n_step/n_acc or set device_memory=/host_memory=.")
+
+    def _uninstall(self):
+        "Give every BatchNorm layer its own forward back (the staged step's, the ghost batches' replaced it)."
+        uninstall_staged(self.module)
+        if self.bn_batch: _ghost().uninstall_ghost(self.module)
 
     def _bn_modes(self) -> tuple: return tuple(m.training for m in bn_layers(self.module))
 
@@ -124,8 +132,8 @@ class Accumulation(WindowSteps):
             install_staged(self.module, self.plan.chunk, store=self.plan.device if self.plan.whole else None, autocast=self.autocast)
         elif self.exact:  # one batch per window; under DDP wrapped as 'micro' so that running statistics merge across processes at the step
             self._wrap('micro', new=self.wrap and self.merge_exact and world_size() > 1)
-            if self.bn_batch: install_ghost(self.module, self.bn_batch)
-        elif self._ghost_micro: install_ghost(self.module, self.bn_batch)  # plain layers, each micro-batch in ghost batches
+            if self.bn_batch: _ghost().install_ghost(self.module, self.bn_batch)
+        elif self._ghost_micro: _ghost().install_ghost(self.module, self.bn_batch)  # plain layers, each micro-batch in ghost batches
         elif not self.frozen_bn: self._wrap(self.policy, new=self.wrap)
         self.bns = bn_layers(self.module, accumulating=True)
         self.needs_window = any(m.policy == 'window' and m.training for m in self.bns)
@@ -148,7 +156,7 @@ class Accumulation(WindowSteps):
     def release(self):
         "Hand the model back with plain torch BatchNorm layers: unwrap those this wrapped, give earlier-wrapped ones their own policy back."
         self.clear()
-        uninstall_staged(self.module); uninstall_ghost(self.module)
+        self._uninstall()
         self._pools = {m: m.grad_pool for m in self._wrapped if isinstance(m, AccumulateBatchNorm)}
         for m in self._wrapped:
             if isinstance(m, AccumulateBatchNorm): unwrap_layer(m)
@@ -313,7 +321,7 @@ def accumulation_options(kwargs:dict, # keyword arguments a front end got for th
     if bad: raise TypeError(f"{name}() got an unexpected keyword argument {bad[0]!r}")
     counts = {k: _check_count(k, kwargs[k]) for k in ('prepass_bs', 'bn_batch') if k in kwargs}  # plain ints (numpy integers too)
     options = {**options, **kwargs, **counts}
-    check_ghost_policy(options['bn_batch'], options['policy'], name)
+    if options['bn_batch']: _ghost().check_ghost_policy(options['bn_batch'], options['policy'], name)
     return options
 
 # %% ../nbs/02d_core.ipynb #fe1ea718

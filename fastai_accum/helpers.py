@@ -4,6 +4,7 @@
 
 # %% ../nbs/00_helpers.ipynb #645bb986
 from __future__ import annotations
+import importlib
 from contextlib import contextmanager
 import torch
 from torch import nn, Tensor
@@ -45,3 +46,14 @@ def split_batch(b, # a batch: a tensor, or a tuple/list of its elements
     b = tuple(b)
     n = n_inp if n_inp is not None else (1 if len(b) == 1 else len(b) - 1)
     return b[:n], b[n:]
+
+# %% ../nbs/00_helpers.ipynb #8256df9f
+def _optional(module:str, # a module of the package, e.g. 'ghost'
+              option:str, # the option that needs it, named in the error
+             ):
+    "`fastai_accum.<module>`, imported when a non-default `option` first needs it; without the package (a pasted single file) an error says to install it."
+    try: return importlib.import_module(f'fastai_accum.{module}')
+    except ModuleNotFoundError as e:
+        if e.name not in ('fastai_accum', f'fastai_accum.{module}'): raise
+        raise ModuleNotFoundError(f"{option} needs the fastai_accum package (pip install fastai_accum): "
+                                  "the pasted single file holds the default path only") from None

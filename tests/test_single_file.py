@@ -65,3 +65,18 @@ def test_paste_cell_before_the_fastai_imports(tmp_path):
     (tmp_path/'fastai_accum_single.py').write_text(FILE.read_text())
     r = subprocess.run([sys.executable, '-I', '-c', PASTE_THEN_FASTAI], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and 'OK' in r.stdout, r.stderr[-3000:]
+
+OPTIONAL_OUTSIDE = '''
+import sys
+sys.modules['fastai_accum'] = None  # the package is not installed
+exec(compile(open('fastai_accum_single.py').read(), 'fastai_accum_single.py', 'exec'))
+try: GradientAccumulation(n_step=4, bn_batch=2)
+except ModuleNotFoundError as e: print(e)
+'''
+
+def test_holds_the_default_path_only(tmp_path):
+    "Ghost batches (`bn_batch`, not the default) are not in the file; asking for them there says what to install."
+    assert 'def install_ghost' not in FILE.read_text() and 'def install_staged' in FILE.read_text()
+    (tmp_path/'fastai_accum_single.py').write_text(FILE.read_text())
+    r = subprocess.run([sys.executable, '-I', '-c', OPTIONAL_OUTSIDE], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and 'bn_batch (ghost batches) needs the fastai_accum package' in r.stdout, r.stdout + r.stderr[-3000:]
