@@ -47,12 +47,10 @@ class AcceleratedAccumulation(Accumulation):
         gas = self.accelerator.gradient_accumulation_steps
         self.accelerator.step = gas - 1 if final else 0
 
-    def backward(self, loss, **kwargs) -> bool:
-        "`accelerator.backward` of `loss` weighted by samples (instead of 1/`gradient_accumulation_steps`); True at the window's end."
-        if self._micro is not None and self.accelerator.gradient_accumulation_steps > 1 \
-           and self.accelerator.sync_gradients != self._micro[1]:
+    def _backward(self, loss, **kwargs):
+        "`accelerator.backward` of `loss`, already weighted by samples by `Accumulation.backward` (accelerate's 1/`gradient_accumulation_steps` undone)."
+        gas = self.accelerator.gradient_accumulation_steps
+        if gas > 1 and self.accelerator.sync_gradients != self._micro[1]:
             raise RuntimeError("AcceleratedAccumulation: call backward inside `with accelerator.accumulate(model):` "
                                "(accelerate decides there whether this micro-batch syncs and steps)")
-        f = self.loss_factor(loss) * self.accelerator.gradient_accumulation_steps  # accelerate divides by it
-        self.accelerator.backward(loss * f if f != 1. else loss, **kwargs)
-        return self.end_micro()
+        self.accelerator.backward(loss * gas if gas != 1 else loss, **kwargs)  # accelerate divides by it

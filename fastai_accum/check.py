@@ -19,8 +19,9 @@ from fastai.learner import Learner
 from fastai.losses import BaseLoss
 from fastai.torch_core import TensorBase
 from .batchnorm import (AccumulateBatchNorm, auto_policy, bn_policies, bn_layers, wrap_bn, unwrap_bn,
-                                    window_prepasses, _forward_is_known, _has_stats)
-from .window import AccumulationWindow, scale_grads, commit_window, drop_window, cat_batches, loss_reduction, _micro_per_window
+                                    _forward_is_known, _has_stats)
+from .window import AccumulationWindow, cat_batches, loss_reduction, _micro_per_window
+from .core import Accumulation
 from .exact import leaves_no_trace, choose_exact, peek_batches
 from .helpers import learner_and_model, split_batch
 from .callback import GradientAccumulation
@@ -216,7 +217,7 @@ def _the_batch(learn, batch, n_step:int) -> tuple:
                                             "as `learn.dls.one_batch()` returns")
     return batch
 
-def _to(batch:tuple, device, dtype) -> tuple:
+def _cast_batch(batch:tuple, device, dtype) -> tuple:
     "`batch` on `device`, its floating-point tensors in `dtype`."
     return tuple(t.to(device, dtype) if t.is_floating_point() else t.to(device) for t in batch)
 
@@ -258,12 +259,12 @@ def _resolve(learn_or_model, batch=None, n_step=None, loss_func=None, policy=Non
     p0 = next(model.parameters(), None)
     if p0 is None: raise ValueError("check_accumulation: the model has no parameters")
     dt = dtype or p0.dtype
-    batch = _to(batch, p0.device, dt)
+    batch = _cast_batch(batch, p0.device, dt)
     micro = _split(batch, n_step)
     if previous is not None:
         if not _tensors(previous, len(batch)):
             raise TypeError("check_accumulation: `previous` must be a tuple of tensors like `batch`")
-        previous = _split(_to(previous, p0.device, dt), n_step)
+        previous = _split(_cast_batch(previous, p0.device, dt), n_step)
     notes = []
     if policy == 'auto':
         policy, why = resolve_auto(model, tuple(t.to(p0.dtype) if t.is_floating_point() else t for t in micro[0][:n_inp]),
@@ -347,40 +348,53 @@ def _prepare(model, policy, quiet=False):
     for m in bn_layers(model, accumulating=True): m.grad_pool.reset()  # a fit's first window, from scratch
 
 # %% ../nbs/06_check.ipynb #83c7772f
-def _commit(bns:list):
-    "Commit the window's BatchNorm statistics as the callback does at its step (`commit_window`), this process's alone."
-    commit_window(bns, merge=False)  # nothing to merge across processes: the copy and its window are local
+class _LocalWindow(AccumulationWindow):
+    "`AccumulationWindow` of this process alone: its gradient correction is `grad_correction`, nothing all-reduced."
+    def correction(self, group=None, device=None) -> float: return self.grad_correction
 
-def _micro_backward(model, mb:tuple, window:AccumulationWindow, s:_Setup) -> float:
-    "Forward and backward of `mb`, its loss weighted as the callback weights it (or by `loss_weight_fn`); returns loss × weight."
-    bs = mb[0].shape[0]
-    loss = s.call_loss(model(*mb[:s.n_inp]), *mb[s.n_inp:])
-    w = window.add(bs, loss)
-    if s.loss_weight_fn is not None: w = s.loss_weight_fn(bs, window)
-    (loss * w).backward()
-    return loss.detach().double().item() * w
+class _CopyAccumulation(Accumulation):
+    "The core on the check's copy of the model, its BatchNorm layers as `_prepare` set them; the copy's window is this process's alone (no all-reduce, no merge)."
+    def __init__(self, model:nn.Module, # the copy, prepared for the policy (`_prepare`)
+                 n_step:int, # micro-batches in the window
+                 s:_Setup):
+        policy = 'micro' if s.policy in ('exact', 'naive') else s.policy  # 'exact': one micro-batch, the window; 'naive': plain BatchNorm
+        super().__init__(model, n_step, policy=policy, loss_reduction=s.reduction, inputs=lambda b: b[:s.n_inp], wrap=False,
+                         prepass_bs=s.prepass_bs, name='check_accumulation')
+        self.window = _LocalWindow(n_step, None, s.reduction)
+        self.setup(None)  # a BatchNorm policy measures no micro-batch; collects the layers `_prepare` wrapped
 
-def _accumulate(model, micro:list, s:_Setup) -> float:
-    "Train one window of `micro` without stepping, as the callback trains it, statistics committed; returns the weighted loss."
-    bns = bn_layers(model, accumulating=True)
-    drop_window(bns)
+    def end_micro(self) -> bool:
+        for bn in self.bns: bn.pending.merged = True  # this copy's statistics alone: the commit merges nothing across processes
+        return super().end_micro()
+
+def _accumulate(acc:_CopyAccumulation, micro:list, s:_Setup) -> float:
+    "Train one window of `micro` through the core without stepping, as the callback trains it, statistics committed; returns the weighted loss."
+    acc.clear()  # no pending statistics from the model copied
     parts = [cat_batches(micro)] if s.policy == 'exact' else micro  # 'exact': the window as one batch, as the callback trains it
-    window = AccumulationWindow(n_step=len(parts), loss_reduction=s.reduction)
-    if any(m.policy == 'window' for m in bns):
-        with _seeded(s.seed, s.device): window_prepasses(model, [mb[:s.n_inp] for mb in parts], chunk=s.prepass_bs)
-    with _seeded(s.seed, s.device): objective = sum(_micro_backward(model, mb, window, s) for mb in parts)
-    f = window.grad_correction
-    scale_grads(list(model.parameters()), f)
-    _commit(bns)
-    return objective * f
+    with _seeded(s.seed, s.device): acc.start_window(parts)  # the 'window' policy's pre-pass
+    objective = 0.
+    with _seeded(s.seed, s.device):
+        for i, mb in enumerate(parts):
+            bs = mb[0].shape[0]
+            final, _ = acc.ends(bs, last=i == len(parts) - 1)
+            acc.start_micro(bs, final)
+            loss = s.call_loss(acc.model(*mb[:s.n_inp]), *mb[s.n_inp:])
+            w = acc.loss_factor(loss)  # the callback's weight; at the window's end times the correction, earlier gradients rescaled
+            c = acc.window.correction() if final else 1.  # that correction
+            if s.loss_weight_fn is not None: w = s.loss_weight_fn(bs, acc.window) * c
+            (loss * w).backward()
+            objective = objective * c + loss.detach().double().item() * w
+            acc.end_micro()  # at the window's end: the BatchNorm statistics committed
+    return objective
 
 def _run_window(model, s:_Setup, quiet:bool=False) -> float:
     "(a): one accumulated window over `s.micro` under `s.policy`, after the `previous` window if given; returns the weighted loss."
     _prepare(model, s.policy, quiet)
+    acc = _CopyAccumulation(model, 1 if s.policy == 'exact' else s.n_step, s)
     if s.previous is not None:  # as a fit past its first window: the previous window's backward terms pooled, nothing else kept
-        with leaves_no_trace(model): _accumulate(model, s.previous, s)
+        with leaves_no_trace(model): _accumulate(acc, s.previous, s)
         for p in model.parameters(): p.grad = None
-    return _accumulate(model, s.micro, s)
+    return _accumulate(acc, s.micro, s)
 
 @dataclass
 class _Run:

@@ -4,13 +4,13 @@
 
 # %% ../nbs/07b_lightning.ipynb #0b84d184
 from __future__ import annotations
-import collections, warnings
+import collections
 import torch
 try: import lightning.pytorch as pl
 except ImportError: import pytorch_lightning as pl
-from .batchnorm import wrap_bn, unwrap_layer, bn_layers, _check_policy
-from .window import (AccumulationWindow, WindowSteps, _check_count, scale_grads, drop_window, batch_size)
-from .core import default_inputs
+from .batchnorm import auto_policy
+from .window import batch_size
+from .core import FrontEnd, default_inputs
 
 # %% auto #0
 __all__ = ['BatchNormAccumulation']
@@ -28,7 +28,7 @@ class _Lookahead:
         return list(self.buf)[:k]
 
 # %% ../nbs/07b_lightning.ipynb #56c4a98b
-class BatchNormAccumulation(WindowSteps, pl.Callback):
+class BatchNormAccumulation(FrontEnd, pl.Callback):
     "Samples-weighted gradients and exact BatchNorm statistics (window policy) for `Trainer(accumulate_grad_batches=n)`."
     def __init__(self, policy:str='window', # BatchNorm policy (`bn_policies`): 'window' pre-passes each window; 'auto' = 'window'
                  wrap:bool=True, # wrap the LightningModule's BatchNorm layers as `AccumulateBatchNorm` in `setup`
@@ -37,48 +37,39 @@ class BatchNormAccumulation(WindowSteps, pl.Callback):
                  prepass_bs:int|None=None, # 'window' policy: samples per chunk of a staged (memory-bounded, exact) pre-pass (default: chosen within `prepass_memory`)
                  prepass_memory:int|None=None, # 'window' policy: bytes the pre-pass may hold on the device (default: what training holds at the micro-batch)
                 ):
-        if policy == 'exact': raise ValueError("BatchNormAccumulation: 'exact' is accumulate_grad_batches=1 with the window as the batch size")
-        _check_policy(policy)
-        _check_count('prepass_bs', prepass_bs)
-        self.policy, self.wrap, self.inputs, self.loss_reduction = policy, wrap, inputs, loss_reduction
-        self.prepass_bs, self.prepass_memory = prepass_bs, prepass_memory
-        self.window, self.bns, self.losses, self.n_steps, self.prepass_time = None, [], [], 0, 0.
-        self._micro, self._ends_window = None, False
+        if policy in ('exact', 'staged'):
+            raise ValueError(f"BatchNormAccumulation: {policy!r} is accumulate_grad_batches=1 with the window as the batch size")
+        policy = auto_policy if policy == 'auto' else policy  # 'auto' never trains a window as one batch here
+        options = dict(policy=policy, wrap=wrap, prepass_bs=prepass_bs, prepass_memory=prepass_memory)
+        self._take_args(1, None, False, options, 'BatchNormAccumulation')  # 1: a stand-in window, checked with the options
+        self.n_step = None  # the window: the Trainer's accumulate_grad_batches, read in `setup`
+        self.inputs, self.loss_reduction = inputs, loss_reduction
 
     def setup(self, trainer, pl_module, stage):
-        if stage != 'fit' or not self.wrap: return
-        before = bn_layers(pl_module, accumulating=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter('ignore')  # a model without BatchNorm accumulates fine
-            wrap_bn(pl_module, self.policy)
-        self._wrapped = [m for m in bn_layers(pl_module, accumulating=True) if not any(m is o for o in before)]
+        "A fit starts: build the core for it and wrap BatchNorm, before the strategy moves the LightningModule or wraps it in DDP."
+        if stage != 'fit': return
+        self.n_step = trainer.accumulate_grad_batches
+        self.acc = self._core(pl_module, inputs=self.inputs, loss_reduction=self.loss_reduction, device=trainer.strategy.root_device,
+                              autocast=lambda: trainer.precision_plugin.forward_context())  # the pre-pass runs as training's forward
+        self.acc.setup(None)  # Lightning's policies never measure a micro-batch (no 'exact' planning): none is needed
 
     def teardown(self, trainer, pl_module, stage):
         "After fitting, the LightningModule holds plain torch BatchNorm layers again (those this callback wrapped)."
-        if stage != 'fit': return
-        self._clear()
-        for m in getattr(self, '_wrapped', []): unwrap_layer(m)
-        self._wrapped, self.bns = [], []
+        if stage == 'fit' and self.acc is not None: self.acc.release()
 
     def on_train_start(self, trainer, pl_module):
         if not pl_module.automatic_optimization: raise RuntimeError("BatchNormAccumulation needs automatic optimization")
-        self.n = trainer.accumulate_grad_batches
-        self.window = AccumulationWindow(self.n, None, self.loss_reduction)
-        self.bns = bn_layers(pl_module, accumulating=True)
-        self.needs_window = any(m.policy == 'window' for m in self.bns)
-        self.n_steps, self.losses = 0, []
 
-    def on_train_epoch_start(self, trainer, pl_module): self._clear()
+    def on_train_epoch_start(self, trainer, pl_module):
+        self._clear()
+        if self.acc.needs_setup(): self.acc.setup(None)  # other BatchNorm layers train than when it chose (frozen, eval mode)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        # Lightning's rule (`_should_accumulate`): step after every n-th batch of the epoch and after its last
         left = trainer.num_training_batches - batch_idx
-        final = (batch_idx + 1) % self.n == 0 or left <= 1
-        self._micro = (batch_size(batch), final)
-        if self.needs_window and batch_idx % self.n == 0:
-            window = [batch] + self._coming(trainer, pl_module, min(self.n, left) - 1)
-            with trainer.precision_plugin.forward_context():
-                self._prepass_window(pl_module, [tuple(self.inputs(b)) for b in window])
+        last = left <= 1 or getattr(trainer.fit_loop.epoch_loop.batch_progress, 'is_last_batch', False)  # as Lightning's `_should_accumulate`
+        if self.acc.needs_window and self.window.empty:
+            self.acc.start_window([batch] + self._coming(trainer, pl_module, min(self.n_step, left) - 1))  # the pre-pass
+        self._start_micro(batch_size(batch), last)  # the core's window rule, which is Lightning's: every n-th batch and the epoch's last
 
     def _coming(self, trainer, pl_module, k:int) -> list:
         "The next `k` training batches, on the device as `training_step` will get them, read ahead from Lightning's fetcher."
@@ -94,23 +85,11 @@ class BatchNormAccumulation(WindowSteps, pl.Callback):
         return out
 
     def on_before_backward(self, trainer, pl_module, loss):
-        if self._micro is None: return
-        bs, final = self._micro
-        f = self.window.add(bs, loss) * self.n  # Lightning divided the loss by n
-        if final:  # before the last backward: earlier gradients rescaled so the window's is the mean over its samples
-            c = self.window.correction(device=loss.device)
-            if c != 1.: scale_grads([p for p in pl_module.parameters() if p.requires_grad], c); f *= c
-            self._ends_window = True
+        n = self.n_step  # Lightning divided the loss by n
+        f = self.acc.loss_factor(loss.detach() * n) * n  # at the window's end also the correction (earlier gradients rescaled)
         if f != 1.: loss.register_hook(lambda g: g * f)  # = backward of loss * f, whatever the precision plugin does
 
-    def on_after_backward(self, trainer, pl_module):
-        self._micro = None
-        if self._ends_window: self._finish_window()
-
-    def _clear(self):
-        if self.window is not None: self.window.reset()
-        drop_window(self.bns)
-        self._micro, self._ends_window = None, False
+    def on_after_backward(self, trainer, pl_module): self.acc.end_micro()  # at the window's end: commit BatchNorm statistics
 
     def on_train_end(self, trainer, pl_module): self._clear()
     def on_exception(self, trainer, pl_module, exception): self._clear()

@@ -30,3 +30,34 @@ def test_broken_loss_weighting_is_flagged(monkeypatch, bn):
     assert r.max_rel_diff > 0.5
     if bn: assert r.max_rel_diff_bn_eval > 0.5 and 'persist with every BatchNorm in eval mode' in r.diagnosis
     else: assert 'no BatchNorm layer' in r.diagnosis
+
+
+_LOCAL = """
+import os, sys, datetime, torch, torch.distributed as dist
+from torch import nn
+dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=60))
+if dist.get_rank() == 0:  # only this process checks: nothing of the check may wait for the other
+    from fastai_accum.check import check_accumulation
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    x, y = torch.randn(34, 6), torch.randint(0, 3, (34,))
+    for policy in ('micro', 'exact'):
+        r = check_accumulation(net, (x, y), 4, nn.CrossEntropyLoss(reduction='sum'), policy=policy)
+        first = r.rows[r.rows.name.isin(['1.running_mean', '1.running_var'])].rel_diff.max()
+        print(policy, r.cause, r.max_rel_diff_bn_eval, first, flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+def test_check_stays_local_under_torch_distributed():
+    "One process of a 2-process gloo group checks alone: the copy's window is not all-reduced (a 'sum' loss is not scaled by the world) nor merged."
+    import os, socket, subprocess, sys
+    with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
+    env = {**os.environ, 'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': str(port), 'WORLD_SIZE': '2', 'OMP_NUM_THREADS': '1'}
+    procs = [subprocess.Popen([sys.executable, '-c', _LOCAL], env={**env, 'RANK': str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    rows = [l.split() for l in outs[0].splitlines() if l.startswith(('micro ', 'exact '))]
+    assert [r[:2] for r in rows] == [['micro', 'batchnorm'], ['exact', 'none']], outs[0]
+    for _, _, bn_eval, first in rows: assert float(bn_eval) <= 1e-12 and float(first) <= 1e-12  # the first BatchNorm's statistics: the batch's

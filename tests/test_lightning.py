@@ -45,13 +45,17 @@ def fit(net, n, bs, n_acc, check, dtype=torch.float32, epochs=1, **kw):
 def test_bn_free_gradients_equal_big_batch(n, bs, n_acc):
     "Ragged last micro-batch (10 = 4+4+2), ragged window (4 over 3 micro-batches), several windows over 2 epochs."
     torch.manual_seed(0)
+    losses = []
     def check(module, window):
         ref = mlp(); ref.load_state_dict(module.net.state_dict())
-        nn.functional.mse_loss(ref(torch.cat([w[0] for w in window])), torch.cat([w[1] for w in window])).backward()
+        loss = nn.functional.mse_loss(ref(torch.cat([w[0] for w in window])), torch.cat([w[1] for w in window]))
+        loss.backward()
         for p, q in zip(module.net.parameters(), ref.parameters()): assert rel(p.grad, q.grad) <= 1e-6
+        losses.append(loss.item())
     module, cb, probe, trainer = fit(mlp(), n, bs, n_acc, check, epochs=2)
     windows = -(-(-(-n // bs)) // n_acc)
     assert probe.steps == cb.n_steps == trainer.global_step == 2 * windows
+    assert torch.allclose(torch.tensor(cb.losses), torch.tensor(losses), rtol=1e-5)  # each window's loss, as one big batch's
 
 @pytest.mark.parametrize('policy', ['window', 'micro'])
 def test_bn_stats_forward_and_steps(policy):
@@ -72,6 +76,11 @@ def test_bn_stats_forward_and_steps(policy):
     before.append([(bn.running_mean.clone().double(), bn.running_var.clone().double()) for bn in bn_layers(net)])
     module, cb, probe, trainer = fit(net, 20, 3, 3, check, dtype=torch.float64, policy=policy)
     assert probe.steps == cb.n_steps == trainer.global_step == 3
+    assert cb.path == policy and [type(m) for m in bn_layers(module.net)] == [nn.BatchNorm1d] * 2  # plain again after the fit
 
-def test_exact_policy_refused():
-    with pytest.raises(ValueError, match='accumulate_grad_batches=1'): BatchNormAccumulation(policy='exact')
+def test_policies_checked():
+    for policy in ('exact', 'staged'):
+        with pytest.raises(ValueError, match='accumulate_grad_batches=1'): BatchNormAccumulation(policy=policy)
+    with pytest.raises(ValueError, match='Unknown BatchNorm policy'): BatchNormAccumulation(policy='nope')
+    with pytest.raises(ValueError, match='prepass_bs'): BatchNormAccumulation(prepass_bs=0)
+    assert BatchNormAccumulation(policy='auto').policy == 'window'
