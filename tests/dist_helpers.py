@@ -1,7 +1,7 @@
 "Data and models shared by the distributed test script and the single-process references."
 import torch
 from torch import nn
-from fastai_accum.experiments import CountAllReduces  # counts gradient all-reduces: `.calls`, `.rounds`, `.windows`
+from fastai_accum.lab.experiments import CountAllReduces  # counts gradient all-reduces: `.calls`, `.rounds`, `.windows`
 
 def data(n=64, d=6, image=False):
     g = torch.Generator().manual_seed(0)

@@ -3,7 +3,7 @@ run as a script. Its parts (meters, leak, variants, summary line, options) are c
 import math, subprocess, sys
 from pathlib import Path
 import pytest
-from fastai_accum.bench_speed import bench_speed, parse_summary, summary_keys
+from fastai_accum.lab.bench_speed import bench_speed, parse_summary, summary_keys
 
 ROOT = Path(__file__).parents[1]
 
@@ -24,7 +24,7 @@ def test_tiny_bench_speed_gives_every_summary_key_finite():
         {k: round(v, 3) for k, v in res.summary.items()}, abs=1e-3)
 
 def test_module_runs_as_a_script():
-    r = subprocess.run([sys.executable, '-m', 'fastai_accum.bench_speed', '--help'], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, '-m', 'fastai_accum.lab.bench_speed', '--help'], capture_output=True, text=True,
                        cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert '--quick' in r.stdout and '--n-step' in r.stdout

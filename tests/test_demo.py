@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 from fastai.data.external import fastai_cfg
-from fastai_accum.demo import mnist_sample_path, pets_path, run_experiment, forum_settings, pretrained_resnet18, data_root
+from fastai_accum.lab.demo import mnist_sample_path, pets_path, run_experiment, forum_settings, pretrained_resnet18, data_root
 
 ROOT = Path(__file__).parents[1]
 
@@ -58,7 +58,7 @@ def _cli() -> list:
     exe = Path(sys.executable).parent/'fastai-accum'
     if exe.exists(): return [str(exe)]
     found = shutil.which('fastai-accum')
-    return [found] if found else [sys.executable, '-c', 'import sys; from fastai_accum.cli import main; sys.exit(main())']
+    return [found] if found else [sys.executable, '-c', 'import sys; from fastai_accum.lab.cli import main; sys.exit(main())']
 
 def test_cli_demo_mnist(offline):
     out = offline/'out'

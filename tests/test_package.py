@@ -18,10 +18,20 @@ def test_console_script_help_and_version():
     r = subprocess.run([exe, '--help'], capture_output=True, text=True)
     assert r.returncode == 0 and 'fastai-accum' in r.stdout
 
-def test_all_exports_public_api():
+def test_all_exports_what_a_user_calls():
+    "At most 25 names, each used in README or a notebook's example (a cell nbdev does not export), none of them v1-only."
+    import json, re
     import fastai_accum.all as a
-    for name in ['ChannelStats', 'AccumulateBatchNorm', 'wrap_bn', 'unwrap_bn', 'update_bn_stats']:
-        assert name in a.__all__ and hasattr(a, name)
+    assert len(a.__all__) <= 25 and len(set(a.__all__)) == len(a.__all__)
+    examples = [(ROOT/'README.md').read_text()]
+    for nb in (ROOT/'nbs').glob('*.ipynb'):
+        examples += [''.join(c['source']) for c in json.loads(nb.read_text())['cells']
+                     if c['cell_type'] == 'code' and not ''.join(c['source']).lstrip().startswith('#| export')]
+    for name in a.__all__:
+        assert hasattr(a, name), name
+        assert any(re.search(rf'\b{name}\b', e) for e in examples), f'{name} is exported but no example uses it'
+    assert a.GradientAccumulation.__module__ == 'fastai_accum.callback'  # under fastai v2: the v2 callback
+    assert not any(n.endswith('V1') or n.startswith('mnist') for n in a.__all__)
 
 def test_ci_runs_the_readme_test_command():
     readme, ci = (ROOT/'README.md').read_text(), (ROOT/'.ci/run').read_text()
@@ -59,18 +69,33 @@ def test_declared_requirements_cover_imports_and_keep_adapters_extra():
     for extra in ('accelerate', 'timm', 'lightning'): assert cfg['DEFAULT'][f'{extra}_requirements']
 
 def test_module_imports_form_no_circle():
-    "The package's modules import each other as a DAG: relative imports at any depth and `import_module('fastai_accum.X')` counted."
+    "The package's modules, the `lab` subpackage's too, import each other as a DAG (relative imports at any depth, absolute ones and `import_module('fastai_accum.X')` counted), and the library imports nothing of the lab."
     import ast, re
     pkg = Path(fastai_accum.__file__).parent
-    names = {p.stem for p in pkg.glob('*.py')}
+    def name(p):  # 'callback', 'lab.cli', 'lab' (a package's __init__), '' (the root's)
+        parts = p.relative_to(pkg).with_suffix('').parts
+        return '.'.join(parts[:-1] if parts[-1] == '__init__' else parts)
+    files = {name(p): p for p in pkg.rglob('*.py') if p.name != '_modidx.py'}  # nbdev's index names every module, imports none
+    assert {'lab', 'lab.cli', 'lab.experiments', 'lab.demo'} <= set(files), sorted(files)
+    def module(dotted):  # the longest prefix of `dotted` that is one of the package's modules
+        parts = dotted.split('.')
+        return next(('.'.join(parts[:k]) for k in range(len(parts), 0, -1) if '.'.join(parts[:k]) in files), None)
     graph = {}
-    for p in pkg.glob('*.py'):
-        deps = set()
-        for node in ast.walk(ast.parse(p.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module: deps.add(node.module.split('.')[0])
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith('fastai_accum.'): deps.add(node.module.split('.')[1])
-        deps |= set(re.findall(r"['\"]fastai_accum\.(\w+)['\"]", p.read_text()))
-        graph[p.stem] = (deps & names) - {p.stem}
+    for n, p in files.items():
+        here = [s for s in n.split('.') if s] if p.name == '__init__.py' else n.split('.')[:-1]  # the package `p` is in
+        src, targets = p.read_text(), []
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = here[:len(here) - node.level + 1]
+                targets += ['.'.join(base + node.module.split('.'))] if node.module else ['.'.join(base + [a.name]) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and (node.module or '').startswith('fastai_accum.'):
+                targets.append(node.module.removeprefix('fastai_accum.'))
+            elif isinstance(node, ast.Import):
+                targets += [a.name.removeprefix('fastai_accum.') for a in node.names if a.name.startswith('fastai_accum.')]
+        targets += re.findall(r"['\"]fastai_accum\.([\w.]+)['\"]", src)
+        graph[n] = {module(t) for t in targets} - {None, n}
+    lib_to_lab = {(n, d) for n, ds in graph.items() if n.split('.')[0] != 'lab' for d in ds if d.split('.')[0] == 'lab'}
+    assert not lib_to_lab, f"the library imports the lab: {sorted(lib_to_lab)}"
     state = {}
     def visit(n, path):
         if state.get(n) == 'done': return

@@ -1,0 +1,1 @@
+"""The lab: the demos, benchmarks and the `fastai-accum` command line (not needed to use the callback)."""
