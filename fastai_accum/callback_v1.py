@@ -208,7 +208,7 @@ def mnist_v1(path=None, # an MNIST_SAMPLE-style folder (`None`: fastai's MNIST_S
         path = real if real.exists() else stand_in
         if not path.exists():
             raise FileNotFoundError(f"No MNIST_SAMPLE at {real} and no offline stand-in at {stand_in}: download {URLs.MNIST_SAMPLE} "
-                                    "or write the stand-in with `fastai_accum.demo.mnist_sample_path()` (fastai v2)")
+                                    "or write the stand-in with `fastai_accum.lab.demo.mnist_sample_path()` (fastai v2)")
     random.seed(seed); np.random.seed(seed); torch.manual_seed(seed)
     data = ImageDataBunch.from_folder(path, bs=micro_bs, ds_tfms=None, num_workers=0)
     fns = [functools.partial(GradientAccumulationV1, n_step=n_step, **kwargs)] if n_step else []

@@ -4,17 +4,17 @@
 
 # %% ../nbs/02d_core.ipynb #d39581af
 from __future__ import annotations
-import inspect, warnings
+import inspect, time, warnings
 from contextlib import nullcontext
 import torch
 from torch import nn, Tensor
 from torch.nn.parallel import DistributedDataParallel
 from .batchnorm import AccumulateBatchNorm, wrap_bn, bn_layers, unwrap_layer
-from .prepass import untraceable_reason
+from .prepass import untraceable_reason, window_prepasses, bn_preflight
 from .exact import choose_exact, saved_on_host, ExactModeMemoryError
 from .staged_exact import install_staged, uninstall_staged
 from .helpers import _to, split_batch, _optional
-from .window import (AccumulationWindow, WindowSteps, WindowLoader, validate_window_args, _check_count, scale_grads,
+from .window import (AccumulationWindow, WindowLoader, validate_window_args, _check_count, scale_grads,
                      commit_window, drop_window, batch_size, world_size, cat_batches)
 
 # %% auto #0
@@ -30,7 +30,7 @@ def _ghost():
     return _optional('ghost', 'bn_batch (ghost batches)')
 
 # %% ../nbs/02d_core.ipynb #8f133906
-class Accumulation(WindowSteps):
+class Accumulation:
     "Gradient accumulation with exact BatchNorm for any training loop: `batches` reads windows ahead, `backward` says when to step."
     adapter_args = ['model', 'loss_reduction', 'inputs', 'device', 'autocast', 'params', 'merge_exact', 'name']  # what a front end (fastai's callbacks) fills in itself
     def __init__(self, model:nn.Module, # the model (or its DDP wrapper); its BatchNorm layers are wrapped in place
@@ -173,7 +173,11 @@ class Accumulation(WindowSteps):
     def preflight(self, xb:tuple, # one micro-batch's model inputs
                  ) -> str:
         "What training does, as the pre-flight prints it: the 'exact' plan, frozen BatchNorm, or why not 'exact' and the BatchNorm table."
-        if self.exact: return self._exact_message()
+        if self.exact:
+            mode = "'staged exact'" if self.plan.staged else "'exact'"
+            bn = f"BatchNorm in ghost batches of {self.bn_batch} samples, exactly" if self.bn_batch else "BatchNorm exact"
+            return (f"GradientAccumulation: policy {self.policy!r} -> {mode}: each window trains as one batch ({bn}: "
+                    f"forward, backward, running statistics); {self.plan.describe()}.")
         if self._ghost_micro:
             return (f"GradientAccumulation: bn_batch={self.bn_batch}: {self.plan.describe()}, so each micro-batch of {self.plan.micro} "
                     f"trains on its own, BatchNorm in ghost batches of {self.bn_batch} (exact: no ghost batch spans two micro-batches).")
@@ -186,7 +190,9 @@ class Accumulation(WindowSteps):
                          f"run: {self.plan.reason}.")
         with warnings.catch_warnings():
             warnings.simplefilter('ignore')  # a model torch.fx cannot trace: said once, below, not as a warning
-            table = self._preflight_table(self.module, xb)
+            t = bn_preflight(self.module, *xb, window=self.n_acc or self.n_step * batch_size(xb), memory=self.prepass_memory)
+        table = (f"GradientAccumulation: {len(t)} BatchNorm layers, {int(t.at_risk.sum())} with < 32 values per channel "
+                 f"per micro-batch; policy {self.policy!r}:\n" + t.drop(columns=['type', 'channels']).to_string(index=False))
         why = untraceable_reason(self.module) if self.needs_window else None
         if why and not any(why in l for l in lines): lines.append(f"GradientAccumulation: {why}")  # said once
         return '\n'.join(lines + [table])
@@ -230,8 +236,11 @@ class Accumulation(WindowSteps):
     def start_window(self, window:list):
         "A window starts: `window` holds its micro-batches on the device ('window' policy: the pre-pass over them)."
         if self.exact is None: self.setup(window[0])
-        if self.needs_window and not self.exact:
-            self._prepass_window(self.module, [tuple(self.inputs(b)) for b in window], self.autocast() if self.autocast else None)
+        if not self.needs_window or self.exact: return
+        t = time.perf_counter()
+        with self.autocast() if self.autocast else nullcontext():  # the pre-pass runs as training's forward does
+            window_prepasses(self.module, [tuple(self.inputs(b)) for b in window], chunk=self.prepass_bs, memory=self.prepass_memory)
+        self.prepass_time += time.perf_counter() - t
 
     def ends(self, bs:int, # samples in the micro-batch about to run forward
              last:bool=False, # it is the epoch's last micro-batch
@@ -276,7 +285,11 @@ class Accumulation(WindowSteps):
         self._exit_offload()  # if no `loss_factor` came (the micro-batch was cancelled)
         self._micro = None
         if not self._ends_window: return False
-        self._finish_window()
+        self._ends_window = False
+        commit_window(self.bns)  # BatchNorm's running statistics: one momentum step with the window's, merged across processes
+        if self.window.loss is not None: self.losses.append(self.window.loss.item())
+        self.n_steps += 1
+        self.window.reset()
         return True
 
     def backward(self, loss:Tensor, # the micro-batch's loss (mean over its samples, or sum with loss_reduction='sum')

@@ -5,19 +5,17 @@ the core `Accumulation` is built from (and through it the fastai v2 callback and
 
 # %% ../nbs/02_window.ipynb #21e8f46b
 from __future__ import annotations
-import math, numbers, time
-from contextlib import nullcontext
+import math, numbers
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from .stats import all_reduce_stats
 from .batchnorm import _check_policy
-from .prepass import window_prepasses, bn_preflight
 from .helpers import _to
 
 # %% auto #0
 __all__ = ['window_full', 'world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads',
-           'commit_window', 'drop_window', 'WindowSteps', 'batch_size', 'cat_batches', 'WindowLoader']
+           'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'WindowLoader']
 
 # %% ../nbs/02_window.ipynb #6b430344
 def _check_count(name, value) -> int|None:
@@ -162,39 +160,6 @@ def commit_window(bns:list, # `AccumulateBatchNorm` layers
 def drop_window(bns:list):
     "Forget the pending statistics of every layer in `bns`."
     for bn in bns: bn.reset_stats()
-
-# %% ../nbs/02_window.ipynb #c27cdc4b
-class WindowSteps:
-    "What an accumulator (the core `Accumulation`, the Lightning callback) does when a window's step is taken (needs `window`, `bns`, `losses`, `n_steps`)."
-    def _finish_window(self):
-        self._ends_window = False
-        commit_window(self.bns)
-        if self.window.loss is not None: self.losses.append(self.window.loss.item())
-        self.n_steps += 1
-        self.window.reset()
-
-    def _prepass_window(self, model, # the model to run (under DDP: the module inside)
-                        xbs:list, # the window's micro-batch inputs, each a list of model inputs
-                        autocast=None, # the training forward's autocast context, if any
-                       ):
-        "The 'window' policy's pre-pass over the window that starts now (needs `prepass_bs`, `prepass_memory`); timed in `prepass_time`."
-        t = time.perf_counter()
-        with autocast or nullcontext(): window_prepasses(model, xbs, chunk=self.prepass_bs, memory=self.prepass_memory)
-        self.prepass_time += time.perf_counter() - t
-
-    def _exact_message(self) -> str:
-        "What the pre-flight says when each window trains as one batch (needs `policy`, `plan`)."
-        mode = "'staged exact'" if self.plan.staged else "'exact'"
-        k = getattr(self, 'bn_batch', None)
-        bn = f"BatchNorm in ghost batches of {k} samples, exactly" if k else "BatchNorm exact"
-        return (f"GradientAccumulation: policy {self.policy!r} -> {mode}: each window trains as one batch ({bn}: "
-                f"forward, backward, running statistics); {self.plan.describe()}.")
-
-    def _preflight_table(self, model, xb) -> str:
-        "The BatchNorm pre-flight table (`bn_preflight` on micro-batch `xb`, naming the pre-pass mode) as both callbacks print it."
-        t = bn_preflight(model, *xb, window=self.n_acc or self.n_step * batch_size(xb), memory=self.prepass_memory)
-        return (f"GradientAccumulation: {len(t)} BatchNorm layers, {int(t.at_risk.sum())} with < 32 values per channel "
-                f"per micro-batch; policy {self.policy!r}:\n" + t.drop(columns=['type', 'channels']).to_string(index=False))
 
 # %% ../nbs/02_window.ipynb #9dde4a43
 def batch_size(b) -> int:

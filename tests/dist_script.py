@@ -9,6 +9,8 @@ from torch.utils.data import TensorDataset
 from fastai.basics import Learner, DataLoaders, DataLoader, SGD, MSELossFlat, Callback
 import fastai.distributed
 from fastai_accum.all import *
+from fastai_accum.batchnorm import bn_layers
+from fastai_accum.prepass import prepass_info, window_prepasses
 from fastai_accum.distributed import fix_distributed_dl
 
 torch.set_num_threads(1)

@@ -8,6 +8,7 @@ from fastai.callback.fp16 import MixedPrecision
 import fastai.callback.schedule  # noqa: F401  (patches fit_one_cycle, fine_tune, lr_find onto Learner)
 from fastai.callback.training import GradientClip, BnFreeze
 from fastai_accum.all import *
+from fastai_accum.batchnorm import bn_layers
 
 def make_data(n=72, d=6, seed=0):
     g = torch.Generator().manual_seed(seed)

@@ -7,6 +7,7 @@ from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.training import GradientClip
 import fastai.callback.schedule  # noqa: F401
 from fastai_accum.all import *
+from fastai_accum.batchnorm import bn_layers
 from fastai_accum.exact import ExactModeMemoryError
 from test_callback import make_learner, bn_net, params, rel, CountSteps, counted_mixed_precision
 

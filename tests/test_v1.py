@@ -47,7 +47,7 @@ def test_v1_create_cnn_callback_fns_window_policy(tmp_path):
 import json
 from fastai.basic_train import OptimWrapper
 from fastai.basic_data import DeviceDataLoader
-import fastai_accum.window as fw
+import fastai_accum.core as fw  # where the core calls the pre-pass
 from fastai_accum.all import *
 from fastai_accum.batchnorm import bn_layers
 from fastai_accum.callback_v1 import GradientAccumulationV1, mnist_v1
