@@ -259,8 +259,7 @@ from fastcore.basics import patch
 # %% auto #0
 
 # %% ../nbs/01_batchnorm.ipynb #6839b6a1
-bn_policies = ('micro', 'running', 'frozen', 'window', 'auto')
-auto_policy = 'window' # what 'auto' means today: the best measured policy (see the accuracy benchmark)
+bn_policies = ('micro', 'running', 'frozen', 'window') # how a layer normalizes; the front ends' 'auto' chooses among 'exact', 'staged' and 'window'
 
 def _forward_is_known(cls) -> bool:
     "True if `cls`'s forward is a torch BatchNorm forward (we re-implement it exactly)."
@@ -356,7 +355,7 @@ class AccumulateBatchNorm(_BatchNorm):
     @policy.setter
     def policy(self, value):
         _check_policy(value)
-        self._policy = auto_policy if value == 'auto' else value
+        self._policy = value
 
     def forward(self, x:Tensor) -> Tensor:
         if not (self.training and self.track_running_stats): return self.plain_class.forward(self, x)
@@ -759,15 +758,13 @@ class AccumulationWindow:
     def __repr__(self): return f'{type(self).__name__}(n_micro={self.n_micro}, n_seen={self.n_seen}, full={self.full})'
 
 # %% ../nbs/02_window.ipynb #516f34cd
-def validate_window_args(n_step, n_acc, policy, partial,
-                         exact_ok:bool=False, # does the caller support the 'exact' policy (each window one batch)?
-                        ):
+def validate_window_args(n_step, n_acc, policy, partial):
     "Validate the arguments every front end shares (the core `Accumulation`, the fastai v2 and v1 callbacks), at construction."
     AccumulationWindow(n_step, n_acc)
-    if not (exact_ok and policy in ('exact', 'staged')):
+    if policy not in ('auto', 'exact', 'staged'):
         try: _check_policy(policy)
         except ValueError as e:
-            hint = ", 'exact' (each window trained as one batch) or 'staged' (the same, stage by stage)" if exact_ok else " ('exact' needs the fastai v2 callback)"
+            hint = ", 'exact' (each window trained as one batch), 'staged' (the same, stage by stage) or 'auto' (the first that runs: 'exact', 'staged', 'window')"
             raise ValueError(f"{e}{hint}") from None
     if partial not in ('step', 'drop'): raise ValueError(f"partial must be 'step' or 'drop', got {partial!r}")
 
@@ -1873,7 +1870,7 @@ class Accumulation:
                  name:str|None=None,   # who speaks in error messages and the pre-flight (default: the class name)
                 ):
         n_step, n_acc, prepass_bs = _check_count('n_step', n_step), _check_count('n_acc', n_acc), _check_count('prepass_bs', prepass_bs)
-        validate_window_args(n_step, n_acc, policy, partial, exact_ok=True)
+        validate_window_args(n_step, n_acc, policy, partial)
         self.bn_batch = _check_count('bn_batch', bn_batch)
         if self.bn_batch: _ghost().check_ghost_policy(self.bn_batch, policy, name or type(self).__name__)
         self.model, self.n_step, self.n_acc, self.policy, self.partial = model, n_step, n_acc, policy, partial
@@ -1954,7 +1951,7 @@ class Accumulation:
             self._wrap('micro', new=self.wrap and self.merge_exact and world_size() > 1)
             if self.bn_batch: _ghost().install_ghost(self.module, self.bn_batch)
         elif self._ghost_micro: _ghost().install_ghost(self.module, self.bn_batch)  # plain layers, each micro-batch in ghost batches
-        elif not self.frozen_bn: self._wrap(self.policy, new=self.wrap)
+        elif not self.frozen_bn: self._wrap('window' if self.policy == 'auto' else self.policy, new=self.wrap)  # 'auto' when the window cannot train as one batch
         self.bns = bn_layers(self.module, accumulating=True)
         self.needs_window = any(m.policy == 'window' and m.training for m in self.bns)
 
@@ -2164,7 +2161,7 @@ class FrontEnd:
         "Check the window's size and the core's options (`kwargs`, named after the front end `name` in errors); keep them as attributes."
         self.n_step, self.n_acc = _check_count('n_step', n_step), _check_count('n_acc', n_acc)
         options = accumulation_options(kwargs, name)
-        validate_window_args(self.n_step, self.n_acc, options['policy'], options['partial'], exact_ok=True)
+        validate_window_args(self.n_step, self.n_acc, options['policy'], options['partial'])
         self.preflight, self._name, self._options = preflight, name, list(options)
         self.__dict__.update(options)
         self.acc, self._final, self._drop, self._announce = None, False, False, False
@@ -2446,4 +2443,4 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['ByteMeter', 'SavedTensorMeter', 'fmt_bytes', 'stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'bn_policies', 'auto_policy', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'learner_and_model', 'modes_kept', 'split_batch', 'window_full', 'world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'WindowLoader', 'trace_model', 'StagedGraph', 'untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'auto_picks_exact', 'saved_on_host', 'choose_exact', 'default_inputs', 'Accumulation', 'accumulation_options', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['ByteMeter', 'SavedTensorMeter', 'fmt_bytes', 'stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'learner_and_model', 'modes_kept', 'split_batch', 'window_full', 'world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'WindowLoader', 'trace_model', 'StagedGraph', 'untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'auto_picks_exact', 'saved_on_host', 'choose_exact', 'default_inputs', 'Accumulation', 'accumulation_options', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']

@@ -15,13 +15,12 @@ from fastcore.basics import patch
 from .stats import ChannelStats, all_reduce_stats
 
 # %% auto #0
-__all__ = ['bn_policies', 'auto_policy', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d',
-           'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class',
-           'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats']
+__all__ = ['bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm',
+           'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn',
+           'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats']
 
 # %% ../nbs/01_batchnorm.ipynb #6839b6a1
-bn_policies = ('micro', 'running', 'frozen', 'window', 'auto')
-auto_policy = 'window' # what 'auto' means today: the best measured policy (see the accuracy benchmark)
+bn_policies = ('micro', 'running', 'frozen', 'window') # how a layer normalizes; the front ends' 'auto' chooses among 'exact', 'staged' and 'window'
 
 def _forward_is_known(cls) -> bool:
     "True if `cls`'s forward is a torch BatchNorm forward (we re-implement it exactly)."
@@ -117,7 +116,7 @@ class AccumulateBatchNorm(_BatchNorm):
     @policy.setter
     def policy(self, value):
         _check_policy(value)
-        self._policy = auto_policy if value == 'auto' else value
+        self._policy = value
 
     def forward(self, x:Tensor) -> Tensor:
         if not (self.training and self.track_running_stats): return self.plain_class.forward(self, x)

@@ -18,7 +18,7 @@ from fastprogress.fastprogress import progress_bar
 from fastai.learner import Learner
 from fastai.losses import BaseLoss
 from fastai.torch_core import TensorBase
-from .batchnorm import (AccumulateBatchNorm, auto_policy, bn_policies, bn_layers, wrap_bn, unwrap_bn,
+from .batchnorm import (AccumulateBatchNorm, bn_policies, bn_layers, wrap_bn, unwrap_bn,
                                     _forward_is_known, _has_stats)
 from .window import AccumulationWindow, cat_batches, loss_reduction, _micro_per_window
 from .core import Accumulation
@@ -151,7 +151,7 @@ class AccumulationReport:
                            ['Modules that differ most:', _md_table(self.top())])
 
 # %% ../nbs/06_check.ipynb #c7a1e0b2
-check_policies = bn_policies + ('exact', 'naive') # what `check_accumulation` can run: BatchNorm policies, the callback's 'exact', fastai's plain accumulation
+check_policies = ('auto',) + bn_policies + ('exact', 'naive') # what `check_accumulation` can run: the callback's 'auto' and 'exact', BatchNorm policies, fastai's plain accumulation
 
 def resolve_auto(model:nn.Module, # the model, BatchNorm layers in the mode training will use
                  xb:tuple, # one micro-batch of its inputs (measured; nothing changes)
@@ -159,9 +159,9 @@ def resolve_auto(model:nn.Module, # the model, BatchNorm layers in the mode trai
                 ) -> tuple:
     "(policy, why): what `GradientAccumulation(policy='auto')` trains `model` with, as its `before_fit` decides."
     exact, plan = choose_exact('auto', model, lambda: xb, n_acc=window)  # the callback's own decision
-    if plan is None: return auto_policy, f"policy 'auto' is {auto_policy!r}: no BatchNorm in training mode"
+    if plan is None: return 'window', "policy 'auto' is 'window': no BatchNorm in training mode"
     if exact: return 'exact', f"policy 'auto' is 'exact' here, as in GradientAccumulation: {plan.describe()}"
-    return auto_policy, f"policy 'auto' is {auto_policy!r} here: {plan.describe()}; staged exact cannot run: {plan.reason}"
+    return 'window', f"policy 'auto' is 'window' here: {plan.describe()}; staged exact cannot run: {plan.reason}"
 
 # %% ../nbs/06_check.ipynb #1d10b993
 def _dropouts(model:nn.Module) -> list:

@@ -53,7 +53,7 @@ class Accumulation:
                  name:str|None=None,   # who speaks in error messages and the pre-flight (default: the class name)
                 ):
         n_step, n_acc, prepass_bs = _check_count('n_step', n_step), _check_count('n_acc', n_acc), _check_count('prepass_bs', prepass_bs)
-        validate_window_args(n_step, n_acc, policy, partial, exact_ok=True)
+        validate_window_args(n_step, n_acc, policy, partial)
         self.bn_batch = _check_count('bn_batch', bn_batch)
         if self.bn_batch: _ghost().check_ghost_policy(self.bn_batch, policy, name or type(self).__name__)
         self.model, self.n_step, self.n_acc, self.policy, self.partial = model, n_step, n_acc, policy, partial
@@ -134,7 +134,7 @@ class Accumulation:
             self._wrap('micro', new=self.wrap and self.merge_exact and world_size() > 1)
             if self.bn_batch: _ghost().install_ghost(self.module, self.bn_batch)
         elif self._ghost_micro: _ghost().install_ghost(self.module, self.bn_batch)  # plain layers, each micro-batch in ghost batches
-        elif not self.frozen_bn: self._wrap(self.policy, new=self.wrap)
+        elif not self.frozen_bn: self._wrap('window' if self.policy == 'auto' else self.policy, new=self.wrap)  # 'auto' when the window cannot train as one batch
         self.bns = bn_layers(self.module, accumulating=True)
         self.needs_window = any(m.policy == 'window' and m.training for m in self.bns)
 
@@ -344,7 +344,7 @@ class FrontEnd:
         "Check the window's size and the core's options (`kwargs`, named after the front end `name` in errors); keep them as attributes."
         self.n_step, self.n_acc = _check_count('n_step', n_step), _check_count('n_acc', n_acc)
         options = accumulation_options(kwargs, name)
-        validate_window_args(self.n_step, self.n_acc, options['policy'], options['partial'], exact_ok=True)
+        validate_window_args(self.n_step, self.n_acc, options['policy'], options['partial'])
         self.preflight, self._name, self._options = preflight, name, list(options)
         self.__dict__.update(options)
         self.acc, self._final, self._drop, self._announce = None, False, False, False

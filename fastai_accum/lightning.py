@@ -8,7 +8,6 @@ import collections
 import torch
 try: import lightning.pytorch as pl
 except ImportError: import pytorch_lightning as pl
-from .batchnorm import auto_policy
 from .window import batch_size
 from .core import FrontEnd, default_inputs
 
@@ -39,7 +38,7 @@ class BatchNormAccumulation(FrontEnd, pl.Callback):
                 ):
         if policy in ('exact', 'staged'):
             raise ValueError(f"BatchNormAccumulation: {policy!r} is accumulate_grad_batches=1 with the window as the batch size")
-        policy = auto_policy if policy == 'auto' else policy  # 'auto' never trains a window as one batch here
+        policy = 'window' if policy == 'auto' else policy  # 'auto' never trains a window as one batch here
         options = dict(policy=policy, wrap=wrap, prepass_bs=prepass_bs, prepass_memory=prepass_memory)
         self._take_args(1, None, False, options, 'BatchNormAccumulation')  # 1: a stand-in window, checked with the options
         self.n_step = None  # the window: the Trainer's accumulate_grad_batches, read in `setup`

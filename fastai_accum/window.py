@@ -116,15 +116,13 @@ class AccumulationWindow:
     def __repr__(self): return f'{type(self).__name__}(n_micro={self.n_micro}, n_seen={self.n_seen}, full={self.full})'
 
 # %% ../nbs/02_window.ipynb #516f34cd
-def validate_window_args(n_step, n_acc, policy, partial,
-                         exact_ok:bool=False, # does the caller support the 'exact' policy (each window one batch)?
-                        ):
+def validate_window_args(n_step, n_acc, policy, partial):
     "Validate the arguments every front end shares (the core `Accumulation`, the fastai v2 and v1 callbacks), at construction."
     AccumulationWindow(n_step, n_acc)
-    if not (exact_ok and policy in ('exact', 'staged')):
+    if policy not in ('auto', 'exact', 'staged'):
         try: _check_policy(policy)
         except ValueError as e:
-            hint = ", 'exact' (each window trained as one batch) or 'staged' (the same, stage by stage)" if exact_ok else " ('exact' needs the fastai v2 callback)"
+            hint = ", 'exact' (each window trained as one batch), 'staged' (the same, stage by stage) or 'auto' (the first that runs: 'exact', 'staged', 'window')"
             raise ValueError(f"{e}{hint}") from None
     if partial not in ('step', 'drop'): raise ValueError(f"partial must be 'step' or 'drop', got {partial!r}")
 

@@ -259,9 +259,10 @@ def test_window_gradients_close_to_big_batch():
     assert cos(flat(net), flat(big)) >= 0.95
     assert cos(flat(naive), flat(big)) < 0.5
 
-def test_auto_policy_resolves_and_window_falls_back_to_micro_without_prepass():
-    bn = AccumulateBatchNorm2d(3, policy='auto')
-    assert bn.policy == 'window'
+def test_auto_is_not_a_layer_policy_and_window_falls_back_to_micro_without_prepass():
+    "'auto' is the front ends' choice among 'exact', 'staged' and 'window', never a layer's."
+    with pytest.raises(ValueError, match="Unknown BatchNorm policy 'auto'"): AccumulateBatchNorm2d(3, policy='auto')
+    bn = AccumulateBatchNorm2d(3, policy='window')
     x = torch.randn(2, 3, 4, 4)
     torch.testing.assert_close(bn(x), F.batch_norm(x, None, None, bn.weight, bn.bias, True, 0., bn.eps))
     assert bn.pending.count == 32

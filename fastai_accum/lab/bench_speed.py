@@ -32,7 +32,7 @@ _all_ = ['small_cnn', 'synthetic_dls', 'efficientnet_b0', 'default_policy'] # at
 # %% ../../nbs/21_bench_speed.ipynb #b41ec92b
 def speed_variants() -> list:
     "Names of the timed settings, `plain` first: `ours:<policy>` for each BatchNorm policy and 'exact' ('auto' picks one of them, see `auto_choice`)."
-    return ['plain', 'naive', 'seed'] + [f'ours:{p}' for p in bn_policies if p != 'auto'] + ['ours:exact', 'ours:staged']
+    return ['plain', 'naive', 'seed'] + [f'ours:{p}' for p in bn_policies] + ['ours:exact', 'ours:staged']
 
 def _make_learner(variant:str, model_fn, bs:int, n_step:int, n_micro:int, device=None, seed:int=0) -> Learner:
     "A fresh Learner for `variant` (a setting) with `n_micro` training batches of `setting_batch_size` (`full`: `bs*n_step`)."

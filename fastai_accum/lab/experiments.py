@@ -40,7 +40,7 @@ def default_policy() -> str:
     return inspect.signature(GradientAccumulation).parameters['policy'].default
 
 # %% ../../nbs/09a_experiments.ipynb #353470f6
-ours_policies = bn_policies + ('exact', 'staged') # what `ours:POLICY` can name
+ours_policies = ('auto',) + bn_policies + ('exact', 'staged') # what `ours:POLICY` can name
 
 def _ours_description(policy:str|None=None) -> str:
     if policy is not None: return f"fastai_accum GradientAccumulation, policy={policy!r}"
