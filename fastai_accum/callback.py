@@ -10,10 +10,9 @@ import torch
 from fastai.basics import *
 import fastai.callback.training
 from fastai.callback.fp16 import MixedPrecision
-from .exact import peek_batches
 from .window import loss_reduction, WindowLoader, _micro_per_window
 from .core import Accumulation, FrontEnd
-from .helpers import split_batch
+from .helpers import split_batch, peek_batches
 
 # %% auto #0
 __all__ = ['WindowPrefetch', 'GradientAccumulation']

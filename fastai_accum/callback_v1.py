@@ -8,10 +8,9 @@ import functools, os, sys, warnings
 from pathlib import Path
 import torch
 from torch.nn.utils import parameters_to_vector
-from .exact import peek_batches
 from .window import WindowLoader, loss_reduction, scale_grads, batch_size
 from .core import FrontEnd
-from .helpers import modes_kept
+from .helpers import modes_kept, peek_batches
 
 
 # %% auto #0

@@ -22,8 +22,8 @@ from .batchnorm import (AccumulateBatchNorm, bn_policies, bn_layers, wrap_bn, un
                                     _forward_is_known, _has_stats)
 from .window import AccumulationWindow, cat_batches, loss_reduction, _micro_per_window
 from .core import Accumulation
-from .exact import leaves_no_trace, choose_exact, peek_batches
-from .helpers import learner_and_model, split_batch
+from .exact import leaves_no_trace, choose_exact
+from .helpers import learner_and_model, split_batch, peek_batches
 from .callback import GradientAccumulation
 
 # %% auto #0
@@ -204,7 +204,7 @@ def _check_args(n_step, policy):
         raise ValueError(f"check_accumulation: n_step must be a positive integer, got {n_step!r}")
     if policy not in check_policies: raise ValueError(f"Unknown BatchNorm policy {policy!r}; choose one of {check_policies}")
 
-def _tensors(b, n:int|None=None) -> bool:
+def _tensor_tuple(b, n:int|None=None) -> bool:
     "Is `b` a tuple (or list) of tensors: at least 2, or exactly `n`?"
     return isinstance(b, (tuple, list)) and (len(b) >= 2 if n is None else len(b) == n) and all(isinstance(t, Tensor) for t in b)
 
@@ -213,7 +213,7 @@ def _the_batch(learn, batch, n_step:int) -> tuple:
     if batch is None:
         if learn is None: raise ValueError("check_accumulation: pass `batch`, a tuple (inputs..., targets...)")
         batch = _first_window(learn.dls.train, n_step)
-    if not _tensors(batch): raise TypeError("check_accumulation: `batch` must be a tuple of tensors (inputs..., targets...), "
+    if not _tensor_tuple(batch): raise TypeError("check_accumulation: `batch` must be a tuple of tensors (inputs..., targets...), "
                                             "as `learn.dls.one_batch()` returns")
     return batch
 
@@ -242,7 +242,7 @@ class _Setup:
 
     n_step = property(lambda self: len(self.micro))
     n_samples = property(lambda self: self.batch[0].shape[0])
-    n_micro = property(lambda self: self.micro[0][0].shape[0])
+    micro_bs = property(lambda self: self.micro[0][0].shape[0])
     device = property(lambda self: self.batch[0].device)
     reduction = property(lambda self: loss_reduction(self.loss_func))
     call_loss = property(lambda self: _loss_in(self.loss_func, self.dt))
@@ -262,7 +262,7 @@ def _resolve(learn_or_model, batch=None, n_step=None, loss_func=None, policy=Non
     batch = _cast_batch(batch, p0.device, dt)
     micro = _split(batch, n_step)
     if previous is not None:
-        if not _tensors(previous, len(batch)):
+        if not _tensor_tuple(previous, len(batch)):
             raise TypeError("check_accumulation: `previous` must be a tuple of tensors like `batch`")
         previous = _split(_cast_batch(previous, p0.device, dt), n_step)
     notes = []
@@ -539,18 +539,18 @@ _bn_causes = {'micro': 'BatchNorm micro-batch normalization', 'window': "BatchNo
               'naive': 'BatchNorm micro-batch normalization (naive accumulation)',
               'exact': "BatchNorm, although 'exact' trains the window as one batch (rounding?)"}
 
-def _micro_text(g:pd.DataFrame, policy:str, n_micro:int, n_big:int) -> str:
+def _micro_text(g:pd.DataFrame, policy:str, micro_bs:int, n_big:int) -> str:
     "What 'micro' (and 'naive') change, from the gradient rows `g`."
     free = g[~g.bn_forward.astype(bool) & ~g.bn_backward.astype(bool)]
-    msg = (f" Under 'micro' each micro-batch of {n_micro} samples is normalized with its own statistics instead of "
+    msg = (f" Under 'micro' each micro-batch of {micro_bs} samples is normalized with its own statistics instead of "
            f"those of all {n_big}, so every activation after the first BatchNorm differs, and so does every "
            "gradient that uses one or flows through BatchNorm statistics")
     msg += f"; the {len(free)} parameters whose gradient does neither match (max {free.rel_diff.max():.3g})." if len(free) else '.'
     if policy == 'naive': msg += (" Naive accumulation also updates the running statistics once per micro-batch "
-                                  f"({n_big // max(n_micro, 1)} momentum steps per window), so they differ from the first BatchNorm on.")
+                                  f"({n_big // max(micro_bs, 1)} momentum steps per window), so they differ from the first BatchNorm on.")
     return msg + " policy='window' normalizes the forward with the window's statistics instead."
 
-def _window_text(g:pd.DataFrame, tol:float, n_micro:int) -> str:
+def _window_text(g:pd.DataFrame, tol:float, micro_bs:int) -> str:
     "What 'window' changes, from the gradient rows `g`."
     not_before = g[~g.bn_backward.astype(bool)]
     v = not_before.rel_diff.max() if len(not_before) else 0.
@@ -560,7 +560,7 @@ def _window_text(g:pd.DataFrame, tol:float, n_micro:int) -> str:
              f" (parameters whose gradient does not flow back through BatchNorm statistics still differ by {v:.3g}: "
              "the window's statistics are not the big batch's: randomness in the forward (dropout) or a BatchNorm the pre-pass did not reach, see the notes);") +
             f" the gradient through each BatchNorm's statistics is projected with each micro-batch's own "
-            f"statistics (micro-batches of {n_micro}; layers with fewer than 32 values per channel use the previous "
+            f"statistics (micro-batches of {micro_bs}; layers with fewer than 32 values per channel use the previous "
             "window's means), so the parameters before a BatchNorm differ.")
 
 def _stats_text(stats:pd.DataFrame, policy:str, tol:float) -> str:
@@ -570,18 +570,18 @@ def _stats_text(stats:pd.DataFrame, policy:str, tol:float) -> str:
     return (f" Running statistics differ by up to {stats.rel_diff.max():.3g}, in layers whose input passes through "
             "another BatchNorm (they see differently normalized inputs).")
 
-def _bn_explained(rows:pd.DataFrame, policy:str, tol:float, n_micro:int, n_big:int) -> str:
+def _bn_explained(rows:pd.DataFrame, policy:str, tol:float, micro_bs:int, n_big:int) -> str:
     "The diagnosis when BatchNorm explains the differences: how `policy` normalizes, where the differences are."
     grads, g = rows[rows.kind.isin(('grad', 'loss'))], rows[rows.kind == 'grad']
     msg = (f"explained by {_bn_causes.get(policy, 'BatchNorm normalizing with running statistics')}: with every BatchNorm "
            f"in eval mode in both runs the differences vanish (max {grads.rel_diff_bn_eval.max():.3g} <= tol {tol:g}); "
            f"largest difference in {_where(grads)}.")
-    if policy in ('micro', 'naive'): msg += _micro_text(g, policy, n_micro, n_big)
-    elif policy == 'window': msg += _window_text(g, tol, n_micro)
+    if policy in ('micro', 'naive'): msg += _micro_text(g, policy, micro_bs, n_big)
+    elif policy == 'window': msg += _window_text(g, tol, micro_bs)
     elif policy != 'exact': msg += f" Under {policy!r} training forwards normalize with the running statistics, not the batch's."
     return msg + _stats_text(rows[rows.kind.isin(_STAT_KINDS)], policy, tol)
 
-def _diagnose(rows:pd.DataFrame, policy:str, tol:float, has_bn:bool, dropout_on:list, n_micro:int, n_big:int) -> tuple:
+def _diagnose(rows:pd.DataFrame, policy:str, tol:float, has_bn:bool, dropout_on:list, micro_bs:int, n_big:int) -> tuple:
     "Step 4: (cause, diagnosis) from the comparison rows."
     mx = rows.rel_diff.max()
     if mx <= tol:
@@ -592,7 +592,7 @@ def _diagnose(rows:pd.DataFrame, policy:str, tol:float, has_bn:bool, dropout_on:
                                "not attributed (explain=False skips the run with BatchNorm in eval mode).")
     other = _not_bn(rows, tol, has_bn, dropout_on) or _uncommitted(rows, policy, tol)
     if other: return 'other', other
-    return 'batchnorm', _bn_explained(rows, policy, tol, n_micro, n_big)
+    return 'batchnorm', _bn_explained(rows, policy, tol, micro_bs, n_big)
 
 # %% ../nbs/06_check.ipynb #8cfbe264
 def _layer_notes(model:nn.Module) -> list:
@@ -643,7 +643,7 @@ def check_accumulation(learn_or_model:Learner|nn.Module, # a fastai `Learner` (i
     acc, big = _run_pair(s)                                        # 2. run (a) the accumulated window, (b) the big batch
     rows = _compare(s, acc, big)                                   # 3. compare them ...
     ev_max = _add_bn_eval(s, rows) if s.has_bn and explain else None  # ... and (c), both with BatchNorm frozen
-    cause, diagnosis = _diagnose(rows, s.policy, tol, s.has_bn, s.drops if dropout else [], s.n_micro, s.n_samples)  # 4.
+    cause, diagnosis = _diagnose(rows, s.policy, tol, s.has_bn, s.drops if dropout else [], s.micro_bs, s.n_samples)  # 4.
     return AccumulationReport(rows, s.policy, s.n_step, s.n_samples, tol, str(s.dt).replace('torch.', ''),
                               float(rows.rel_diff.max()), ev_max, *_whole_grad(acc.grads, big.grads), cause, diagnosis,
                               s.drops, _layer_grads(acc.grads, big.grads, _owner), _notes(s, big.loss_dtype))

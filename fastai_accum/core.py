@@ -67,7 +67,7 @@ class Accumulation:
         self.exact, self.plan, self.bns, self.needs_window = None, None, [], False  # decided at the first window ('auto' measures a micro-batch)
         self.path = None  # how training runs, once chosen: 'exact', 'frozen BatchNorm', 'no BatchNorm', or a BatchNorm policy
         self._modes, self._wrapped, self._own_policy, self._pools = None, [], {}, {}
-        self.n_steps, self.losses, self.prepass_time = 0, [], 0.
+        self.steps, self.losses, self.prepass_time = 0, [], 0.
         self._micro, self._offload, self._ends_window, self._ghost_micro = None, None, False, False
 
     @property
@@ -288,7 +288,7 @@ class Accumulation:
         self._ends_window = False
         commit_window(self.bns)  # BatchNorm's running statistics: one momentum step with the window's, merged across processes
         if self.window.loss is not None: self.losses.append(self.window.loss.item())
-        self.n_steps += 1
+        self.steps += 1
         self.window.reset()
         return True
 
@@ -321,7 +321,7 @@ class Accumulation:
 
     def __repr__(self):
         mode = '?' if self.exact is None else 'exact' if self.exact else 'micro-batches'
-        return f'{type(self).__name__}(n_step={self.n_step}, n_acc={self.n_acc}, policy={self.policy!r}, {mode}, steps={self.n_steps})'
+        return f'{type(self).__name__}(n_step={self.n_step}, n_acc={self.n_acc}, policy={self.policy!r}, {mode}, steps={self.steps})'
 
 # %% ../nbs/02d_core.ipynb #13c1b3a2
 def accumulation_options(kwargs:dict, # keyword arguments a front end got for the core
@@ -376,7 +376,7 @@ class FrontEnd:
 
     # The core's state, read through the front end (`learn.gradient_accumulation.losses`, ...); before a fit: empty
     losses = property(lambda self: list(self.acc.losses) if self.acc is not None else [])
-    n_steps = property(lambda self: self.acc.n_steps if self.acc is not None else 0)
+    steps = property(lambda self: self.acc.steps if self.acc is not None else 0)
     prepass_time = property(lambda self: self.acc.prepass_time if self.acc is not None else 0.)
     exact = property(lambda self: getattr(self.acc, 'exact', None))
     plan = property(lambda self: getattr(self.acc, 'plan', None))

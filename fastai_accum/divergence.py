@@ -12,8 +12,7 @@ from functools import partial
 from pathlib import Path
 import torch
 from torch import nn, Tensor
-from .exact import random_state_kept, peek_batches
-from .helpers import learner_and_model, modes_kept, split_batch
+from .helpers import learner_and_model, modes_kept, split_batch, _tensors, random_state_kept, peek_batches
 from .repro import env_fingerprint, diff_env, _seed
 
 # %% auto #0
@@ -77,14 +76,6 @@ def compare_values(a, # a stored value: a tensor, or a `summarize` dict
 
 # %% ../nbs/05a_divergence.ipynb #a602d27c
 _ROOT = '<model>'
-
-def _tensors(o, depth=0) -> list:
-    "The tensors in a module's inputs or outputs (nested tuples, lists, dicts)."
-    if isinstance(o, Tensor): return [o]
-    if depth > 4: return []
-    if isinstance(o, dict): o = list(o.values())
-    if isinstance(o, (list, tuple)): return [t for v in o for t in _tensors(v, depth + 1)]
-    return []
 
 def _base(label:str) -> str: return label.split('#')[0]
 

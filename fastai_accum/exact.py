@@ -5,7 +5,7 @@ batch's, exactly; the window's saved activations go to host memory when the acce
 
 # %% ../nbs/02a_exact.ipynb #43c0896b
 from __future__ import annotations
-import contextlib, itertools, random
+import contextlib
 from dataclasses import dataclass
 import numpy as np
 import torch
@@ -16,45 +16,13 @@ from .staged_exact import samples_mixed
 from .window import world_size
 from .batchnorm import bn_layers
 from .prepass import _trace, untraceable_reason
+from .helpers import random_state_kept
 
 # %% auto #0
-__all__ = ['rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'leaves_no_trace', 'Footprint',
-           'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'auto_picks_exact',
-           'saved_on_host', 'choose_exact']
-
-# %% ../nbs/02a_exact.ipynb #ba19ca8e
-def rng_states() -> tuple:
-    "The states of Python's, numpy's and torch's random generators (CPU, and every CUDA device once initialised)."
-    return (random.getstate(), np.random.get_state(), torch.get_rng_state(),
-            torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
-
-def restore_rng_states(states:tuple): # what `rng_states` returned
-    "Put Python's, numpy's and torch's random generators back to `states`."
-    py, np_state, cpu, cuda = states
-    random.setstate(py); np.random.set_state(np_state); torch.set_rng_state(cpu)
-    if cuda is not None: torch.cuda.set_rng_state_all(cuda)
-
-@contextlib.contextmanager
-def random_state_kept():
-    "Random numbers drawn inside do not change what Python, numpy and torch draw afterwards."
-    states = rng_states()
-    try: yield
-    finally: restore_rng_states(states)
+__all__ = ['leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact',
+           'auto_picks_exact', 'saved_on_host', 'choose_exact']
 
 # %% ../nbs/02a_exact.ipynb #a31cf6dc
-def peek_batches(dl, # a fastai or PyTorch DataLoader
-                 n:int=1, # how many batches to read
-                ) -> list:
-    "The first `n` batches of `dl`, read without changing what `dl` or any random generator gives afterwards."
-    fake, rng = getattr(dl, 'fake_l', None), getattr(dl, 'rng', None)
-    state = rng.getstate() if isinstance(rng, random.Random) else None
-    try:  # iterating draws the loader's base seed from torch and replaces fastai's shuffling `dl.rng`: both restored
-        with random_state_kept(), (fake.no_multiproc() if fake is not None else contextlib.nullcontext()):
-            return list(itertools.islice(dl, n))
-    finally:
-        if state is not None: rng.setstate(state); dl.rng = rng
-        if hasattr(dl, 'it'): del dl.it  # as fastai's `one_batch`
-
 @contextlib.contextmanager
 def leaves_no_trace(model:nn.Module):
     "Forwards of `model` inside change nothing: BatchNorm buffers and pending statistics, module modes, random states."

@@ -6,18 +6,12 @@
 from __future__ import annotations
 import torch
 from torch import nn, Tensor
-from torch.fx.node import map_aggregate
+from .helpers import _tensors
 
 # %% auto #0
 __all__ = ['ByteMeter', 'SavedTensorMeter', 'fmt_bytes']
 
 # %% ../nbs/00_meters.ipynb #865bdb15
-def _tensors(v) -> list:
-    "The tensors in a node's value (a tensor, or tuples/lists/dicts of them)."
-    out = []
-    map_aggregate(v, lambda a: out.append(a) if isinstance(a, Tensor) else a)
-    return out
-
 def _nbytes(v) -> int:
     "Bytes of the tensors in `v` (views counted at their own size)."
     return sum(t.numel() * t.element_size() for t in _tensors(v))

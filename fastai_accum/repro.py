@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 import numpy as np
 import torch
-from .exact import rng_states, restore_rng_states
+from .helpers import rng_states, restore_rng_states
 
 # %% auto #0
 __all__ = ['env_fingerprint', 'diff_env', 'ReproReport', 'set_reproducible', 'reproducible']

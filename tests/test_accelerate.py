@@ -58,7 +58,7 @@ def test_bn_free_gradients_equal_big_batch(n, bs, gas):
         checked.append(len(window))
     net, init, acc, steps = run(tanh_mlp, n, bs, gas, on_step=check)
     windows = -(-(-(-n // bs)) // gas)
-    assert steps == acc.n_steps == len(checked) == windows
+    assert steps == acc.steps == len(checked) == windows
 
 @pytest.mark.parametrize('policy', ['window', 'exact'])
 def test_bn_stats_forward_and_steps(policy):
@@ -82,7 +82,7 @@ def test_bn_stats_forward_and_steps(policy):
     before = [[(torch.zeros(8, dtype=torch.float64), torch.ones(8, dtype=torch.float64)),
                (torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64))]]
     net, init, acc, steps = run(bn_mlp, 20, 3, 3, torch.float64, on_step=check, policy=policy)
-    assert steps == acc.n_steps == len(seen) == 3 and acc.exact == (policy == 'exact')
+    assert steps == acc.steps == len(seen) == 3 and acc.exact == (policy == 'exact')
     if policy == 'exact': assert seen == [1, 1, 1]  # each window arrives as one batch
 
 def test_bf16_autocast():
@@ -93,7 +93,7 @@ def test_bf16_autocast():
         m[1].register_forward_pre_hook(lambda mod, i: ins.append(i[0].detach()) if mod.training and getattr(mod, '_prepass', None) is None else None)
         return m
     net, init, acc, steps = run(bn_mlp_rec, 20, 4, 2, mixed_precision='bf16', policy='window')
-    assert steps == acc.n_steps == 3
+    assert steps == acc.steps == 3
     assert all(t.dtype == torch.bfloat16 for t in ins)  # the training forward ran in bf16 ...
     ref = nn.BatchNorm1d(8).double()
     for lo in (0, 2, 4): ref(torch.cat(ins[lo:lo+2]).double())

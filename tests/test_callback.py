@@ -154,7 +154,7 @@ def test_validation_never_accumulates_and_window_losses_recorded():
     ga = GradientAccumulation(n_step=4)
     learn = make_learner(2, bn_net, image=True, cbs=ga)
     learn.fit(1, lr=0.01)
-    assert len(ga.losses) == ga.n_steps == 9
+    assert len(ga.losses) == ga.steps == 9
     tracked = [bn.num_batches_tracked.item() for bn in bn_layers(learn.model)]
     learn.validate()
     assert [bn.num_batches_tracked.item() for bn in bn_layers(learn.model)] == tracked
@@ -260,7 +260,7 @@ def test_export_loads_without_the_package_and_trains_on_with_it(tmp_path):
     assert type(cb) is GradientAccumulation and (cb.n_step, cb.policy, cb.preflight) == (4, 'window', False) and cb.learn is loaded
     loaded.dls = dls
     loaded.fit(1, 1e-3)
-    assert cb.n_steps == 2
+    assert cb.steps == 2
 
 def test_untraceable_model_reason_said_once_in_one_line(capsys):
     "fastai's DynamicUnet (its hooks) defeats torch.fx: the pre-flight says why in one full line, once, not in every row."
@@ -327,6 +327,6 @@ def test_staged_window_inputs_wait_where_inputs_on_says(monkeypatch):
     acc = make_learner(4, bn_net, image=True, dtype=torch.float64, cbs=ga)
     for l in (big, acc):
         with l.no_bar(), l.no_logging(): l.fit(1, 1e-2)
-    assert kept and all(kept) and len(kept) == ga.n_steps == 5
+    assert kept and all(kept) and len(kept) == ga.steps == 5
     assert ga.path == 'staged exact' and '_set_device' not in acc.__dict__
     assert rel(params(acc), params(big)) < 1e-9

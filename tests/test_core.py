@@ -43,7 +43,7 @@ def test_steps_once_per_window_and_gradients_each_window():
             nn.functional.mse_loss(ref(x[lo:hi]), y[lo:hi]).backward()
             for g, r in zip(grads(m), grads(ref)): assert rel(g, r) <= 1e-6
             opt.step(); opt.zero_grad(); ropt.step(); ropt.zero_grad(); steps += 1
-    assert steps == acc.n_steps == 3
+    assert steps == acc.steps == 3
     assert len(acc.losses) == 3  # one mean loss per window
 
 def record_bn_inputs(model, seen):
@@ -81,7 +81,7 @@ def test_bn_running_stats_equal_concatenated_window(policy):
             opt.step(); opt.zero_grad()
             before = [(bn.running_mean.clone(), bn.running_var.clone()) for bn in bn_layers(m)]
             outs, xs = [], []
-    assert steps == acc.n_steps == 3
+    assert steps == acc.steps == 3
     assert acc.exact == (policy in ('exact', 'auto'))
 
 def test_exact_yields_whole_windows_and_drop():

@@ -26,7 +26,7 @@ def test_exact_equals_big_batch_float64_with_ragged_last_window(opt_func):
     "70 samples, micro 4 x 4 vs bs 16: windows of 16 and a ragged last one of 6 (its last micro-batch has 2)."
     acc, big, ga = exact_and_big(opt_func=opt_func)
     acc.fit(2, lr=0.05); big.fit(2, lr=0.05)
-    assert ga.exact and ga.n_steps == 2 * 5
+    assert ga.exact and ga.steps == 2 * 5
     assert rel(params(acc), params(big)) <= 1e-6
     assert rel(bn_stats(acc), bn_stats(big)) <= 1e-6
     assert [bn.num_batches_tracked.item() for bn in bn_layers(acc.model)] == [10, 10]
@@ -38,7 +38,7 @@ def test_exact_with_n_acc_and_partial_drop():
     count = CountSteps()
     acc, big, ga = exact_and_big(n_step=None, n_acc=16, partial='drop', acc_cbs=[count])
     acc.fit(1, lr=0.05)
-    assert count.steps == ga.n_steps == 70 // 16  # the 6-sample last window is dropped
+    assert count.steps == ga.steps == 70 // 16  # the 6-sample last window is dropped
 
 def test_exact_mixed_precision_and_gradient_clip_once_per_window(monkeypatch):
     mp, steps, clips = counted_mixed_precision(monkeypatch)

@@ -95,7 +95,7 @@ def test_v2_callback_two_windows_equal_ghost_reference(model, micro, k):
     learn = learner(micro, net, GradientAccumulation(n_step=W // micro, bn_batch=k, preflight=False))
     for l in (ref, learn):
         with l.no_bar(), l.no_logging(): l.fit(1, 0.1)
-    assert learn.gradient_accumulation.n_steps == 2
+    assert learn.gradient_accumulation.steps == 2
     assert_equal(state(learn.model), state(ref.model))
 
 def test_wrong_bn_batch_is_refused_before_the_first_step():

@@ -54,7 +54,7 @@ def test_bn_free_gradients_equal_big_batch(n, bs, n_acc):
         losses.append(loss.item())
     module, cb, probe, trainer = fit(mlp(), n, bs, n_acc, check, epochs=2)
     windows = -(-(-(-n // bs)) // n_acc)
-    assert probe.steps == cb.n_steps == trainer.global_step == 2 * windows
+    assert probe.steps == cb.steps == trainer.global_step == 2 * windows
     assert torch.allclose(torch.tensor(cb.losses), torch.tensor(losses), rtol=1e-5)  # each window's loss, as one big batch's
 
 @pytest.mark.parametrize('policy', ['window', 'micro'])
@@ -75,7 +75,7 @@ def test_bn_stats_forward_and_steps(policy):
     net = bn_net()
     before.append([(bn.running_mean.clone().double(), bn.running_var.clone().double()) for bn in bn_layers(net)])
     module, cb, probe, trainer = fit(net, 20, 3, 3, check, dtype=torch.float64, policy=policy)
-    assert probe.steps == cb.n_steps == trainer.global_step == 3
+    assert probe.steps == cb.steps == trainer.global_step == 3
     assert cb.path == policy and [type(m) for m in bn_layers(module.net)] == [nn.BatchNorm1d] * 2  # plain again after the fit
 
 def test_policies_checked():

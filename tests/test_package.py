@@ -48,7 +48,7 @@ dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=2), DataLoader(TensorDatase
 learn = Learner(dls, nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)), loss_func=MSELossFlat())
 ga = GradientAccumulation(n_step=8, preflight=False)
 learn.fit(1, 1e-2, cbs=ga)
-assert (ga.n_steps, ga.path) == (2, 'exact'), (ga.n_steps, ga.path)
+assert (ga.steps, ga.path) == (2, 'exact'), (ga.steps, ga.path)
 print('OK')
 '''
 
