@@ -15,8 +15,8 @@ Contents (line: module: classes), dependencies first:
      1073: prepass: PrepassPlan
      1291: staged_exact: StagedStep, StagedForward
      1612: exact: Footprint, ExactModeMemoryError, ExactPlan
-     1848: core: Accumulation, FrontEnd
-     2222: callback: WindowPrefetch, GradientAccumulation
+     1847: core: Accumulation, FrontEnd
+     2221: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -937,7 +937,7 @@ def fmt_bytes(n:float) -> str:
 # ======== fastai_accum/staged.py ========
 # %% ../nbs/00a_staged.ipynb #95c66691
 import torch
-from torch import nn, fx, Tensor
+from torch import nn, fx
 from torch.fx.node import map_aggregate
 
 # %% auto #0
@@ -1613,7 +1613,6 @@ def samples_mixed(model:nn.Module, # a model torch.fx can trace, in the modes it
 # %% ../nbs/02a_exact.ipynb #43c0896b
 import contextlib
 from dataclasses import dataclass
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn

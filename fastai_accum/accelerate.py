@@ -4,7 +4,6 @@
 
 # %% ../nbs/07a_accelerate.ipynb #8d63bfe4
 from __future__ import annotations
-import torch
 from .core import Accumulation
 
 # %% auto #0

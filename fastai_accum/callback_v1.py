@@ -4,7 +4,7 @@
 
 # %% ../nbs/03a_callback_v1.ipynb #10073ac2
 from __future__ import annotations
-import functools, os, sys, warnings
+import functools, os, sys
 from pathlib import Path
 import torch
 from torch.nn.utils import parameters_to_vector

@@ -7,7 +7,6 @@ batch's, exactly; the window's saved activations go to host memory when the acce
 from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn

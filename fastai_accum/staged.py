@@ -7,7 +7,7 @@ with the device holding one chunk's working set."""
 # %% ../nbs/00a_staged.ipynb #95c66691
 from __future__ import annotations
 import torch
-from torch import nn, fx, Tensor
+from torch import nn, fx
 from torch.fx.node import map_aggregate
 from .meters import ByteMeter, _tensors
 from .helpers import _to

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/22_bench_gradient.ipynb #e7b20003
 from __future__ import annotations
-import math, time
+import time
 import pandas as pd
 import torch
 from torch import nn

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/09_cli.ipynb #168d5cc9
 from __future__ import annotations
-import argparse, sys
+import argparse
 import fastai_accum
 
 # %% auto #0

@@ -4,8 +4,8 @@
 
 # %% ../../nbs/10_demo.ipynb #83ba9841
 from __future__ import annotations
-import os, re, json, time, shutil, socket, warnings
-from dataclasses import dataclass, field
+import re, time, warnings
+from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
 import pandas as pd
@@ -14,7 +14,7 @@ from torch import nn
 from PIL import Image
 from fastcore.basics import store_attr
 from fastprogress import master_bar, progress_bar
-from fastai.data.external import URLs, untar_data, fastai_path
+from fastai.data.external import URLs, untar_data
 from fastai.data.transforms import get_image_files, GrandparentSplitter, parent_label
 from fastai.data.block import DataBlock, CategoryBlock
 from fastai.vision.core import PILImageBW
