@@ -441,33 +441,39 @@ def _setup_notes(c:dict, chosen:dict) -> list:
             'saved_MB: peak bytes autograd holds for backward (saved-tensor hooks, distinct storages, parameters '
             'excluded)' + ('' if c['cuda'] else '; CPU run: no allocator peak, saved-tensor bytes only')]
 
+def _per_run(runs:dict, # (model, window) key -> that run's figures
+             head:str, # the heading line
+             line, # figures -> the text after the key
+            ) -> list:
+    "A heading and one indented line per run; nothing if there were no runs."
+    return [head] + [f"  {key}: {line(r)}" for key, r in runs.items()] if runs else []
+
+def _prepass_line(p:dict) -> str:
+    mode = p['mode'] if p['mode'] == 'whole' else f"staged, chunks of {p['chunk']}"
+    return (f"{mode}: {p['bytes']/2**20:.1f} MiB = {p['ratio']:.2f}x training's {p['train_bytes']/2**20:.1f} MiB (whole window "
+            f"in one forward: {p['whole_ratio']:.2f}x); kept across BatchNorm layers {p['stored_bytes']/2**20:.1f} MiB; time "
+            f"{p['time_vs_whole']:.2f}x the whole-window forward's")
+
 def _prepass_notes(c:dict, raw:dict) -> list:
     "The pre-pass's memory figures, one line per model and window."
-    if not raw['prepass']: return []
-    notes = [f"prepass_memory_ratio: the 'window' pre-pass's peak activation bytes on the device / what training "
-             f"holds for backward at micro-batch {c['micro_bs']}, worst over models and windows ({c['prepass_size']}px; "
-             f"{next(iter(raw['prepass'].values()))['how']}):"]
-    for key, p in raw['prepass'].items():
-        mode = p['mode'] if p['mode'] == 'whole' else f"staged, chunks of {p['chunk']}"
-        notes.append(f"  {key}: {mode}: {p['bytes']/2**20:.1f} MiB = {p['ratio']:.2f}x training's "
-                     f"{p['train_bytes']/2**20:.1f} MiB (whole window in one forward: {p['whole_ratio']:.2f}x); "
-                     f"kept across BatchNorm layers {p['stored_bytes']/2**20:.1f} MiB; time {p['time_vs_whole']:.2f}x "
-                     f"the whole-window forward's")
-    return notes
+    how = next(iter(raw['prepass'].values()))['how'] if raw['prepass'] else ''
+    return _per_run(raw['prepass'], f"prepass_memory_ratio: the 'window' pre-pass's peak activation bytes on the device / what "
+                    f"training holds for backward at micro-batch {c['micro_bs']}, worst over models and windows "
+                    f"({c['prepass_size']}px; {how}):", _prepass_line)
+
+def _staged_line(s:dict) -> str:
+    return (f"chunks of {s['chunk']}: memory {s['memory_ratio']:.2f}x ({s['staged_bytes']/2**20:.1f} MiB vs "
+            f"{s['micro_bytes']/2**20:.1f}; whole window {s['whole_bytes']/2**20:.1f}), time {s['time_vs_whole']:.2f}x the whole "
+            f"window's, {s['time_vs_micro']:.2f}x naive accumulation's micro-batches; kept between stages "
+            f"{s['host_per_sample']/2**20:.2f} MiB per sample")
 
 def _staged_notes(c:dict, raw:dict) -> list:
     "The staged exact step's figures, one line per model and window."
-    if not raw['staged']: return []
     what = 'allocator peak' if c['cuda'] else 'bytes autograd holds for the backward'
-    notes = [f"staged_memory_ratio / staged_time_ratio: a staged exact step ({c['staged_size']}px) in the largest chunks that hold no more than a micro-batch step (measured; the window's input in host memory on an accelerator), "
-             f"its {what} / one plain step at micro-batch {c['micro_bs']}'s, and its time / the window as one plain batch's; "
-             "worst over models and windows:"]
-    for key, s in raw['staged'].items():
-        notes.append(f"  {key}, chunks of {s['chunk']}: memory {s['memory_ratio']:.2f}x ({s['staged_bytes']/2**20:.1f} MiB vs {s['micro_bytes']/2**20:.1f}; "
-                     f"whole window {s['whole_bytes']/2**20:.1f}), time {s['time_vs_whole']:.2f}x the whole window's, "
-                     f"{s['time_vs_micro']:.2f}x naive accumulation's micro-batches; kept between stages "
-                     f"{s['host_per_sample']/2**20:.2f} MiB per sample")
-    return notes
+    return _per_run(raw['staged'], f"staged_memory_ratio / staged_time_ratio: a staged exact step ({c['staged_size']}px) in the "
+                    "largest chunks that hold no more than a micro-batch step (measured; the window's input in host memory on "
+                    f"an accelerator), its {what} / one plain step at micro-batch {c['micro_bs']}'s, and its time / the window "
+                    "as one plain batch's; worst over models and windows:", _staged_line)
 
 def _leak_comm_notes(c:dict, raw:dict) -> list:
     "How the leak and the all-reduces were measured, with the seed's leak and the counts."
