@@ -10,13 +10,13 @@ Contents (line: module: classes), dependencies first:
       164: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
       514: helpers: -
       612: window: AccumulationWindow, WindowLoader
-      846: meters: ByteMeter, SavedTensorMeter
-      937: staged: StagedGraph
-     1073: prepass: PrepassPlan
-     1291: staged_exact: StagedStep, StagedForward
-     1612: exact: Footprint, ExactModeMemoryError, ExactPlan
-     1847: core: Accumulation, FrontEnd
-     2221: callback: WindowPrefetch, GradientAccumulation
+      846: meters: ByteMeter, SavedTensorMeter, LayerMeter
+      949: staged: StagedGraph
+     1085: prepass: PrepassPlan
+     1297: staged_exact: StagedStep, StagedForward
+     1618: exact: Footprint, ExactModeMemoryError, ExactPlan
+     1846: core: Accumulation, FrontEnd
+     2220: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -927,6 +927,18 @@ class SavedTensorMeter:
 
     def __exit__(self, *exc): self._hooks.__exit__(*exc)
 
+# %% ../nbs/00_meters.ipynb #fa4cb647
+class LayerMeter:
+    "Largest input + output bytes of one leaf module over the forwards run inside (`peak`): the working set of the biggest layer."
+    def __init__(self, model:nn.Module): self.model, self.peak, self._hooks = model, 0, []
+    def _hook(self, m, inp, out): self.peak = max(self.peak, _nbytes(inp) + _nbytes(out))
+    def __enter__(self):
+        self._hooks = [m.register_forward_hook(self._hook) for m in self.model.modules() if next(m.children(), None) is None]
+        return self
+    def __exit__(self, *exc):
+        for h in self._hooks: h.remove()
+        self._hooks = []
+
 # %% ../nbs/00_meters.ipynb #9e497026
 def fmt_bytes(n:float) -> str:
     "`n` bytes, readable."
@@ -1164,14 +1176,8 @@ class PrepassPlan:
 
 def _largest_activation(model, xb) -> int:
     "Largest leaf-module input + output in one forward: a lower bound on what a forward holds (untraceable models)."
-    peak = [0]
-    def hook(m, inp, out):
-        peak[0] = max(peak[0], sum(t.untyped_storage().nbytes() for t in (*inp, out) if isinstance(t, Tensor)))
-    hooks = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
-    try: model(*xb)
-    finally:
-        for h in hooks: h.remove()
-    return peak[0]
+    with LayerMeter(model) as layers: model(*xb)
+    return layers.peak
 
 def prepass_plan(model:nn.Module, # a model with `AccumulateBatchNorm` layers
                  xb:tuple, # one micro-batch of model inputs (sizes are measured on it)
@@ -1647,18 +1653,11 @@ def measure_footprint(model:nn.Module, # the model (nothing in it changes)
     "Per-sample bytes saved for the backward and largest layer working set, from one training forward on `xb`."
     bs = xb[0].shape[0]
     if bs < 2: xb, bs = tuple(torch.cat([t, t]) if torch.is_tensor(t) else t for t in xb), 2  # BatchNorm needs 2 values to train
-    meter, largest = SavedTensorMeter(exclude=model), 0
-    def hook(m, inp, out):
-        nonlocal largest
-        largest = max(largest, _nbytes(inp) + _nbytes(out))
-    hooks = [m.register_forward_hook(hook) for m in model.modules() if next(m.children(), None) is None]
-    try:
-        with leaves_no_trace(model), torch.enable_grad(), meter:
-            model.train()
-            model(*xb)  # the output is dropped at once: the meter's peak is what this forward saved
-    finally:
-        for h in hooks: h.remove()
-    return Footprint(meter.peak / bs, largest / bs)
+    saved, layers = SavedTensorMeter(exclude=model), LayerMeter(model)
+    with layers, leaves_no_trace(model), torch.enable_grad(), saved:
+        model.train()
+        model(*xb)  # the output is dropped at once: the meter's peak is what this forward saved
+    return Footprint(saved.peak / bs, layers.peak / bs)
 
 # %% ../nbs/02a_exact.ipynb #35940889
 class ExactModeMemoryError(MemoryError):
@@ -2460,4 +2459,4 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'learner_and_model', 'modes_kept', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'window_full', 'world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'WindowLoader', 'ByteMeter', 'SavedTensorMeter', 'fmt_bytes', 'trace_model', 'StagedGraph', 'untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'auto_picks_exact', 'saved_on_host', 'choose_exact', 'default_inputs', 'Accumulation', 'accumulation_options', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'learner_and_model', 'modes_kept', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'window_full', 'world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'WindowLoader', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'fmt_bytes', 'trace_model', 'StagedGraph', 'untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'auto_picks_exact', 'saved_on_host', 'choose_exact', 'default_inputs', 'Accumulation', 'accumulation_options', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from .meters import SavedTensorMeter, fmt_bytes, _nbytes
+from .meters import SavedTensorMeter, LayerMeter, fmt_bytes
 from .staged_exact import samples_mixed
 from .window import world_size
 from .batchnorm import bn_layers
@@ -49,18 +49,11 @@ def measure_footprint(model:nn.Module, # the model (nothing in it changes)
     "Per-sample bytes saved for the backward and largest layer working set, from one training forward on `xb`."
     bs = xb[0].shape[0]
     if bs < 2: xb, bs = tuple(torch.cat([t, t]) if torch.is_tensor(t) else t for t in xb), 2  # BatchNorm needs 2 values to train
-    meter, largest = SavedTensorMeter(exclude=model), 0
-    def hook(m, inp, out):
-        nonlocal largest
-        largest = max(largest, _nbytes(inp) + _nbytes(out))
-    hooks = [m.register_forward_hook(hook) for m in model.modules() if next(m.children(), None) is None]
-    try:
-        with leaves_no_trace(model), torch.enable_grad(), meter:
-            model.train()
-            model(*xb)  # the output is dropped at once: the meter's peak is what this forward saved
-    finally:
-        for h in hooks: h.remove()
-    return Footprint(meter.peak / bs, largest / bs)
+    saved, layers = SavedTensorMeter(exclude=model), LayerMeter(model)
+    with layers, leaves_no_trace(model), torch.enable_grad(), saved:
+        model.train()
+        model(*xb)  # the output is dropped at once: the meter's peak is what this forward saved
+    return Footprint(saved.peak / bs, layers.peak / bs)
 
 # %% ../nbs/02a_exact.ipynb #35940889
 class ExactModeMemoryError(MemoryError):

@@ -9,7 +9,7 @@ from torch import nn, Tensor
 from .helpers import _tensors
 
 # %% auto #0
-__all__ = ['ByteMeter', 'SavedTensorMeter', 'fmt_bytes']
+__all__ = ['ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'fmt_bytes']
 
 # %% ../nbs/00_meters.ipynb #865bdb15
 def _nbytes(v) -> int:
@@ -87,6 +87,18 @@ class SavedTensorMeter:
         return self
 
     def __exit__(self, *exc): self._hooks.__exit__(*exc)
+
+# %% ../nbs/00_meters.ipynb #fa4cb647
+class LayerMeter:
+    "Largest input + output bytes of one leaf module over the forwards run inside (`peak`): the working set of the biggest layer."
+    def __init__(self, model:nn.Module): self.model, self.peak, self._hooks = model, 0, []
+    def _hook(self, m, inp, out): self.peak = max(self.peak, _nbytes(inp) + _nbytes(out))
+    def __enter__(self):
+        self._hooks = [m.register_forward_hook(self._hook) for m in self.model.modules() if next(m.children(), None) is None]
+        return self
+    def __exit__(self, *exc):
+        for h in self._hooks: h.remove()
+        self._hooks = []
 
 # %% ../nbs/00_meters.ipynb #9e497026
 def fmt_bytes(n:float) -> str:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from .batchnorm import AccumulateBatchNorm, GradPool, bn_layers
 from .staged import trace_model, StagedGraph
 from .helpers import modes_kept
-from .meters import ByteMeter, SavedTensorMeter, fmt_bytes
+from .meters import ByteMeter, SavedTensorMeter, LayerMeter, fmt_bytes
 
 # %% auto #0
 __all__ = ['untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight']
@@ -101,14 +101,8 @@ class PrepassPlan:
 
 def _largest_activation(model, xb) -> int:
     "Largest leaf-module input + output in one forward: a lower bound on what a forward holds (untraceable models)."
-    peak = [0]
-    def hook(m, inp, out):
-        peak[0] = max(peak[0], sum(t.untyped_storage().nbytes() for t in (*inp, out) if isinstance(t, Tensor)))
-    hooks = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
-    try: model(*xb)
-    finally:
-        for h in hooks: h.remove()
-    return peak[0]
+    with LayerMeter(model) as layers: model(*xb)
+    return layers.peak
 
 def prepass_plan(model:nn.Module, # a model with `AccumulateBatchNorm` layers
                  xb:tuple, # one micro-batch of model inputs (sizes are measured on it)
