@@ -80,3 +80,13 @@ def test_holds_the_default_path_only(tmp_path):
     (tmp_path/'fastai_accum_single.py').write_text(FILE.read_text())
     r = subprocess.run([sys.executable, '-I', '-c', OPTIONAL_OUTSIDE], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and 'bn_batch (ghost batches) needs the fastai_accum package' in r.stdout, r.stdout + r.stderr[-3000:]
+
+def test_readme_states_the_length_and_where_the_callback_starts():
+    "README's figures for the paste file are the file's: its length, its first class, the line `GradientAccumulation` starts on."
+    import ast, re
+    readme, src = (ROOT/'README.md').read_text().replace('\n', ' '), FILE.read_text()
+    n = int(re.search(r'([\d,]+) lines; its docstring lists', readme).group(1).replace(',', ''))
+    first = re.search(r'the first class is `(\w+)`', readme).group(1)
+    at = int(re.search(r'`GradientAccumulation` starts at line ([\d,]+)', readme).group(1).replace(',', ''))
+    classes = [c for c in ast.parse(src).body if isinstance(c, ast.ClassDef)]
+    assert (n, first, at) == (len(src.splitlines()), classes[0].name, next(c.lineno for c in classes if c.name == 'GradientAccumulation'))
