@@ -16,7 +16,7 @@ Contents (line: module: classes), dependencies first:
      1297: staged_exact: StagedStep, StagedForward
      1618: exact: Footprint, ExactModeMemoryError, ExactPlan
      1846: core: Accumulation, FrontEnd
-     2220: callback: WindowPrefetch, GradientAccumulation
+     2224: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -2194,6 +2194,10 @@ class FrontEnd:
         self._final, self._drop = self.acc.ends(bs, last)
         self.acc.start_micro(bs, self._final, self._drop)
 
+    def _peek(self):
+        "The first micro-batch of the training DataLoader (`_train_dl`), read without changing what it or any random generator gives later."
+        return peek_batches(self._train_dl())[0]
+
     def _clear(self):
         "Drop any partial window: accumulated gradients and pending BatchNorm statistics."
         if self.acc is not None: self.acc.clear()
@@ -2304,8 +2308,11 @@ def _choose(self:GradientAccumulation):
 
 @patch
 def _peek_batch(self:GradientAccumulation):
-    "The first training micro-batch, read without changing what the DataLoader or any random generator gives later."
-    return self.learn._set_device(peek_batches(self.dls.train)[0])
+    "The first training micro-batch (`FrontEnd._peek`), on the model's device."
+    return self.learn._set_device(self._peek())
+
+@patch
+def _train_dl(self:GradientAccumulation): return self.dls.train
 
 @patch
 def _check_batch_size(self:GradientAccumulation):

@@ -12,7 +12,7 @@ import fastai.callback.training
 from fastai.callback.fp16 import MixedPrecision
 from .window import loss_reduction, WindowLoader, _micro_per_window
 from .core import Accumulation, FrontEnd
-from .helpers import split_batch, peek_batches
+from .helpers import split_batch
 
 # %% auto #0
 __all__ = ['WindowPrefetch', 'GradientAccumulation']
@@ -94,8 +94,11 @@ def _choose(self:GradientAccumulation):
 
 @patch
 def _peek_batch(self:GradientAccumulation):
-    "The first training micro-batch, read without changing what the DataLoader or any random generator gives later."
-    return self.learn._set_device(peek_batches(self.dls.train)[0])
+    "The first training micro-batch (`FrontEnd._peek`), on the model's device."
+    return self.learn._set_device(self._peek())
+
+@patch
+def _train_dl(self:GradientAccumulation): return self.dls.train
 
 @patch
 def _check_batch_size(self:GradientAccumulation):

@@ -10,7 +10,7 @@ import torch
 from torch.nn.utils import parameters_to_vector
 from .window import WindowLoader, loss_reduction, scale_grads, batch_size
 from .core import FrontEnd
-from .helpers import modes_kept, peek_batches
+from .helpers import modes_kept
 
 
 # %% auto #0
@@ -103,10 +103,6 @@ class GradientAccumulationV1(FrontEnd):
         dl = self.learn.data.train_dl
         while isinstance(dl, WindowLoader): dl = dl.dl
         return dl
-
-    def _peek(self):
-        "The first training micro-batch, read without changing what the DataLoader or any random generator gives later."
-        return peek_batches(self._train_dl())[0]
 
     def _params(self) -> list:
         "The parameters whose gradients accumulate: under `to_fp16`, the fp32 master copies."

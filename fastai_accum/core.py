@@ -13,7 +13,7 @@ from .batchnorm import AccumulateBatchNorm, wrap_bn, bn_layers, unwrap_layer
 from .prepass import untraceable_reason, window_prepasses, bn_preflight
 from .exact import choose_exact, saved_on_host, ExactModeMemoryError
 from .staged_exact import install_staged, uninstall_staged
-from .helpers import _to, split_batch, _optional
+from .helpers import _to, split_batch, _optional, peek_batches
 from .window import (AccumulationWindow, WindowLoader, validate_window_args, _check_count, scale_grads,
                      commit_window, drop_window, batch_size, world_size, cat_batches)
 
@@ -360,6 +360,10 @@ class FrontEnd:
         "Before a micro-batch's forward: the window rule (`Accumulation.ends`), then the core's `start_micro`."
         self._final, self._drop = self.acc.ends(bs, last)
         self.acc.start_micro(bs, self._final, self._drop)
+
+    def _peek(self):
+        "The first micro-batch of the training DataLoader (`_train_dl`), read without changing what it or any random generator gives later."
+        return peek_batches(self._train_dl())[0]
 
     def _clear(self):
         "Drop any partial window: accumulated gradients and pending BatchNorm statistics."
