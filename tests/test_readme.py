@@ -64,3 +64,11 @@ def test_readme_fastai_v1_block_runs_as_written(tmp_path):
     blocks = [(i, b) for i, b in enumerate(readme_blocks()) if is_v1(b)]
     r = run_v1(V1_OFFLINE.format(root=str(tmp_path)) + numbered(blocks) + "\nprint('README OK')\n", timeout=900)
     assert r.returncode == 0 and 'README OK' in r.stdout, (r.stdout[-3000:], r.stderr[-3000:])
+
+def test_the_places_the_readme_cites_exist():
+    "Every `tests/...::name`, test file and notebook README names as where a claim is checked exists."
+    readme = (ROOT/'README.md').read_text()
+    for f, name in re.findall(r'(tests/test_\w+\.py)::(\w+)', readme):
+        assert f'def {name}(' in (ROOT/f).read_text(), f'{f}::{name}'
+    for f in set(re.findall(r'(tests/\w+\.py)', readme)): assert (ROOT/f).exists(), f
+    for nb in set(re.findall(r'nbs/(\w+)', readme)): assert list((ROOT/'nbs').glob(nb + '*')), nb
