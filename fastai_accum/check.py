@@ -20,7 +20,7 @@ from fastai.losses import BaseLoss
 from fastai.torch_core import TensorBase
 from .batchnorm import (AccumulateBatchNorm, bn_policies, bn_layers, wrap_bn, unwrap_bn,
                                     _forward_is_known, _has_stats)
-from .window import AccumulationWindow, cat_batches, loss_reduction, _micro_per_window
+from .window import cat_batches, loss_reduction, _micro_per_window
 from .core import Accumulation
 from .exact import leaves_no_trace, choose_exact
 from .helpers import learner_and_model, split_batch, peek_batches
@@ -348,24 +348,16 @@ def _prepare(model, policy, quiet=False):
     for m in bn_layers(model, accumulating=True): m.grad_pool.reset()  # a fit's first window, from scratch
 
 # %% ../nbs/06_check.ipynb #83c7772f
-class _LocalWindow(AccumulationWindow):
-    "`AccumulationWindow` of this process alone: its gradient correction is `grad_correction`, nothing all-reduced."
-    def correction(self, group=None, device=None) -> float: return self.grad_correction
-
 class _CopyAccumulation(Accumulation):
     "The core on the check's copy of the model, its BatchNorm layers as `_prepare` set them; the copy's window is this process's alone (no all-reduce, no merge)."
+    local = True
     def __init__(self, model:nn.Module, # the copy, prepared for the policy (`_prepare`)
                  n_step:int, # micro-batches in the window
                  s:_Setup):
         policy = 'micro' if s.policy in ('exact', 'naive') else s.policy  # 'exact': one micro-batch, the window; 'naive': plain BatchNorm
         super().__init__(model, n_step, policy=policy, loss_reduction=s.reduction, inputs=lambda b: b[:s.n_inp], wrap=False,
                          prepass_bs=s.prepass_bs, name='check_accumulation')
-        self.window = _LocalWindow(n_step, None, s.reduction)
         self.setup(None)  # a BatchNorm policy measures no micro-batch; collects the layers `_prepare` wrapped
-
-    def end_micro(self) -> bool:
-        for bn in self.bns: bn.pending.merged = True  # this copy's statistics alone: the commit merges nothing across processes
-        return super().end_micro()
 
 def _accumulate(acc:_CopyAccumulation, micro:list, s:_Setup) -> float:
     "Train one window of `micro` through the core without stepping, as the callback trains it, statistics committed; returns the weighted loss."
@@ -380,7 +372,7 @@ def _accumulate(acc:_CopyAccumulation, micro:list, s:_Setup) -> float:
             acc.start_micro(bs, final)
             loss = s.call_loss(acc.model(*mb[:s.n_inp]), *mb[s.n_inp:])
             w = acc.loss_factor(loss)  # the callback's weight; at the window's end times the correction, earlier gradients rescaled
-            c = acc.window.correction() if final else 1.  # that correction
+            c = acc.window.grad_correction if final else 1.  # that correction (this process's window alone)
             if s.loss_weight_fn is not None: w = s.loss_weight_fn(bs, acc.window) * c
             (loss * w).backward()
             objective = objective * c + loss.detach().double().item() * w

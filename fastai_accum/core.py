@@ -33,6 +33,7 @@ def _ghost():
 class Accumulation:
     "Gradient accumulation with exact BatchNorm for any training loop: `batches` reads windows ahead, `backward` says when to step."
     adapter_args = ['model', 'loss_reduction', 'inputs', 'device', 'autocast', 'params', 'merge_exact', 'name']  # what a front end (fastai's callbacks) fills in itself
+    local = False  # this process's window alone (`check_accumulation` on one rank): no all-reduce of the correction, no merge of statistics
     def __init__(self, model:nn.Module, # the model (or its DDP wrapper); its BatchNorm layers are wrapped in place
                  n_step:int|None=None, # micro-batches per optimizer step
                  n_acc:int|None=None,  # or: samples per optimizer step (the effective batch size)
@@ -275,7 +276,7 @@ class Accumulation:
             return self.window.add_whole(bs, loss)
         w = self.window.add(bs, loss)
         if final:  # before the last backward, so that under DDP the all-reduced gradient is already the global mean
-            f = self.window.correction(device=loss.device if loss is not None else None)
+            f = self.window.grad_correction if self.local else self.window.correction(device=loss.device if loss is not None else None)
             if f != 1.: scale_grads(self.params, f); w *= f
             self._ends_window = True
         return w
@@ -286,7 +287,7 @@ class Accumulation:
         self._micro = None
         if not self._ends_window: return False
         self._ends_window = False
-        commit_window(self.bns)  # BatchNorm's running statistics: one momentum step with the window's, merged across processes
+        commit_window(self.bns, merge=not self.local)  # BatchNorm's running statistics: one momentum step with the window's, merged across processes
         if self.window.loss is not None: self.losses.append(self.window.loss.item())
         self.steps += 1
         self.window.reset()
