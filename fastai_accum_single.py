@@ -10,13 +10,13 @@ Contents (line: module: classes), dependencies first:
       164: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
       514: helpers: -
       612: window: AccumulationWindow, WindowLoader
-      846: meters: ByteMeter, SavedTensorMeter, LayerMeter
-      949: staged: StagedGraph
-     1085: prepass: PrepassPlan
-     1297: staged_exact: StagedStep, StagedForward
-     1618: exact: Footprint, ExactModeMemoryError, ExactPlan
-     1846: core: Accumulation, FrontEnd
-     2225: callback: WindowPrefetch, GradientAccumulation
+      847: meters: ByteMeter, SavedTensorMeter, LayerMeter
+      950: staged: StagedGraph
+     1086: prepass: PrepassPlan
+     1298: staged_exact: StagedStep, StagedForward
+     1619: exact: Footprint, ExactModeMemoryError, ExactPlan
+     1847: core: Accumulation, FrontEnd
+     2226: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -825,10 +825,11 @@ class WindowLoader:
         it = iter(self.dl)
         if self.inputs_on is not None: it = (_place_inputs(b, self.n_inp, self.inputs_on) for b in it)
         while True:
-            window = []
+            window, seen = [], 0
             for b in it:
                 window.append(b)
-                if self.is_full(window): break
+                if self.n_acc is not None: seen += batch_size(b)  # counted as read: one pass per micro-batch
+                if window_full(self.n_step, self.n_acc, len(window), seen): break
             if not window: return
             yield window
 

@@ -224,10 +224,11 @@ class WindowLoader:
         it = iter(self.dl)
         if self.inputs_on is not None: it = (_place_inputs(b, self.n_inp, self.inputs_on) for b in it)
         while True:
-            window = []
+            window, seen = [], 0
             for b in it:
                 window.append(b)
-                if self.is_full(window): break
+                if self.n_acc is not None: seen += batch_size(b)  # counted as read: one pass per micro-batch
+                if window_full(self.n_step, self.n_acc, len(window), seen): break
             if not window: return
             yield window
 
