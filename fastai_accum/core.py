@@ -50,6 +50,7 @@ class Accumulation:
                  offload:bool|None=None, device_memory:int|None=None, host_memory:int|None=None, # 'exact' policy: as `plan_exact`
                  bn_batch:int|None=None, # ghost batches: BatchNorm normalizes each group of this many consecutive samples of the window (the window trains as one batch; default: the whole window)
                  params=None,          # callable giving the parameters whose gradients accumulate (default: the model's trainable ones)
+                 verify:bool=True,     # before a staged step is chosen, check it against the big batch on a copy of the model (`verify_staged`): 'auto' falls back if it differs, 'staged' raises
                  merge_exact:bool=True, # 'exact' under DDP: wrap BatchNorm so that running statistics merge across processes (fastai leaves that to `sync_bn`)
                  name:str|None=None,   # who speaks in error messages and the pre-flight (default: the class name)
                 ):
@@ -61,7 +62,7 @@ class Accumulation:
         self.inputs, self.autocast, self.wrap, self.sync_each_batch = inputs, autocast, wrap, sync_each_batch
         self.prepass_bs, self.prepass_memory = prepass_bs, prepass_memory
         self.offload, self.device_memory, self.host_memory = offload, device_memory, host_memory
-        self._params, self.merge_exact, self.name = params, merge_exact, name or type(self).__name__
+        self._params, self.merge_exact, self.name, self.verify = params, merge_exact, name or type(self).__name__, verify
         self.use_model(model)
         self.device = device if device is not None else next(self.module.parameters()).device
         self.window = AccumulationWindow(n_step, n_acc, loss_reduction)
@@ -168,7 +169,7 @@ class Accumulation:
         "The callback's rule (`choose_exact`): 'exact' if it fits; 'auto' if the model has BatchNorm and the window fits without offload."
         peek = b if callable(b) else lambda: b
         exact, self.plan = choose_exact(self.policy, self.module, lambda: tuple(self.inputs(peek())), self.n_step, self.n_acc,
-                                        self.device_memory, self.host_memory, self.offload, name=self.name)
+                                        self.device_memory, self.host_memory, self.offload, name=self.name, verify=self.verify)
         return exact
 
     def preflight(self, xb:tuple, # one micro-batch's model inputs

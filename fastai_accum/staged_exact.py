@@ -6,6 +6,7 @@ channel."""
 
 # %% ../nbs/02b_staged_exact.ipynb #bc1cb743
 from __future__ import annotations
+import copy, warnings
 from contextlib import nullcontext
 import torch
 import torch.distributed as dist
@@ -39,9 +40,13 @@ def _set_rng_state(state, dev):
     torch.set_rng_state(state[0])
     if state[1] is not None: torch.cuda.set_rng_state(state[1], dev)
 
+def _same_state(a, b) -> bool: return all(x is y or (x is not None and y is not None and torch.equal(x, y)) for x, y in zip(a, b))
+
 # %% ../nbs/02b_staged_exact.ipynb #b87c84e1
 class StagedStep(StagedGraph):
     "The big batch's forward and backward over a window, stage by stage (a stage ends at a training BatchNorm layer) and chunk by chunk."
+    grow = True  # stages that bring in fewer bytes per sample run in larger chunks (False: every stage in chunks of `chunk`)
+    local = False  # this process's window alone: no collective under DDP (the check on the user's model)
     def __init__(self,
                  model:nn.Module, # the model (called through its modules; nothing is copied)
                  graph:fx.Graph, # its torch.fx graph with every BatchNorm layer a leaf (`_trace`)
@@ -66,6 +71,9 @@ class StagedStep(StagedGraph):
         self.stage_in = [[n for n in stage_of if stage_of[n] < s and s in users[n]] for s in range(len(self.stages))]
         self.stage_out = [[self.nodes[i] for i in idx if any(u > s for u in users[self.nodes[i]])] for s, idx in enumerate(self.stages)]
         self.stage_params = [_params_of(self, [self.nodes[i] for i in idx]) for idx in self.stages]
+        self.from_input = set(self.inputs)  # nodes computed from the model's inputs: their tensors hold the batch
+        for n in self.nodes:
+            if any(a in self.from_input for a in n.all_input_nodes): self.from_input.add(n)
 
 def _params_of(self, nodes:list) -> list:
     "The parameters `nodes` use: those of the modules they call and the parameters they read (`get_attr`), once each."
@@ -86,7 +94,7 @@ def _run_stage(self, s:int, env:dict, xb:tuple, grad:bool):
         m = self.modules[n.target]
         x = self._value(n.args[0], env, xb)
         if grad: x = leaf = x.detach().requires_grad_(True)  # its gradient: BatchNorm's with the statistics held fixed
-        mean, var, _ = self.stats[m]
+        mean, var, _ = self.stats[n]
         env[n] = _after_norm(m, F.batch_norm(x, mean, var, m.weight, m.bias, False, 0., m.eps))
     return leaf
 
@@ -103,6 +111,7 @@ def _stage_inputs(self, s:int, a:int, b:int, dev, grad:bool=False) -> dict:
     env = {}
     for n in self.stage_in[s]:
         if n.op == 'placeholder': continue
+        if n in self.carried: env[n] = self._carried(n, a, b); continue
         v = _to(self.kept[n][a:b], dev)
         if grad and v.device == self.kept[n].device: v = v.clone()  # a chunk of its own, as on an accelerator: the store stays out of the graph
         env[n] = v.detach().requires_grad_(v.is_floating_point()) if grad else v
@@ -115,7 +124,27 @@ def _keep(self, d:dict, n, v:Tensor, a:int, b:int, add:bool=False):
     if add: d[n][a:b] += v
     else: d[n][a:b] = v
 
+def _hold(self, n, v, a:int, b:int):
+    "Keep node `n`'s value of samples a:b for later stages: a tensor of the batch window-sized in `store`; any other value (`torch.Size`, an int, a tuple, None, a constant tensor) as it is, per chunk."
+    if isinstance(v, Tensor) and n in self.from_input and v.dim() and v.shape[0] == b - a: self._keep(self.kept, n, v, a, b)
+    else: self.carried.setdefault(n, {})[a, b] = v
+
+def _carried(self, n, a:int, b:int):
+    "Node `n`'s value that is not a batch tensor, for samples a:b: that chunk's, or the one every chunk gave."
+    vals = self.carried[n]
+    if (a, b) in vals: return vals[a, b]
+    first = next(iter(vals.values()))
+    if all(_same(v, first) for v in vals.values()): return first
+    raise RuntimeError(f"staged exact: {n.name} (a {type(first).__name__}) differs from chunk to chunk and is read by a stage chunked otherwise")
+
+def _same(u, v) -> bool:
+    if isinstance(u, Tensor) or isinstance(v, Tensor):
+        return isinstance(u, Tensor) and isinstance(v, Tensor) and u.shape == v.shape and torch.equal(u, v)
+    try: return bool(u == v)
+    except Exception: return False
+
 StagedStep._run_stage = _run_stage; StagedStep._xb = _xb; StagedStep._chunk = _chunk; StagedStep._stage_inputs = _stage_inputs; StagedStep._keep = _keep
+StagedStep._hold = _hold; StagedStep._carried = _carried
 
 # %% ../nbs/02b_staged_exact.ipynb #b06b8998
 def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
@@ -126,23 +155,45 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
     self.xb = tuple(_plain(t) for t in xb)
     self.W, dev = self.xb[0].shape[0], _device(self.model, self.xb)
     self.autocast = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
-    self.kept, self.rng, self.stats, self.count, self.spans, out = {}, {}, {}, {}, [], None
+    self.kept, self.carried, self.rng, self.stats, self.count, self.spans, out = {}, {}, {}, {}, {}, [], None
+    self.random_chunked = []  # stages that drew random numbers chunk by chunk
     per_input = _nbytes(self.xb) / self.W
     for s in range(len(self.stages)):
-        per = sum(_nbytes(self.kept[n]) if n in self.kept else per_input * self.W for n in self.stage_in[s]) / self.W  # bytes a sample brings in
-        c = min(self.W, max(chunk, int(chunk * per_input // max(per, 1))))  # the chunk: as many bytes in as a micro-batch's input
+        per = sum(_nbytes(self.kept[n]) if n in self.kept else 0 if n in self.carried else per_input * self.W
+                  for n in self.stage_in[s]) / self.W  # bytes a sample brings in
+        c = min(self.W, max(chunk, int(chunk * per_input // max(per, 1)) if self.grow else chunk))  # as many bytes in as a micro-batch's input
         self.spans.append([(a, min(a + c, self.W)) for a in range(0, self.W, c)])
-        bar = self.nodes[self.stages[s + 1][0]] if s + 1 < len(self.stages) else None
-        st = ChannelStats()
-        for a, b in self.spans[s]:
-            env, xb = self._stage_inputs(s, a, b, dev), self._xb(a, b, dev)
-            self.rng[s, a] = _rng_state(dev)
-            with torch.no_grad(): self._run_stage(s, env, xb, grad=False)
-            for n in self.stage_out[s]: self._keep(self.kept, n, env[n], a, b)
-            if bar is not None: st.add(self._value(bar.args[0], env, xb))
-            else: out = self._output(out, env, xb, a, b)
-        if bar is not None: self._close(self.modules[bar.target], st)
+        out = self._stage_forward(s, dev, out)
+    if self.random_chunked: self._say_random()
     return out
+
+def _stage_forward(self, s:int, dev, out):
+    "Run stage `s` over the window chunk by chunk, without a graph; keep what later stages read, fill the output at the last. The last stage reruns in one chunk if it draws random numbers (dropout): its masks are then the big batch's."
+    bar = self.nodes[self.stages[s + 1][0]] if s + 1 < len(self.stages) else None
+    st = ChannelStats()
+    for a, b in self.spans[s]:
+        env, xb = self._stage_inputs(s, a, b, dev), self._xb(a, b, dev)
+        self.rng[s, a] = state = _rng_state(dev)
+        with torch.no_grad(): self._run_stage(s, env, xb, grad=False)
+        if a == 0 and len(self.spans[s]) > 1 and not _same_state(state, _rng_state(dev)):  # it draws random numbers
+            if bar is None:
+                _set_rng_state(state, dev)
+                self.spans[s] = [(0, self.W)]
+                return self._stage_forward(s, dev, out)
+            self.random_chunked.append(s)
+        for n in self.stage_out[s]: self._hold(n, env[n], a, b)
+        if bar is not None: st.add(self._value(bar.args[0], env, xb))
+        else: out = self._output(out, env, xb, a, b)
+    if bar is not None: self._close(bar, st)
+    return out
+
+def _say_random(self):
+    "Warn once that some stages drew their random numbers (dropout masks) chunk by chunk."
+    if getattr(self, '_said_random', False): return
+    self._said_random = True
+    where = ', '.join(f"after {self.nodes[self.stages[s][0]].target}" if s else "before the first BatchNorm" for s in self.random_chunked)
+    warnings.warn(f"staged exact: random ops (dropout, drop-path) in chunked stages ({where}) draw their masks chunk by chunk: "
+                  "equal in distribution to the big batch's, not in value. Everything else is the big batch's step.", stacklevel=2)
 
 def _device(model:nn.Module, xb:tuple) -> torch.device:
     "Where `model` computes: its parameters' (or buffers') device; the inputs' for a model without either."
@@ -160,19 +211,27 @@ def _output(self, out, env:dict, xb:tuple, a:int, b:int) -> Tensor:
     return out
 
 @torch.no_grad()
-def _close(self, m:_BatchNorm, st:ChannelStats):
-    "Barrier `m` has seen its window (under DDP: the union of the processes' windows, one collective): fix the statistics it normalizes with, commit its running statistics as BatchNorm on that batch does."
-    if world_size() > 1: all_reduce_stats([st], [m.num_features])
+def _close(self, bar, st:ChannelStats):
+    "Barrier node `bar` has seen its window (under DDP: the union of the processes' windows, one collective): fix the statistics it normalizes with, commit its module's running statistics as BatchNorm on that batch does (once per call of the module)."
+    m = self.modules[bar.target]
+    if world_size() > 1 and not self.local: all_reduce_stats([st], [m.num_features])
+    if st.count < 2: raise ValueError(f"Expected more than 1 value per channel when training, got {st.count} in the window "
+                                      f"at {bar.target} ({type(m).__name__}): a 1-sample window has no batch statistics")
     dt = m.weight.dtype if m.weight is not None else st.mean.dtype
     mean, var = st.mean.to(dt), st.biased_var.to(dt)
-    self.stats[m], self.count[m] = (mean, var, torch.rsqrt(var + m.eps)), st.count
+    self.stats[bar], self.count[bar] = (mean, var, torch.rsqrt(var + m.eps)), st.count
     if not (m.training and m.track_running_stats): return
+    if not bool(torch.isfinite(st.mean).all() & torch.isfinite(st.m2).all()):
+        warnings.warn(f"staged exact: {bar.target}'s window statistics are not finite (a NaN or inf in its input): its running "
+                      "statistics are not updated for this window", RuntimeWarning, stacklevel=3)
+        return
     m.num_batches_tracked.add_(1)
     f = 1.0 / float(m.num_batches_tracked) if m.momentum is None else m.momentum
     m.running_mean.mul_(1 - f).add_(mean.to(m.running_mean.dtype) * f)
     m.running_var.mul_(1 - f).add_(st.var.to(m.running_var.dtype) * f)
 
 StagedStep.forward = _forward; StagedStep._output = _output; StagedStep._close = _close
+StagedStep._stage_forward = _stage_forward; StagedStep._say_random = _say_random
 
 # %% ../nbs/02b_staged_exact.ipynb #1494d3bf
 def _backward(self, grad:Tensor, # the gradient of the loss with respect to the window's output
@@ -194,6 +253,9 @@ def _backward(self, grad:Tensor, # the gradient of the loss with respect to the 
             with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []), torch.enable_grad(), autocast:
                 _set_rng_state(self.rng[s, a], dev)
                 leaf = self._run_stage(s, env, self._xb(a, b, dev, grad=True), grad=True)
+            lost = next((n for n in self.stage_out[s] if n in self.carried and isinstance(env[n], Tensor) and env[n].requires_grad), None)
+            if lost is not None: raise RuntimeError(f"staged exact: {lost.name}, a tensor computed from parameters alone, is read "
+                                                    "across a BatchNorm layer: its gradient cannot be carried back")
             pairs = [(env[n], _to(grads[n][a:b], dev)) for n in outs if isinstance(env.get(n), Tensor) and env[n].requires_grad]
             leaves = [n for n in self.stage_in[s] if isinstance(env.get(n), Tensor) and env[n].requires_grad]
             got = self._grads(pairs, [env[n] for n in leaves] + ([leaf] if leaf is not None else []), params, pgrads, used)
@@ -205,7 +267,7 @@ def _backward(self, grad:Tensor, # the gradient of the loss with respect to the 
                 self._keep(fixed, bar, g, a, b)
         for n in outs: grads.pop(n, None)
         if bar is not None: self._project(s, bar, fixed.get(bar), sums, grads)
-    self.kept = self.xb = None
+    self.kept = self.carried = self.xb = None
     if own:
         for p, g in zip(params, pgrads):
             if g is not None: p.grad = g if p.grad is None else p.grad + g
@@ -219,9 +281,9 @@ def _grads(self, pairs:list, leaves:list, params:list, pgrads:list, used:list) -
         if g is not None: pgrads[i] = g if pgrads[i] is None else pgrads[i] + g
     return list(got[:len(leaves)])
 
-def _xhat(self, m:_BatchNorm, x:Tensor) -> Tensor:
-    "`x` normalized with barrier `m`'s window statistics."
-    mean, _, invstd = self.stats[m]
+def _xhat(self, bar, x:Tensor) -> Tensor:
+    "`x` normalized with the window statistics of barrier node `bar`."
+    mean, _, invstd = self.stats[bar]
     shape = [1, -1] + [1] * (x.dim() - 2)
     return (x - mean.view(shape)) * invstd.view(shape)
 
@@ -229,18 +291,18 @@ def _xhat(self, m:_BatchNorm, x:Tensor) -> Tensor:
 def _window_sums(self, bar, x:Tensor, g:Tensor, sums:Tensor|None) -> Tensor:
     "`sums` plus one chunk's per-channel Σ g and Σ g·x̂ (g: the input gradient with the statistics held fixed)."
     dims = [0] + list(range(2, x.dim()))
-    part = torch.stack([g.sum(dims), (g * self._xhat(self.modules[bar.target], x)).sum(dims)])
+    part = torch.stack([g.sum(dims), (g * self._xhat(bar, x)).sum(dims)])
     return part if sums is None else sums + part
 
 @torch.no_grad()
 def _project(self, s:int, bar, fixed:Tensor, sums:Tensor, grads:dict):
     "BatchNorm's exact backward at `bar`, chunk by chunk: dx = g - (Σ g + x̂ Σ g·x̂) / n over the window (under DDP: over all processes' windows)."
-    if world_size() > 1: dist.all_reduce(sums)  # one collective per layer, as SyncBatchNorm's backward
-    m, dev, n = self.modules[bar.target], sums.device, self.count[self.modules[bar.target]]
+    if world_size() > 1 and not self.local: dist.all_reduce(sums)  # one collective per layer, as SyncBatchNorm's backward
+    dev, n = sums.device, self.count[bar]
     shape = [1, -1] + [1] * (fixed.dim() - 2)
     s1, s2 = (sums / n).unbind(0)
     for a, b in self.spans[s]:
-        xh = self._xhat(m, self._chunk(bar.args[0], a, b, dev))
+        xh = self._xhat(bar, self._chunk(bar.args[0], a, b, dev))
         dx = _to(fixed[a:b], dev) - s1.view(shape) - xh * s2.view(shape)
         self._keep(grads, bar.args[0], dx, a, b, add=True)
 
@@ -252,12 +314,13 @@ class _StagedFunction(torch.autograd.Function):
     "The staged step as one autograd node: its inputs are the window's model inputs and the trainable parameters, whose gradients its backward returns (so each parameter's gradient arrives once per window, as DDP's reducer expects)."
     @staticmethod
     def forward(ctx, step, chunk, n_x, *inputs):
-        ctx.step, ctx.n_x = step, n_x
-        ctx.save_for_backward(*inputs[n_x:])
+        # the parameters themselves, not saved tensors: a saved-tensor hook (`save_on_cpu`, a memory meter) would hand back
+        # new objects, and the backward finds each parameter's gradient by identity
+        ctx.step, ctx.n_x, ctx.params = step, n_x, inputs[n_x:]
         return step.forward(inputs[:n_x], chunk)
     @staticmethod
     def backward(ctx, grad):
-        return (None, None, None) + (None,) * ctx.n_x + tuple(ctx.step.backward(grad, ctx.saved_tensors))
+        return (None, None, None) + (None,) * ctx.n_x + tuple(ctx.step.backward(grad, ctx.params))
 
 class StagedForward:
     "A model's `forward` that trains a window as the big batch, staged; the model's own forward when it does not train."
@@ -278,6 +341,8 @@ class StagedForward:
         params = [p for p in self.model.parameters() if p.requires_grad]
         with self.autocast() if self.autocast is not None else nullcontext():
             return _StagedFunction.apply(self.step, self.chunk, len(xb), *xb, *params)
+    def __reduce__(self):  # a model pickled mid-fit (`torch.save(learn.model)`) keeps its own forward, loadable without this package
+        return (getattr, (self.model, 'forward')) if self.own is None else (copy.copy, (self.own,))
 
 def install_staged(model:nn.Module, chunk:int, store=None, autocast=None) -> StagedForward:
     "Make `model` train each batch as a staged exact step in chunks of `chunk` (until `uninstall_staged`)."
@@ -299,24 +364,42 @@ def _perturbed(xb:tuple) -> tuple:
 
 def _cat(a:tuple, b:tuple) -> tuple: return tuple(torch.cat([x, y]) if isinstance(x, Tensor) else x for x, y in zip(a, b))
 
-def _grows(a:tuple, b:tuple) -> bool:
-    "Shape `b` is `a` with one dimension (the batch's, wherever a permute put it) doubled."
-    diff = [(i, j) for i, j in zip(a, b) if i != j]
-    return len(a) == len(b) and len(diff) == 1 and diff[0][1] == 2 * diff[0][0]
+def _grown_dim(a:tuple, b:tuple) -> int|None:
+    "The dimension (the batch's, wherever a permute put it) that shape `b` doubles of shape `a`, or None."
+    diff = [(d, i, j) for d, (i, j) in enumerate(zip(a, b)) if i != j]
+    return diff[0][0] if len(a) == len(b) and len(diff) == 1 and diff[0][2] == 2 * diff[0][1] else None
+
+def _close_values(x:Tensor, y:Tensor) -> bool:
+    "`y` is `x` up to the rounding of batched kernels."
+    if not x.is_floating_point(): return torch.equal(x, y)
+    tol = 1e-9 if x.dtype == torch.float64 else 1e-3
+    return bool(((x - y).abs().max() <= tol * x.abs().max().clamp_min(1e-30)).item()) if x.numel() else True
+
+def _mixes(x:Tensor, y:Tensor, random:bool) -> bool:
+    "Does the value `y` (on the batch plus as many other samples) show that the op mixed samples, `x` being its value on the batch? (`random`: it changes from run to run, only its shape says.)"
+    d = _grown_dim(x.shape, y.shape)
+    if random: return d is None and x.shape != y.shape
+    if d is None: return x.shape != y.shape or not torch.equal(x, y)  # not per sample: it must not change with other samples
+    return not _close_values(x, y.narrow(d, 0, x.shape[d]))  # per sample: the batch's own samples must keep their values
 
 @torch.no_grad()
-def _node_values(step:StagedStep, xb:tuple) -> dict:
-    "Every node's value on batch `xb`, training BatchNorm layers passing their input through (nothing in the model changes)."
-    env = {}
+def _node_values(step:StagedStep, xb:tuple) -> tuple:
+    "(every node's value on batch `xb`, training BatchNorm layers passing their input through; the nodes whose values are random). Nothing in the model changes."
+    env, random, dev = {}, set(), _device(step.model, xb)
     for n in step.nodes:
+        state = _rng_state(dev)
         if n.op == 'call_module' and _is_barrier(step.modules[n.target]): env[n] = step._value(n.args[0], env, xb)
         else: env[n] = _plain(step._run_node(n, env, xb))
-    return env
+        if not _same_state(state, _rng_state(dev)) or 'empty' in str(n.target):  # it drew random numbers, or holds garbage
+            random.add(n)
+            if n.op == 'call_method' and n.target.endswith('_') and isinstance(n.args[0], fx.Node): random.add(n.args[0])  # filled in place
+        elif any(a in random for a in n.all_input_nodes): random.add(n)
+    return env, random
 
 def samples_mixed(model:nn.Module, # a model torch.fx can trace, in the modes it trains in
                   xb:tuple, # one micro-batch of its inputs
                  ) -> str|None:
-    "The first op outside BatchNorm whose output mixes samples (it does not grow with the batch, and changes with other samples), or None."
+    "The first op outside BatchNorm whose output mixes samples (other samples change the batch's own values), or None."
     graph = _trace(model)
     if isinstance(graph, str): return None
     step = StagedStep(model, graph)
@@ -325,10 +408,10 @@ def samples_mixed(model:nn.Module, # a model torch.fx can trace, in the modes it
     b = _cat(a, _perturbed(a))
     dev = a[0].device
     with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []):
-        va, vb = _node_values(step, a), _node_values(step, b)
+        (va, random), (vb, _) = _node_values(step, a), _node_values(step, b)
     for n in step.nodes:
         x, y = va[n], vb[n]
         if not (isinstance(x, Tensor) and isinstance(y, Tensor)): continue
-        if not _grows(x.shape, y.shape) and (x.shape != y.shape or not torch.equal(x, y)):
+        if _mixes(x, y, random=n in random):
             return f"{n.name} ({n.op} {getattr(n.target, '__name__', n.target)}) combines the samples of a batch"
     return None
