@@ -285,6 +285,11 @@ def update_stats(self:AccumulateBatchNorm):
         st.reset()
         raise ValueError(f"{self.layer_name}: the window had 1 value per channel; its variance is undefined. "
                          "Accumulate at least 2 samples per window.")
+    if not bool(torch.isfinite(st.mean).all() & torch.isfinite(st.m2).all()):
+        st.reset()
+        warnings.warn(f"{self.layer_name}: the window's statistics are not finite (a NaN or inf in its input): its running "
+                      "statistics are not updated for this window", RuntimeWarning)
+        return
     self.num_batches_tracked.add_(1)
     f = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
     for buf, new in ((self.running_mean, st.mean), (self.running_var, st.var)):

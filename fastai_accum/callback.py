@@ -11,7 +11,7 @@ from fastai.basics import *
 import fastai.callback.training
 from fastai.callback.fp16 import MixedPrecision
 from .window import loss_reduction, WindowLoader, _micro_per_window
-from .core import Accumulation, FrontEnd
+from .core import Accumulation, FrontEnd, accumulation_options
 from .helpers import split_batch
 
 # %% auto #0
@@ -61,6 +61,7 @@ class GradientAccumulation(Callback, FrontEnd):
 def before_fit(self:GradientAccumulation):
     "A fit, or `validate`/`get_preds` (fastai runs `before_fit` for them too), starts; inside a fit, a nested one is left alone."
     if self._fitting: self._nested += 1; return
+    self._check_alone()
     self._check_batch_size()
     self._lengthen_lr_find()
     self._guard_interrupts()
@@ -99,6 +100,14 @@ def _peek_batch(self:GradientAccumulation):
 
 @patch
 def _train_dl(self:GradientAccumulation): return self.dls.train
+
+@patch
+def _check_alone(self:GradientAccumulation):
+    "Two accumulation callbacks on one Learner would each scale and step: refuse before either changes anything."
+    others = [c for c in self.learn.cbs if c is not self and (isinstance(c, GradientAccumulation) or type(c).__name__ == 'GradientAccumulation')]
+    name = lambda c: f"{type(c).__module__.split('.')[0]}'s {type(c).__name__}(n_acc={getattr(c, 'n_acc', None)}, n_step={getattr(c, 'n_step', None)})"
+    if others: raise ValueError(f"The Learner has {len(others) + 1} gradient accumulation callbacks: {name(self)} and "
+                                f"{', '.join(map(name, others))} (one on the Learner, one passed to fit(cbs=...)?). Keep one.")
 
 @patch
 def _check_batch_size(self:GradientAccumulation):
@@ -186,6 +195,7 @@ def after_fit(self:GradientAccumulation):
 # %% ../nbs/03_callback.ipynb #8deebdf2
 @patch
 def before_batch(self:GradientAccumulation):
+    self._stepped = False
     if self._announce: self._show_preflight()
     if self.acc.needs_window and self.window.empty: self.acc.start_window(self._window())
     self._start_micro(find_bs(self.learn.yb), last=self.learn.iter == self.learn.n_iter - 1)  # the window rule; DDP's gradient sync
@@ -206,7 +216,12 @@ def before_step(self:GradientAccumulation):
     if not self._final: raise CancelBatchException()  # keep accumulating (or drop): no step, no zero_grad
 
 @patch
-def after_batch(self:GradientAccumulation): self.acc.end_micro()  # at the window's end: commit BatchNorm statistics
+def after_step(self:GradientAccumulation): self._stepped = True
+
+@patch
+def after_batch(self:GradientAccumulation):
+    "At the window's end commit BatchNorm statistics; if the optimizer did not step there (a cancelled backward), drop the window's gradients."
+    if self.acc.end_micro() and not self._stepped: self.acc.drop_grads()
 
 # %% ../nbs/03_callback.ipynb #ac820318
 def _rebuild_expression(args:dict) -> str|None:
@@ -220,8 +235,16 @@ def _rebuild_expression(args:dict) -> str|None:
             f"else __import__('fastai.callback.core', fromlist=['_']).Callback()")
 
 @patch
+def _live_args(self:GradientAccumulation) -> dict:
+    "The arguments that rebuild this callback as it is now (options changed on it since it was made included)."
+    defaults = accumulation_options({}, 'GradientAccumulation')
+    options = {k: getattr(self, k) for k in self._options}
+    return dict(n_acc=self.n_acc, n_step=self.n_step, preflight=self.preflight,
+                **{k: v for k, v in options.items() if k in self._args or v != defaults[k]})
+
+@patch
 def __reduce_ex__(self:GradientAccumulation, protocol):
-    expression = _rebuild_expression(self._args)
+    expression = _rebuild_expression(self._live_args())
     if expression is None: return super(GradientAccumulation, self).__reduce_ex__(protocol)  # by name: needs the package to load
     return eval, (expression,), {'learn': self.learn}
 

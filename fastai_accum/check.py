@@ -23,7 +23,7 @@ from .batchnorm import (AccumulateBatchNorm, bn_policies, bn_layers, wrap_bn, un
 from .window import cat_batches, loss_reduction, _micro_per_window
 from .core import Accumulation
 from .exact import leaves_no_trace, choose_exact
-from .helpers import learner_and_model, split_batch, peek_batches
+from .helpers import learner_and_model, split_batch, peek_batches, modes_kept
 from .callback import GradientAccumulation
 
 # %% auto #0
@@ -267,11 +267,25 @@ def _resolve(learn_or_model, batch=None, n_step=None, loss_func=None, policy=Non
         previous = _split(_cast_batch(previous, p0.device, dt), n_step)
     notes = []
     if policy == 'auto':
-        policy, why = resolve_auto(model, tuple(t.to(p0.dtype) if t.is_floating_point() else t for t in micro[0][:n_inp]),
-                                   batch[0].shape[0])
+        policy, why = _fit_path(learn) or _train_mode_auto(model, tuple(t.to(p0.dtype) if t.is_floating_point() else t
+                                                                        for t in micro[0][:n_inp]), batch[0].shape[0])
         notes.append(why)
     return _Setup(model, batch, micro, previous, n_inp, loss_func, policy, dtype, dt, seed, dropout, prepass_bs,
                   loss_weight_fn, notes)
+
+def _fit_path(learn) -> tuple|None:
+    "(policy, why): how the last fit with the Learner's `GradientAccumulation` trained ('auto' resolved there), or None before any fit."
+    cb = next((c for c in learn.cbs if isinstance(c, GradientAccumulation)), None) if learn is not None else None
+    acc = getattr(cb, 'acc', None)
+    if acc is None or acc.exact is None: return None
+    policy = 'exact' if acc.exact else acc.path if acc.path in bn_policies else 'window'
+    return policy, f"policy 'auto' is {policy!r} here: the last fit trained on {acc.path!r}"
+
+def _train_mode_auto(model:nn.Module, xb:tuple, window:int) -> tuple:
+    "`resolve_auto` with the model in training mode, as a fit trains it (a fit or `validate` leaves it in eval mode)."
+    with modes_kept(model):
+        model.train()
+        return resolve_auto(model, xb, window)
 
 # %% ../nbs/06_check.ipynb #7422c1b6
 @contextmanager

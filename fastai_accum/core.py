@@ -4,7 +4,7 @@
 
 # %% ../nbs/02d_core.ipynb #d39581af
 from __future__ import annotations
-import inspect, time, warnings
+import inspect, time, warnings, weakref
 from contextlib import nullcontext
 import torch
 from torch import nn, Tensor
@@ -24,6 +24,8 @@ __all__ = ['default_inputs', 'Accumulation', 'accumulation_options', 'FrontEnd']
 def default_inputs(b) -> tuple:
     "The model inputs of batch `b`: everything but the last element (the target), or `b` itself if it has one element."
     return split_batch(b)[0]
+
+_open = weakref.WeakValueDictionary()  # id(model) -> the `batches` generator training it now: the next `batches` on that model closes it
 
 def _ghost():
     "The ghost-batch module (`bn_batch`), which the default path never imports."
@@ -200,8 +202,18 @@ class Accumulation:
         return '\n'.join(lines + [table])
 
     def batches(self, loader):
-        "Iterate `loader` (any iterable of batches) one window ahead: micro-batches, or whole windows under 'exact'."
+        "Iterate `loader` (any iterable of batches) one window ahead: micro-batches, or whole windows under 'exact'. A `batches` left unfinished on this model (by this or another `Accumulation`) is closed first."
+        self.close()
         self.clear()
+        _open[id(self.module)] = gen = self._batches(loader)
+        return gen
+
+    def close(self):
+        "Close the `batches` generator training this model if one was left unfinished (a `break`, an exception, kept referenced): its partial window dropped, BatchNorm handed back."
+        gen = _open.pop(id(self.module), None)
+        if gen is not None: gen.close()
+
+    def _batches(self, loader):
         try:
             windows, ready = WindowLoader(loader, self.n_step, self.n_acc), False
             for window in windows.windows():
@@ -212,6 +224,7 @@ class Accumulation:
                     ready = True
                 window = [self._placed(b) for b in window]
                 if self.exact: window = [cat_batches(window)]
+                if not self.window.empty: self._drop_unfinished()
                 self.start_window(window)
                 for i, b in enumerate(window):
                     self.start_micro(batch_size(b), i == len(window) - 1)
@@ -220,6 +233,12 @@ class Accumulation:
             self._exit_offload()
             if self.ddp is not None: self.ddp.require_backward_grad_sync = True
             self.release()  # between epochs the model holds plain torch BatchNorm layers
+
+    def _drop_unfinished(self):
+        "The window before ended without its last backward (skipped, cancelled): drop its gradients rather than carry them into this one."
+        warnings.warn(f"{self.name}: a window's last micro-batch had no backward (skipped or cancelled): the window's "
+                      f"{self.window.n_micro} micro-batches of gradients are dropped, not carried into the next window", RuntimeWarning)
+        self.clear()
 
     @property
     def inputs_on(self):
@@ -288,7 +307,12 @@ class Accumulation:
         self._micro = None
         if not self._ends_window: return False
         self._ends_window = False
-        commit_window(self.bns, merge=not self.local)  # BatchNorm's running statistics: one momentum step with the window's, merged across processes
+        bad = self.window.nonfinite() if self.local or world_size() == 1 else None  # under DDP the merged statistics' own check decides
+        if bad is None: commit_window(self.bns, merge=not self.local)  # BatchNorm's running statistics: one momentum step with the window's, merged across processes
+        else:
+            drop_window(self.bns)
+            warnings.warn(f"{self.name}: micro-batch {bad} of window {self.steps} has a non-finite loss: the window's BatchNorm "
+                          "running statistics are not updated (the optimizer step is the training loop's to skip)", RuntimeWarning)
         if self.window.loss is not None: self.losses.append(self.window.loss.item())
         self.steps += 1
         self.window.reset()
@@ -311,6 +335,10 @@ class Accumulation:
     def _exit_offload(self):
         offload, self._offload = self._offload, None
         if offload is not None: offload.__exit__(None, None, None)
+
+    def drop_grads(self):
+        "The window ended without an optimizer step (its backward was cancelled): its gradients go, so none reaches the next window."
+        for p in self.params: p.grad = None
 
     def clear(self):
         "Drop a partial window: its accumulated gradients and pending BatchNorm statistics."

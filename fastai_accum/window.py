@@ -55,7 +55,7 @@ class AccumulationWindow:
 
     def reset(self):
         "Start a new, empty window."
-        self.n_micro, self.n_seen, self.ref, self.loss_sum = 0, 0, None, 0.
+        self.n_micro, self.n_seen, self.ref, self.loss_sum, self.micro_losses = 0, 0, None, 0., []
 
     def add(self,
             bs:int, # samples in this micro-batch
@@ -67,7 +67,9 @@ class AccumulationWindow:
                              "lower the DataLoader's bs or raise n_acc")
         if self.ref is None: self.ref = self.n_acc if self.n_acc is not None else self.n_step * bs
         self.n_micro += 1; self.n_seen += bs
-        if loss is not None: self.loss_sum = self.loss_sum + loss.detach().float() * bs
+        if loss is not None:
+            self.loss_sum = self.loss_sum + loss.detach().float() * bs
+            self.micro_losses.append(loss.detach())
         return 1. if self.loss_reduction == 'sum' else bs / self.ref
 
     def add_whole(self,
@@ -77,7 +79,7 @@ class AccumulationWindow:
         "Record a whole window trained as one batch (however many samples it holds); its loss weight is 1."
         self.reset()
         self.n_micro, self.n_seen, self.ref = 1, bs, bs
-        if loss is not None: self.loss_sum = loss.detach().float() * bs
+        if loss is not None: self.loss_sum, self.micro_losses = loss.detach().float() * bs, [loss.detach()]
         return 1.
 
     @property
@@ -112,6 +114,11 @@ class AccumulationWindow:
     def loss(self) -> Tensor|None:
         "Mean loss over the window's samples (what one big batch would report), `None` if nothing was recorded."
         return None if self.empty or not torch.is_tensor(self.loss_sum) else self.loss_sum / self.n_seen
+
+    def nonfinite(self) -> int|None:
+        "The first micro-batch (from 0) whose loss is NaN or infinite, or None (one check of the window's loss, then a search)."
+        if not torch.is_tensor(self.loss_sum) or bool(torch.isfinite(self.loss_sum).all()): return None
+        return next((i for i, l in enumerate(self.micro_losses) if not bool(torch.isfinite(l).all())), None)
 
     def __repr__(self): return f'{type(self).__name__}(n_micro={self.n_micro}, n_seen={self.n_seen}, full={self.full})'
 
