@@ -1,0 +1,259 @@
+"""Exact, or it says so: models that break an assumption of the staged step train as the big batch or are refused with a
+reason (plain-loop core, float64, a device budget that forces chunks), and faults leave no trace in the next window."""
+import pickle, warnings
+from contextlib import nullcontext
+import pytest, torch
+from torch import nn
+import torch.nn.functional as F
+from fastai_accum.core import Accumulation
+from fastai_accum.exact import plan_exact, verify_staged, StagedMismatchError, ExactModeMemoryError
+import fastai_accum.exact as exact
+
+class TwiceBN(nn.Module):
+    "One BatchNorm module called twice in a forward."
+    def __init__(s):
+        super().__init__()
+        s.c1, s.c2, s.bn, s.head = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Linear(8, 5)
+    def forward(s, x):
+        x = F.relu(s.bn(s.c1(x)))
+        return s.head(F.relu(s.bn(s.c2(x))).mean((2, 3)))
+
+class BatchAttention(nn.Module):
+    "Attention over the batch axis: a leaf module that mixes samples."
+    def __init__(s):
+        super().__init__()
+        s.c, s.bn, s.attn, s.bn2, s.head = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.MultiheadAttention(8, 2), nn.BatchNorm1d(8), nn.Linear(8, 5)
+    def forward(s, x):
+        x = F.relu(s.bn(s.c(x))).mean((2, 3))[:, None]  # (N, 1, 8): the batch is attention's sequence
+        return s.head(s.bn2(s.attn(x, x, x)[0][:, 0]))
+
+class SizeAcross(nn.Module):
+    "`x.shape[-2:]` kept across BatchNorm layers and used at the end, as torchvision's fcn_resnet50."
+    def __init__(s):
+        super().__init__()
+        s.c1, s.b1, s.c2, s.b2, s.c3 = nn.Conv2d(3, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.Conv2d(8, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.Conv2d(8, 5, 1)
+    def forward(s, x):
+        size, n = x.shape[-2:], x.size(0)
+        x = F.relu(s.b2(s.c2(F.relu(s.b1(s.c1(x))))))
+        return F.interpolate(s.c3(x), size=size, mode='bilinear', align_corners=False).reshape(n, -1)[:, :5]
+
+class DropoutHead(nn.Module):
+    "Two Dropouts after the last BatchNorm, as vgg11_bn's classifier."
+    def __init__(s):
+        super().__init__()
+        s.c, s.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        s.head = nn.Sequential(nn.Flatten(), nn.Dropout(0.5), nn.Linear(8 * 8 * 8, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 5))
+    def forward(s, x): return s.head(F.relu(s.bn(s.c(x))))
+
+def windows(n_win=2, n_step=4, bs=2, seed=0):
+    "Micro-batches of (image, target) in float64, `n_step` per window."
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(bs, 3, 8, 8, generator=g, dtype=torch.float64) * 2 + 1, torch.randn(bs, 5, generator=g, dtype=torch.float64))
+            for _ in range(n_win * n_step)]
+
+def forced_budget(model, micro, n_step):
+    "A device budget between one chunk's need and the whole window's: the plan must stage."
+    p = plan_exact(model, (micro[0],), n_step * micro[0].shape[0])
+    p.chunk = micro[0].shape[0]
+    return (p.staged_device_needed + p.device_needed) // 2
+
+def train_both(make, policy, n_step=4, context=nullcontext, **kw):
+    "(max relative difference of parameters and BatchNorm buffers from the big batch after two windows, the core): SGD with momentum."
+    batches = windows(n_step=n_step)
+    torch.manual_seed(0); big = make().double().train()
+    ours = make().double().train(); ours.load_state_dict(big.state_dict())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (big, ours)]
+    acc = Accumulation(ours, n_step=n_step, policy=policy, device_memory=forced_budget(ours, batches[0], n_step), **kw)
+    torch.manual_seed(1)
+    with context():
+        for i in range(0, len(batches), n_step):
+            x, y = (torch.cat(t) for t in zip(*batches[i:i + n_step]))
+            F.mse_loss(big(x), y).backward(); opts[0].step(); opts[0].zero_grad()
+    torch.manual_seed(1)
+    with context():
+        for x, y in acc.batches(batches):
+            if acc.backward(F.mse_loss(ours(x), y)): opts[1].step(); opts[1].zero_grad()
+    diffs = [((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item() for a, b in zip(ours.state_dict().values(), big.state_dict().values())
+             if a.is_floating_point()]
+    counts = [[int(b) for n, b in m.state_dict().items() if n.endswith('num_batches_tracked')] for m in (ours, big)]
+    assert counts[0] == counts[1], counts
+    return max(diffs), acc
+
+@pytest.mark.parametrize('policy', ['staged', 'auto'])
+@pytest.mark.parametrize('make', [TwiceBN, SizeAcross], ids=['bn_called_twice', 'shape_across_stages'])
+def test_models_that_break_an_assumption_train_as_the_big_batch(make, policy):
+    diff, acc = train_both(make, policy)
+    assert acc.path == 'staged exact' and diff < 1e-9
+
+@pytest.mark.parametrize('hooks', [lambda: torch.autograd.graph.save_on_cpu(),
+                                   lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)], ids=['save_on_cpu', 'identity_hooks'])
+def test_staged_step_inside_saved_tensor_hooks_is_the_big_batch(hooks):
+    diff, acc = train_both(TwiceBN, 'auto', context=hooks)
+    assert acc.path == 'staged exact' and diff < 1e-9
+
+def test_dropout_after_the_last_batchnorm_draws_the_big_batch_masks():
+    "The last stage draws random numbers: it runs as one chunk, so with the same seed its masks are the big batch's."
+    diff, acc = train_both(DropoutHead, 'auto')
+    assert acc.path == 'staged exact' and diff < 1e-9
+
+def test_a_model_that_mixes_samples_is_refused_with_the_layer(capsys):
+    with pytest.raises(ExactModeMemoryError, match='combines the samples'): train_both(BatchAttention, 'staged')
+    _, acc = train_both(BatchAttention, 'auto')
+    assert acc.path == 'window' and 'combines the samples' in acc.plan.reason
+
+def test_the_check_on_the_model_catches_what_the_static_checks_miss(monkeypatch):
+    "With the static check blind, the step checked on the model finds the mixing: 'staged' raises naming a gradient, 'auto' falls back."
+    monkeypatch.setattr(exact, 'samples_mixed', lambda model, xb: None)
+    with pytest.raises(StagedMismatchError, match=r"not the big batch .*float64.*gradient of \S+ off by"): train_both(BatchAttention, 'staged')
+    _, acc = train_both(BatchAttention, 'auto')
+    assert acc.path == 'window' and 'not the big batch' in acc.plan.reason
+    diff, acc = train_both(BatchAttention, 'staged', verify=False)  # switched off, as asked: trains staged, and differs
+    assert acc.path == 'staged exact' and diff > 1e-3
+
+def test_check_leaves_the_model_and_random_state_as_they_were():
+    torch.manual_seed(0); m, x = DropoutHead().train(), torch.randn(2, 3, 8, 8)
+    state, rng = {k: v.clone() for k, v in m.state_dict().items()}, torch.get_rng_state()
+    why, checked = verify_staged(m, (x,))
+    assert why is None and 'equal to the big batch' in checked and '2 random modules held fixed' in checked
+    assert all(torch.equal(v, m.state_dict()[k]) for k, v in state.items()) and torch.equal(rng, torch.get_rng_state())
+    assert all(p.grad is None for p in m.parameters()) and all(l.training for l in m.modules())
+
+def test_preflight_says_what_was_checked():
+    _, acc = train_both(TwiceBN, 'auto')
+    assert 'checked on this model: equal to the big batch' in acc.preflight((windows()[0][0],))
+
+def bn1d_net(): return nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 1))
+
+@pytest.mark.parametrize('policy', ['staged', 'exact', 'window'])
+def test_a_one_sample_batchnorm_window_fails_as_the_big_batch_does(policy):
+    x, y = torch.randn(5, 5, dtype=torch.float64), torch.randn(5, 1, dtype=torch.float64)
+    m = bn1d_net().double().train()
+    with pytest.raises(ValueError, match='value per channel'): m(x[4:])  # torch's big batch of one sample
+    acc = Accumulation(m, n_step=2, policy=policy, verify=False)
+    with pytest.raises(ValueError, match='value per channel'):
+        for xb, yb in acc.batches([(x[i:i + 2], y[i:i + 2]) for i in range(0, 5, 2)]):  # windows of 4 and 1
+            acc.backward(F.mse_loss(m(xb), yb))
+
+@pytest.mark.parametrize('policy', ['window', 'staged'])
+def test_a_non_finite_window_commits_no_running_statistics(policy):
+    m = bn1d_net().double().train()
+    acc = Accumulation(m, n_step=2, policy=policy, verify=False)
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+    x[5, 0] = float('nan')  # second window, its first micro-batch (policy 'staged': the window as one batch)
+    with pytest.warns(RuntimeWarning, match='not finite|non-finite'):
+        for xb, yb in acc.batches([(x[i:i + 2], y[i:i + 2]) for i in range(0, 8, 2)]):
+            acc.backward(F.mse_loss(m(xb), yb))
+    assert torch.isfinite(m[1].running_mean).all() and torch.isfinite(m[1].running_var).all()
+    assert int(m[1].num_batches_tracked) == 1  # the first window only
+
+def test_a_window_without_its_last_backward_leaves_no_gradient_behind():
+    torch.manual_seed(0); m = bn1d_net().double()
+    acc = Accumulation(m, n_step=2, policy='window')
+    batches = [(torch.randn(2, 5, dtype=torch.float64), torch.randn(2, 1, dtype=torch.float64)) for _ in range(4)]
+    grads = []
+    with pytest.warns(RuntimeWarning, match='had no backward'):
+        for i, (xb, yb) in enumerate(acc.batches(batches)):
+            if i == 1: continue  # the first window's last micro-batch: skipped
+            if acc.backward(F.mse_loss(m(xb), yb)): grads.append([p.grad.clone() for p in m.parameters()]); m.zero_grad()
+    ref = bn1d_net().double(); ref.load_state_dict(m.state_dict())  # the second window alone, as 'window' trains it
+    acc2 = Accumulation(ref, n_step=2, policy='window')
+    for xb, yb in acc2.batches(batches[2:]): acc2.backward(F.mse_loss(ref(xb), yb))
+    assert len(grads) == 1 and all(torch.allclose(g, p.grad) for g, p in zip(grads[0], ref.parameters()))
+
+@pytest.mark.parametrize('policy', ['window', 'staged'])
+def test_an_abandoned_generator_is_closed_by_the_next(policy):
+    m = bn1d_net().double().train()
+    batches = [(torch.randn(2, 5, dtype=torch.float64), torch.randn(2, 1, dtype=torch.float64)) for _ in range(4)]
+    first = Accumulation(m, n_step=4, policy=policy, verify=False)
+    it = first.batches(batches)
+    xb, yb = next(it)  # kept referenced, never finished: 'staged' installed its forward; 'window' wrapped BatchNorm and
+    if policy == 'window': first.backward(F.mse_loss(m(xb), yb))  # holds a partial window's gradient
+    second = Accumulation(m, n_step=4, policy='window')
+    gen = second.batches(batches)
+    assert all(p.grad is None for p in m.parameters()) and 'forward' not in vars(m) and type(m[1]) is nn.BatchNorm1d
+    for xb, yb in gen: second.backward(F.mse_loss(m(xb), yb))
+    second.close(); assert type(m[1]) is nn.BatchNorm1d
+
+def test_budget_errors_quote_the_budget_that_failed():
+    with pytest.raises(ExactModeMemoryError, match=r'device budget 1 B'):
+        acc = Accumulation(bn1d_net(), n_step=2, policy='exact', device_memory=1)
+        for xb, yb in acc.batches([(torch.randn(2, 5), torch.randn(2, 1))] * 2): pass
+
+def test_a_staged_model_pickles_mid_step_and_loads_with_its_own_forward(tmp_path):
+    m = TwiceBN().train()
+    acc = Accumulation(m, n_step=2, policy='staged', verify=False)
+    for xb, yb in acc.batches([(torch.randn(2, 3, 8, 8), torch.randn(2, 5))] * 2):
+        torch.save(m, tmp_path/'m.pth')  # as a callback saving the model mid-fit
+        acc.backward(F.mse_loss(m(xb), yb))
+    loaded = torch.load(tmp_path/'m.pth', weights_only=False)
+    assert loaded.forward.__func__ is TwiceBN.forward and loaded(torch.randn(2, 3, 8, 8)).shape == (2, 5)
+
+# fastai's Learner: the same faults through the v2 callback
+from fastai.basics import Callback, CancelBatchException, SGD
+from fastai_accum.callback import GradientAccumulation
+from test_callback import make_learner, bn_net, params
+
+def test_two_accumulation_callbacks_are_refused_before_either_changes_anything():
+    ga = GradientAccumulation(n_step=4, policy='window')
+    learn = make_learner(4, bn_net, image=True, cbs=ga)
+    before = params(learn).clone()
+    with pytest.raises(ValueError, match=r"2 gradient accumulation callbacks: .*n_step=4.*n_step=2"):
+        learn.fit(1, lr=0.1, cbs=GradientAccumulation(n_step=2))
+    assert torch.equal(params(learn), before) and not hasattr(learn, 'window_prefetch') and '_do_epoch' not in vars(learn)
+    learn.fit(1, lr=0.1)  # the Learner's own callback alone: trains
+    assert ga.steps == 5
+
+class CancelBackward(Callback):
+    "Cancel the backward of micro-batch `at` (counted over the fit)."
+    def __init__(self, at): self.at, self.i = at, -1
+    def before_backward(self):
+        self.i += 1
+        if self.i == self.at: raise CancelBatchException()
+
+class GradsAtStep(Callback):
+    order = 100
+    def before_fit(self): self.grads = []
+    def before_step(self): self.grads.append(torch.cat([p.grad.flatten() for p in self.model.parameters()]).clone())
+
+def test_a_cancelled_last_backward_leaves_no_gradient_in_the_next_window():
+    "Window 1's last micro-batch (the 4th) is cancelled: no step for it, and window 2's step is window 2's alone ('micro': no state crosses windows)."
+    grads = []
+    for cancel in (True, False):
+        learn = make_learner(4, bn_net, n=32, image=True, dtype=torch.float64,
+                             cbs=[GradientAccumulation(n_step=4, policy='micro', preflight=False), GradsAtStep()] +
+                                 ([CancelBackward(at=3)] if cancel else []))
+        learn.fit(1, lr=0)  # lr 0: the weights stay, so window 2's gradient is comparable
+        grads.append(learn.grads_at_step.grads)
+    assert len(grads[0]) == 1 and len(grads[1]) == 2
+    assert torch.allclose(grads[0][0], grads[1][1], rtol=1e-9, atol=1e-12)
+
+def test_the_export_carries_options_changed_on_the_live_callback():
+    "What `learn.export` pickles: the expression that rebuilds the callback (`tests/test_callback.py` loads a real export)."
+    ga = GradientAccumulation(n_step=4, preflight=False)
+    ga.n_step, ga.policy = 8, 'window'
+    rebuild, (expression,), _ = ga.__reduce_ex__(4)
+    cb = rebuild(expression)
+    assert (cb.n_step, cb.policy, cb.preflight) == (8, 'window', False)
+
+class SaveModel(Callback):
+    "Save the model mid-fit, as SaveModelCallback's users do with torch.save."
+    def __init__(self, path): self.path = path
+    def after_loss(self): torch.save(self.learn.model, self.path)
+
+@pytest.mark.parametrize('policy', ['staged', 'window'])
+def test_the_model_saves_mid_fit_and_loads_after(tmp_path, policy):
+    learn = make_learner(4, bn_net, image=True, cbs=[GradientAccumulation(n_step=4, policy=policy, preflight=False), SaveModel(tmp_path/'m.pth')])
+    learn.fit(1, lr=0.1)
+    m = torch.load(tmp_path/'m.pth', weights_only=False)
+    assert m(torch.randn(2, 3, 4, 4)).shape == (2, 1)
+    torch.save(learn.model, tmp_path/'after.pth')  # after the fit: plain torch layers
+    assert all(type(l).__module__.startswith('torch') for l in torch.load(tmp_path/'after.pth', weights_only=False).modules())
+
+def test_check_accumulation_after_a_fit_checks_the_path_the_fit_trained_on(capsys):
+    from fastai_accum.check import check_accumulation
+    learn = make_learner(4, bn_net, image=True, dtype=torch.float64, cbs=GradientAccumulation(n_step=4, preflight=False))
+    before = check_accumulation(learn)
+    learn.fit(1, lr=0.1)
+    assert learn.gradient_accumulation.path == 'exact' and not learn.model.training  # fastai leaves it in eval mode
+    after = check_accumulation(learn)
+    assert before.ok and after.ok and after.policy == 'exact'
