@@ -1058,6 +1058,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                       'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact._set_rng_state': ( 'staged_exact.html#_set_rng_state',
                                                                                          'fastai_accum/staged_exact.py'),
+                                           'fastai_accum.staged_exact._size_kind': ( 'staged_exact.html#_size_kind',
+                                                                                     'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact._stage_forward': ( 'staged_exact.html#_stage_forward',
                                                                                          'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact._stage_inputs': ( 'staged_exact.html#_stage_inputs',

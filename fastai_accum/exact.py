@@ -166,6 +166,7 @@ def saved_on_host(plan:ExactPlan):
     if not plan.offload: return contextlib.nullcontext()
     return torch.autograd.graph.save_on_cpu(pin_memory=plan.device == 'cuda')
 
+# %% ../nbs/02a_exact.ipynb #5b1e0c22
 def _check_copy(model:nn.Module, dtype, device) -> nn.Module:
     "A copy of `model` whose parameters and buffers are cloned straight to `device` in `dtype` (floating ones): never a second copy where the model lives."
     memo = {}

@@ -6,7 +6,7 @@ channel."""
 
 # %% ../nbs/02b_staged_exact.ipynb #bc1cb743
 from __future__ import annotations
-import copy, warnings
+import copy, operator, warnings
 from contextlib import nullcontext
 import torch
 import torch.distributed as dist
@@ -74,6 +74,20 @@ class StagedStep(StagedGraph):
         self.from_input = set(self.inputs)  # nodes computed from the model's inputs: their tensors hold the batch
         for n in self.nodes:
             if any(a in self.from_input for a in n.all_input_nodes): self.from_input.add(n)
+        self.sizes = {}  # nodes holding the batch's size: 'int' (`x.size(0)`, `len(x)`) or 'shape' (`x.shape`, batch first)
+        for n in self.nodes: _size_kind(n, self.sizes)
+
+def _size_kind(n, sizes:dict):
+    "Note in `sizes` whether node `n` holds the batch's size: `x.size(0)`, `len(x)` ('int'), `x.shape`, `x.size()` or a slice of them from the front ('shape')."
+    f, args = n.target, n.args
+    if n.op == 'call_method' and f == 'size': kind = 'shape' if len(args) < 2 and 'dim' not in n.kwargs else 'int' if (args[1:] or [n.kwargs.get('dim')])[0] == 0 else None
+    elif n.op == 'call_function' and f is getattr and args[1] == 'shape': kind = 'shape'
+    elif n.op == 'call_function' and f is len: kind = 'int'
+    elif n.op == 'call_function' and f is operator.getitem and sizes.get(args[0]) == 'shape':
+        i = args[1]
+        kind = 'int' if i == 0 else 'shape' if isinstance(i, slice) and i.start in (None, 0) and i.step in (None, 1) else None
+    else: kind = None
+    if kind: sizes[n] = kind
 
 def _params_of(self, nodes:list) -> list:
     "The parameters `nodes` use: those of the modules they call and the parameters they read (`get_attr`), once each."
@@ -134,8 +148,11 @@ def _carried(self, n, a:int, b:int):
     vals = self.carried[n]
     if (a, b) in vals: return vals[a, b]
     first = next(iter(vals.values()))
+    kind = self.sizes.get(n)
+    if kind == 'int': return b - a
+    if kind == 'shape': return type(first)((b - a,) + tuple(first[1:]))
     if all(_same(v, first) for v in vals.values()): return first
-    forms = [_form(v, e - s) for (s, e), v in vals.items()]  # values that differ only by holding their chunk's size (`x.size(0)`)
+    forms = [_form(v, e - s) for (s, e), v in vals.items()]  # values that differ only by holding their chunk's size (`n * 2`)
     if all(_same(f, forms[0]) for f in forms): return _filled(forms[0], b - a)
     raise RuntimeError(f"staged exact: {n.name} (a {type(first).__name__}) differs from chunk to chunk and is read by a stage chunked otherwise")
 
