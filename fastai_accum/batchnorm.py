@@ -57,9 +57,9 @@ class GradPool:
 class WindowNormFunction(torch.autograd.Function):
     "Normalize with fixed window statistics; backward projecting with the previous window's means (`layer.grad_pool`)."
     @staticmethod
-    def forward(ctx, x, weight, bias, mean, var, layer):
+    def forward(ctx, x, weight, bias, mean, var, layer, pool=None):
         ctx.save_for_backward(x, weight, mean, var)
-        ctx.layer = layer
+        ctx.layer, ctx.pool = layer, pool if pool is not None else layer.grad_pool  # a layer called k times: one pool per call
         return F.batch_norm(x, mean, var, weight, bias, False, 0., layer.eps)
 
     @staticmethod
@@ -68,7 +68,7 @@ class WindowNormFunction(torch.autograd.Function):
         shape = [1, -1] + [1] * (x.dim() - 2)
         dims = [0] + list(range(2, x.dim()))
         n = x.numel() // x.shape[1]
-        pool = ctx.layer.grad_pool
+        pool = ctx.pool
         acc = torch.promote_types(x.dtype, torch.float32)  # at least float32, float64 stays float64
         invstd = torch.rsqrt(var.to(acc) + ctx.layer.eps).view(shape)
         xf = x.to(acc)
@@ -78,8 +78,8 @@ class WindowNormFunction(torch.autograd.Function):
         mean_g, mean_gx = pool.pooled(g.sum(dims), (g * xhat).sum(dims), n)
         dx = (g - mean_g.view(shape) - xhat * mean_gx.view(shape)) * invstd
         dx = dx.to(x.dtype)
-        if weight is None: return dx, None, None, None, None, None
-        return dx, (gy * xhat).sum(dims).to(weight.dtype), gy.sum(dims).to(weight.dtype), None, None, None
+        if weight is None: return dx, None, None, None, None, None, None
+        return dx, (gy * xhat).sum(dims).to(weight.dtype), gy.sum(dims).to(weight.dtype), None, None, None, None
 
 # %% ../nbs/01_batchnorm.ipynb #50e7f4b8
 def _after_norm(m:nn.Module, x):
@@ -102,13 +102,15 @@ class AccumulateBatchNorm(_BatchNorm):
     def _setup_accumulation(self, policy, layer_name=None):
         self.policy = policy
         self.pending = ChannelStats()  # a plain attribute, never a buffer: nothing new in state_dict, nothing for DDP to broadcast
+        self.pending_more = []  # a layer called k times per forward ('window' policy): the window statistics of calls 2..k
         self.layer_name = layer_name or type(self).__name__
         self._clear_window_state()
-        self.grad_pool = GradPool()  # window-level backward statistics ('window' policy)
+        self.grad_pool, self._more_pools = GradPool(), []  # window-level backward statistics ('window' policy), per call
 
     def _clear_window_state(self):
         self.window_stats = None  # (mean, biased var) of this window's input, set by the pre-passes ('window' policy)
-        self._prepass, self._prepass_stats, self._chunk_stats = None, None, None
+        self.window_calls = None  # the same for each call of the layer in a forward, in call order
+        self._prepass, self._prepass_stats, self._chunk_stats, self._call = None, None, None, 0
         self._prepass_sync, self._prepass_group = False, None
 
     @property
@@ -200,12 +202,26 @@ def _normalize_with_running_stats(self:AccumulateBatchNorm, x):
 def _normalize_window(self:AccumulateBatchNorm, x):
     if self._prepass is not None: return self._normalize_prepass(x)
     if self.window_stats is None: return self._normalize_micro(x)  # no pre-pass ran: behave as 'micro'
-    mean, var = self.window_stats
+    i, calls = self._next_call()
+    mean, var = calls[i]
     if x.numel() // x.shape[1] >= GradPool.min_micro: return self._renormalize(x, mean, var)
     # plain tensors in: a tensor subclass (fastai's TensorImage, also in statistics pooled from it) would make the
     # output a view of the Function's, which an in-place activation after this layer (fastai's head) may not modify
     x, mean, var = (t.as_subclass(Tensor) if type(t) is not Tensor else t for t in (x, mean, var))
-    return WindowNormFunction.apply(x, self.weight, self.bias, mean, var, self)
+    return WindowNormFunction.apply(x, self.weight, self.bias, mean, var, self, self._pool(i))
+
+@patch
+def _next_call(self:AccumulateBatchNorm) -> tuple:
+    "(index of this call in the forward, the window statistics of every call): a layer called k times per forward cycles through k."
+    calls = self.window_calls or [self.window_stats]
+    i, self._call = self._call % len(calls), self._call + 1
+    return i, calls
+
+@patch
+def _pool(self:AccumulateBatchNorm, i:int) -> GradPool:
+    "The backward statistics of call `i` of the layer in a forward."
+    while len(self._more_pools) < i: self._more_pools.append(GradPool())
+    return self.grad_pool if i == 0 else self._more_pools[i - 1]
 
 @patch
 def _renormalize(self:AccumulateBatchNorm, x, mean, var):
@@ -228,7 +244,13 @@ def _begin_prepass(self:AccumulateBatchNorm,
                    sync:bool=False, # merge each call's statistics across the processes of `group` before normalizing
                    group=None):
     self._prepass, self._prepass_sync, self._prepass_group = mode, sync, group
-    self._prepass_stats, self._chunk_stats = ChannelStats(), ChannelStats()
+    self._prepass_stats, self._chunk_stats, self._call = [], ChannelStats(), 0  # one `ChannelStats` per call of the layer
+
+@patch
+def _call_stats(self:AccumulateBatchNorm) -> ChannelStats:
+    "The pre-pass statistics of this call of the layer (the k-th call of a forward: the k-th)."
+    while len(self._prepass_stats) <= self._call: self._prepass_stats.append(ChannelStats())
+    return self._prepass_stats[self._call]
 
 @patch
 def _observe_prepass(self:AccumulateBatchNorm, x:Tensor):
@@ -243,15 +265,19 @@ def _close_prepass(self:AccumulateBatchNorm, st:ChannelStats|None=None):
     if self._prepass_sync:  # one small collective per layer call per window
         all_reduce_stats([st], [self.num_features], self._prepass_group, self.running_mean.device)
     if st.count: self.window_stats = (st.mean.to(self.running_mean.dtype), st.biased_var.to(self.running_mean.dtype))
-    self._prepass_stats.merge(st)
+    self._call_stats().merge(st)
+    self._call += 1
 
 @patch
 def _end_prepass(self:AccumulateBatchNorm):
-    st, self._prepass, self._prepass_stats, self._chunk_stats = self._prepass_stats, None, None, None
-    if not st.count: return
-    self.window_stats = (st.mean.to(self.running_mean.dtype), st.biased_var.to(self.running_mean.dtype))
-    st.merged = self._prepass_sync  # already every process's window: the commit must not merge it again
-    self.pending = st  # the pre-pass's statistics are the window's: update_stats commits them
+    calls, self._prepass, self._prepass_stats, self._chunk_stats, self._call = self._prepass_stats, None, None, None, 0
+    calls = [st for st in calls if st.count]
+    if not calls: return
+    dt = self.running_mean.dtype
+    self.window_calls = [(st.mean.to(dt), st.biased_var.to(dt)) for st in calls]
+    self.window_stats = self.window_calls[0]
+    for st in calls: st.merged = self._prepass_sync  # already every process's window: the commit must not merge it again
+    self.pending, self.pending_more = calls[0], calls[1:]  # the pre-pass's statistics are the window's: update_stats commits them
 
 @patch
 @torch.no_grad()
@@ -264,7 +290,8 @@ def _normalize_prepass(self:AccumulateBatchNorm, x):
     if not self._prepass_sync:  # one forward over the whole window: BatchNorm's own, its moments pooled for free
         mean, var = torch.zeros(2, self.num_features, device=x.device, dtype=self.running_mean.dtype)
         out = F.batch_norm(x, mean, var, self.weight, self.bias, True, 1.0, self.eps)
-        self._prepass_stats.add_moments(n, mean, var)
+        self._call_stats().add_moments(n, mean, var)
+        self._call += 1
         return out
     st = ChannelStats()  # across processes: merge the input's moments over every rank's window first (as SyncBatchNorm)
     st.add(x)
@@ -276,10 +303,16 @@ def _normalize_prepass(self:AccumulateBatchNorm, x):
 @patch
 @torch.no_grad()
 def update_stats(self:AccumulateBatchNorm):
-    "Commit the pending window to the running statistics: one momentum step, as BN on the whole window would."
-    st = self.pending
-    self.window_stats = None  # a window's statistics never serve the next window
-    self.grad_pool.roll()
+    "Commit the pending window to the running statistics: one momentum step per call of the layer in a forward, as BN on the whole window would."
+    calls, self.pending_more = [self.pending] + self.pending_more, []
+    self.window_stats = self.window_calls = None  # a window's statistics never serve the next window
+    for pool in [self.grad_pool] + self._more_pools: pool.roll()
+    for st in calls: self._commit(st)
+
+@patch
+@torch.no_grad()
+def _commit(self:AccumulateBatchNorm, st:ChannelStats):
+    "One momentum step of the running statistics with the window statistics `st` (reset after)."
     if not st.count: return
     if st.count < 2:
         st.reset()
@@ -300,8 +333,9 @@ def update_stats(self:AccumulateBatchNorm):
 def reset_stats(self:AccumulateBatchNorm):
     "Drop the pending window without touching the running statistics."
     self.pending.reset()
+    self.pending_more = []
     self._clear_window_state()
-    self.grad_pool.drop_current()
+    for pool in [self.grad_pool] + self._more_pools: pool.drop_current()
 
 # %% ../nbs/01_batchnorm.ipynb #0755c075
 def bn_layers(model:nn.Module, accumulating:bool=False) -> list:
@@ -336,8 +370,8 @@ def wrap_bn(model:nn.Module, # any model; its BatchNorm layers are changed in pl
     if not n_bn: warnings.warn(f"wrap_bn: {type(model).__name__} has no BatchNorm layer; nothing to wrap.")
     return n_new
 
-_accumulation_state = ('_policy', 'pending', 'layer_name', 'grad_pool', 'window_stats', '_prepass', '_prepass_stats',
-                       '_chunk_stats', '_prepass_sync', '_prepass_group')  # what `_setup_accumulation` adds to a layer
+_accumulation_state = ('_policy', 'pending', 'pending_more', 'layer_name', 'grad_pool', '_more_pools', 'window_stats',
+                       'window_calls', '_prepass', '_prepass_stats', '_chunk_stats', '_call', '_prepass_sync', '_prepass_group')  # what `_setup_accumulation` adds to a layer
 
 def unwrap_layer(m:AccumulateBatchNorm):
     "Turn the accumulating layer `m` back into its plain BatchNorm class, in place, leaving nothing of ours on it."

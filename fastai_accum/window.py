@@ -157,9 +157,9 @@ def commit_window(bns:list, # `AccumulateBatchNorm` layers
                  ):
     "Commit the pending statistics of every layer in `bns` (one momentum step each), merged across processes first."
     if not bns: return
-    local = [bn for bn in bns if not bn.pending.merged]  # the window policy's pre-pass statistics are merged already
+    local = [(st, bn) for bn in bns for st in [bn.pending] + bn.pending_more if not st.merged]  # the window policy's pre-pass statistics are merged already
     if merge and world_size(group) > 1 and local:  # one all-gather for all layers; every process then commits identical statistics
-        all_reduce_stats([bn.pending for bn in local], [bn.num_features for bn in local], group, local[0].running_mean.device)
+        all_reduce_stats([st for st, _ in local], [bn.num_features for _, bn in local], group, local[0][1].running_mean.device)
     for bn in bns: bn.update_stats()
 
 def drop_window(bns:list):

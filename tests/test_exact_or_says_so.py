@@ -85,6 +85,20 @@ def test_models_that_break_an_assumption_train_as_the_big_batch(make, policy):
     diff, acc = train_both(make, policy)
     assert acc.path == 'staged exact' and diff < 1e-9
 
+def test_window_bn_normalizes_each_call_of_a_shared_layer_with_its_own_window_statistics():
+    "'window' on a BatchNorm module called twice: each call's forward uses its own window statistics, and commits its own momentum step."
+    torch.manual_seed(0); big = TwiceBN().double().train()
+    ours = TwiceBN().double().train(); ours.load_state_dict(big.state_dict())
+    batches, outs = windows(), []
+    acc = Accumulation(ours, n_step=4, policy='window')
+    for x, y in acc.batches(batches):
+        out = ours(x); outs.append(out.detach()); acc.backward(F.mse_loss(out, y))
+    for i in (0, 4):  # no optimizer step: the weights stay, each window's forward is the big batch's
+        ref = big(torch.cat([x for x, _ in batches[i:i + 4]]))
+        assert (torch.cat(outs[i:i + 4]) - ref).abs().max() < 1e-12
+    for k, v in ours.state_dict().items(): assert (v.double() - big.state_dict()[k].double()).abs().max() < 1e-12, k
+    assert int(ours.bn.num_batches_tracked) == 4
+
 @pytest.mark.parametrize('hooks', [lambda: torch.autograd.graph.save_on_cpu(),
                                    lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)], ids=['save_on_cpu', 'identity_hooks'])
 def test_staged_step_inside_saved_tensor_hooks_is_the_big_batch(hooks):

@@ -11,7 +11,7 @@ from fastai.basics import *
 from fastai.callback.progress import *
 from ..batchnorm import bn_policies, wrap_bn, reset_bn_stats
 from ..prepass import window_prepasses, prepass_plan, prepass_info
-from ..exact import choose_exact
+from ..exact import choose_exact, verify_staged
 from ..staged_exact import install_staged, uninstall_staged
 from ..meters import _nbytes
 from .experiments import (
@@ -180,11 +180,12 @@ def staged_step(model_fn, # builds the model
         t_staged, staged = _step_cost(model, x, reps)
         with torch.no_grad(): f.step.forward((x,), chunk)  # what the step keeps between stages (host memory on an accelerator)
         kept = sum(_nbytes(v) for v in f.step.kept.values())
-        f.step.kept = f.step.xb = None
+        f.step.kept = f.step.xb = f.step.carried = None
     finally: uninstall_staged(model)
+    t = time.perf_counter(); why, _ = verify_staged(model, (x[:bs].to(device),)); t_check = time.perf_counter() - t  # once per fit
     return dict(window=window, chunk=chunk, micro_bytes=micro, staged_bytes=staged, whole_bytes=whole,
                 memory_ratio=staged / micro, time_vs_whole=t_staged / t_whole, time_vs_micro=t_staged / t_micro / (window / bs),
-                host_per_sample=kept / window)
+                host_per_sample=kept / window, check_vs_step=t_check / t_staged, check_ok=why is None)
 
 def memory_matched_chunk(model, x:Tensor, # the model and a window of its inputs
                          bs:int, # the micro-batch: the smallest chunk
@@ -465,7 +466,8 @@ def _staged_line(s:dict) -> str:
     return (f"chunks of {s['chunk']}: memory {s['memory_ratio']:.2f}x ({s['staged_bytes']/2**20:.1f} MiB vs "
             f"{s['micro_bytes']/2**20:.1f}; whole window {s['whole_bytes']/2**20:.1f}), time {s['time_vs_whole']:.2f}x the whole "
             f"window's, {s['time_vs_micro']:.2f}x naive accumulation's micro-batches; kept between stages "
-            f"{s['host_per_sample']/2**20:.2f} MiB per sample")
+            f"{s['host_per_sample']/2**20:.2f} MiB per sample; the check on the model at the fit's start "
+            f"{s['check_vs_step']:.2f}x one staged step{'' if s['check_ok'] else ' (it failed)'}")
 
 def _staged_notes(c:dict, raw:dict) -> list:
     "The staged exact step's figures, one line per model and window."
