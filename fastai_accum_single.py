@@ -8,15 +8,15 @@ Options the default never runs (ghost batches, bn_batch=) need the package: pip 
 Contents (line: module: classes), dependencies first:
        24: stats: ChannelStats
       164: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
-      514: helpers: -
-      612: window: AccumulationWindow, WindowLoader
-      847: meters: ByteMeter, SavedTensorMeter, LayerMeter
-      950: staged: StagedGraph
-     1086: prepass: PrepassPlan
-     1298: staged_exact: StagedStep, StagedForward
-     1619: exact: Footprint, ExactModeMemoryError, ExactPlan
-     1847: core: Accumulation, FrontEnd
-     2226: callback: WindowPrefetch, GradientAccumulation
+      553: helpers: -
+      651: window: AccumulationWindow, WindowLoader
+      893: meters: ByteMeter, SavedTensorMeter, LayerMeter
+      996: staged: StagedGraph
+     1132: prepass: PrepassPlan
+     1344: staged_exact: StagedStep, StagedForward
+     1781: exact: Footprint, ExactModeMemoryError, ExactPlan, StagedMismatchError
+     2138: core: Accumulation, FrontEnd
+     2546: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -212,9 +212,9 @@ class GradPool:
 class WindowNormFunction(torch.autograd.Function):
     "Normalize with fixed window statistics; backward projecting with the previous window's means (`layer.grad_pool`)."
     @staticmethod
-    def forward(ctx, x, weight, bias, mean, var, layer):
+    def forward(ctx, x, weight, bias, mean, var, layer, pool=None):
         ctx.save_for_backward(x, weight, mean, var)
-        ctx.layer = layer
+        ctx.layer, ctx.pool = layer, pool if pool is not None else layer.grad_pool  # a layer called k times: one pool per call
         return F.batch_norm(x, mean, var, weight, bias, False, 0., layer.eps)
 
     @staticmethod
@@ -223,7 +223,7 @@ class WindowNormFunction(torch.autograd.Function):
         shape = [1, -1] + [1] * (x.dim() - 2)
         dims = [0] + list(range(2, x.dim()))
         n = x.numel() // x.shape[1]
-        pool = ctx.layer.grad_pool
+        pool = ctx.pool
         acc = torch.promote_types(x.dtype, torch.float32)  # at least float32, float64 stays float64
         invstd = torch.rsqrt(var.to(acc) + ctx.layer.eps).view(shape)
         xf = x.to(acc)
@@ -233,8 +233,8 @@ class WindowNormFunction(torch.autograd.Function):
         mean_g, mean_gx = pool.pooled(g.sum(dims), (g * xhat).sum(dims), n)
         dx = (g - mean_g.view(shape) - xhat * mean_gx.view(shape)) * invstd
         dx = dx.to(x.dtype)
-        if weight is None: return dx, None, None, None, None, None
-        return dx, (gy * xhat).sum(dims).to(weight.dtype), gy.sum(dims).to(weight.dtype), None, None, None
+        if weight is None: return dx, None, None, None, None, None, None
+        return dx, (gy * xhat).sum(dims).to(weight.dtype), gy.sum(dims).to(weight.dtype), None, None, None, None
 
 # %% ../nbs/01_batchnorm.ipynb #50e7f4b8
 def _after_norm(m:nn.Module, x):
@@ -257,13 +257,15 @@ class AccumulateBatchNorm(_BatchNorm):
     def _setup_accumulation(self, policy, layer_name=None):
         self.policy = policy
         self.pending = ChannelStats()  # a plain attribute, never a buffer: nothing new in state_dict, nothing for DDP to broadcast
+        self.pending_more = []  # a layer called k times per forward ('window' policy): the window statistics of calls 2..k
         self.layer_name = layer_name or type(self).__name__
         self._clear_window_state()
-        self.grad_pool = GradPool()  # window-level backward statistics ('window' policy)
+        self.grad_pool, self._more_pools = GradPool(), []  # window-level backward statistics ('window' policy), per call
 
     def _clear_window_state(self):
         self.window_stats = None  # (mean, biased var) of this window's input, set by the pre-passes ('window' policy)
-        self._prepass, self._prepass_stats, self._chunk_stats = None, None, None
+        self.window_calls = None  # the same for each call of the layer in a forward, in call order
+        self._prepass, self._prepass_stats, self._chunk_stats, self._call = None, None, None, 0
         self._prepass_sync, self._prepass_group = False, None
 
     @property
@@ -355,12 +357,26 @@ def _normalize_with_running_stats(self:AccumulateBatchNorm, x):
 def _normalize_window(self:AccumulateBatchNorm, x):
     if self._prepass is not None: return self._normalize_prepass(x)
     if self.window_stats is None: return self._normalize_micro(x)  # no pre-pass ran: behave as 'micro'
-    mean, var = self.window_stats
+    i, calls = self._next_call()
+    mean, var = calls[i]
     if x.numel() // x.shape[1] >= GradPool.min_micro: return self._renormalize(x, mean, var)
     # plain tensors in: a tensor subclass (fastai's TensorImage, also in statistics pooled from it) would make the
     # output a view of the Function's, which an in-place activation after this layer (fastai's head) may not modify
     x, mean, var = (t.as_subclass(Tensor) if type(t) is not Tensor else t for t in (x, mean, var))
-    return WindowNormFunction.apply(x, self.weight, self.bias, mean, var, self)
+    return WindowNormFunction.apply(x, self.weight, self.bias, mean, var, self, self._pool(i))
+
+@patch
+def _next_call(self:AccumulateBatchNorm) -> tuple:
+    "(index of this call in the forward, the window statistics of every call): a layer called k times per forward cycles through k."
+    calls = self.window_calls or [self.window_stats]
+    i, self._call = self._call % len(calls), self._call + 1
+    return i, calls
+
+@patch
+def _pool(self:AccumulateBatchNorm, i:int) -> GradPool:
+    "The backward statistics of call `i` of the layer in a forward."
+    while len(self._more_pools) < i: self._more_pools.append(GradPool())
+    return self.grad_pool if i == 0 else self._more_pools[i - 1]
 
 @patch
 def _renormalize(self:AccumulateBatchNorm, x, mean, var):
@@ -383,7 +399,13 @@ def _begin_prepass(self:AccumulateBatchNorm,
                    sync:bool=False, # merge each call's statistics across the processes of `group` before normalizing
                    group=None):
     self._prepass, self._prepass_sync, self._prepass_group = mode, sync, group
-    self._prepass_stats, self._chunk_stats = ChannelStats(), ChannelStats()
+    self._prepass_stats, self._chunk_stats, self._call = [], ChannelStats(), 0  # one `ChannelStats` per call of the layer
+
+@patch
+def _call_stats(self:AccumulateBatchNorm) -> ChannelStats:
+    "The pre-pass statistics of this call of the layer (the k-th call of a forward: the k-th)."
+    while len(self._prepass_stats) <= self._call: self._prepass_stats.append(ChannelStats())
+    return self._prepass_stats[self._call]
 
 @patch
 def _observe_prepass(self:AccumulateBatchNorm, x:Tensor):
@@ -398,15 +420,19 @@ def _close_prepass(self:AccumulateBatchNorm, st:ChannelStats|None=None):
     if self._prepass_sync:  # one small collective per layer call per window
         all_reduce_stats([st], [self.num_features], self._prepass_group, self.running_mean.device)
     if st.count: self.window_stats = (st.mean.to(self.running_mean.dtype), st.biased_var.to(self.running_mean.dtype))
-    self._prepass_stats.merge(st)
+    self._call_stats().merge(st)
+    self._call += 1
 
 @patch
 def _end_prepass(self:AccumulateBatchNorm):
-    st, self._prepass, self._prepass_stats, self._chunk_stats = self._prepass_stats, None, None, None
-    if not st.count: return
-    self.window_stats = (st.mean.to(self.running_mean.dtype), st.biased_var.to(self.running_mean.dtype))
-    st.merged = self._prepass_sync  # already every process's window: the commit must not merge it again
-    self.pending = st  # the pre-pass's statistics are the window's: update_stats commits them
+    calls, self._prepass, self._prepass_stats, self._chunk_stats, self._call = self._prepass_stats, None, None, None, 0
+    calls = [st for st in calls if st.count]
+    if not calls: return
+    dt = self.running_mean.dtype
+    self.window_calls = [(st.mean.to(dt), st.biased_var.to(dt)) for st in calls]
+    self.window_stats = self.window_calls[0]
+    for st in calls: st.merged = self._prepass_sync  # already every process's window: the commit must not merge it again
+    self.pending, self.pending_more = calls[0], calls[1:]  # the pre-pass's statistics are the window's: update_stats commits them
 
 @patch
 @torch.no_grad()
@@ -419,7 +445,8 @@ def _normalize_prepass(self:AccumulateBatchNorm, x):
     if not self._prepass_sync:  # one forward over the whole window: BatchNorm's own, its moments pooled for free
         mean, var = torch.zeros(2, self.num_features, device=x.device, dtype=self.running_mean.dtype)
         out = F.batch_norm(x, mean, var, self.weight, self.bias, True, 1.0, self.eps)
-        self._prepass_stats.add_moments(n, mean, var)
+        self._call_stats().add_moments(n, mean, var)
+        self._call += 1
         return out
     st = ChannelStats()  # across processes: merge the input's moments over every rank's window first (as SyncBatchNorm)
     st.add(x)
@@ -431,15 +458,26 @@ def _normalize_prepass(self:AccumulateBatchNorm, x):
 @patch
 @torch.no_grad()
 def update_stats(self:AccumulateBatchNorm):
-    "Commit the pending window to the running statistics: one momentum step, as BN on the whole window would."
-    st = self.pending
-    self.window_stats = None  # a window's statistics never serve the next window
-    self.grad_pool.roll()
+    "Commit the pending window to the running statistics: one momentum step per call of the layer in a forward, as BN on the whole window would."
+    calls, self.pending_more = [self.pending] + self.pending_more, []
+    self.window_stats = self.window_calls = None  # a window's statistics never serve the next window
+    for pool in [self.grad_pool] + self._more_pools: pool.roll()
+    for st in calls: self._commit(st)
+
+@patch
+@torch.no_grad()
+def _commit(self:AccumulateBatchNorm, st:ChannelStats):
+    "One momentum step of the running statistics with the window statistics `st` (reset after)."
     if not st.count: return
     if st.count < 2:
         st.reset()
         raise ValueError(f"{self.layer_name}: the window had 1 value per channel; its variance is undefined. "
                          "Accumulate at least 2 samples per window.")
+    if not bool(torch.isfinite(st.mean).all() & torch.isfinite(st.m2).all()):
+        st.reset()
+        warnings.warn(f"{self.layer_name}: the window's statistics are not finite (a NaN or inf in its input): its running "
+                      "statistics are not updated for this window", RuntimeWarning)
+        return
     self.num_batches_tracked.add_(1)
     f = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
     for buf, new in ((self.running_mean, st.mean), (self.running_var, st.var)):
@@ -450,8 +488,9 @@ def update_stats(self:AccumulateBatchNorm):
 def reset_stats(self:AccumulateBatchNorm):
     "Drop the pending window without touching the running statistics."
     self.pending.reset()
+    self.pending_more = []
     self._clear_window_state()
-    self.grad_pool.drop_current()
+    for pool in [self.grad_pool] + self._more_pools: pool.drop_current()
 
 # %% ../nbs/01_batchnorm.ipynb #0755c075
 def bn_layers(model:nn.Module, accumulating:bool=False) -> list:
@@ -486,8 +525,8 @@ def wrap_bn(model:nn.Module, # any model; its BatchNorm layers are changed in pl
     if not n_bn: warnings.warn(f"wrap_bn: {type(model).__name__} has no BatchNorm layer; nothing to wrap.")
     return n_new
 
-_accumulation_state = ('_policy', 'pending', 'layer_name', 'grad_pool', 'window_stats', '_prepass', '_prepass_stats',
-                       '_chunk_stats', '_prepass_sync', '_prepass_group')  # what `_setup_accumulation` adds to a layer
+_accumulation_state = ('_policy', 'pending', 'pending_more', 'layer_name', 'grad_pool', '_more_pools', 'window_stats',
+                       'window_calls', '_prepass', '_prepass_stats', '_chunk_stats', '_call', '_prepass_sync', '_prepass_group')  # what `_setup_accumulation` adds to a layer
 
 def unwrap_layer(m:AccumulateBatchNorm):
     "Turn the accumulating layer `m` back into its plain BatchNorm class, in place, leaving nothing of ours on it."
@@ -656,7 +695,7 @@ class AccumulationWindow:
 
     def reset(self):
         "Start a new, empty window."
-        self.n_micro, self.n_seen, self.ref, self.loss_sum = 0, 0, None, 0.
+        self.n_micro, self.n_seen, self.ref, self.loss_sum, self.micro_losses = 0, 0, None, 0., []
 
     def add(self,
             bs:int, # samples in this micro-batch
@@ -668,7 +707,9 @@ class AccumulationWindow:
                              "lower the DataLoader's bs or raise n_acc")
         if self.ref is None: self.ref = self.n_acc if self.n_acc is not None else self.n_step * bs
         self.n_micro += 1; self.n_seen += bs
-        if loss is not None: self.loss_sum = self.loss_sum + loss.detach().float() * bs
+        if loss is not None:
+            self.loss_sum = self.loss_sum + loss.detach().float() * bs
+            self.micro_losses.append(loss.detach())
         return 1. if self.loss_reduction == 'sum' else bs / self.ref
 
     def add_whole(self,
@@ -678,7 +719,7 @@ class AccumulationWindow:
         "Record a whole window trained as one batch (however many samples it holds); its loss weight is 1."
         self.reset()
         self.n_micro, self.n_seen, self.ref = 1, bs, bs
-        if loss is not None: self.loss_sum = loss.detach().float() * bs
+        if loss is not None: self.loss_sum, self.micro_losses = loss.detach().float() * bs, [loss.detach()]
         return 1.
 
     @property
@@ -713,6 +754,11 @@ class AccumulationWindow:
     def loss(self) -> Tensor|None:
         "Mean loss over the window's samples (what one big batch would report), `None` if nothing was recorded."
         return None if self.empty or not torch.is_tensor(self.loss_sum) else self.loss_sum / self.n_seen
+
+    def nonfinite(self) -> int|None:
+        "The first micro-batch (from 0) whose loss is NaN or infinite, or None (one check of the window's loss, then a search)."
+        if not torch.is_tensor(self.loss_sum) or bool(torch.isfinite(self.loss_sum).all()): return None
+        return next((i for i, l in enumerate(self.micro_losses) if not bool(torch.isfinite(l).all())), None)
 
     def __repr__(self): return f'{type(self).__name__}(n_micro={self.n_micro}, n_seen={self.n_seen}, full={self.full})'
 
@@ -751,9 +797,9 @@ def commit_window(bns:list, # `AccumulateBatchNorm` layers
                  ):
     "Commit the pending statistics of every layer in `bns` (one momentum step each), merged across processes first."
     if not bns: return
-    local = [bn for bn in bns if not bn.pending.merged]  # the window policy's pre-pass statistics are merged already
+    local = [(st, bn) for bn in bns for st in [bn.pending] + bn.pending_more if not st.merged]  # the window policy's pre-pass statistics are merged already
     if merge and world_size(group) > 1 and local:  # one all-gather for all layers; every process then commits identical statistics
-        all_reduce_stats([bn.pending for bn in local], [bn.num_features for bn in local], group, local[0].running_mean.device)
+        all_reduce_stats([st for st, _ in local], [bn.num_features for _, bn in local], group, local[0][1].running_mean.device)
     for bn in bns: bn.update_stats()
 
 def drop_window(bns:list):
@@ -1297,6 +1343,7 @@ def bn_preflight(model:nn.Module, # the model (its state is not changed: the for
 
 # ======== fastai_accum/staged_exact.py ========
 # %% ../nbs/02b_staged_exact.ipynb #bc1cb743
+import copy, operator, warnings
 from contextlib import nullcontext
 import torch
 import torch.distributed as dist
@@ -1322,9 +1369,13 @@ def _set_rng_state(state, dev):
     torch.set_rng_state(state[0])
     if state[1] is not None: torch.cuda.set_rng_state(state[1], dev)
 
+def _same_state(a, b) -> bool: return all(x is y or (x is not None and y is not None and torch.equal(x, y)) for x, y in zip(a, b))
+
 # %% ../nbs/02b_staged_exact.ipynb #b87c84e1
 class StagedStep(StagedGraph):
     "The big batch's forward and backward over a window, stage by stage (a stage ends at a training BatchNorm layer) and chunk by chunk."
+    grow = True  # stages that bring in fewer bytes per sample run in larger chunks (False: every stage in chunks of `chunk`)
+    local = False  # this process's window alone: no collective under DDP (the check on the user's model)
     def __init__(self,
                  model:nn.Module, # the model (called through its modules; nothing is copied)
                  graph:fx.Graph, # its torch.fx graph with every BatchNorm layer a leaf (`_trace`)
@@ -1349,6 +1400,23 @@ class StagedStep(StagedGraph):
         self.stage_in = [[n for n in stage_of if stage_of[n] < s and s in users[n]] for s in range(len(self.stages))]
         self.stage_out = [[self.nodes[i] for i in idx if any(u > s for u in users[self.nodes[i]])] for s, idx in enumerate(self.stages)]
         self.stage_params = [_params_of(self, [self.nodes[i] for i in idx]) for idx in self.stages]
+        self.from_input = set(self.inputs)  # nodes computed from the model's inputs: their tensors hold the batch
+        for n in self.nodes:
+            if any(a in self.from_input for a in n.all_input_nodes): self.from_input.add(n)
+        self.sizes = {}  # nodes holding the batch's size: 'int' (`x.size(0)`, `len(x)`) or 'shape' (`x.shape`, batch first)
+        for n in self.nodes: _size_kind(n, self.sizes)
+
+def _size_kind(n, sizes:dict):
+    "Note in `sizes` whether node `n` holds the batch's size: `x.size(0)`, `len(x)` ('int'), `x.shape`, `x.size()` or a slice of them from the front ('shape')."
+    f, args = n.target, n.args
+    if n.op == 'call_method' and f == 'size': kind = 'shape' if len(args) < 2 and 'dim' not in n.kwargs else 'int' if (args[1:] or [n.kwargs.get('dim')])[0] == 0 else None
+    elif n.op == 'call_function' and f is getattr and args[1] == 'shape': kind = 'shape'
+    elif n.op == 'call_function' and f is len: kind = 'int'
+    elif n.op == 'call_function' and f is operator.getitem and sizes.get(args[0]) == 'shape':
+        i = args[1]
+        kind = 'int' if i == 0 else 'shape' if isinstance(i, slice) and i.start in (None, 0) and i.step in (None, 1) else None
+    else: kind = None
+    if kind: sizes[n] = kind
 
 def _params_of(self, nodes:list) -> list:
     "The parameters `nodes` use: those of the modules they call and the parameters they read (`get_attr`), once each."
@@ -1369,7 +1437,7 @@ def _run_stage(self, s:int, env:dict, xb:tuple, grad:bool):
         m = self.modules[n.target]
         x = self._value(n.args[0], env, xb)
         if grad: x = leaf = x.detach().requires_grad_(True)  # its gradient: BatchNorm's with the statistics held fixed
-        mean, var, _ = self.stats[m]
+        mean, var, _ = self.stats[n]
         env[n] = _after_norm(m, F.batch_norm(x, mean, var, m.weight, m.bias, False, 0., m.eps))
     return leaf
 
@@ -1386,6 +1454,7 @@ def _stage_inputs(self, s:int, a:int, b:int, dev, grad:bool=False) -> dict:
     env = {}
     for n in self.stage_in[s]:
         if n.op == 'placeholder': continue
+        if n in self.carried: env[n] = self._carried(n, a, b); continue
         v = _to(self.kept[n][a:b], dev)
         if grad and v.device == self.kept[n].device: v = v.clone()  # a chunk of its own, as on an accelerator: the store stays out of the graph
         env[n] = v.detach().requires_grad_(v.is_floating_point()) if grad else v
@@ -1398,7 +1467,46 @@ def _keep(self, d:dict, n, v:Tensor, a:int, b:int, add:bool=False):
     if add: d[n][a:b] += v
     else: d[n][a:b] = v
 
+def _hold(self, n, v, a:int, b:int):
+    "Keep node `n`'s value of samples a:b for later stages: a tensor of the batch window-sized in `store`; any other value (`torch.Size`, an int, a tuple, None, a constant tensor) as it is, per chunk."
+    if isinstance(v, Tensor) and n in self.from_input and v.dim() and v.shape[0] == b - a: self._keep(self.kept, n, v, a, b)
+    else: self.carried.setdefault(n, {})[a, b] = v
+
+def _carried(self, n, a:int, b:int):
+    "Node `n`'s value that is not a batch tensor, for samples a:b: that chunk's, or the one every chunk gave."
+    vals = self.carried[n]
+    if (a, b) in vals: return vals[a, b]
+    first = next(iter(vals.values()))
+    kind = self.sizes.get(n)
+    if kind == 'int': return b - a
+    if kind == 'shape': return type(first)((b - a,) + tuple(first[1:]))
+    if all(_same(v, first) for v in vals.values()): return first
+    forms = [_form(v, e - s) for (s, e), v in vals.items()]  # values that differ only by holding their chunk's size (`n * 2`)
+    if all(_same(f, forms[0]) for f in forms): return _filled(forms[0], b - a)
+    raise RuntimeError(f"staged exact: {n.name} (a {type(first).__name__}) differs from chunk to chunk and is read by a stage chunked otherwise")
+
+_SIZE = object()  # where a value held its chunk's size
+
+def _form(v, n:int):
+    "`v` with every int equal to the chunk size `n` (in tuples, lists, `torch.Size`) marked."
+    if isinstance(v, int) and not isinstance(v, bool): return _SIZE if v == n else v
+    if isinstance(v, (tuple, list)): return (type(v), tuple(_form(x, n) for x in v))
+    return v
+
+def _filled(form, n:int):
+    "The value of `form` (`_form`) for a chunk of `n` samples."
+    if form is _SIZE: return n
+    if isinstance(form, tuple) and len(form) == 2 and isinstance(form[0], type): return form[0](_filled(x, n) for x in form[1])
+    return form
+
+def _same(u, v) -> bool:
+    if isinstance(u, Tensor) or isinstance(v, Tensor):
+        return isinstance(u, Tensor) and isinstance(v, Tensor) and u.shape == v.shape and torch.equal(u, v)
+    try: return bool(u == v)
+    except Exception: return False
+
 StagedStep._run_stage = _run_stage; StagedStep._xb = _xb; StagedStep._chunk = _chunk; StagedStep._stage_inputs = _stage_inputs; StagedStep._keep = _keep
+StagedStep._hold = _hold; StagedStep._carried = _carried
 
 # %% ../nbs/02b_staged_exact.ipynb #b06b8998
 def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
@@ -1409,23 +1517,45 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
     self.xb = tuple(_plain(t) for t in xb)
     self.W, dev = self.xb[0].shape[0], _device(self.model, self.xb)
     self.autocast = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
-    self.kept, self.rng, self.stats, self.count, self.spans, out = {}, {}, {}, {}, [], None
+    self.kept, self.carried, self.rng, self.stats, self.count, self.spans, out = {}, {}, {}, {}, {}, [], None
+    self.random_chunked = []  # stages that drew random numbers chunk by chunk
     per_input = _nbytes(self.xb) / self.W
     for s in range(len(self.stages)):
-        per = sum(_nbytes(self.kept[n]) if n in self.kept else per_input * self.W for n in self.stage_in[s]) / self.W  # bytes a sample brings in
-        c = min(self.W, max(chunk, int(chunk * per_input // max(per, 1))))  # the chunk: as many bytes in as a micro-batch's input
+        per = sum(_nbytes(self.kept[n]) if n in self.kept else 0 if n in self.carried else per_input * self.W
+                  for n in self.stage_in[s]) / self.W  # bytes a sample brings in
+        c = min(self.W, max(chunk, int(chunk * per_input // max(per, 1)) if self.grow else chunk))  # as many bytes in as a micro-batch's input
         self.spans.append([(a, min(a + c, self.W)) for a in range(0, self.W, c)])
-        bar = self.nodes[self.stages[s + 1][0]] if s + 1 < len(self.stages) else None
-        st = ChannelStats()
-        for a, b in self.spans[s]:
-            env, xb = self._stage_inputs(s, a, b, dev), self._xb(a, b, dev)
-            self.rng[s, a] = _rng_state(dev)
-            with torch.no_grad(): self._run_stage(s, env, xb, grad=False)
-            for n in self.stage_out[s]: self._keep(self.kept, n, env[n], a, b)
-            if bar is not None: st.add(self._value(bar.args[0], env, xb))
-            else: out = self._output(out, env, xb, a, b)
-        if bar is not None: self._close(self.modules[bar.target], st)
+        out = self._stage_forward(s, dev, out)
+    if self.random_chunked: self._say_random()
     return out
+
+def _stage_forward(self, s:int, dev, out):
+    "Run stage `s` over the window chunk by chunk, without a graph; keep what later stages read, fill the output at the last. The last stage reruns in one chunk if it draws random numbers (dropout): its masks are then the big batch's."
+    bar = self.nodes[self.stages[s + 1][0]] if s + 1 < len(self.stages) else None
+    st = ChannelStats()
+    for a, b in self.spans[s]:
+        env, xb = self._stage_inputs(s, a, b, dev), self._xb(a, b, dev)
+        self.rng[s, a] = state = _rng_state(dev)
+        with torch.no_grad(): self._run_stage(s, env, xb, grad=False)
+        if a == 0 and len(self.spans[s]) > 1 and not _same_state(state, _rng_state(dev)):  # it draws random numbers
+            if bar is None:
+                _set_rng_state(state, dev)
+                self.spans[s] = [(0, self.W)]
+                return self._stage_forward(s, dev, out)
+            self.random_chunked.append(s)
+        for n in self.stage_out[s]: self._hold(n, env[n], a, b)
+        if bar is not None: st.add(self._value(bar.args[0], env, xb))
+        else: out = self._output(out, env, xb, a, b)
+    if bar is not None: self._close(bar, st)
+    return out
+
+def _say_random(self):
+    "Warn once that some stages drew their random numbers (dropout masks) chunk by chunk."
+    if getattr(self, '_said_random', False): return
+    self._said_random = True
+    where = ', '.join(f"after {self.nodes[self.stages[s][0]].target}" if s else "before the first BatchNorm" for s in self.random_chunked)
+    warnings.warn(f"staged exact: random ops (dropout, drop-path) in chunked stages ({where}) draw their masks chunk by chunk: "
+                  "equal in distribution to the big batch's, not in value. Everything else is the big batch's step.", stacklevel=2)
 
 def _device(model:nn.Module, xb:tuple) -> torch.device:
     "Where `model` computes: its parameters' (or buffers') device; the inputs' for a model without either."
@@ -1443,19 +1573,27 @@ def _output(self, out, env:dict, xb:tuple, a:int, b:int) -> Tensor:
     return out
 
 @torch.no_grad()
-def _close(self, m:_BatchNorm, st:ChannelStats):
-    "Barrier `m` has seen its window (under DDP: the union of the processes' windows, one collective): fix the statistics it normalizes with, commit its running statistics as BatchNorm on that batch does."
-    if world_size() > 1: all_reduce_stats([st], [m.num_features])
+def _close(self, bar, st:ChannelStats):
+    "Barrier node `bar` has seen its window (under DDP: the union of the processes' windows, one collective): fix the statistics it normalizes with, commit its module's running statistics as BatchNorm on that batch does (once per call of the module)."
+    m = self.modules[bar.target]
+    if world_size() > 1 and not self.local: all_reduce_stats([st], [m.num_features])
+    if st.count < 2: raise ValueError(f"Expected more than 1 value per channel when training, got {st.count} in the window "
+                                      f"at {bar.target} ({type(m).__name__}): a 1-sample window has no batch statistics")
     dt = m.weight.dtype if m.weight is not None else st.mean.dtype
     mean, var = st.mean.to(dt), st.biased_var.to(dt)
-    self.stats[m], self.count[m] = (mean, var, torch.rsqrt(var + m.eps)), st.count
+    self.stats[bar], self.count[bar] = (mean, var, torch.rsqrt(var + m.eps)), st.count
     if not (m.training and m.track_running_stats): return
+    if not bool(torch.isfinite(st.mean).all() & torch.isfinite(st.m2).all()):
+        warnings.warn(f"staged exact: {bar.target}'s window statistics are not finite (a NaN or inf in its input): its running "
+                      "statistics are not updated for this window", RuntimeWarning, stacklevel=3)
+        return
     m.num_batches_tracked.add_(1)
     f = 1.0 / float(m.num_batches_tracked) if m.momentum is None else m.momentum
     m.running_mean.mul_(1 - f).add_(mean.to(m.running_mean.dtype) * f)
     m.running_var.mul_(1 - f).add_(st.var.to(m.running_var.dtype) * f)
 
 StagedStep.forward = _forward; StagedStep._output = _output; StagedStep._close = _close
+StagedStep._stage_forward = _stage_forward; StagedStep._say_random = _say_random
 
 # %% ../nbs/02b_staged_exact.ipynb #1494d3bf
 def _backward(self, grad:Tensor, # the gradient of the loss with respect to the window's output
@@ -1477,6 +1615,9 @@ def _backward(self, grad:Tensor, # the gradient of the loss with respect to the 
             with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []), torch.enable_grad(), autocast:
                 _set_rng_state(self.rng[s, a], dev)
                 leaf = self._run_stage(s, env, self._xb(a, b, dev, grad=True), grad=True)
+            lost = next((n for n in self.stage_out[s] if n in self.carried and isinstance(env[n], Tensor) and env[n].requires_grad), None)
+            if lost is not None: raise RuntimeError(f"staged exact: {lost.name}, a tensor computed from parameters alone, is read "
+                                                    "across a BatchNorm layer: its gradient cannot be carried back")
             pairs = [(env[n], _to(grads[n][a:b], dev)) for n in outs if isinstance(env.get(n), Tensor) and env[n].requires_grad]
             leaves = [n for n in self.stage_in[s] if isinstance(env.get(n), Tensor) and env[n].requires_grad]
             got = self._grads(pairs, [env[n] for n in leaves] + ([leaf] if leaf is not None else []), params, pgrads, used)
@@ -1488,7 +1629,7 @@ def _backward(self, grad:Tensor, # the gradient of the loss with respect to the 
                 self._keep(fixed, bar, g, a, b)
         for n in outs: grads.pop(n, None)
         if bar is not None: self._project(s, bar, fixed.get(bar), sums, grads)
-    self.kept = self.xb = None
+    self.kept = self.carried = self.xb = None
     if own:
         for p, g in zip(params, pgrads):
             if g is not None: p.grad = g if p.grad is None else p.grad + g
@@ -1502,9 +1643,9 @@ def _grads(self, pairs:list, leaves:list, params:list, pgrads:list, used:list) -
         if g is not None: pgrads[i] = g if pgrads[i] is None else pgrads[i] + g
     return list(got[:len(leaves)])
 
-def _xhat(self, m:_BatchNorm, x:Tensor) -> Tensor:
-    "`x` normalized with barrier `m`'s window statistics."
-    mean, _, invstd = self.stats[m]
+def _xhat(self, bar, x:Tensor) -> Tensor:
+    "`x` normalized with the window statistics of barrier node `bar`."
+    mean, _, invstd = self.stats[bar]
     shape = [1, -1] + [1] * (x.dim() - 2)
     return (x - mean.view(shape)) * invstd.view(shape)
 
@@ -1512,18 +1653,18 @@ def _xhat(self, m:_BatchNorm, x:Tensor) -> Tensor:
 def _window_sums(self, bar, x:Tensor, g:Tensor, sums:Tensor|None) -> Tensor:
     "`sums` plus one chunk's per-channel Σ g and Σ g·x̂ (g: the input gradient with the statistics held fixed)."
     dims = [0] + list(range(2, x.dim()))
-    part = torch.stack([g.sum(dims), (g * self._xhat(self.modules[bar.target], x)).sum(dims)])
+    part = torch.stack([g.sum(dims), (g * self._xhat(bar, x)).sum(dims)])
     return part if sums is None else sums + part
 
 @torch.no_grad()
 def _project(self, s:int, bar, fixed:Tensor, sums:Tensor, grads:dict):
     "BatchNorm's exact backward at `bar`, chunk by chunk: dx = g - (Σ g + x̂ Σ g·x̂) / n over the window (under DDP: over all processes' windows)."
-    if world_size() > 1: dist.all_reduce(sums)  # one collective per layer, as SyncBatchNorm's backward
-    m, dev, n = self.modules[bar.target], sums.device, self.count[self.modules[bar.target]]
+    if world_size() > 1 and not self.local: dist.all_reduce(sums)  # one collective per layer, as SyncBatchNorm's backward
+    dev, n = sums.device, self.count[bar]
     shape = [1, -1] + [1] * (fixed.dim() - 2)
     s1, s2 = (sums / n).unbind(0)
     for a, b in self.spans[s]:
-        xh = self._xhat(m, self._chunk(bar.args[0], a, b, dev))
+        xh = self._xhat(bar, self._chunk(bar.args[0], a, b, dev))
         dx = _to(fixed[a:b], dev) - s1.view(shape) - xh * s2.view(shape)
         self._keep(grads, bar.args[0], dx, a, b, add=True)
 
@@ -1535,12 +1676,13 @@ class _StagedFunction(torch.autograd.Function):
     "The staged step as one autograd node: its inputs are the window's model inputs and the trainable parameters, whose gradients its backward returns (so each parameter's gradient arrives once per window, as DDP's reducer expects)."
     @staticmethod
     def forward(ctx, step, chunk, n_x, *inputs):
-        ctx.step, ctx.n_x = step, n_x
-        ctx.save_for_backward(*inputs[n_x:])
+        # the parameters themselves, not saved tensors: a saved-tensor hook (`save_on_cpu`, a memory meter) would hand back
+        # new objects, and the backward finds each parameter's gradient by identity
+        ctx.step, ctx.n_x, ctx.params = step, n_x, inputs[n_x:]
         return step.forward(inputs[:n_x], chunk)
     @staticmethod
     def backward(ctx, grad):
-        return (None, None, None) + (None,) * ctx.n_x + tuple(ctx.step.backward(grad, ctx.saved_tensors))
+        return (None, None, None) + (None,) * ctx.n_x + tuple(ctx.step.backward(grad, ctx.params))
 
 class StagedForward:
     "A model's `forward` that trains a window as the big batch, staged; the model's own forward when it does not train."
@@ -1561,6 +1703,8 @@ class StagedForward:
         params = [p for p in self.model.parameters() if p.requires_grad]
         with self.autocast() if self.autocast is not None else nullcontext():
             return _StagedFunction.apply(self.step, self.chunk, len(xb), *xb, *params)
+    def __reduce__(self):  # a model pickled mid-fit (`torch.save(learn.model)`) keeps its own forward, loadable without this package
+        return (getattr, (self.model, 'forward')) if self.own is None else (copy.copy, (self.own,))
 
 def install_staged(model:nn.Module, chunk:int, store=None, autocast=None) -> StagedForward:
     "Make `model` train each batch as a staged exact step in chunks of `chunk` (until `uninstall_staged`)."
@@ -1582,24 +1726,42 @@ def _perturbed(xb:tuple) -> tuple:
 
 def _cat(a:tuple, b:tuple) -> tuple: return tuple(torch.cat([x, y]) if isinstance(x, Tensor) else x for x, y in zip(a, b))
 
-def _grows(a:tuple, b:tuple) -> bool:
-    "Shape `b` is `a` with one dimension (the batch's, wherever a permute put it) doubled."
-    diff = [(i, j) for i, j in zip(a, b) if i != j]
-    return len(a) == len(b) and len(diff) == 1 and diff[0][1] == 2 * diff[0][0]
+def _grown_dim(a:tuple, b:tuple) -> int|None:
+    "The dimension (the batch's, wherever a permute put it) that shape `b` doubles of shape `a`, or None."
+    diff = [(d, i, j) for d, (i, j) in enumerate(zip(a, b)) if i != j]
+    return diff[0][0] if len(a) == len(b) and len(diff) == 1 and diff[0][2] == 2 * diff[0][1] else None
+
+def _close_values(x:Tensor, y:Tensor) -> bool:
+    "`y` is `x` up to the rounding of batched kernels."
+    if not x.is_floating_point(): return torch.equal(x, y)
+    tol = 1e-9 if x.dtype == torch.float64 else 1e-3
+    return bool(((x - y).abs().max() <= tol * x.abs().max().clamp_min(1e-30)).item()) if x.numel() else True
+
+def _mixes(x:Tensor, y:Tensor, random:bool) -> bool:
+    "Does the value `y` (on the batch plus as many other samples) show that the op mixed samples, `x` being its value on the batch? (`random`: it changes from run to run, only its shape says.)"
+    d = _grown_dim(x.shape, y.shape)
+    if random: return d is None and x.shape != y.shape
+    if d is None: return x.shape != y.shape or not torch.equal(x, y)  # not per sample: it must not change with other samples
+    return not _close_values(x, y.narrow(d, 0, x.shape[d]))  # per sample: the batch's own samples must keep their values
 
 @torch.no_grad()
-def _node_values(step:StagedStep, xb:tuple) -> dict:
-    "Every node's value on batch `xb`, training BatchNorm layers passing their input through (nothing in the model changes)."
-    env = {}
+def _node_values(step:StagedStep, xb:tuple) -> tuple:
+    "(every node's value on batch `xb`, training BatchNorm layers passing their input through; the nodes whose values are random). Nothing in the model changes."
+    env, random, dev = {}, set(), _device(step.model, xb)
     for n in step.nodes:
+        state = _rng_state(dev)
         if n.op == 'call_module' and _is_barrier(step.modules[n.target]): env[n] = step._value(n.args[0], env, xb)
         else: env[n] = _plain(step._run_node(n, env, xb))
-    return env
+        if not _same_state(state, _rng_state(dev)) or 'empty' in str(n.target):  # it drew random numbers, or holds garbage
+            random.add(n)
+            if n.op == 'call_method' and n.target.endswith('_') and isinstance(n.args[0], fx.Node): random.add(n.args[0])  # filled in place
+        elif any(a in random for a in n.all_input_nodes): random.add(n)
+    return env, random
 
 def samples_mixed(model:nn.Module, # a model torch.fx can trace, in the modes it trains in
                   xb:tuple, # one micro-batch of its inputs
                  ) -> str|None:
-    "The first op outside BatchNorm whose output mixes samples (it does not grow with the batch, and changes with other samples), or None."
+    "The first op outside BatchNorm whose output mixes samples (other samples change the batch's own values), or None."
     graph = _trace(model)
     if isinstance(graph, str): return None
     step = StagedStep(model, graph)
@@ -1608,21 +1770,21 @@ def samples_mixed(model:nn.Module, # a model torch.fx can trace, in the modes it
     b = _cat(a, _perturbed(a))
     dev = a[0].device
     with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []):
-        va, vb = _node_values(step, a), _node_values(step, b)
+        (va, random), (vb, _) = _node_values(step, a), _node_values(step, b)
     for n in step.nodes:
         x, y = va[n], vb[n]
         if not (isinstance(x, Tensor) and isinstance(y, Tensor)): continue
-        if not _grows(x.shape, y.shape) and (x.shape != y.shape or not torch.equal(x, y)):
+        if _mixes(x, y, random=n in random):
             return f"{n.name} ({n.op} {getattr(n.target, '__name__', n.target)}) combines the samples of a batch"
     return None
 
 # ======== fastai_accum/exact.py ========
 # %% ../nbs/02a_exact.ipynb #43c0896b
-import contextlib
+import contextlib, copy, itertools, time
 from dataclasses import dataclass
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import nn, Tensor
 
 # %% auto #0
 
@@ -1677,6 +1839,8 @@ class ExactPlan:
     staged:bool=False     # trained stage by stage in chunks (`fastai_accum.staged_exact`): the device holds one chunk of one stage
     chunk:int|None=None   # samples per chunk of a staged step (the micro-batch)
     reason:str|None=None  # why a staged step was not chosen
+    checked:str|None=None # what the check of the staged step on the model found (`verify_staged`)
+    check_time:float=0.   # seconds the check took
     whole:bool=False      # staged in one chunk of the whole window (under DDP: BatchNorm reduced over the processes)
     micro:int|None=None   # samples per micro-batch (of the one measured)
 
@@ -1711,20 +1875,27 @@ class ExactPlan:
         "What this plan does and the numbers it rests on."
         if self.staged and self.whole:
             return (f"a window of {self.window} samples as one batch per process, each BatchNorm layer normalizing over all "
-                    f"{world_size()} processes' windows (SyncBatchNorm's semantics: 2 collectives per layer), needs {fmt_bytes(self.device_needed)}")
+                    f"{world_size()} processes' windows (SyncBatchNorm's semantics: 2 collectives per layer), needs {fmt_bytes(self.device_needed)}{self._checked}")
         if self.staged:
-            budget = f"budget {fmt_bytes(self.device_budget)}" if self.device_budget is not None else f"budget {fmt_bytes(self.host_budget)}"
-            return (f"a window of {self.window} samples as one batch would need {fmt_bytes(self.device_needed)} ({budget}), so it "
+            return (f"a window of {self.window} samples as one batch would need {fmt_bytes(self.device_needed)} ({self._budget}), so it "
                     f"trains as one batch stage by stage in chunks of {self.chunk}: about {fmt_bytes(self.staged_device_needed)} on "
-                    f"the device and {fmt_bytes(self.staged_host_needed)} of values kept between stages")
-        if not self.on_accelerator:
-            return (f"a window of {self.window} samples as one batch needs {fmt_bytes(self.host_needed)} of memory, "
-                    f"budget {fmt_bytes(self.host_budget)}")
+                    f"the device and {fmt_bytes(self.staged_host_needed)} of values kept between stages{self._checked}")
+        if not self.on_accelerator: return f"a window of {self.window} samples as one batch needs {fmt_bytes(self.host_needed)} ({self._budget})"
+
         where = 'in host memory (pinned)' if self.offload else 'on the accelerator'
         s = (f"a window of {self.window} samples as one batch, saved activations {where}, needs "
              f"{fmt_bytes(self.device_needed)} of accelerator memory (budget {fmt_bytes(self.device_budget)})")
         if self.offload: s += f" and {fmt_bytes(self.host_needed)} of host memory (budget {fmt_bytes(self.host_budget)})"
         return s
+
+    @property
+    def _checked(self) -> str: return f"; {self.checked} in {self.check_time:.1f} s" if self.checked and self.reason is None else ''
+
+    @property
+    def _budget(self) -> str:
+        "The budget the whole window is held against: the device's when one was given (also on a CPU), else the host's."
+        if self.device_budget is not None: return f"device budget {fmt_bytes(self.device_budget)}"
+        return f"host budget {fmt_bytes(self.host_budget)}"
 
 # %% ../nbs/02a_exact.ipynb #7daaaa2c
 def free_memory(device:torch.device) -> tuple:
@@ -1762,6 +1933,111 @@ def saved_on_host(plan:ExactPlan):
     if not plan.offload: return contextlib.nullcontext()
     return torch.autograd.graph.save_on_cpu(pin_memory=plan.device == 'cuda')
 
+# %% ../nbs/02a_exact.ipynb #5b1e0c22
+def _check_copy(model:nn.Module, dtype, device) -> nn.Module:
+    "A copy of `model` whose parameters and buffers are cloned straight to `device` in `dtype` (floating ones): never a second copy where the model lives."
+    memo = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        c = t.detach().to(device, dtype if t.is_floating_point() else t.dtype, copy=True)
+        memo[id(t)] = nn.Parameter(c, t.requires_grad) if isinstance(t, nn.Parameter) else c
+    return copy.deepcopy(model, memo)
+
+def _hold_random(model:nn.Module, xb:tuple):
+    "Put the innermost modules whose training forward draws random numbers (dropout, drop-path) in eval mode, found on one forward (it changes buffers: a copy's, or restored by the caller)."
+    drew, before, dev = [], {}, _device(model, xb)
+    def pre(m, args): before[m] = _rng_state(dev)
+    def post(m, args, out):
+        if not _same_state(before.pop(m), _rng_state(dev)): drew.append(m)
+    handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+    try:
+        with torch.no_grad(): model(*xb)
+    finally:
+        for h in handles: h.remove()
+    inner = [m for m in drew if not any(c in drew for c in m.modules() if c is not m)]
+    for m in inner: m.training = False  # this module only: BatchNorm layers inside keep their mode
+    return inner
+
+def _one_step(model:nn.Module, xb:tuple, chunk:int|None=None) -> tuple:
+    "(output, gradients, buffers) by name after one training step of `model` on `xb` from torch seed 0, plain or staged in chunks of `chunk` (every stage, no collective)."
+    f = None
+    if chunk:
+        f = install_staged(model, chunk)
+        f.step.grow, f.step.local = False, True
+    try:
+        torch.manual_seed(0)
+        out = model(*xb)
+        sum((o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype, device=o.device).view_as(o)).sum()
+            for o in _tensors(out) if o.is_floating_point()).backward()
+    finally:
+        if f is not None: uninstall_staged(model)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    for p in model.parameters(): p.grad = None
+    return [o.detach() for o in _tensors(out)], grads, {n: b.clone() for n, b in model.named_buffers()}
+
+_check_tol = {torch.float64: (1e-8, 1e-11), torch.float32: (5e-3, 1e-4)}  # (relative, absolute as a fraction of the largest value)
+
+def _first_diff(ref:dict, got:dict, dtype) -> tuple|None:
+    "(name, relative difference) of the first tensor in `got` not within tolerance of `ref`, or None."
+    rtol, atol = _check_tol.get(dtype, (5e-2, 1e-3))
+    vals = [t for t in ref.values() if t is not None and t.is_floating_point() and t.numel()]
+    scale = max([t.abs().max().item() for t in vals] or [0.])
+    for name, r in ref.items():
+        g = got.get(name)
+        if r is None and g is None: continue
+        r, g = (r if r is not None else torch.zeros_like(g)), (g if g is not None else torch.zeros_like(r))
+        if not r.is_floating_point():
+            if not torch.equal(r, g): return name, float((r - g).abs().max())
+            continue
+        d, den = (g - r).abs().max().item(), r.abs().max().item()
+        if d > rtol * den + atol * scale: return name, d / max(den, atol * scale, 1e-300)
+    return None
+
+def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothing in it changes)
+                  xb:tuple, # one micro-batch of its inputs
+                  memory:int|None=None, # host bytes the check's copy of the model may take (None: no limit)
+                  saved:float=0., # bytes a sample's training forward saves (`Footprint.saved`), to size the copy
+                 ) -> tuple:
+    "(why the staged step is not the big batch on `model`, or None; what was checked): one step on a window of 4 of `xb`'s samples, plain and staged in chunks of 2, on a copy in host memory."
+    dt = _check_dtype(model, memory, saved)
+    if dt is None: return None, "not checked: a copy of the model does not fit in host memory"
+    x = tuple(_plain(t) for t in xb)
+    while x[0].shape[0] < 4: x = _cat(x, _perturbed(x))
+    x = tuple(t[:4].to('cpu', dt if t.is_floating_point() else t.dtype) if isinstance(t, Tensor) else t for t in x)
+    with random_state_kept(), torch.enable_grad(), torch.autocast('cpu', enabled=False), _no_cuda_autocast():
+        work = _check_copy(model, dt, 'cpu')
+        for p in work.parameters():
+            if p.numel() > _check_max_numel: p.requires_grad_(False)  # their layers' inputs and outputs are compared, not their gradient
+        held = _hold_random(work, x)
+        bufs = [(b, b.clone()) for b in work.buffers()]
+        ref = _one_step(work, x)
+        with torch.no_grad():
+            for b, v in bufs: b.copy_(v)
+        try: got = _one_step(work, x, chunk=2)
+        except Exception as e: return f"the staged step fails on this model ({type(e).__name__}: {' '.join(str(e).split())})", None
+    how = f"{str(dt).replace('torch.', '')}, a window of 4 in chunks of 2{f', {len(held)} random modules held fixed' if held else ''}"
+    out, grad, buf = (_first_diff(r, g, dt) for r, g in ((dict(enumerate(ref[0])), dict(enumerate(got[0]))), (ref[1], got[1]), (ref[2], got[2])))
+    if not (out or grad or buf): return None, f"checked on this model: equal to the big batch ({how})"
+    what = '; '.join(s for s in (out and f"output off by {out[1]:.2g}", grad and f"gradient of {grad[0]} off by {grad[1]:.2g}",
+                                 buf and f"{buf[0]} off by {buf[1]:.2g}") if s)
+    return f"checked on this model, the staged step is not the big batch ({how}): {what}", None
+
+_check_max_numel = 2 ** 22  # parameters larger than this are not differentiated in the check (a VGG classifier's 100M weights)
+
+def _check_dtype(model:nn.Module, memory:int|None, saved:float):
+    "float64 if a float64 copy (weights, two sets of gradients, a window of 4's activations twice) fits `memory`, else float32 if that fits, else None."
+    n_par, elt = sum(p.numel() for p in model.parameters()), next((p.element_size() for p in model.parameters()), 4)
+    for dt in (torch.float64, torch.float32):
+        size = torch.finfo(dt).bits // 8
+        if memory is None or 3 * size * n_par + 8 * saved * size / elt <= memory: return dt
+    return None
+
+def _check_input(t:Tensor, dt, to_copy:bool) -> Tensor:
+    "Model input `t` for the check: on the CPU, floating point in `dt`, if it runs on a copy; as it is otherwise."
+    return t.to('cpu', dt if t.is_floating_point() else t.dtype) if to_copy else t
+
+def _no_cuda_autocast():
+    return torch.autocast('cuda', enabled=False) if torch.cuda.is_available() else contextlib.nullcontext()
+
 # %% ../nbs/02a_exact.ipynb #95035e37
 def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' or a BatchNorm policy
                  model:nn.Module, # the model to train
@@ -1772,6 +2048,7 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
                  host_memory:int|None=None, # host bytes it may use
                  offload:bool|None=None, # saved activations in host memory
                  name:str='GradientAccumulation', # the callback, for the error message
+                 verify:bool=True, # check a staged step against the big batch on the model before choosing it (`verify_staged`)
                 ) -> tuple:
     "(train each window as one batch?, the `ExactPlan` or None; `plan.staged` if stage by stage): see the rule below."
     if policy not in ('exact', 'staged', 'auto'): return False, None
@@ -1786,14 +2063,18 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
         if not plan.fits:
             raise ExactModeMemoryError(f"{name}(policy='exact'): {plan.describe()}. Lower n_step/n_acc, free memory, set the budget "
                                        "with device_memory=/host_memory=, or use policy='staged' (memory of one chunk) or 'window'.")
+        if synced and not unfit and verify: unfit = _verified(plan, model, xb)
         if unfit: raise ExactModeMemoryError(f"{name}(policy='exact') under DDP normalizes over all processes' windows stage by stage, "
                                              f"but {unfit} Convert BatchNorm to SyncBatchNorm or use policy='window'.")
         if synced: _whole_staged(plan)
         return True, plan
     if staged_asked: plan.reason = unfit or _staged_memory(plan)
+    if staged_asked and plan.reason is None and verify: plan.reason = _verified(plan, model, xb)
     if policy == 'staged':
-        if plan.reason: raise ExactModeMemoryError(f"{name}(policy='staged'): {plan.reason}")
-        plan.staged, plan.chunk = True, _largest_chunk(plan)
+        if plan.checked is None and plan.reason: raise ExactModeMemoryError(f"{name}(policy='staged'): {plan.reason}")
+        if plan.reason: raise StagedMismatchError(f"{name}(policy='staged'): {plan.reason}. Train with policy='window' (or 'auto', "
+                                                  "which falls back to it), or pass verify=False to train staged anyway.")
+        plan.staged, plan.chunk, plan.offload = True, _largest_chunk(plan), False
         return True, plan
     whole, staged, offloaded = _agreed(auto_picks_exact(plan) and not unfit, plan.reason is None,
                                        plan.fits and plan.offload and not synced)
@@ -1806,6 +2087,16 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
     if offloaded: return True, plan
     plan.reason = plan.reason or 'another process cannot train its window as one batch'
     return False, plan
+
+class StagedMismatchError(RuntimeError):
+    "The staged step, checked on the user's model, is not the big batch's."
+
+def _verified(plan:ExactPlan, model:nn.Module, xb:tuple) -> str|None:
+    "Why a staged step is not the big batch on `model` (`verify_staged`, within half the host budget), or None; what was checked and its time go in `plan`."
+    t = time.perf_counter()
+    why, checked = verify_staged(model, xb, plan.host_budget // 2, plan.footprint.saved)
+    plan.checked, plan.check_time = checked or why, time.perf_counter() - t
+    return why
 
 def _whole_staged(plan:ExactPlan):
     "Under DDP the whole window runs as one chunk of a staged step (its BatchNorm reduced over the processes), kept values on the device."
@@ -1846,7 +2137,7 @@ def _agreed(*flags:bool) -> list:
 
 # ======== fastai_accum/core.py ========
 # %% ../nbs/02d_core.ipynb #d39581af
-import inspect, time, warnings
+import inspect, time, warnings, weakref
 from contextlib import nullcontext
 import torch
 from torch import nn, Tensor
@@ -1858,6 +2149,8 @@ from torch.nn.parallel import DistributedDataParallel
 def default_inputs(b) -> tuple:
     "The model inputs of batch `b`: everything but the last element (the target), or `b` itself if it has one element."
     return split_batch(b)[0]
+
+_open = weakref.WeakValueDictionary()  # id(model) -> the `batches` generator training it now: the next `batches` on that model closes it
 
 def _ghost():
     "The ghost-batch module (`bn_batch`), which the default path never imports."
@@ -1884,6 +2177,7 @@ class Accumulation:
                  offload:bool|None=None, device_memory:int|None=None, host_memory:int|None=None, # 'exact' policy: as `plan_exact`
                  bn_batch:int|None=None, # ghost batches: BatchNorm normalizes each group of this many consecutive samples of the window (the window trains as one batch; default: the whole window)
                  params=None,          # callable giving the parameters whose gradients accumulate (default: the model's trainable ones)
+                 verify:bool=True,     # before a staged step is chosen, check it against the big batch on a copy of the model (`verify_staged`): 'auto' falls back if it differs, 'staged' raises
                  merge_exact:bool=True, # 'exact' under DDP: wrap BatchNorm so that running statistics merge across processes (fastai leaves that to `sync_bn`)
                  name:str|None=None,   # who speaks in error messages and the pre-flight (default: the class name)
                 ):
@@ -1895,7 +2189,7 @@ class Accumulation:
         self.inputs, self.autocast, self.wrap, self.sync_each_batch = inputs, autocast, wrap, sync_each_batch
         self.prepass_bs, self.prepass_memory = prepass_bs, prepass_memory
         self.offload, self.device_memory, self.host_memory = offload, device_memory, host_memory
-        self._params, self.merge_exact, self.name = params, merge_exact, name or type(self).__name__
+        self._params, self.merge_exact, self.name, self.verify = params, merge_exact, name or type(self).__name__, verify
         self.use_model(model)
         self.device = device if device is not None else next(self.module.parameters()).device
         self.window = AccumulationWindow(n_step, n_acc, loss_reduction)
@@ -2002,7 +2296,7 @@ class Accumulation:
         "The callback's rule (`choose_exact`): 'exact' if it fits; 'auto' if the model has BatchNorm and the window fits without offload."
         peek = b if callable(b) else lambda: b
         exact, self.plan = choose_exact(self.policy, self.module, lambda: tuple(self.inputs(peek())), self.n_step, self.n_acc,
-                                        self.device_memory, self.host_memory, self.offload, name=self.name)
+                                        self.device_memory, self.host_memory, self.offload, name=self.name, verify=self.verify)
         return exact
 
     def preflight(self, xb:tuple, # one micro-batch's model inputs
@@ -2033,8 +2327,18 @@ class Accumulation:
         return '\n'.join(lines + [table])
 
     def batches(self, loader):
-        "Iterate `loader` (any iterable of batches) one window ahead: micro-batches, or whole windows under 'exact'."
+        "Iterate `loader` (any iterable of batches) one window ahead: micro-batches, or whole windows under 'exact'. A `batches` left unfinished on this model (by this or another `Accumulation`) is closed first."
+        self.close()
         self.clear()
+        _open[id(self.module)] = gen = self._batches(loader)
+        return gen
+
+    def close(self):
+        "Close the `batches` generator training this model if one was left unfinished (a `break`, an exception, kept referenced): its partial window dropped, BatchNorm handed back."
+        gen = _open.pop(id(self.module), None)
+        if gen is not None: gen.close()
+
+    def _batches(self, loader):
         try:
             windows, ready = WindowLoader(loader, self.n_step, self.n_acc), False
             for window in windows.windows():
@@ -2045,6 +2349,7 @@ class Accumulation:
                     ready = True
                 window = [self._placed(b) for b in window]
                 if self.exact: window = [cat_batches(window)]
+                if not self.window.empty: self._drop_unfinished()
                 self.start_window(window)
                 for i, b in enumerate(window):
                     self.start_micro(batch_size(b), i == len(window) - 1)
@@ -2053,6 +2358,12 @@ class Accumulation:
             self._exit_offload()
             if self.ddp is not None: self.ddp.require_backward_grad_sync = True
             self.release()  # between epochs the model holds plain torch BatchNorm layers
+
+    def _drop_unfinished(self):
+        "The window before ended without its last backward (skipped, cancelled): drop its gradients rather than carry them into this one."
+        warnings.warn(f"{self.name}: a window's last micro-batch had no backward (skipped or cancelled): the window's "
+                      f"{self.window.n_micro} micro-batches of gradients are dropped, not carried into the next window", RuntimeWarning)
+        self.clear()
 
     @property
     def inputs_on(self):
@@ -2121,7 +2432,12 @@ class Accumulation:
         self._micro = None
         if not self._ends_window: return False
         self._ends_window = False
-        commit_window(self.bns, merge=not self.local)  # BatchNorm's running statistics: one momentum step with the window's, merged across processes
+        bad = self.window.nonfinite() if self.local or world_size() == 1 else None  # under DDP the merged statistics' own check decides
+        if bad is None: commit_window(self.bns, merge=not self.local)  # BatchNorm's running statistics: one momentum step with the window's, merged across processes
+        else:
+            drop_window(self.bns)
+            warnings.warn(f"{self.name}: micro-batch {bad} of window {self.steps} has a non-finite loss: the window's BatchNorm "
+                          "running statistics are not updated (the optimizer step is the training loop's to skip)", RuntimeWarning)
         if self.window.loss is not None: self.losses.append(self.window.loss.item())
         self.steps += 1
         self.window.reset()
@@ -2144,6 +2460,10 @@ class Accumulation:
     def _exit_offload(self):
         offload, self._offload = self._offload, None
         if offload is not None: offload.__exit__(None, None, None)
+
+    def drop_grads(self):
+        "The window ended without an optimizer step (its backward was cancelled): its gradients go, so none reaches the next window."
+        for p in self.params: p.grad = None
 
     def clear(self):
         "Drop a partial window: its accumulated gradients and pending BatchNorm statistics."
@@ -2277,6 +2597,7 @@ class GradientAccumulation(Callback, FrontEnd):
 def before_fit(self:GradientAccumulation):
     "A fit, or `validate`/`get_preds` (fastai runs `before_fit` for them too), starts; inside a fit, a nested one is left alone."
     if self._fitting: self._nested += 1; return
+    self._check_alone()
     self._check_batch_size()
     self._lengthen_lr_find()
     self._guard_interrupts()
@@ -2315,6 +2636,14 @@ def _peek_batch(self:GradientAccumulation):
 
 @patch
 def _train_dl(self:GradientAccumulation): return self.dls.train
+
+@patch
+def _check_alone(self:GradientAccumulation):
+    "Two accumulation callbacks on one Learner would each scale and step: refuse before either changes anything."
+    others = [c for c in self.learn.cbs if c is not self and (isinstance(c, GradientAccumulation) or type(c).__name__ == 'GradientAccumulation')]
+    name = lambda c: f"{type(c).__module__.split('.')[0]}'s {type(c).__name__}(n_acc={getattr(c, 'n_acc', None)}, n_step={getattr(c, 'n_step', None)})"
+    if others: raise ValueError(f"The Learner has {len(others) + 1} gradient accumulation callbacks: {name(self)} and "
+                                f"{', '.join(map(name, others))} (one on the Learner, one passed to fit(cbs=...)?). Keep one.")
 
 @patch
 def _check_batch_size(self:GradientAccumulation):
@@ -2402,6 +2731,7 @@ def after_fit(self:GradientAccumulation):
 # %% ../nbs/03_callback.ipynb #8deebdf2
 @patch
 def before_batch(self:GradientAccumulation):
+    self._stepped = False
     if self._announce: self._show_preflight()
     if self.acc.needs_window and self.window.empty: self.acc.start_window(self._window())
     self._start_micro(find_bs(self.learn.yb), last=self.learn.iter == self.learn.n_iter - 1)  # the window rule; DDP's gradient sync
@@ -2422,7 +2752,12 @@ def before_step(self:GradientAccumulation):
     if not self._final: raise CancelBatchException()  # keep accumulating (or drop): no step, no zero_grad
 
 @patch
-def after_batch(self:GradientAccumulation): self.acc.end_micro()  # at the window's end: commit BatchNorm statistics
+def after_step(self:GradientAccumulation): self._stepped = True
+
+@patch
+def after_batch(self:GradientAccumulation):
+    "At the window's end commit BatchNorm statistics; if the optimizer did not step there (a cancelled backward), drop the window's gradients."
+    if self.acc.end_micro() and not self._stepped: self.acc.drop_grads()
 
 # %% ../nbs/03_callback.ipynb #ac820318
 def _rebuild_expression(args:dict) -> str|None:
@@ -2436,8 +2771,16 @@ def _rebuild_expression(args:dict) -> str|None:
             f"else __import__('fastai.callback.core', fromlist=['_']).Callback()")
 
 @patch
+def _live_args(self:GradientAccumulation) -> dict:
+    "The arguments that rebuild this callback as it is now (options changed on it since it was made included)."
+    defaults = accumulation_options({}, 'GradientAccumulation')
+    options = {k: getattr(self, k) for k in self._options}
+    return dict(n_acc=self.n_acc, n_step=self.n_step, preflight=self.preflight,
+                **{k: v for k, v in options.items() if k in self._args or v != defaults[k]})
+
+@patch
 def __reduce_ex__(self:GradientAccumulation, protocol):
-    expression = _rebuild_expression(self._args)
+    expression = _rebuild_expression(self._live_args())
     if expression is None: return super(GradientAccumulation, self).__reduce_ex__(protocol)  # by name: needs the package to load
     return eval, (expression,), {'learn': self.learn}
 
@@ -2468,4 +2811,4 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'learner_and_model', 'modes_kept', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'window_full', 'world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'WindowLoader', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'fmt_bytes', 'trace_model', 'StagedGraph', 'untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'auto_picks_exact', 'saved_on_host', 'choose_exact', 'default_inputs', 'Accumulation', 'accumulation_options', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'learner_and_model', 'modes_kept', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'window_full', 'world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'WindowLoader', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'fmt_bytes', 'trace_model', 'StagedGraph', 'untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'auto_picks_exact', 'saved_on_host', 'verify_staged', 'choose_exact', 'StagedMismatchError', 'default_inputs', 'Accumulation', 'accumulation_options', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
