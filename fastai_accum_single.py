@@ -14,9 +14,9 @@ Contents (line: module: classes), dependencies first:
       996: staged: StagedGraph
      1132: prepass: PrepassPlan
      1344: staged_exact: StagedStep, StagedForward
-     1781: exact: Footprint, ExactModeMemoryError, ExactPlan, StagedMismatchError
-     2138: core: Accumulation, FrontEnd
-     2546: callback: WindowPrefetch, GradientAccumulation
+     1790: exact: Footprint, ExactModeMemoryError, ExactPlan, StagedMismatchError
+     2147: core: Accumulation, FrontEnd
+     2555: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -1745,18 +1745,26 @@ def _mixes(x:Tensor, y:Tensor, random:bool) -> bool:
     return not _close_values(x, y.narrow(d, 0, x.shape[d]))  # per sample: the batch's own samples must keep their values
 
 @torch.no_grad()
-def _node_values(step:StagedStep, xb:tuple) -> tuple:
-    "(every node's value on batch `xb`, training BatchNorm layers passing their input through; the nodes whose values are random). Nothing in the model changes."
-    env, random, dev = {}, set(), _device(step.model, xb)
+def _node_values(step:StagedStep, xb:tuple, stats:dict) -> tuple:
+    "(every node's value on batch `xb`; the nodes whose values are random). Training BatchNorm layers normalize per sample, with the statistics in `stats` (filled from this batch where missing): values keep their scale, and no sample reaches another. Nothing in the model changes."
+    env, seen, random, dev = {}, {}, set(), _device(step.model, xb)
     for n in step.nodes:
         state = _rng_state(dev)
-        if n.op == 'call_module' and _is_barrier(step.modules[n.target]): env[n] = step._value(n.args[0], env, xb)
+        if n.op == 'call_module' and _is_barrier(m := step.modules[n.target]): env[n] = _fixed_norm(m, step._value(n.args[0], env, xb), stats, n)
         else: env[n] = _plain(step._run_node(n, env, xb))
+        seen[n] = env[n].clone() if isinstance(env[n], Tensor) else env[n]  # as computed: a later in-place op (dropout) changes `env`'s
         if not _same_state(state, _rng_state(dev)) or 'empty' in str(n.target):  # it drew random numbers, or holds garbage
             random.add(n)
             if n.op == 'call_method' and n.target.endswith('_') and isinstance(n.args[0], fx.Node): random.add(n.args[0])  # filled in place
         elif any(a in random for a in n.all_input_nodes): random.add(n)
-    return env, random
+    return seen, random
+
+def _fixed_norm(m:_BatchNorm, x:Tensor, stats:dict, n) -> Tensor:
+    "BatchNorm `m` on `x` with the statistics `stats[n]` (the batch's own the first time): the same affine map for every batch."
+    if n not in stats:
+        dims = [0] + list(range(2, x.dim()))
+        stats[n] = (x.mean(dims), x.var(dims, correction=0)) if x.shape[0] * x[0, 0].numel() > 1 else (x.mean(dims), torch.ones_like(x.mean(dims)))
+    return _after_norm(m, F.batch_norm(x, *stats[n], m.weight, m.bias, False, 0., m.eps))
 
 def samples_mixed(model:nn.Module, # a model torch.fx can trace, in the modes it trains in
                   xb:tuple, # one micro-batch of its inputs
@@ -1770,7 +1778,8 @@ def samples_mixed(model:nn.Module, # a model torch.fx can trace, in the modes it
     b = _cat(a, _perturbed(a))
     dev = a[0].device
     with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []):
-        (va, random), (vb, _) = _node_values(step, a), _node_values(step, b)
+        stats = {}
+        (va, random), (vb, _) = _node_values(step, a, stats), _node_values(step, b, stats)
     for n in step.nodes:
         x, y = va[n], vb[n]
         if not (isinstance(x, Tensor) and isinstance(y, Tensor)): continue

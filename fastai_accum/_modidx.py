@@ -1033,6 +1033,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                   'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact._filled': ( 'staged_exact.html#_filled',
                                                                                   'fastai_accum/staged_exact.py'),
+                                           'fastai_accum.staged_exact._fixed_norm': ( 'staged_exact.html#_fixed_norm',
+                                                                                      'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact._form': ('staged_exact.html#_form', 'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact._forward': ( 'staged_exact.html#_forward',
                                                                                    'fastai_accum/staged_exact.py'),
