@@ -14,9 +14,9 @@ Contents (line: module: classes), dependencies first:
       996: staged: StagedGraph
      1132: prepass: PrepassPlan
      1344: staged_exact: StagedStep, StagedForward
-     1790: exact: Footprint, ExactModeMemoryError, ExactPlan, StagedMismatchError
-     2147: core: Accumulation, FrontEnd
-     2555: callback: WindowPrefetch, GradientAccumulation
+     1872: exact: Footprint, ExactModeMemoryError, ExactPlan, StagedMismatchError
+     2229: core: Accumulation, FrontEnd
+     2637: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -1350,6 +1350,8 @@ import torch.distributed as dist
 from torch import nn, fx, Tensor
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.fx.node import map_aggregate
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 # %% auto #0
 
@@ -1454,11 +1456,33 @@ def _stage_inputs(self, s:int, a:int, b:int, dev, grad:bool=False) -> dict:
     env = {}
     for n in self.stage_in[s]:
         if n.op == 'placeholder': continue
-        if n in self.carried: env[n] = self._carried(n, a, b); continue
-        v = _to(self.kept[n][a:b], dev)
-        if grad and v.device == self.kept[n].device: v = v.clone()  # a chunk of its own, as on an accelerator: the store stays out of the graph
-        env[n] = v.detach().requires_grad_(v.is_floating_point()) if grad else v
+        if n in self.structs: env[n] = self._struct(n, a, b, lambda key: self._kept_chunk(key, a, b, dev, grad))
+        elif n in self.carried: env[n] = self._carried(n, a, b)
+        else: env[n] = self._kept_chunk(n, a, b, dev, grad)
     return env
+
+def _kept_chunk(self, key, a:int, b:int, dev, grad:bool) -> Tensor:
+    "Samples a:b of the kept tensor `key` on `dev`; for a backward, a leaf of its own that collects its gradient."
+    v = _to(self.kept[key][a:b], dev)
+    if grad and v.device == self.kept[key].device: v = v.clone()  # a chunk of its own, as on an accelerator: the store stays out of the graph
+    return v.detach().requires_grad_(v.is_floating_point()) if grad else v
+
+def _struct(self, n, a:int, b:int, tensor) -> object:
+    "Node `n`'s container value (a tuple, list or dict holding batch tensors) for samples a:b, its batch tensors from `tensor((n, i))`."
+    spec, idx = self.structs[n]
+    leaves = list(self._carried(n, a, b))
+    for i in idx: leaves[i] = tensor((n, i))
+    return tree_unflatten(leaves, spec)
+
+def _keys(self, n) -> list:
+    "The keys of node `n`'s kept tensors: `n`, or (`n`, i) for each batch tensor of a container."
+    return [(n, i) for i in self.structs[n][1]] if n in self.structs else [n]
+
+def _struct_keys(self, n, v) -> list:
+    "[(key, tensor)] of the batch tensors in node `n`'s value `v`: (`n`, v) for a tensor, ((`n`, i), leaf) for a container's."
+    if n not in self.structs: return [(n, v)] if isinstance(v, Tensor) else []
+    leaves, _ = tree_flatten(v)
+    return [((n, i), leaves[i]) for i in self.structs[n][1]]
 
 def _keep(self, d:dict, n, v:Tensor, a:int, b:int, add:bool=False):
     "Samples a:b of node `n`'s value (or, `add`, gradient) into the window-sized `d[n]`, in `store`."
@@ -1469,8 +1493,19 @@ def _keep(self, d:dict, n, v:Tensor, a:int, b:int, add:bool=False):
 
 def _hold(self, n, v, a:int, b:int):
     "Keep node `n`'s value of samples a:b for later stages: a tensor of the batch window-sized in `store`; any other value (`torch.Size`, an int, a tuple, None, a constant tensor) as it is, per chunk."
-    if isinstance(v, Tensor) and n in self.from_input and v.dim() and v.shape[0] == b - a: self._keep(self.kept, n, v, a, b)
-    else: self.carried.setdefault(n, {})[a, b] = v
+    if self._batched(n, v, a, b): return self._keep(self.kept, n, v, a, b)
+    if isinstance(v, (list, tuple, dict)):  # a container of batch tensors (a namedtuple of outputs, a list of features)
+        leaves, spec = tree_flatten(v)
+        idx = [i for i, t in enumerate(leaves) if self._batched(n, t, a, b)]
+        if idx:
+            self.structs[n] = (spec, idx)
+            for i in idx: self._keep(self.kept, (n, i), leaves[i], a, b)
+            v = [None if i in idx else t for i, t in enumerate(leaves)]  # the rest, carried
+    self.carried.setdefault(n, {})[a, b] = v
+
+def _batched(self, n, v, a:int, b:int) -> bool:
+    "Is `v`, a value of node `n` on samples a:b, a tensor of the batch (computed from the inputs, one row per sample)?"
+    return isinstance(v, Tensor) and n in self.from_input and v.dim() > 0 and v.shape[0] == b - a
 
 def _carried(self, n, a:int, b:int):
     "Node `n`'s value that is not a batch tensor, for samples a:b: that chunk's, or the one every chunk gave."
@@ -1506,7 +1541,8 @@ def _same(u, v) -> bool:
     except Exception: return False
 
 StagedStep._run_stage = _run_stage; StagedStep._xb = _xb; StagedStep._chunk = _chunk; StagedStep._stage_inputs = _stage_inputs; StagedStep._keep = _keep
-StagedStep._hold = _hold; StagedStep._carried = _carried
+StagedStep._hold = _hold; StagedStep._carried = _carried; StagedStep._batched = _batched; StagedStep._kept_chunk = _kept_chunk
+StagedStep._struct = _struct; StagedStep._struct_keys = _struct_keys; StagedStep._keys = _keys
 
 # %% ../nbs/02b_staged_exact.ipynb #b06b8998
 def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
@@ -1517,20 +1553,25 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
     self.xb = tuple(_plain(t) for t in xb)
     self.W, dev = self.xb[0].shape[0], _device(self.model, self.xb)
     self.autocast = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
-    self.kept, self.carried, self.rng, self.stats, self.count, self.spans, out = {}, {}, {}, {}, {}, [], None
+    self.kept, self.carried, self.structs, self.rng, self.stats, self.count, self.spans = {}, {}, {}, {}, {}, {}, []
     self.random_chunked = []  # stages that drew random numbers chunk by chunk
     per_input = _nbytes(self.xb) / self.W
     for s in range(len(self.stages)):
-        per = sum(_nbytes(self.kept[n]) if n in self.kept else 0 if n in self.carried else per_input * self.W
+        per = sum(self._kept_bytes(n) if n in self.kept or n in self.carried else per_input * self.W
                   for n in self.stage_in[s]) / self.W  # bytes a sample brings in
         c = min(self.W, max(chunk, int(chunk * per_input // max(per, 1)) if self.grow else chunk))  # as many bytes in as a micro-batch's input
         self.spans.append([(a, min(a + c, self.W)) for a in range(0, self.W, c)])
-        out = self._stage_forward(s, dev, out)
+        self._stage_forward(s, dev)
     if self.random_chunked: self._say_random()
-    return out
+    return self._output(dev)
 
-def _stage_forward(self, s:int, dev, out):
-    "Run stage `s` over the window chunk by chunk, without a graph; keep what later stages read, fill the output at the last. The last stage reruns in one chunk if it draws random numbers (dropout): its masks are then the big batch's."
+def _kept_bytes(self, n) -> int:
+    "Bytes of the window-sized tensors kept for node `n` (a container's included)."
+    if n in self.kept: return _nbytes(self.kept[n])
+    return sum(_nbytes(self.kept[n, i]) for i in self.structs[n][1]) if n in self.structs else 0
+
+def _stage_forward(self, s:int, dev):
+    "Run stage `s` over the window chunk by chunk, without a graph; keep what later stages (and the output) read. The last stage reruns in one chunk if it draws random numbers (dropout): its masks are then the big batch's."
     bar = self.nodes[self.stages[s + 1][0]] if s + 1 < len(self.stages) else None
     st = ChannelStats()
     for a, b in self.spans[s]:
@@ -1541,13 +1582,11 @@ def _stage_forward(self, s:int, dev, out):
             if bar is None:
                 _set_rng_state(state, dev)
                 self.spans[s] = [(0, self.W)]
-                return self._stage_forward(s, dev, out)
+                return self._stage_forward(s, dev)
             self.random_chunked.append(s)
         for n in self.stage_out[s]: self._hold(n, env[n], a, b)
         if bar is not None: st.add(self._value(bar.args[0], env, xb))
-        else: out = self._output(out, env, xb, a, b)
     if bar is not None: self._close(bar, st)
-    return out
 
 def _say_random(self):
     "Warn once that some stages drew their random numbers (dropout masks) chunk by chunk."
@@ -1563,14 +1602,22 @@ def _device(model:nn.Module, xb:tuple) -> torch.device:
     if t is None: t = next(iter(model.buffers()), None)
     return t.device if t is not None else next(x for x in xb if isinstance(x, Tensor)).device
 
-def _output(self, out, env:dict, xb:tuple, a:int, b:int) -> Tensor:
-    "The window's output with samples a:b filled in."
-    o = self._value(self.output.args[0], env, xb)
-    if not isinstance(o, Tensor):
-        raise TypeError(f"staged exact: {type(self.model).__name__} returns a {type(o).__name__}; it needs a model that returns one tensor")
-    if out is None: out = o.new_empty((self.W,) + o.shape[1:])
-    out[a:b] = o
-    return out
+def _output(self, dev):
+    "The window's output, as the model returns it (a tensor, or a dict, tuple or list of them: torchvision's segmentation models), on `dev`."
+    def value(n):
+        if not isinstance(n, fx.Node): return n
+        if n in self.kept: return _to(self.kept[n], dev)
+        if n in self.structs: return self._struct(n, 0, self.W, lambda key: _to(self.kept[key], dev))
+        if n in self.carried: return self._carried(n, 0, self.W)
+        return self._value(n, {}, self.xb)  # a model input returned as it is
+    return _plain_containers(map_aggregate(self.output.args[0], value))
+
+def _plain_containers(o):
+    "`o` with torch.fx's immutable dicts and lists turned into plain ones, as the model's own forward returns them."
+    if isinstance(o, dict): return {k: _plain_containers(v) for k, v in o.items()}
+    if isinstance(o, tuple) and hasattr(o, '_fields'): return type(o)(*(_plain_containers(v) for v in o))  # a namedtuple
+    if isinstance(o, (list, tuple)): return (list if isinstance(o, list) else tuple)(_plain_containers(v) for v in o)
+    return o
 
 @torch.no_grad()
 def _close(self, bar, st:ChannelStats):
@@ -1593,21 +1640,22 @@ def _close(self, bar, st:ChannelStats):
     m.running_var.mul_(1 - f).add_(st.var.to(m.running_var.dtype) * f)
 
 StagedStep.forward = _forward; StagedStep._output = _output; StagedStep._close = _close
-StagedStep._stage_forward = _stage_forward; StagedStep._say_random = _say_random
+StagedStep._stage_forward = _stage_forward; StagedStep._say_random = _say_random; StagedStep._kept_bytes = _kept_bytes
 
 # %% ../nbs/02b_staged_exact.ipynb #1494d3bf
-def _backward(self, grad:Tensor, # the gradient of the loss with respect to the window's output
+def _backward(self, grad, # the gradient of the loss with respect to the window's output (shaped as the output: a tensor, a dict of them, ...)
               params:list|None=None, # parameters whose gradients to return (default: every trainable one, added to its `.grad`)
              ) -> list:
     "Back-propagate through the window: the big batch's gradient of each of `params`."
     own = params is None
     params = [p for p in self.model.parameters() if p.requires_grad] if own else list(params)
-    dev, grads, pgrads = grad.device, {self.output.args[0]: grad}, [None] * len(params)
+    grads, pgrads = self._output_grads(grad), [None] * len(params)
+    dev = _device(self.model, self.xb)
     index = {id(p): i for i, p in enumerate(params)}
     autocast = torch.autocast(dev.type, dtype=self.autocast) if self.autocast else nullcontext()
     for s in reversed(range(len(self.stages))):
         bar = self.nodes[self.stages[s][0]] if s > 0 else None
-        outs = [self.output.args[0]] if s == len(self.stages) - 1 else [n for n in self.stage_out[s] if n in grads]
+        outs = [n for n in self.stage_out[s] if any(k in grads for k in self._keys(n))]
         fixed, sums = {}, None  # the barrier's input gradient with its statistics held fixed (window-sized, in `store`); Σ g, Σ g·x̂
         used = [index[id(p)] for p in self.stage_params[s] if id(p) in index]  # autograd asked only for this stage's parameters
         for a, b in self.spans[s]:
@@ -1615,25 +1663,47 @@ def _backward(self, grad:Tensor, # the gradient of the loss with respect to the 
             with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []), torch.enable_grad(), autocast:
                 _set_rng_state(self.rng[s, a], dev)
                 leaf = self._run_stage(s, env, self._xb(a, b, dev, grad=True), grad=True)
-            lost = next((n for n in self.stage_out[s] if n in self.carried and isinstance(env[n], Tensor) and env[n].requires_grad), None)
-            if lost is not None: raise RuntimeError(f"staged exact: {lost.name}, a tensor computed from parameters alone, is read "
-                                                    "across a BatchNorm layer: its gradient cannot be carried back")
-            pairs = [(env[n], _to(grads[n][a:b], dev)) for n in outs if isinstance(env.get(n), Tensor) and env[n].requires_grad]
-            leaves = [n for n in self.stage_in[s] if isinstance(env.get(n), Tensor) and env[n].requires_grad]
-            got = self._grads(pairs, [env[n] for n in leaves] + ([leaf] if leaf is not None else []), params, pgrads, used)
-            for n, g in zip(leaves, got):
-                if g is not None: self._keep(grads, n, g, a, b, add=True)
+            self._check_carried(s, env)
+            pairs = [(t, _to(grads[k][a:b], dev)) for n in outs for k, t in self._struct_keys(n, env[n]) if k in grads and t.requires_grad]
+            leaves = [(k, t) for n in self.stage_in[s] if n in env for k, t in self._struct_keys(n, env[n]) if t.requires_grad]
+            got = self._grads(pairs, [t for _, t in leaves] + ([leaf] if leaf is not None else []), params, pgrads, used)
+            for (k, _), g in zip(leaves, got):
+                if g is not None: self._keep(grads, k, g, a, b, add=True)
             if bar is not None:
                 g = got[-1] if got and got[-1] is not None else torch.zeros_like(leaf)
                 sums = self._window_sums(bar, leaf.detach(), g, sums)
                 self._keep(fixed, bar, g, a, b)
         for n in outs: grads.pop(n, None)
         if bar is not None: self._project(s, bar, fixed.get(bar), sums, grads)
-    self.kept = self.carried = self.xb = None
+    self.kept = self.carried = self.structs = self.xb = None
     if own:
         for p, g in zip(params, pgrads):
             if g is not None: p.grad = g if p.grad is None else p.grad + g
     return pgrads
+
+def _check_carried(self, s:int, env:dict):
+    "A value carried as it is (not a batch tensor) that needs a gradient cannot pass one back across a stage: refuse."
+    for n in self.stage_out[s]:
+        if n not in self.carried: continue
+        kept = set(self.structs[n][1]) if n in self.structs else set()
+        leaves, _ = tree_flatten(env[n])
+        if any(isinstance(t, Tensor) and t.requires_grad and i not in kept for i, t in enumerate(leaves)):
+            raise RuntimeError(f"staged exact: {n.name}, a tensor computed from parameters alone, is read across a BatchNorm "
+                               "layer: its gradient cannot be carried back")
+
+def _output_grads(self, grad) -> dict:
+    "{output node: its window's gradient}, from `grad` shaped as the model's output (a node returned twice: summed)."
+    keys = map_aggregate(self.output.args[0], lambda n: self._struct(n, 0, self.W, _Key) if n in self.structs else _Key(n))
+    keys, _ = tree_flatten(_plain_containers(keys))
+    gs, _ = tree_flatten(grad)
+    grads = {}
+    for k, g in zip(keys, gs):
+        if isinstance(k, _Key) and isinstance(g, Tensor): grads[k.key] = g if k.key not in grads else grads[k.key] + g
+    return grads
+
+class _Key:
+    "A key of `grads` (a node, or (node, i) for a container's i-th tensor), kept whole where pytree flattens."
+    def __init__(self, key): self.key = key
 
 def _grads(self, pairs:list, leaves:list, params:list, pgrads:list, used:list) -> list:
     "Gradients of `leaves` from one chunk's stage (None where unused); those of `params[i]` for `i` in `used` added to `pgrads` (no `.grad` is touched)."
@@ -1668,7 +1738,7 @@ def _project(self, s:int, bar, fixed:Tensor, sums:Tensor, grads:dict):
         dx = _to(fixed[a:b], dev) - s1.view(shape) - xh * s2.view(shape)
         self._keep(grads, bar.args[0], dx, a, b, add=True)
 
-StagedStep.backward = _backward; StagedStep._grads = _grads; StagedStep._xhat = _xhat
+StagedStep.backward = _backward; StagedStep._grads = _grads; StagedStep._output_grads = _output_grads; StagedStep._check_carried = _check_carried; StagedStep._xhat = _xhat
 StagedStep._window_sums = _window_sums; StagedStep._project = _project
 
 # %% ../nbs/02b_staged_exact.ipynb #23d35454
@@ -1679,10 +1749,22 @@ class _StagedFunction(torch.autograd.Function):
         # the parameters themselves, not saved tensors: a saved-tensor hook (`save_on_cpu`, a memory meter) would hand back
         # new objects, and the backward finds each parameter's gradient by identity
         ctx.step, ctx.n_x, ctx.params = step, n_x, inputs[n_x:]
-        return step.forward(inputs[:n_x], chunk)
+        leaves, ctx.spec = tree_flatten(step.forward(inputs[:n_x], chunk))  # the output's tensors, each an output of this node
+        ctx.where = [i for i, v in enumerate(leaves) if isinstance(v, Tensor)]
+        ctx.leaves = [None if isinstance(v, Tensor) else v for v in leaves]
+        step.out_spec, step.out_where, step.out_leaves = ctx.spec, ctx.where, ctx.leaves  # to rebuild the output around this node's
+        return tuple(leaves[i] for i in ctx.where)
     @staticmethod
-    def backward(ctx, grad):
-        return (None, None, None) + (None,) * ctx.n_x + tuple(ctx.step.backward(grad, ctx.params))
+    def backward(ctx, *grads):
+        leaves = list(ctx.leaves)
+        for i, g in zip(ctx.where, grads): leaves[i] = g
+        return (None, None, None) + (None,) * ctx.n_x + tuple(ctx.step.backward(tree_unflatten(leaves, ctx.spec), ctx.params))
+
+def _rebuilt(ctx_out:tuple, step) -> object:
+    "The model's output structure around the tensors the staged node returned."
+    leaves = list(step.out_leaves)
+    for i, t in zip(step.out_where, ctx_out): leaves[i] = t
+    return tree_unflatten(leaves, step.out_spec)
 
 class StagedForward:
     "A model's `forward` that trains a window as the big batch, staged; the model's own forward when it does not train."
@@ -1702,7 +1784,7 @@ class StagedForward:
             return self.own(*xb, **kwargs) if self.own is not None else type(self.model).forward(self.model, *xb, **kwargs)
         params = [p for p in self.model.parameters() if p.requires_grad]
         with self.autocast() if self.autocast is not None else nullcontext():
-            return _StagedFunction.apply(self.step, self.chunk, len(xb), *xb, *params)
+            return _rebuilt(_StagedFunction.apply(self.step, self.chunk, len(xb), *xb, *params), self.step)
     def __reduce__(self):  # a model pickled mid-fit (`torch.save(learn.model)`) keeps its own forward, loadable without this package
         return (getattr, (self.model, 'forward')) if self.own is None else (copy.copy, (self.own,))
 

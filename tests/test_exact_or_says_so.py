@@ -50,6 +50,18 @@ def _rel(a, b) -> float:
     d = (a - b).abs().max().item()
     return 0. if d <= 1e-12 else d / b.abs().max().item()
 
+class DictOut(nn.Module):
+    "Outputs in a dict, one from an earlier stage (torchvision's segmentation models with `aux_loss`), and a tuple of tensors (`chunk`) read across a BatchNorm layer."
+    def __init__(s):
+        super().__init__()
+        s.c1, s.b1, s.c2, s.b2, s.aux, s.out = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Conv2d(4, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Linear(4, 5), nn.Linear(8, 5)
+    def forward(s, x):
+        halves = F.relu(s.b1(s.c1(x))).chunk(2, dim=1)  # a tuple node
+        y = F.relu(s.b2(s.c2(halves[0])))
+        return {'out': s.out(y.mean((2, 3))), 'aux': s.aux((halves[1] * 1.5).mean((2, 3)))}
+
+def dict_loss(out, y): return F.mse_loss(out['out'], y) + 0.5 * F.mse_loss(out['aux'], y)
+
 def windows(n_win=2, n_step=4, bs=2, seed=0):
     "Micro-batches of (image, target) in float64, `n_step` per window."
     g = torch.Generator().manual_seed(seed)
@@ -62,7 +74,7 @@ def forced_budget(model, micro, n_step):
     p.chunk = micro[0].shape[0]
     return (p.staged_device_needed + p.device_needed) // 2
 
-def train_both(make, policy, n_step=4, context=nullcontext, **kw):
+def train_both(make, policy, n_step=4, context=nullcontext, loss=F.mse_loss, **kw):
     "(max relative difference of parameters and BatchNorm buffers from the big batch after two windows, the core): SGD with momentum."
     batches = windows(n_step=n_step)
     torch.manual_seed(0); big = make().double().train()
@@ -73,11 +85,11 @@ def train_both(make, policy, n_step=4, context=nullcontext, **kw):
     with context():
         for i in range(0, len(batches), n_step):
             x, y = (torch.cat(t) for t in zip(*batches[i:i + n_step]))
-            F.mse_loss(big(x), y).backward(); opts[0].step(); opts[0].zero_grad()
+            loss(big(x), y).backward(); opts[0].step(); opts[0].zero_grad()
     torch.manual_seed(1)
     with context():
         for x, y in acc.batches(batches):
-            if acc.backward(F.mse_loss(ours(x), y)): opts[1].step(); opts[1].zero_grad()
+            if acc.backward(loss(ours(x), y)): opts[1].step(); opts[1].zero_grad()
     diffs = [_rel(a, b) for a, b in zip(ours.state_dict().values(), big.state_dict().values()) if a.is_floating_point()]
     counts = [[int(b) for n, b in m.state_dict().items() if n.endswith('num_batches_tracked')] for m in (ours, big)]
     assert counts[0] == counts[1], counts
@@ -90,6 +102,11 @@ def mobilenet_v3_small():
 @pytest.mark.parametrize('make', [TwiceBN, SizeAcross, mobilenet_v3_small], ids=['bn_called_twice', 'shape_across_stages', 'inplace_dropout_head'])
 def test_models_that_break_an_assumption_train_as_the_big_batch(make, policy):
     diff, acc = train_both(make, policy)
+    assert acc.path == 'staged exact' and diff < 1e-9
+
+@pytest.mark.parametrize('policy', ['staged', 'auto'])
+def test_dict_outputs_and_tuples_across_stages_train_as_the_big_batch(policy):
+    diff, acc = train_both(DictOut, policy, loss=dict_loss)
     assert acc.path == 'staged exact' and diff < 1e-9
 
 def test_window_bn_normalizes_each_call_of_a_shared_layer_with_its_own_window_statistics():

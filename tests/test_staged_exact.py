@@ -8,18 +8,30 @@ def rel(a, b): return ((a - b).abs().max() / b.abs().max()).item()
 
 def timm_model(name): import timm; return lambda: timm.create_model(name, num_classes=5)
 def tv_resnet50(): import torchvision; return torchvision.models.resnet50(num_classes=5)
+def tv_segmentation(name, aux):
+    import torchvision
+    return lambda: getattr(torchvision.models.segmentation, name)(num_classes=3, weights=None, weights_backbone=None, aux_loss=aux)
+def tv_googlenet(): import torchvision; return torchvision.models.googlenet(num_classes=5, aux_logits=True, init_weights=True)
+
+def outputs(out) -> list:
+    "The output's tensors: a tensor, or the values of a dict or (named) tuple (torchvision's segmentation models, GoogLeNet's aux logits)."
+    return [t for t in (out.values() if isinstance(out, dict) else out if isinstance(out, tuple) else [out]) if t is not None]
 
 @pytest.mark.parametrize('make', [timm_model('resnet18'), timm_model('efficientnet_b0'), timm_model('mobilenetv3_small_100'),
-                                  timm_model('densenet121'), tv_resnet50],
-                         ids=['timm_resnet18', 'timm_efficientnet_b0', 'timm_mobilenetv3_small_100', 'timm_densenet121', 'tv_resnet50'])
+                                  timm_model('densenet121'), tv_resnet50, tv_segmentation('fcn_resnet50', True),
+                                  tv_segmentation('fcn_resnet50', False), tv_segmentation('deeplabv3_resnet50', True),
+                                  tv_segmentation('deeplabv3_resnet50', False), tv_googlenet],
+                         ids=['timm_resnet18', 'timm_efficientnet_b0', 'timm_mobilenetv3_small_100', 'timm_densenet121', 'tv_resnet50',
+                              'tv_fcn_resnet50_aux', 'tv_fcn_resnet50', 'tv_deeplabv3_resnet50_aux', 'tv_deeplabv3_resnet50', 'tv_googlenet_aux'])
 def test_staged_step_is_the_big_batch(make):
+    "Dropout on, drawn as the big batch draws it: the stages holding it run whole here (the last stage reruns whole; a head's stage brings in few bytes per sample)."
     torch.manual_seed(0)
     big = make().double().train(); st = copy.deepcopy(big); install_staged(st, chunk=3)
     x = torch.randn(8, 3, 32, 32, dtype=torch.float64)  # a window of 8 in ragged chunks of 3
     outs = []
     for m in (big, st):
-        torch.manual_seed(1); out = m(x); outs.append(out.detach())
-        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        torch.manual_seed(1); out = outputs(m(x)); outs.append(torch.cat([o.detach().flatten() for o in out]))
+        sum((o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view_as(o)).sum() for o in out).backward()
     assert rel(*outs[::-1]) < 1e-12
     assert rel(*[flat(p.grad for p in m.parameters() if p.grad is not None) for m in (st, big)]) < 1e-10
     assert rel(*[flat(b for b in m.buffers() if b.is_floating_point()) for m in (st, big)]) < 1e-12
