@@ -14,9 +14,9 @@ Contents (line: module: classes), dependencies first:
       996: staged: StagedGraph
      1132: prepass: PrepassPlan
      1344: staged_exact: StagedStep, StagedForward
-     1872: exact: Footprint, ExactModeMemoryError, ExactPlan, StagedMismatchError
-     2229: core: Accumulation, FrontEnd
-     2637: callback: WindowPrefetch, GradientAccumulation
+     1874: exact: Footprint, ExactModeMemoryError, ExactPlan, StagedMismatchError
+     2231: core: Accumulation, FrontEnd
+     2639: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -1411,7 +1411,9 @@ class StagedStep(StagedGraph):
 def _size_kind(n, sizes:dict):
     "Note in `sizes` whether node `n` holds the batch's size: `x.size(0)`, `len(x)` ('int'), `x.shape`, `x.size()` or a slice of them from the front ('shape')."
     f, args = n.target, n.args
-    if n.op == 'call_method' and f == 'size': kind = 'shape' if len(args) < 2 and 'dim' not in n.kwargs else 'int' if (args[1:] or [n.kwargs.get('dim')])[0] == 0 else None
+    if n.op == 'call_method' and f == 'size':
+        dim = args[1] if len(args) > 1 else n.kwargs.get('dim')
+        kind = 'shape' if dim is None else 'int' if dim == 0 else None
     elif n.op == 'call_function' and f is getattr and args[1] == 'shape': kind = 'shape'
     elif n.op == 'call_function' and f is len: kind = 'int'
     elif n.op == 'call_function' and f is operator.getitem and sizes.get(args[0]) == 'shape':
