@@ -295,3 +295,11 @@ def test_check_accumulation_after_a_fit_checks_the_path_the_fit_trained_on(capsy
     assert learn.gradient_accumulation.path == 'exact' and not learn.model.training  # fastai leaves it in eval mode
     after = check_accumulation(learn)
     assert before.ok and after.ok and after.policy == 'exact'
+
+def test_a_model_the_check_cannot_copy_trains_staged_and_says_it_was_not_checked():
+    import threading
+    class Locked(TwiceBN):
+        def __init__(s): super().__init__(); s.lock = threading.Lock()  # deepcopy cannot copy it
+    diff, acc = train_both(Locked, 'auto')
+    assert acc.path == 'staged exact' and diff < 1e-9
+    assert "not checked: a float64 copy on the CPU does not train (TypeError: cannot pickle" in acc.preflight((windows()[0][0],))
