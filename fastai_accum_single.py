@@ -8,15 +8,15 @@ Options the default never runs (ghost batches, bn_batch=) need the package: pip 
 Contents (line: module: classes), dependencies first:
        24: stats: ChannelStats
       164: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
-      553: helpers: -
-      651: window: AccumulationWindow, WindowLoader
-      893: meters: ByteMeter, SavedTensorMeter, LayerMeter
-      996: staged: StagedGraph
-     1132: prepass: PrepassPlan
-     1344: staged_exact: StagedStep, StagedForward
-     1874: exact: Footprint, ExactModeMemoryError, ExactPlan, StagedMismatchError
-     2233: core: Accumulation, FrontEnd
-     2641: callback: WindowPrefetch, GradientAccumulation
+      564: helpers: -
+      662: window: AccumulationWindow, WindowLoader
+      904: meters: ByteMeter, SavedTensorMeter, LayerMeter
+     1007: staged: StagedGraph
+     1143: prepass: PrepassPlan
+     1355: staged_exact: StagedStep, StagedForward
+     1885: exact: Footprint, ExactModeMemoryError, ExactPlan, StagedMismatchError
+     2244: core: Accumulation, FrontEnd
+     2655: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -247,6 +247,7 @@ def _after_norm(m:nn.Module, x):
 class AccumulateBatchNorm(_BatchNorm):
     "BatchNorm whose running statistics are committed once per accumulation window by `update_stats`."
     plain_class = _BatchNorm # the standard class this layer is the accumulating counterpart of
+    count_calls = False # the core counts this layer's calls per micro-batch (it resets `_call` before each): a layer called k times commits k steps
 
     def __init__(self, *args,
                  policy:str='micro', # how training forwards normalize: one of `bn_policies`
@@ -322,14 +323,23 @@ def _normalize_micro(self:AccumulateBatchNorm, x):
     group = self._sync_group(x)
     if group is not None:  # SyncBatchNorm across processes: normalize with all ranks' micro-batches, pool ours
         out = sync_batch_norm.apply(x, self.weight, self.bias, None, None, self.eps, 0., group, dist.get_world_size(group))
-        self.pending.add(x)  # local moments: update_stats merges the ranks exactly (one extra pass over x)
+        self._pending_call().add(x)  # local moments: update_stats merges the ranks exactly (one extra pass over x)
         return out
     scratch = torch.zeros(2, self.num_features, device=x.device, dtype=self.running_mean.dtype)
     mean, var = scratch[0], scratch[1]
     # momentum=1 leaves the batch mean and *unbiased* variance in the scratch buffers, from the fused kernel
     out = F.batch_norm(x, mean, var, self.weight, self.bias, True, 1.0, self.eps)
-    self.pending.add_moments(n, mean, var)
+    self._pending_call().add_moments(n, mean, var)
     return out
+
+@patch
+def _pending_call(self:AccumulateBatchNorm) -> ChannelStats:
+    "The pending statistics of this call of the layer: the k-th call of a micro-batch's forward pools with the k-th calls of the window's others (calls are counted only where the core starts each micro-batch: `count_calls`)."
+    if not self.count_calls: return self.pending
+    i, self._call = self._call, self._call + 1
+    if i == 0: return self.pending
+    while len(self.pending_more) < i: self.pending_more.append(ChannelStats())
+    return self.pending_more[i - 1]
 
 @patch
 def _sync_group(self:AccumulateBatchNorm, x):
@@ -342,7 +352,7 @@ def _sync_group(self:AccumulateBatchNorm, x):
 # %% ../nbs/01_batchnorm.ipynb #f1d122b1
 @patch
 def _normalize_running(self:AccumulateBatchNorm, x):
-    self.pending.add(x)
+    self._pending_call().add(x)
     return self._normalize_with_running_stats(x)
 
 @patch
@@ -526,7 +536,8 @@ def wrap_bn(model:nn.Module, # any model; its BatchNorm layers are changed in pl
     return n_new
 
 _accumulation_state = ('_policy', 'pending', 'pending_more', 'layer_name', 'grad_pool', '_more_pools', 'window_stats',
-                       'window_calls', '_prepass', '_prepass_stats', '_chunk_stats', '_call', '_prepass_sync', '_prepass_group')  # what `_setup_accumulation` adds to a layer
+                       'window_calls', '_prepass', '_prepass_stats', '_chunk_stats', '_call', '_prepass_sync', '_prepass_group',
+                       'count_calls')  # what `_setup_accumulation` adds to a layer
 
 def unwrap_layer(m:AccumulateBatchNorm):
     "Turn the accumulating layer `m` back into its plain BatchNorm class, in place, leaving nothing of ours on it."
@@ -2360,6 +2371,7 @@ class Accumulation:
         elif self._ghost_micro: _ghost().install_ghost(self.module, self.bn_batch)  # plain layers, each micro-batch in ghost batches
         elif not self.frozen_bn: self._wrap('window' if self.policy == 'auto' else self.policy, new=self.wrap)  # 'auto' when the window cannot train as one batch
         self.bns = bn_layers(self.module, accumulating=True)
+        for m in self.bns: m.count_calls = True  # `start_micro` restarts their count of calls: a layer called k times commits k steps
         self.needs_window = any(m.policy == 'window' and m.training for m in self.bns)
 
     def _wrap(self, policy:str, new:bool):
@@ -2385,6 +2397,7 @@ class Accumulation:
         for m in self._wrapped:
             if isinstance(m, AccumulateBatchNorm): unwrap_layer(m)
         for m, policy in self._own_policy.items(): m.policy = policy
+        for m in self.bns: m.__dict__.pop('count_calls', None)  # layers wrapped before (by the user) count no calls outside the core
         self._wrapped, self._own_policy, self.bns, self.needs_window = [], {}, [], False
 
     def _choose_exact(self, b) -> bool:
@@ -2498,6 +2511,7 @@ class Accumulation:
         "Before a micro-batch's forward: set DDP's gradient sync, enter the 'exact' plan's offload."
         final = final or bool(self.exact)
         self._micro = (bs, final)
+        for m in self.bns: m._call = 0  # the micro-batch's forward calls each layer from its first call
         self._before_forward(final or drop)
         if self.exact: self._enter_offload()
 

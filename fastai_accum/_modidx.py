@@ -48,6 +48,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                                       'fastai_accum/batchnorm.py'),
                                         'fastai_accum.batchnorm.AccumulateBatchNorm._observe_prepass': ( 'batchnorm.html#accumulatebatchnorm._observe_prepass',
                                                                                                          'fastai_accum/batchnorm.py'),
+                                        'fastai_accum.batchnorm.AccumulateBatchNorm._pending_call': ( 'batchnorm.html#accumulatebatchnorm._pending_call',
+                                                                                                      'fastai_accum/batchnorm.py'),
                                         'fastai_accum.batchnorm.AccumulateBatchNorm._pool': ( 'batchnorm.html#accumulatebatchnorm._pool',
                                                                                               'fastai_accum/batchnorm.py'),
                                         'fastai_accum.batchnorm.AccumulateBatchNorm._renormalize': ( 'batchnorm.html#accumulatebatchnorm._renormalize',

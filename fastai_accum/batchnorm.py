@@ -92,6 +92,7 @@ def _after_norm(m:nn.Module, x):
 class AccumulateBatchNorm(_BatchNorm):
     "BatchNorm whose running statistics are committed once per accumulation window by `update_stats`."
     plain_class = _BatchNorm # the standard class this layer is the accumulating counterpart of
+    count_calls = False # the core counts this layer's calls per micro-batch (it resets `_call` before each): a layer called k times commits k steps
 
     def __init__(self, *args,
                  policy:str='micro', # how training forwards normalize: one of `bn_policies`
@@ -167,14 +168,23 @@ def _normalize_micro(self:AccumulateBatchNorm, x):
     group = self._sync_group(x)
     if group is not None:  # SyncBatchNorm across processes: normalize with all ranks' micro-batches, pool ours
         out = sync_batch_norm.apply(x, self.weight, self.bias, None, None, self.eps, 0., group, dist.get_world_size(group))
-        self.pending.add(x)  # local moments: update_stats merges the ranks exactly (one extra pass over x)
+        self._pending_call().add(x)  # local moments: update_stats merges the ranks exactly (one extra pass over x)
         return out
     scratch = torch.zeros(2, self.num_features, device=x.device, dtype=self.running_mean.dtype)
     mean, var = scratch[0], scratch[1]
     # momentum=1 leaves the batch mean and *unbiased* variance in the scratch buffers, from the fused kernel
     out = F.batch_norm(x, mean, var, self.weight, self.bias, True, 1.0, self.eps)
-    self.pending.add_moments(n, mean, var)
+    self._pending_call().add_moments(n, mean, var)
     return out
+
+@patch
+def _pending_call(self:AccumulateBatchNorm) -> ChannelStats:
+    "The pending statistics of this call of the layer: the k-th call of a micro-batch's forward pools with the k-th calls of the window's others (calls are counted only where the core starts each micro-batch: `count_calls`)."
+    if not self.count_calls: return self.pending
+    i, self._call = self._call, self._call + 1
+    if i == 0: return self.pending
+    while len(self.pending_more) < i: self.pending_more.append(ChannelStats())
+    return self.pending_more[i - 1]
 
 @patch
 def _sync_group(self:AccumulateBatchNorm, x):
@@ -187,7 +197,7 @@ def _sync_group(self:AccumulateBatchNorm, x):
 # %% ../nbs/01_batchnorm.ipynb #f1d122b1
 @patch
 def _normalize_running(self:AccumulateBatchNorm, x):
-    self.pending.add(x)
+    self._pending_call().add(x)
     return self._normalize_with_running_stats(x)
 
 @patch
@@ -371,7 +381,8 @@ def wrap_bn(model:nn.Module, # any model; its BatchNorm layers are changed in pl
     return n_new
 
 _accumulation_state = ('_policy', 'pending', 'pending_more', 'layer_name', 'grad_pool', '_more_pools', 'window_stats',
-                       'window_calls', '_prepass', '_prepass_stats', '_chunk_stats', '_call', '_prepass_sync', '_prepass_group')  # what `_setup_accumulation` adds to a layer
+                       'window_calls', '_prepass', '_prepass_stats', '_chunk_stats', '_call', '_prepass_sync', '_prepass_group',
+                       'count_calls')  # what `_setup_accumulation` adds to a layer
 
 def unwrap_layer(m:AccumulateBatchNorm):
     "Turn the accumulating layer `m` back into its plain BatchNorm class, in place, leaving nothing of ours on it."

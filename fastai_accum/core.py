@@ -140,6 +140,7 @@ class Accumulation:
         elif self._ghost_micro: _ghost().install_ghost(self.module, self.bn_batch)  # plain layers, each micro-batch in ghost batches
         elif not self.frozen_bn: self._wrap('window' if self.policy == 'auto' else self.policy, new=self.wrap)  # 'auto' when the window cannot train as one batch
         self.bns = bn_layers(self.module, accumulating=True)
+        for m in self.bns: m.count_calls = True  # `start_micro` restarts their count of calls: a layer called k times commits k steps
         self.needs_window = any(m.policy == 'window' and m.training for m in self.bns)
 
     def _wrap(self, policy:str, new:bool):
@@ -165,6 +166,7 @@ class Accumulation:
         for m in self._wrapped:
             if isinstance(m, AccumulateBatchNorm): unwrap_layer(m)
         for m, policy in self._own_policy.items(): m.policy = policy
+        for m in self.bns: m.__dict__.pop('count_calls', None)  # layers wrapped before (by the user) count no calls outside the core
         self._wrapped, self._own_policy, self.bns, self.needs_window = [], {}, [], False
 
     def _choose_exact(self, b) -> bool:
@@ -278,6 +280,7 @@ class Accumulation:
         "Before a micro-batch's forward: set DDP's gradient sync, enter the 'exact' plan's offload."
         final = final or bool(self.exact)
         self._micro = (bs, final)
+        for m in self.bns: m._call = 0  # the micro-batch's forward calls each layer from its first call
         self._before_forward(final or drop)
         if self.exact: self._enter_offload()
 

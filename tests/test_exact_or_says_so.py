@@ -109,6 +109,29 @@ def test_dict_outputs_and_tuples_across_stages_train_as_the_big_batch(policy):
     diff, acc = train_both(DictOut, policy, loss=dict_loss)
     assert acc.path == 'staged exact' and diff < 1e-9
 
+class ParallelBN(nn.Module):
+    "One BatchNorm module on two branches: each call's input is independent of how the other was normalized."
+    def __init__(s):
+        super().__init__()
+        s.c1, s.c2, s.bn, s.head = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(3, 8, 1), nn.BatchNorm2d(8), nn.Linear(8, 5)
+    def forward(s, x): return s.head((F.relu(s.bn(s.c1(x))) + F.relu(s.bn(s.c2(x)))).mean((2, 3)))
+
+@pytest.mark.parametrize('policy', ['micro', 'running'])
+def test_a_shared_layer_commits_one_momentum_step_per_call_under_every_policy(policy):
+    "Whatever each micro-batch normalizes with, a layer called twice commits two momentum steps per window, each with its call's window statistics."
+    torch.manual_seed(0); big = ParallelBN().double().train()
+    ours = ParallelBN().double().train(); ours.load_state_dict(big.state_dict())
+    batches = windows()
+    acc = Accumulation(ours, n_step=4, policy=policy)
+    for x, y in acc.batches(batches): acc.backward(F.mse_loss(ours(x), y))
+    with torch.no_grad():  # the big batch's running statistics (momentum steps only: 'running' normalizes with them, not the weights)
+        for i in (0, 4): big(torch.cat([x for x, _ in batches[i:i + 4]]))
+    for k in ('bn.running_mean', 'bn.running_var', 'bn.num_batches_tracked'):
+        assert (ours.state_dict()[k].double() - big.state_dict()[k].double()).abs().max() < 1e-12, k
+    m = TwiceBN().train(); from fastai_accum.batchnorm import wrap_bn, update_bn_stats
+    wrap_bn(m, 'micro'); m(torch.randn(2, 3, 8, 8)); m(torch.randn(2, 3, 8, 8)); update_bn_stats(m)  # by hand, outside the core: one step, as before
+    assert int(m.bn.num_batches_tracked) == 1
+
 def test_window_bn_normalizes_each_call_of_a_shared_layer_with_its_own_window_statistics():
     "'window' on a BatchNorm module called twice: each call's forward uses its own window statistics, and commits its own momentum step."
     torch.manual_seed(0); big = TwiceBN().double().train()
