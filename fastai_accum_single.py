@@ -14,9 +14,9 @@ Contents (line: module: classes), dependencies first:
      1007: staged: StagedGraph
      1143: prepass: PrepassPlan
      1355: staged_exact: StagedStep, StagedForward
-     1885: exact: Footprint, ExactModeMemoryError, ExactPlan, StagedMismatchError
-     2244: core: Accumulation, FrontEnd
-     2655: callback: WindowPrefetch, GradientAccumulation
+     1887: exact: Footprint, ExactModeMemoryError, ExactPlan, StagedMismatchError
+     2246: core: Accumulation, FrontEnd
+     2657: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -1734,9 +1734,10 @@ def _xhat(self, bar, x:Tensor) -> Tensor:
 
 @torch.no_grad()
 def _window_sums(self, bar, x:Tensor, g:Tensor, sums:Tensor|None) -> Tensor:
-    "`sums` plus one chunk's per-channel Σ g and Σ g·x̂ (g: the input gradient with the statistics held fixed)."
-    dims = [0] + list(range(2, x.dim()))
-    part = torch.stack([g.sum(dims), (g * self._xhat(bar, x)).sum(dims)])
+    "`sums` plus one chunk's per-channel Σ g and Σ g·x̂ (g: the input gradient with the statistics held fixed), in at least float32 as BatchNorm's own backward: an fp16 sum over a window of scaled gradients overflows."
+    dims, acc = [0] + list(range(2, x.dim())), torch.promote_types(g.dtype, torch.float32)
+    g = g.to(acc)
+    part = torch.stack([g.sum(dims), (g * self._xhat(bar, x.to(acc))).sum(dims)])
     return part if sums is None else sums + part
 
 @torch.no_grad()
@@ -1747,8 +1748,9 @@ def _project(self, s:int, bar, fixed:Tensor, sums:Tensor, grads:dict):
     shape = [1, -1] + [1] * (fixed.dim() - 2)
     s1, s2 = (sums / n).unbind(0)
     for a, b in self.spans[s]:
-        xh = self._xhat(bar, self._chunk(bar.args[0], a, b, dev))
-        dx = _to(fixed[a:b], dev) - s1.view(shape) - xh * s2.view(shape)
+        xh = self._xhat(bar, self._chunk(bar.args[0], a, b, dev).to(sums.dtype))  # in the sums' (at least float32) precision
+        g = _to(fixed[a:b], dev)
+        dx = (g.to(sums.dtype) - s1.view(shape) - xh * s2.view(shape)).to(g.dtype)
         self._keep(grads, bar.args[0], dx, a, b, add=True)
 
 StagedStep.backward = _backward; StagedStep._grads = _grads; StagedStep._output_grads = _output_grads; StagedStep._check_carried = _check_carried; StagedStep._xhat = _xhat
