@@ -1077,6 +1077,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                    'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact._rebuilt': ( 'staged_exact.html#_rebuilt',
                                                                                    'fastai_accum/staged_exact.py'),
+                                           'fastai_accum.staged_exact._recomputing': ( 'staged_exact.html#_recomputing',
+                                                                                       'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact._rng_state': ( 'staged_exact.html#_rng_state',
                                                                                      'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact._run_stage': ( 'staged_exact.html#_run_stage',

@@ -66,18 +66,35 @@ class StagedStep(StagedGraph):
         bars = [i for i, n in enumerate(self.nodes) if n.op == 'call_module' and _is_barrier(self.modules[n.target])]
         bounds = [0] + bars + [len(self.nodes)]
         self.stages = [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
-        stage_of = {self.nodes[i]: s for s, idx in enumerate(self.stages) for i in idx}
-        stage_of.update({p: -1 for p in self.inputs})
-        last = len(self.stages)  # the output reads after every stage
-        users = {n: [last if u.op == 'output' else stage_of[u] for u in n.users if u in stage_of or u.op == 'output'] for n in stage_of}
-        self.stage_in = [[n for n in stage_of if stage_of[n] < s and s in users[n]] for s in range(len(self.stages))]
-        self.stage_out = [[self.nodes[i] for i in idx if any(u > s for u in users[self.nodes[i]])] for s, idx in enumerate(self.stages)]
-        self.stage_params = [_params_of(self, [self.nodes[i] for i in idx]) for idx in self.stages]
         self.from_input = set(self.inputs)  # nodes computed from the model's inputs: their tensors hold the batch
         for n in self.nodes:
             if any(a in self.from_input for a in n.all_input_nodes): self.from_input.add(n)
+        owner = {self.nodes[i]: s for s, idx in enumerate(self.stages) for i in idx}
+        owner.update({p: -1 for p in self.inputs})
+        for s in range(1, len(self.stages)): self.stages[s] = self._recomputing(s, owner)
+        members = [{self.nodes[i] for i in idx} for idx in self.stages]
+        reads = [{a for u in mem for a in u.all_input_nodes if a in owner and a not in mem} for mem in members]
+        outs = set(self.output.all_input_nodes)
+        self.stage_in = [[n for n in owner if n in reads[s]] for s in range(len(self.stages))]
+        self.stage_out = [[self.nodes[i] for i in idx if owner[self.nodes[i]] == s and
+                           (self.nodes[i] in outs or any(self.nodes[i] in r for r in reads[s + 1:]))] for s, idx in enumerate(self.stages)]
+        self.stage_params = [_params_of(self, [self.nodes[i] for i in idx]) for idx in self.stages]
         self.sizes = {}  # nodes holding the batch's size: 'int' (`x.size(0)`, `len(x)`) or 'shape' (`x.shape`, batch first)
         for n in self.nodes: _size_kind(n, self.sizes)
+
+def _recomputing(self, s:int, owner:dict) -> list:
+    "Stage `s`'s node indices, with the nodes of earlier stages it reads that are computed from parameters and constants alone (`w = self.scale.exp()`) computed again after its BatchNorm: their gradients then reach the parameters from every stage that uses them."
+    pos = {n: i for i, n in enumerate(self.nodes)}
+    own, need = self.stages[s], set()
+    stack = [a for i in own for a in self.nodes[i].all_input_nodes if owner.get(a, s) < s and a not in self.from_input]
+    while stack:
+        a = stack.pop()
+        if a in need or a not in pos: continue
+        need.add(a)
+        stack.extend(x for x in a.all_input_nodes if x in pos and x not in self.from_input)
+    return own[:1] + sorted(pos[n] for n in need) + own[1:]
+
+StagedStep._recomputing = _recomputing
 
 def _size_kind(n, sizes:dict):
     "Note in `sizes` whether node `n` holds the batch's size: `x.size(0)`, `len(x)` ('int'), `x.shape`, `x.size()` or a slice of them from the front ('shape')."

@@ -60,6 +60,15 @@ class DictOut(nn.Module):
         y = F.relu(s.b2(s.c2(halves[0])))
         return {'out': s.out(y.mean((2, 3))), 'aux': s.aux((halves[1] * 1.5).mean((2, 3)))}
 
+class ParamScale(nn.Module):
+    "A tensor computed from a parameter alone before a BatchNorm and used after it: each stage that reads it computes it again."
+    def __init__(s):
+        super().__init__()
+        s.c, s.bn, s.scale, s.head = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Parameter(torch.linspace(-.5, .5, 8)), nn.Linear(8, 5)
+    def forward(s, x):
+        w = s.scale.exp().view(1, -1, 1, 1)
+        return s.head((F.relu(s.bn(s.c(x) * w)) * w).mean((2, 3)))
+
 def dict_loss(out, y): return F.mse_loss(out['out'], y) + 0.5 * F.mse_loss(out['aux'], y)
 
 def windows(n_win=2, n_step=4, bs=2, seed=0):
@@ -102,6 +111,11 @@ def mobilenet_v3_small():
 @pytest.mark.parametrize('make', [TwiceBN, SizeAcross, mobilenet_v3_small], ids=['bn_called_twice', 'shape_across_stages', 'inplace_dropout_head'])
 def test_models_that_break_an_assumption_train_as_the_big_batch(make, policy):
     diff, acc = train_both(make, policy)
+    assert acc.path == 'staged exact' and diff < 1e-9
+
+@pytest.mark.parametrize('policy', ['staged', 'auto'])
+def test_a_parameter_tensor_read_across_stages_trains_as_the_big_batch(policy):
+    diff, acc = train_both(ParamScale, policy)
     assert acc.path == 'staged exact' and diff < 1e-9
 
 @pytest.mark.parametrize('policy', ['staged', 'auto'])
