@@ -14,9 +14,9 @@ Contents (line: module: classes), dependencies first:
      1007: staged: StagedGraph
      1143: prepass: PrepassPlan
      1355: staged_exact: StagedStep, StagedForward
-     1904: exact: Footprint, ExactModeMemoryError, ExactPlan, StagedMismatchError
-     2263: core: Accumulation, FrontEnd
-     2674: callback: WindowPrefetch, GradientAccumulation
+     2008: exact: Footprint, ExactModeMemoryError, ExactPlan, StagedMismatchError
+     2259: core: Accumulation, FrontEnd
+     2669: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -332,14 +332,17 @@ def _normalize_micro(self:AccumulateBatchNorm, x):
     self._pending_call().add_moments(n, mean, var)
     return out
 
+def _nth(items:list, i:int, make):
+    "`items[i]`, made with `make()` (and those before it) if the list is shorter: per-call state of a layer called several times."
+    while len(items) <= i: items.append(make())
+    return items[i]
+
 @patch
 def _pending_call(self:AccumulateBatchNorm) -> ChannelStats:
     "The pending statistics of this call of the layer: the k-th call of a micro-batch's forward pools with the k-th calls of the window's others (calls are counted only where the core starts each micro-batch: `count_calls`)."
     if not self.count_calls: return self.pending
     i, self._call = self._call, self._call + 1
-    if i == 0: return self.pending
-    while len(self.pending_more) < i: self.pending_more.append(ChannelStats())
-    return self.pending_more[i - 1]
+    return self.pending if i == 0 else _nth(self.pending_more, i - 1, ChannelStats)
 
 @patch
 def _sync_group(self:AccumulateBatchNorm, x):
@@ -385,8 +388,7 @@ def _next_call(self:AccumulateBatchNorm) -> tuple:
 @patch
 def _pool(self:AccumulateBatchNorm, i:int) -> GradPool:
     "The backward statistics of call `i` of the layer in a forward."
-    while len(self._more_pools) < i: self._more_pools.append(GradPool())
-    return self.grad_pool if i == 0 else self._more_pools[i - 1]
+    return self.grad_pool if i == 0 else _nth(self._more_pools, i - 1, GradPool)
 
 @patch
 def _renormalize(self:AccumulateBatchNorm, x, mean, var):
@@ -413,9 +415,9 @@ def _begin_prepass(self:AccumulateBatchNorm,
 
 @patch
 def _call_stats(self:AccumulateBatchNorm) -> ChannelStats:
-    "The pre-pass statistics of this call of the layer (the k-th call of a forward: the k-th)."
-    while len(self._prepass_stats) <= self._call: self._prepass_stats.append(ChannelStats())
-    return self._prepass_stats[self._call]
+    "The pre-pass statistics of this call of the layer (the k-th call of a forward: the k-th); the next call gets the next."
+    i, self._call = self._call, self._call + 1
+    return _nth(self._prepass_stats, i, ChannelStats)
 
 @patch
 def _observe_prepass(self:AccumulateBatchNorm, x:Tensor):
@@ -431,7 +433,6 @@ def _close_prepass(self:AccumulateBatchNorm, st:ChannelStats|None=None):
         all_reduce_stats([st], [self.num_features], self._prepass_group, self.running_mean.device)
     if st.count: self.window_stats = (st.mean.to(self.running_mean.dtype), st.biased_var.to(self.running_mean.dtype))
     self._call_stats().merge(st)
-    self._call += 1
 
 @patch
 def _end_prepass(self:AccumulateBatchNorm):
@@ -456,7 +457,6 @@ def _normalize_prepass(self:AccumulateBatchNorm, x):
         mean, var = torch.zeros(2, self.num_features, device=x.device, dtype=self.running_mean.dtype)
         out = F.batch_norm(x, mean, var, self.weight, self.bias, True, 1.0, self.eps)
         self._call_stats().add_moments(n, mean, var)
-        self._call += 1
         return out
     st = ChannelStats()  # across processes: merge the input's moments over every rank's window first (as SyncBatchNorm)
     st.add(x)
@@ -1354,7 +1354,7 @@ def bn_preflight(model:nn.Module, # the model (its state is not changed: the for
 
 # ======== fastai_accum/staged_exact.py ========
 # %% ../nbs/02b_staged_exact.ipynb #bc1cb743
-import copy, operator, warnings
+import contextlib, copy, itertools, operator, warnings
 from contextlib import nullcontext
 import torch
 import torch.distributed as dist
@@ -1389,6 +1389,7 @@ class StagedStep(StagedGraph):
     "The big batch's forward and backward over a window, stage by stage (a stage ends at a training BatchNorm layer) and chunk by chunk."
     grow = True  # stages that bring in fewer bytes per sample run in larger chunks (False: every stage in chunks of `chunk`)
     local = False  # this process's window alone: no collective under DDP (the check on the user's model)
+    _said_random = False  # the warning that chunked stages drew random numbers was given
     def __init__(self,
                  model:nn.Module, # the model (called through its modules; nothing is copied)
                  graph:fx.Graph, # its torch.fx graph with every BatchNorm layer a leaf (`_trace`)
@@ -1620,7 +1621,7 @@ def _stage_forward(self, s:int, dev):
 
 def _say_random(self):
     "Warn once that some stages drew their random numbers (dropout masks) chunk by chunk."
-    if getattr(self, '_said_random', False): return
+    if self._said_random: return
     self._said_random = True
     where = ', '.join(f"after {self.nodes[self.stages[s][0]].target}" if s else "before the first BatchNorm" for s in self.random_chunked)
     warnings.warn(f"staged exact: random ops (dropout, drop-path) in chunked stages ({where}) draw their masks chunk by chunk: "
@@ -1901,13 +1902,116 @@ def samples_mixed(model:nn.Module, # a model torch.fx can trace, in the modes it
             return f"{n.name} ({n.op} {getattr(n.target, '__name__', n.target)}) combines the samples of a batch"
     return None
 
+# %% ../nbs/02b_staged_exact.ipynb #5b1e0c22
+def _check_copy(model:nn.Module, dtype, device) -> nn.Module:
+    "A copy of `model` whose parameters and buffers are cloned straight to `device` in `dtype` (floating ones): never a second copy where the model lives."
+    memo = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        c = t.detach().to(device, dtype if t.is_floating_point() else t.dtype, copy=True)
+        memo[id(t)] = nn.Parameter(c, t.requires_grad) if isinstance(t, nn.Parameter) else c
+    return copy.deepcopy(model, memo)
+
+def _hold_random(model:nn.Module, xb:tuple):
+    "Put the innermost modules whose training forward draws random numbers (dropout, drop-path) in eval mode, found on one no-grad training forward of `model` (the check's copy: its buffers change)."
+    drew, before, dev = [], {}, _device(model, xb)
+    def pre(m, args): before[m] = _rng_state(dev)
+    def post(m, args, out):
+        if not _same_state(before.pop(m), _rng_state(dev)): drew.append(m)
+    handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+    try:
+        with torch.no_grad(): model(*xb)
+    finally:
+        for h in handles: h.remove()
+    inner = [m for m in drew if not any(c in drew for c in m.modules() if c is not m)]
+    for m in inner: m.training = False  # this module only: BatchNorm layers inside keep their mode
+    return inner
+
+def _one_step(model:nn.Module, xb:tuple, chunk:int|None=None) -> tuple:
+    "(output, gradients, buffers) by name after one training step of `model` on `xb` from torch seed 0, plain or staged in chunks of `chunk` (every stage, no collective)."
+    f = None
+    if chunk:
+        f = install_staged(model, chunk)
+        f.step.grow, f.step.local = False, True
+    try:
+        torch.manual_seed(0)
+        out = model(*xb)
+        sum((o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype, device=o.device).view_as(o)).sum()
+            for o in _tensors(out) if o.is_floating_point()).backward()
+    finally:
+        if f is not None: uninstall_staged(model)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    for p in model.parameters(): p.grad = None
+    return [o.detach() for o in _tensors(out)], grads, {n: b.clone() for n, b in model.named_buffers()}
+
+_check_tol = {torch.float64: (1e-8, 1e-11), torch.float32: (5e-3, 1e-4)}  # (relative, absolute as a fraction of the largest value)
+
+def _first_diff(ref:dict, got:dict, dtype) -> tuple|None:
+    "(name, relative difference) of the first tensor in `got` not within tolerance of `ref`, or None."
+    rtol, atol = _check_tol.get(dtype, (5e-2, 1e-3))
+    vals = [t for t in ref.values() if t is not None and t.is_floating_point() and t.numel()]
+    scale = max([t.abs().max().item() for t in vals] or [0.])
+    for name, r in ref.items():
+        g = got.get(name)
+        if r is None and g is None: continue
+        r, g = (r if r is not None else torch.zeros_like(g)), (g if g is not None else torch.zeros_like(r))
+        if not r.is_floating_point():
+            if not torch.equal(r, g): return name, float((r - g).abs().max())
+            continue
+        d, den = (g - r).abs().max().item(), r.abs().max().item()
+        if d > rtol * den + atol * scale: return name, d / max(den, atol * scale, 1e-300)
+    return None
+
+def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothing in it changes)
+                  xb:tuple, # one micro-batch of its inputs
+                  memory:int|None=None, # host bytes the check's copy of the model may take (None: no limit)
+                  saved:float=0., # bytes a sample's training forward saves (`Footprint.saved`), to size the copy
+                 ) -> tuple:
+    "(why the staged step is not the big batch on `model`, or None; what was checked): one step on a window of 4 of `xb`'s samples, plain and staged in chunks of 2, on a copy in host memory."
+    dt = _check_dtype(model, memory, saved)
+    if dt is None: return None, "not checked: a copy of the model does not fit in host memory"
+    x = tuple(_plain(t) for t in xb)
+    while x[0].shape[0] < 4: x = _cat(x, _perturbed(x))
+    x = tuple(t[:4].to('cpu', dt if t.is_floating_point() else t.dtype) if isinstance(t, Tensor) else t for t in x)
+    with random_state_kept(), torch.enable_grad(), torch.autocast('cpu', enabled=False), _no_cuda_autocast():
+        try:  # the copy and its plain step: where they fail (a tensor attribute on the accelerator, a module that does not copy) nothing is known
+            work = _check_copy(model, dt, 'cpu')
+            for p in work.parameters():
+                if p.numel() > _check_max_numel: p.requires_grad_(False)  # their layers' inputs and outputs are compared, not their gradient
+            held = _hold_random(work, x)
+            bufs = [(b, b.clone()) for b in work.buffers()]
+            ref = _one_step(work, x)
+        except Exception as e: return None, f"not checked: a {str(dt).replace('torch.', '')} copy on the CPU does not train ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+        with torch.no_grad():
+            for b, v in bufs: b.copy_(v)
+        try: got = _one_step(work, x, chunk=2)
+        except Exception as e: return f"the staged step fails on this model ({type(e).__name__}: {' '.join(str(e).split())})", None
+    how = f"{str(dt).replace('torch.', '')}, a window of 4 in chunks of 2{f', {len(held)} random modules held fixed' if held else ''}"
+    out, grad, buf = (_first_diff(r, g, dt) for r, g in ((dict(enumerate(ref[0])), dict(enumerate(got[0]))), (ref[1], got[1]), (ref[2], got[2])))
+    if not (out or grad or buf): return None, f"checked on this model: equal to the big batch ({how})"
+    what = '; '.join(s for s in (out and f"output off by {out[1]:.2g}", grad and f"gradient of {grad[0]} off by {grad[1]:.2g}",
+                                 buf and f"{buf[0]} off by {buf[1]:.2g}") if s)
+    return f"checked on this model, the staged step is not the big batch ({how}): {what}", None
+
+_check_max_numel = 2 ** 22  # parameters larger than this are not differentiated in the check (a VGG classifier's 100M weights)
+
+def _check_dtype(model:nn.Module, memory:int|None, saved:float):
+    "float64 if a float64 copy (weights, two sets of gradients, a window of 4's activations twice) fits `memory`, else float32 if that fits, else None."
+    n_par, elt = sum(p.numel() for p in model.parameters()), next((p.element_size() for p in model.parameters()), 4)
+    for dt in (torch.float64, torch.float32):
+        size = torch.finfo(dt).bits // 8
+        if memory is None or 3 * size * n_par + 8 * saved * size / elt <= memory: return dt
+    return None
+
+def _no_cuda_autocast():
+    return torch.autocast('cuda', enabled=False) if torch.cuda.is_available() else contextlib.nullcontext()
+
 # ======== fastai_accum/exact.py ========
 # %% ../nbs/02a_exact.ipynb #43c0896b
-import contextlib, copy, itertools, time
+import contextlib, time
 from dataclasses import dataclass
 import torch
 import torch.distributed as dist
-from torch import nn, Tensor
+from torch import nn
 
 # %% auto #0
 
@@ -2004,7 +2108,6 @@ class ExactPlan:
                     f"trains as one batch stage by stage in chunks of {self.chunk}: about {fmt_bytes(self.staged_device_needed)} on "
                     f"the device and {fmt_bytes(self.staged_host_needed)} of values kept between stages{self._checked}")
         if not self.on_accelerator: return f"a window of {self.window} samples as one batch needs {fmt_bytes(self.host_needed)} ({self._budget})"
-
         where = 'in host memory (pinned)' if self.offload else 'on the accelerator'
         s = (f"a window of {self.window} samples as one batch, saved activations {where}, needs "
              f"{fmt_bytes(self.device_needed)} of accelerator memory (budget {fmt_bytes(self.device_budget)})")
@@ -2055,113 +2158,6 @@ def saved_on_host(plan:ExactPlan):
     "The context that keeps saved activations in host memory when `plan` says so (pinned on CUDA)."
     if not plan.offload: return contextlib.nullcontext()
     return torch.autograd.graph.save_on_cpu(pin_memory=plan.device == 'cuda')
-
-# %% ../nbs/02a_exact.ipynb #5b1e0c22
-def _check_copy(model:nn.Module, dtype, device) -> nn.Module:
-    "A copy of `model` whose parameters and buffers are cloned straight to `device` in `dtype` (floating ones): never a second copy where the model lives."
-    memo = {}
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        c = t.detach().to(device, dtype if t.is_floating_point() else t.dtype, copy=True)
-        memo[id(t)] = nn.Parameter(c, t.requires_grad) if isinstance(t, nn.Parameter) else c
-    return copy.deepcopy(model, memo)
-
-def _hold_random(model:nn.Module, xb:tuple):
-    "Put the innermost modules whose training forward draws random numbers (dropout, drop-path) in eval mode, found on one forward (it changes buffers: a copy's, or restored by the caller)."
-    drew, before, dev = [], {}, _device(model, xb)
-    def pre(m, args): before[m] = _rng_state(dev)
-    def post(m, args, out):
-        if not _same_state(before.pop(m), _rng_state(dev)): drew.append(m)
-    handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
-    try:
-        with torch.no_grad(): model(*xb)
-    finally:
-        for h in handles: h.remove()
-    inner = [m for m in drew if not any(c in drew for c in m.modules() if c is not m)]
-    for m in inner: m.training = False  # this module only: BatchNorm layers inside keep their mode
-    return inner
-
-def _one_step(model:nn.Module, xb:tuple, chunk:int|None=None) -> tuple:
-    "(output, gradients, buffers) by name after one training step of `model` on `xb` from torch seed 0, plain or staged in chunks of `chunk` (every stage, no collective)."
-    f = None
-    if chunk:
-        f = install_staged(model, chunk)
-        f.step.grow, f.step.local = False, True
-    try:
-        torch.manual_seed(0)
-        out = model(*xb)
-        sum((o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype, device=o.device).view_as(o)).sum()
-            for o in _tensors(out) if o.is_floating_point()).backward()
-    finally:
-        if f is not None: uninstall_staged(model)
-    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
-    for p in model.parameters(): p.grad = None
-    return [o.detach() for o in _tensors(out)], grads, {n: b.clone() for n, b in model.named_buffers()}
-
-_check_tol = {torch.float64: (1e-8, 1e-11), torch.float32: (5e-3, 1e-4)}  # (relative, absolute as a fraction of the largest value)
-
-def _first_diff(ref:dict, got:dict, dtype) -> tuple|None:
-    "(name, relative difference) of the first tensor in `got` not within tolerance of `ref`, or None."
-    rtol, atol = _check_tol.get(dtype, (5e-2, 1e-3))
-    vals = [t for t in ref.values() if t is not None and t.is_floating_point() and t.numel()]
-    scale = max([t.abs().max().item() for t in vals] or [0.])
-    for name, r in ref.items():
-        g = got.get(name)
-        if r is None and g is None: continue
-        r, g = (r if r is not None else torch.zeros_like(g)), (g if g is not None else torch.zeros_like(r))
-        if not r.is_floating_point():
-            if not torch.equal(r, g): return name, float((r - g).abs().max())
-            continue
-        d, den = (g - r).abs().max().item(), r.abs().max().item()
-        if d > rtol * den + atol * scale: return name, d / max(den, atol * scale, 1e-300)
-    return None
-
-def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothing in it changes)
-                  xb:tuple, # one micro-batch of its inputs
-                  memory:int|None=None, # host bytes the check's copy of the model may take (None: no limit)
-                  saved:float=0., # bytes a sample's training forward saves (`Footprint.saved`), to size the copy
-                 ) -> tuple:
-    "(why the staged step is not the big batch on `model`, or None; what was checked): one step on a window of 4 of `xb`'s samples, plain and staged in chunks of 2, on a copy in host memory."
-    dt = _check_dtype(model, memory, saved)
-    if dt is None: return None, "not checked: a copy of the model does not fit in host memory"
-    x = tuple(_plain(t) for t in xb)
-    while x[0].shape[0] < 4: x = _cat(x, _perturbed(x))
-    x = tuple(t[:4].to('cpu', dt if t.is_floating_point() else t.dtype) if isinstance(t, Tensor) else t for t in x)
-    with random_state_kept(), torch.enable_grad(), torch.autocast('cpu', enabled=False), _no_cuda_autocast():
-        try:  # the copy and its plain step: where they fail (a tensor attribute on the accelerator, a module that does not copy) nothing is known
-            work = _check_copy(model, dt, 'cpu')
-            for p in work.parameters():
-                if p.numel() > _check_max_numel: p.requires_grad_(False)  # their layers' inputs and outputs are compared, not their gradient
-            held = _hold_random(work, x)
-            bufs = [(b, b.clone()) for b in work.buffers()]
-            ref = _one_step(work, x)
-        except Exception as e: return None, f"not checked: a {str(dt).replace('torch.', '')} copy on the CPU does not train ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
-        with torch.no_grad():
-            for b, v in bufs: b.copy_(v)
-        try: got = _one_step(work, x, chunk=2)
-        except Exception as e: return f"the staged step fails on this model ({type(e).__name__}: {' '.join(str(e).split())})", None
-    how = f"{str(dt).replace('torch.', '')}, a window of 4 in chunks of 2{f', {len(held)} random modules held fixed' if held else ''}"
-    out, grad, buf = (_first_diff(r, g, dt) for r, g in ((dict(enumerate(ref[0])), dict(enumerate(got[0]))), (ref[1], got[1]), (ref[2], got[2])))
-    if not (out or grad or buf): return None, f"checked on this model: equal to the big batch ({how})"
-    what = '; '.join(s for s in (out and f"output off by {out[1]:.2g}", grad and f"gradient of {grad[0]} off by {grad[1]:.2g}",
-                                 buf and f"{buf[0]} off by {buf[1]:.2g}") if s)
-    return f"checked on this model, the staged step is not the big batch ({how}): {what}", None
-
-_check_max_numel = 2 ** 22  # parameters larger than this are not differentiated in the check (a VGG classifier's 100M weights)
-
-def _check_dtype(model:nn.Module, memory:int|None, saved:float):
-    "float64 if a float64 copy (weights, two sets of gradients, a window of 4's activations twice) fits `memory`, else float32 if that fits, else None."
-    n_par, elt = sum(p.numel() for p in model.parameters()), next((p.element_size() for p in model.parameters()), 4)
-    for dt in (torch.float64, torch.float32):
-        size = torch.finfo(dt).bits // 8
-        if memory is None or 3 * size * n_par + 8 * saved * size / elt <= memory: return dt
-    return None
-
-def _check_input(t:Tensor, dt, to_copy:bool) -> Tensor:
-    "Model input `t` for the check: on the CPU, floating point in `dt`, if it runs on a copy; as it is otherwise."
-    return t.to('cpu', dt if t.is_floating_point() else t.dtype) if to_copy else t
-
-def _no_cuda_autocast():
-    return torch.autocast('cuda', enabled=False) if torch.cuda.is_available() else contextlib.nullcontext()
 
 # %% ../nbs/02a_exact.ipynb #95035e37
 def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' or a BatchNorm policy
@@ -2590,14 +2586,13 @@ class Accumulation:
         if offload is not None: offload.__exit__(None, None, None)
 
     def drop_grads(self):
-        "The window ended without an optimizer step (its backward was cancelled): its gradients go, so none reaches the next window."
+        "Drop the accumulated gradients: a partial window's, or a window's that ended without an optimizer step (its backward was cancelled)."
         for p in self.params: p.grad = None
 
     def clear(self):
         "Drop a partial window: its accumulated gradients and pending BatchNorm statistics."
         self._exit_offload()
-        if not self.window.empty:
-            for p in self.params: p.grad = None
+        if not self.window.empty: self.drop_grads()
         drop_window(self.bns)
         self.window.reset()
         self._micro, self._ends_window = None, False
@@ -2939,4 +2934,4 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'learner_and_model', 'modes_kept', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'window_full', 'world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'WindowLoader', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'fmt_bytes', 'trace_model', 'StagedGraph', 'untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'auto_picks_exact', 'saved_on_host', 'verify_staged', 'choose_exact', 'StagedMismatchError', 'default_inputs', 'Accumulation', 'accumulation_options', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'learner_and_model', 'modes_kept', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'window_full', 'world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'WindowLoader', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'fmt_bytes', 'trace_model', 'StagedGraph', 'untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'auto_picks_exact', 'saved_on_host', 'choose_exact', 'StagedMismatchError', 'default_inputs', 'Accumulation', 'accumulation_options', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']

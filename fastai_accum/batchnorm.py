@@ -177,14 +177,17 @@ def _normalize_micro(self:AccumulateBatchNorm, x):
     self._pending_call().add_moments(n, mean, var)
     return out
 
+def _nth(items:list, i:int, make):
+    "`items[i]`, made with `make()` (and those before it) if the list is shorter: per-call state of a layer called several times."
+    while len(items) <= i: items.append(make())
+    return items[i]
+
 @patch
 def _pending_call(self:AccumulateBatchNorm) -> ChannelStats:
     "The pending statistics of this call of the layer: the k-th call of a micro-batch's forward pools with the k-th calls of the window's others (calls are counted only where the core starts each micro-batch: `count_calls`)."
     if not self.count_calls: return self.pending
     i, self._call = self._call, self._call + 1
-    if i == 0: return self.pending
-    while len(self.pending_more) < i: self.pending_more.append(ChannelStats())
-    return self.pending_more[i - 1]
+    return self.pending if i == 0 else _nth(self.pending_more, i - 1, ChannelStats)
 
 @patch
 def _sync_group(self:AccumulateBatchNorm, x):
@@ -230,8 +233,7 @@ def _next_call(self:AccumulateBatchNorm) -> tuple:
 @patch
 def _pool(self:AccumulateBatchNorm, i:int) -> GradPool:
     "The backward statistics of call `i` of the layer in a forward."
-    while len(self._more_pools) < i: self._more_pools.append(GradPool())
-    return self.grad_pool if i == 0 else self._more_pools[i - 1]
+    return self.grad_pool if i == 0 else _nth(self._more_pools, i - 1, GradPool)
 
 @patch
 def _renormalize(self:AccumulateBatchNorm, x, mean, var):
@@ -258,9 +260,9 @@ def _begin_prepass(self:AccumulateBatchNorm,
 
 @patch
 def _call_stats(self:AccumulateBatchNorm) -> ChannelStats:
-    "The pre-pass statistics of this call of the layer (the k-th call of a forward: the k-th)."
-    while len(self._prepass_stats) <= self._call: self._prepass_stats.append(ChannelStats())
-    return self._prepass_stats[self._call]
+    "The pre-pass statistics of this call of the layer (the k-th call of a forward: the k-th); the next call gets the next."
+    i, self._call = self._call, self._call + 1
+    return _nth(self._prepass_stats, i, ChannelStats)
 
 @patch
 def _observe_prepass(self:AccumulateBatchNorm, x:Tensor):
@@ -276,7 +278,6 @@ def _close_prepass(self:AccumulateBatchNorm, st:ChannelStats|None=None):
         all_reduce_stats([st], [self.num_features], self._prepass_group, self.running_mean.device)
     if st.count: self.window_stats = (st.mean.to(self.running_mean.dtype), st.biased_var.to(self.running_mean.dtype))
     self._call_stats().merge(st)
-    self._call += 1
 
 @patch
 def _end_prepass(self:AccumulateBatchNorm):
@@ -301,7 +302,6 @@ def _normalize_prepass(self:AccumulateBatchNorm, x):
         mean, var = torch.zeros(2, self.num_features, device=x.device, dtype=self.running_mean.dtype)
         out = F.batch_norm(x, mean, var, self.weight, self.bias, True, 1.0, self.eps)
         self._call_stats().add_moments(n, mean, var)
-        self._call += 1
         return out
     st = ChannelStats()  # across processes: merge the input's moments over every rank's window first (as SyncBatchNorm)
     st.add(x)

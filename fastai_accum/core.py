@@ -340,14 +340,13 @@ class Accumulation:
         if offload is not None: offload.__exit__(None, None, None)
 
     def drop_grads(self):
-        "The window ended without an optimizer step (its backward was cancelled): its gradients go, so none reaches the next window."
+        "Drop the accumulated gradients: a partial window's, or a window's that ended without an optimizer step (its backward was cancelled)."
         for p in self.params: p.grad = None
 
     def clear(self):
         "Drop a partial window: its accumulated gradients and pending BatchNorm statistics."
         self._exit_offload()
-        if not self.window.empty:
-            for p in self.params: p.grad = None
+        if not self.window.empty: self.drop_grads()
         drop_window(self.bns)
         self.window.reset()
         self._micro, self._ends_window = None, False

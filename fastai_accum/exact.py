@@ -5,21 +5,21 @@ batch's, exactly; the window's saved activations go to host memory when the acce
 
 # %% ../nbs/02a_exact.ipynb #43c0896b
 from __future__ import annotations
-import contextlib, copy, itertools, time
+import contextlib, time
 from dataclasses import dataclass
 import torch
 import torch.distributed as dist
-from torch import nn, Tensor
+from torch import nn
 from .meters import SavedTensorMeter, LayerMeter, fmt_bytes
-from .staged_exact import samples_mixed, install_staged, uninstall_staged, _rng_state, _same_state, _plain, _cat, _perturbed, _device
+from .staged_exact import samples_mixed, verify_staged
 from .window import world_size
 from .batchnorm import bn_layers
 from .prepass import _trace, untraceable_reason
-from .helpers import random_state_kept, _tensors
+from .helpers import random_state_kept
 
 # %% auto #0
 __all__ = ['leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact',
-           'auto_picks_exact', 'saved_on_host', 'verify_staged', 'choose_exact', 'StagedMismatchError']
+           'auto_picks_exact', 'saved_on_host', 'choose_exact', 'StagedMismatchError']
 
 # %% ../nbs/02a_exact.ipynb #a31cf6dc
 @contextlib.contextmanager
@@ -114,7 +114,6 @@ class ExactPlan:
                     f"trains as one batch stage by stage in chunks of {self.chunk}: about {fmt_bytes(self.staged_device_needed)} on "
                     f"the device and {fmt_bytes(self.staged_host_needed)} of values kept between stages{self._checked}")
         if not self.on_accelerator: return f"a window of {self.window} samples as one batch needs {fmt_bytes(self.host_needed)} ({self._budget})"
-
         where = 'in host memory (pinned)' if self.offload else 'on the accelerator'
         s = (f"a window of {self.window} samples as one batch, saved activations {where}, needs "
              f"{fmt_bytes(self.device_needed)} of accelerator memory (budget {fmt_bytes(self.device_budget)})")
@@ -165,113 +164,6 @@ def saved_on_host(plan:ExactPlan):
     "The context that keeps saved activations in host memory when `plan` says so (pinned on CUDA)."
     if not plan.offload: return contextlib.nullcontext()
     return torch.autograd.graph.save_on_cpu(pin_memory=plan.device == 'cuda')
-
-# %% ../nbs/02a_exact.ipynb #5b1e0c22
-def _check_copy(model:nn.Module, dtype, device) -> nn.Module:
-    "A copy of `model` whose parameters and buffers are cloned straight to `device` in `dtype` (floating ones): never a second copy where the model lives."
-    memo = {}
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        c = t.detach().to(device, dtype if t.is_floating_point() else t.dtype, copy=True)
-        memo[id(t)] = nn.Parameter(c, t.requires_grad) if isinstance(t, nn.Parameter) else c
-    return copy.deepcopy(model, memo)
-
-def _hold_random(model:nn.Module, xb:tuple):
-    "Put the innermost modules whose training forward draws random numbers (dropout, drop-path) in eval mode, found on one forward (it changes buffers: a copy's, or restored by the caller)."
-    drew, before, dev = [], {}, _device(model, xb)
-    def pre(m, args): before[m] = _rng_state(dev)
-    def post(m, args, out):
-        if not _same_state(before.pop(m), _rng_state(dev)): drew.append(m)
-    handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
-    try:
-        with torch.no_grad(): model(*xb)
-    finally:
-        for h in handles: h.remove()
-    inner = [m for m in drew if not any(c in drew for c in m.modules() if c is not m)]
-    for m in inner: m.training = False  # this module only: BatchNorm layers inside keep their mode
-    return inner
-
-def _one_step(model:nn.Module, xb:tuple, chunk:int|None=None) -> tuple:
-    "(output, gradients, buffers) by name after one training step of `model` on `xb` from torch seed 0, plain or staged in chunks of `chunk` (every stage, no collective)."
-    f = None
-    if chunk:
-        f = install_staged(model, chunk)
-        f.step.grow, f.step.local = False, True
-    try:
-        torch.manual_seed(0)
-        out = model(*xb)
-        sum((o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype, device=o.device).view_as(o)).sum()
-            for o in _tensors(out) if o.is_floating_point()).backward()
-    finally:
-        if f is not None: uninstall_staged(model)
-    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
-    for p in model.parameters(): p.grad = None
-    return [o.detach() for o in _tensors(out)], grads, {n: b.clone() for n, b in model.named_buffers()}
-
-_check_tol = {torch.float64: (1e-8, 1e-11), torch.float32: (5e-3, 1e-4)}  # (relative, absolute as a fraction of the largest value)
-
-def _first_diff(ref:dict, got:dict, dtype) -> tuple|None:
-    "(name, relative difference) of the first tensor in `got` not within tolerance of `ref`, or None."
-    rtol, atol = _check_tol.get(dtype, (5e-2, 1e-3))
-    vals = [t for t in ref.values() if t is not None and t.is_floating_point() and t.numel()]
-    scale = max([t.abs().max().item() for t in vals] or [0.])
-    for name, r in ref.items():
-        g = got.get(name)
-        if r is None and g is None: continue
-        r, g = (r if r is not None else torch.zeros_like(g)), (g if g is not None else torch.zeros_like(r))
-        if not r.is_floating_point():
-            if not torch.equal(r, g): return name, float((r - g).abs().max())
-            continue
-        d, den = (g - r).abs().max().item(), r.abs().max().item()
-        if d > rtol * den + atol * scale: return name, d / max(den, atol * scale, 1e-300)
-    return None
-
-def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothing in it changes)
-                  xb:tuple, # one micro-batch of its inputs
-                  memory:int|None=None, # host bytes the check's copy of the model may take (None: no limit)
-                  saved:float=0., # bytes a sample's training forward saves (`Footprint.saved`), to size the copy
-                 ) -> tuple:
-    "(why the staged step is not the big batch on `model`, or None; what was checked): one step on a window of 4 of `xb`'s samples, plain and staged in chunks of 2, on a copy in host memory."
-    dt = _check_dtype(model, memory, saved)
-    if dt is None: return None, "not checked: a copy of the model does not fit in host memory"
-    x = tuple(_plain(t) for t in xb)
-    while x[0].shape[0] < 4: x = _cat(x, _perturbed(x))
-    x = tuple(t[:4].to('cpu', dt if t.is_floating_point() else t.dtype) if isinstance(t, Tensor) else t for t in x)
-    with random_state_kept(), torch.enable_grad(), torch.autocast('cpu', enabled=False), _no_cuda_autocast():
-        try:  # the copy and its plain step: where they fail (a tensor attribute on the accelerator, a module that does not copy) nothing is known
-            work = _check_copy(model, dt, 'cpu')
-            for p in work.parameters():
-                if p.numel() > _check_max_numel: p.requires_grad_(False)  # their layers' inputs and outputs are compared, not their gradient
-            held = _hold_random(work, x)
-            bufs = [(b, b.clone()) for b in work.buffers()]
-            ref = _one_step(work, x)
-        except Exception as e: return None, f"not checked: a {str(dt).replace('torch.', '')} copy on the CPU does not train ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
-        with torch.no_grad():
-            for b, v in bufs: b.copy_(v)
-        try: got = _one_step(work, x, chunk=2)
-        except Exception as e: return f"the staged step fails on this model ({type(e).__name__}: {' '.join(str(e).split())})", None
-    how = f"{str(dt).replace('torch.', '')}, a window of 4 in chunks of 2{f', {len(held)} random modules held fixed' if held else ''}"
-    out, grad, buf = (_first_diff(r, g, dt) for r, g in ((dict(enumerate(ref[0])), dict(enumerate(got[0]))), (ref[1], got[1]), (ref[2], got[2])))
-    if not (out or grad or buf): return None, f"checked on this model: equal to the big batch ({how})"
-    what = '; '.join(s for s in (out and f"output off by {out[1]:.2g}", grad and f"gradient of {grad[0]} off by {grad[1]:.2g}",
-                                 buf and f"{buf[0]} off by {buf[1]:.2g}") if s)
-    return f"checked on this model, the staged step is not the big batch ({how}): {what}", None
-
-_check_max_numel = 2 ** 22  # parameters larger than this are not differentiated in the check (a VGG classifier's 100M weights)
-
-def _check_dtype(model:nn.Module, memory:int|None, saved:float):
-    "float64 if a float64 copy (weights, two sets of gradients, a window of 4's activations twice) fits `memory`, else float32 if that fits, else None."
-    n_par, elt = sum(p.numel() for p in model.parameters()), next((p.element_size() for p in model.parameters()), 4)
-    for dt in (torch.float64, torch.float32):
-        size = torch.finfo(dt).bits // 8
-        if memory is None or 3 * size * n_par + 8 * saved * size / elt <= memory: return dt
-    return None
-
-def _check_input(t:Tensor, dt, to_copy:bool) -> Tensor:
-    "Model input `t` for the check: on the CPU, floating point in `dt`, if it runs on a copy; as it is otherwise."
-    return t.to('cpu', dt if t.is_floating_point() else t.dtype) if to_copy else t
-
-def _no_cuda_autocast():
-    return torch.autocast('cuda', enabled=False) if torch.cuda.is_available() else contextlib.nullcontext()
 
 # %% ../nbs/02a_exact.ipynb #95035e37
 def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' or a BatchNorm policy

@@ -6,7 +6,8 @@ import pytest, torch
 from torch import nn
 import torch.nn.functional as F
 from fastai_accum.core import Accumulation
-from fastai_accum.exact import plan_exact, verify_staged, StagedMismatchError, ExactModeMemoryError
+from fastai_accum.exact import plan_exact, StagedMismatchError, ExactModeMemoryError
+from fastai_accum.staged_exact import verify_staged
 import fastai_accum.exact as exact
 
 class TwiceBN(nn.Module):

@@ -11,8 +11,8 @@ from fastai.basics import *
 from fastai.callback.progress import *
 from ..batchnorm import bn_policies, wrap_bn, reset_bn_stats
 from ..prepass import window_prepasses, prepass_plan, prepass_info
-from ..exact import choose_exact, verify_staged
-from ..staged_exact import install_staged, uninstall_staged
+from ..exact import choose_exact
+from ..staged_exact import install_staged, uninstall_staged, verify_staged
 from ..meters import _nbytes
 from .experiments import (
     small_cnn, torchvision_resnet18, efficientnet_b0, synthetic_dls, default_policy, setting_batch_size,
