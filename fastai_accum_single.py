@@ -14,9 +14,9 @@ Contents (line: module: classes), dependencies first:
      1007: staged: StagedGraph
      1143: prepass: PrepassPlan
      1355: staged_exact: StagedStep, StagedForward
-     2008: exact: Footprint, ExactModeMemoryError, ExactPlan, StagedMismatchError
-     2259: core: Accumulation, FrontEnd
-     2669: callback: WindowPrefetch, GradientAccumulation
+     2009: exact: Footprint, ExactModeMemoryError, ExactPlan, StagedMismatchError
+     2260: core: Accumulation, FrontEnd
+     2670: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -1547,21 +1547,22 @@ def _carried(self, n, a:int, b:int):
     if kind == 'int': return b - a
     if kind == 'shape': return type(first)((b - a,) + tuple(first[1:]))
     if all(_same(v, first) for v in vals.values()): return first
-    forms = [_form(v, e - s) for (s, e), v in vals.items()]  # values that differ only by holding their chunk's size (`n * 2`)
+    forms = [_form(v, e - s) for (s, e), v in vals.items()]  # values that differ only by multiples of their chunk's size (`x.size(0) * 5`)
     if all(_same(f, forms[0]) for f in forms): return _filled(forms[0], b - a)
     raise RuntimeError(f"staged exact: {n.name} (a {type(first).__name__}) differs from chunk to chunk and is read by a stage chunked otherwise")
 
-_SIZE = object()  # where a value held its chunk's size
+class _Sized(int):
+    "Where a value held `k` times its chunk's size."
 
 def _form(v, n:int):
-    "`v` with every int equal to the chunk size `n` (in tuples, lists, `torch.Size`) marked."
-    if isinstance(v, int) and not isinstance(v, bool): return _SIZE if v == n else v
+    "`v` with every int that is a multiple k of the chunk size `n` (in tuples, lists, `torch.Size`) marked as `_Sized(k)`."
+    if isinstance(v, int) and not isinstance(v, bool): return _Sized(v // n) if n and v % n == 0 else v
     if isinstance(v, (tuple, list)): return (type(v), tuple(_form(x, n) for x in v))
     return v
 
 def _filled(form, n:int):
     "The value of `form` (`_form`) for a chunk of `n` samples."
-    if form is _SIZE: return n
+    if isinstance(form, _Sized): return int(form) * n
     if isinstance(form, tuple) and len(form) == 2 and isinstance(form[0], type): return form[0](_filled(x, n) for x in form[1])
     return form
 

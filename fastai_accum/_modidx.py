@@ -1012,6 +1012,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                            'fastai_accum.staged_exact._Key': ('staged_exact.html#_key', 'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact._Key.__init__': ( 'staged_exact.html#_key.__init__',
                                                                                         'fastai_accum/staged_exact.py'),
+                                           'fastai_accum.staged_exact._Sized': ('staged_exact.html#_sized', 'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact._StagedFunction': ( 'staged_exact.html#_stagedfunction',
                                                                                           'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact._StagedFunction.backward': ( 'staged_exact.html#_stagedfunction.backward',

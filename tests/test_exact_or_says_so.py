@@ -38,6 +38,16 @@ class SizeAcross(nn.Module):
         x = F.relu(s.b2(s.c2(F.relu(s.b1(s.c1(x))))))
         return F.interpolate(s.c3(x), size=size, mode='bilinear', align_corners=False).reshape(n, -1)[:, :5]
 
+class SizeArithmetic(nn.Module):
+    "A value computed from the batch's size (`x.size(0) * 5`) kept across BatchNorm layers: recognised by its form, resized per chunk."
+    def __init__(s):
+        super().__init__()
+        s.c1, s.b1, s.c2, s.b2, s.head = nn.Conv2d(3, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.Conv2d(8, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.Linear(8, 1)
+    def forward(s, x):
+        rows = x.size(0) * 5
+        x = F.relu(s.b2(s.c2(F.relu(s.b1(s.c1(x))))))
+        return s.head(x.mean((2, 3))).expand(-1, 5).reshape(rows).view(-1, 5)
+
 class DropoutHead(nn.Module):
     "Two Dropouts after the last BatchNorm, as vgg11_bn's classifier."
     def __init__(s):
@@ -109,7 +119,8 @@ def mobilenet_v3_small():
     import torchvision; return torchvision.models.mobilenet_v3_small(num_classes=5)
 
 @pytest.mark.parametrize('policy', ['staged', 'auto'])
-@pytest.mark.parametrize('make', [TwiceBN, SizeAcross, mobilenet_v3_small], ids=['bn_called_twice', 'shape_across_stages', 'inplace_dropout_head'])
+@pytest.mark.parametrize('make', [TwiceBN, SizeAcross, SizeArithmetic, mobilenet_v3_small],
+                         ids=['bn_called_twice', 'shape_across_stages', 'size_arithmetic_across_stages', 'inplace_dropout_head'])
 def test_models_that_break_an_assumption_train_as_the_big_batch(make, policy):
     diff, acc = train_both(make, policy)
     assert acc.path == 'staged exact' and diff < 1e-9
