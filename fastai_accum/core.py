@@ -11,9 +11,9 @@ from torch import nn, Tensor
 from torch.nn.parallel import DistributedDataParallel
 from .batchnorm import AccumulateBatchNorm, wrap_bn, bn_layers, unwrap_layer
 from .prepass import untraceable_reason, window_prepasses, bn_preflight
-from .exact import choose_exact, saved_on_host, ExactModeMemoryError
+from .exact import choose_exact, saved_on_host, release_pinned, ExactModeMemoryError
 from .staged_exact import install_staged, uninstall_staged
-from .helpers import _to, split_batch, _optional, peek_batches
+from .helpers import _to, _tensors, split_batch, _optional, peek_batches
 from .window import (AccumulationWindow, WindowLoader, validate_window_args, _check_count, scale_grads,
                      commit_window, drop_window, batch_size, world_size, cat_batches)
 
@@ -73,6 +73,7 @@ class Accumulation:
         self._modes, self._wrapped, self._own_policy, self._pools = None, [], {}, {}
         self.steps, self.losses, self.prepass_time = 0, [], 0.
         self._micro, self._offload, self._ends_window, self._ghost_micro = None, None, False, False
+        self._input_at = None  # the batch elements the model inputs come from (`_input_elements`), found at the first placed batch
 
     @property
     def params(self) -> list:
@@ -173,7 +174,8 @@ class Accumulation:
         "The callback's rule (`choose_exact`): 'exact' if it fits; 'auto' if the model has BatchNorm and the window fits without offload."
         peek = b if callable(b) else lambda: b
         exact, self.plan = choose_exact(self.policy, self.module, lambda: tuple(self.inputs(peek())), self.n_step, self.n_acc,
-                                        self.device_memory, self.host_memory, self.offload, name=self.name, verify=self.verify)
+                                        self.device_memory, self.host_memory, self.offload, name=self.name, verify=self.verify,
+                                        autocast=self.autocast)
         return exact
 
     def preflight(self, xb:tuple, # one micro-batch's model inputs
@@ -207,6 +209,7 @@ class Accumulation:
         "Iterate `loader` (any iterable of batches) one window ahead: micro-batches, or whole windows under 'exact'. A `batches` left unfinished on this model (by this or another `Accumulation`) is closed first."
         self.close()
         self.clear()
+        self._input_at = None
         _open[id(self.module)] = gen = self._batches(loader)
         return gen
 
@@ -233,6 +236,7 @@ class Accumulation:
                     yield b
         finally:
             self._exit_offload()
+            release_pinned(self.plan)
             if self.ddp is not None: self.ddp.require_backward_grad_sync = True
             self.release()  # between epochs the model holds plain torch BatchNorm layers
 
@@ -249,11 +253,11 @@ class Accumulation:
         return 'cpu' if self.exact and p is not None and p.staged and not p.whole and p.on_accelerator else None
 
     def _placed(self, b):
-        "Micro-batch `b` on the device, its model inputs where `inputs_on` says."
+        "Micro-batch `b` on the device, the elements its model inputs come from where `inputs_on` says."
         on = self.inputs_on
         if on is None or not isinstance(b, (tuple, list)): return _to(b, self.device)
-        xs = self.inputs(b)
-        return type(b)(_to(o, on if any(o is x for x in xs) else self.device) for o in b)
+        if self._input_at is None: self._input_at = _input_elements(self.inputs, b)
+        return _rebuilt(b, [_to(o, on if i in self._input_at else self.device) for i, o in enumerate(b)])
 
     # The events an adapter calls when it cannot hand its loop to `batches`
     def start_window(self, window:list):
@@ -354,6 +358,25 @@ class Accumulation:
     def __repr__(self):
         mode = '?' if self.exact is None else 'exact' if self.exact else 'micro-batches'
         return f'{type(self).__name__}(n_step={self.n_step}, n_acc={self.n_acc}, policy={self.policy!r}, {mode}, steps={self.steps})'
+
+def _rebuilt(b, items:list):
+    "A batch of `b`'s type (a tuple, list or namedtuple) holding `items`."
+    return type(b)(*items) if hasattr(b, '_fields') else type(b)(items)
+
+def _input_elements(inputs, # the core's `inputs`: batch -> model inputs
+                    b, # one batch, a tuple or list
+                   ) -> set:
+    "Positions of the elements of `b` that the model inputs come from: the elements `inputs` returns, or, for an `inputs` that makes new tensors (`b[0].float() / 255`), the elements it reads (each tried on the 'meta' device)."
+    xs = _tensors(tuple(inputs(b)))
+    same = {i for i, o in enumerate(b) if any(o is x for x in xs)}
+    if len(same) == len(xs): return same
+    found = set()
+    for i, o in enumerate(b):
+        if not isinstance(o, Tensor): continue
+        try: got = _tensors(tuple(inputs(_rebuilt(b, [o.to('meta') if j == i else v for j, v in enumerate(b)]))))
+        except Exception: return same  # an `inputs` that reads values: only the elements it returns are known
+        if any(t.device.type == 'meta' for t in got): found.add(i)
+    return same | found
 
 # %% ../nbs/02d_core.ipynb #13c1b3a2
 def accumulation_options(kwargs:dict, # keyword arguments a front end got for the core

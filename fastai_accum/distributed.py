@@ -6,6 +6,7 @@
 from __future__ import annotations
 import torch
 import torch.distributed as dist
+from .window import collective_device
 
 # %% auto #0
 __all__ = ['fix_distributed_dl']
@@ -16,8 +17,7 @@ def fix_distributed_dl():
     from fastai.distributed import DistributedDL
     if getattr(DistributedDL._broadcast, '_fastai_accum', False): return
     def _broadcast(self, t, rank):
-        nccl = dist.get_backend() == 'nccl'
-        t = torch.tensor(t, dtype=torch.long, device='cuda' if nccl else 'cpu')
+        t = torch.tensor(t, dtype=torch.long, device=collective_device(getattr(self, 'device', None)))  # NCCL: this process's GPU
         dist.broadcast(t, rank)
         return t.cpu().tolist()
     _broadcast._fastai_accum = True

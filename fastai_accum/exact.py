@@ -11,15 +11,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from .meters import SavedTensorMeter, LayerMeter, fmt_bytes
-from .staged_exact import samples_mixed, verify_staged
-from .window import world_size
+from .staged_exact import samples_mixed, verify_staged, _device
+from .window import world_size, collective_device
 from .batchnorm import bn_layers
 from .prepass import _trace, untraceable_reason
-from .helpers import random_state_kept
+from .helpers import random_state_kept, is_accelerator, can_pin
 
 # %% auto #0
 __all__ = ['leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact',
-           'auto_picks_exact', 'saved_on_host', 'choose_exact', 'StagedMismatchError']
+           'release_pinned', 'auto_picks_exact', 'saved_on_host', 'choose_exact', 'StagedMismatchError']
 
 # %% ../nbs/02a_exact.ipynb #a31cf6dc
 @contextlib.contextmanager
@@ -41,19 +41,35 @@ class Footprint:
     "Activation bytes per sample of a model's training forward."
     saved:float   # kept by autograd for the backward: training at batch b holds b x this
     working:float # the largest input + output of a single layer: what running that layer needs
+    blocks:tuple=() # per-sample bytes of each batch tensor autograd saves, one by one (what an offload copies to the host)
+    fixed:int=0   # bytes of the parameters and buffers autograd saves in one forward (an offload copies them too)
     def __repr__(self): return f'Footprint(saved={fmt_bytes(self.saved)}/sample, working={fmt_bytes(self.working)}/sample)'
+
+    def offloaded(self, window:int, # samples in the batch
+                  pinned:bool=False, # in pinned memory: the caching host allocator rounds each block up to a power of two
+                 ) -> int:
+        "Host bytes an offload (`save_on_cpu`) of a training forward at batch `window` takes: each saved tensor copied on its own."
+        if not self.blocks: return int(window * self.saved * (2 if pinned else 1))  # sizes unknown: the rounding's bound
+        sizes = [int(window * b) for b in self.blocks] + ([self.fixed] if self.fixed else [])
+        return sum(_pinned_block(n) if pinned else n for n in sizes)
+
+def _pinned_block(n:int) -> int: return 1 << max(n - 1, 0).bit_length()  # the pinned block a request of `n` bytes takes
 
 def measure_footprint(model:nn.Module, # the model (nothing in it changes)
                       *xb, # one micro-batch of model inputs
+                      autocast=None, # callable returning the autocast context training runs in (mixed precision saves half the bytes)
                      ) -> Footprint:
-    "Per-sample bytes saved for the backward and largest layer working set, from one training forward on `xb`."
+    "Per-sample bytes saved for the backward and largest layer working set, from one training forward on `xb` (as training runs it: under `autocast`)."
     bs = xb[0].shape[0]
     if bs < 2: xb, bs = tuple(torch.cat([t, t]) if torch.is_tensor(t) else t for t in xb), 2  # BatchNorm needs 2 values to train
     saved, layers = SavedTensorMeter(exclude=model), LayerMeter(model)
-    with layers, leaves_no_trace(model), torch.enable_grad(), saved:
+    with layers, leaves_no_trace(model), torch.enable_grad(), saved, autocast() if autocast is not None else contextlib.nullcontext():
         model.train()
         model(*xb)  # the output is dropped at once: the meter's peak is what this forward saved
-    return Footprint(saved.peak / bs, layers.peak / bs)
+    other = {k: n for n, d0, k in saved.packed if d0 != bs}  # saved tensors that do not grow with the batch (a frozen weight's cast)
+    blocks = tuple(n / bs for n, d0, _ in saved.packed if d0 == bs)
+    return Footprint(max(saved.peak - sum(other.values()), 0) / bs, layers.peak / bs, blocks,
+                     saved.packed_model + sum(n for n, d0, _ in saved.packed if d0 != bs))
 
 # %% ../nbs/02a_exact.ipynb #35940889
 class ExactModeMemoryError(MemoryError):
@@ -65,7 +81,7 @@ class ExactPlan:
     window:int            # samples in the window
     footprint:Footprint   # measured per-sample bytes
     params:int            # bytes of trainable parameters
-    device:str            # 'cpu', 'cuda', ...
+    device:str            # where it trains: 'cpu', 'cuda:1', ...
     device_budget:int|None # accelerator bytes it may use (None on CPU)
     host_budget:int       # host bytes it may use
     offload:bool=False    # saved activations in host memory
@@ -76,9 +92,15 @@ class ExactPlan:
     check_time:float=0.   # seconds the check took
     whole:bool=False      # staged in one chunk of the whole window (under DDP: BatchNorm reduced over the processes)
     micro:int|None=None   # samples per micro-batch (of the one measured)
+    accelerator:bool|None=None # the device's memory is apart from the host's (default: a device other than the CPU; `emulated_accelerator`)
 
     @property
-    def on_accelerator(self) -> bool: return self.device != 'cpu'
+    def on_accelerator(self) -> bool:
+        return self.accelerator if self.accelerator is not None else torch.device(self.device).type != 'cpu'
+    @property
+    def pinned(self) -> bool:
+        "Does host memory for the device come pinned (page-locked: asynchronous copies, rounded to powers of two)?"
+        return self.on_accelerator and torch.device(self.device).type == 'cuda' and can_pin()
     @property
     def device_needed(self) -> int:
         "Bytes needed on the training device (on CPU: everything, which is host memory)."
@@ -88,7 +110,7 @@ class ExactPlan:
     def host_needed(self) -> int:
         "Bytes of host memory: the offloaded saved activations (on CPU, everything)."
         if not self.on_accelerator: return self.device_needed
-        return int(self.window * self.footprint.saved) if self.offload else 0
+        return self.footprint.offloaded(self.window, self.pinned) if self.offload else 0
     @property
     def fits(self) -> bool:
         "The whole window as one batch fits (on CPU also within `device_budget` when one was given)."
@@ -114,7 +136,7 @@ class ExactPlan:
                     f"trains as one batch stage by stage in chunks of {self.chunk}: about {fmt_bytes(self.staged_device_needed)} on "
                     f"the device and {fmt_bytes(self.staged_host_needed)} of values kept between stages{self._checked}")
         if not self.on_accelerator: return f"a window of {self.window} samples as one batch needs {fmt_bytes(self.host_needed)} ({self._budget})"
-        where = 'in host memory (pinned)' if self.offload else 'on the accelerator'
+        where = f"in host memory{' (pinned)' if self.pinned else ''}" if self.offload else 'on the accelerator'
         s = (f"a window of {self.window} samples as one batch, saved activations {where}, needs "
              f"{fmt_bytes(self.device_needed)} of accelerator memory (budget {fmt_bytes(self.device_budget)})")
         if self.offload: s += f" and {fmt_bytes(self.host_needed)} of host memory (budget {fmt_bytes(self.host_budget)})"
@@ -144,26 +166,33 @@ def plan_exact(model:nn.Module, # the model to train
                device_memory:int|None=None, # accelerator bytes it may use (default: 80% of what is free)
                host_memory:int|None=None, # host bytes it may use (default: half of what is available)
                offload:bool|None=None, # saved activations in host memory (default: only if they do not fit on the accelerator)
+               autocast=None, # callable returning the autocast context training runs in: the footprint is measured under it
               ) -> ExactPlan:
     "Measure `model` on `xb` and plan training a window of `window` samples as one batch."
-    fp = measure_footprint(model, *xb)
-    device = xb[0].device
+    fp = measure_footprint(model, *xb, autocast=autocast)
+    device = _device(model, xb)
     dev_free, host_free = free_memory(device)
     if device_memory is None and dev_free is not None: device_memory = int(0.8 * dev_free)
     if host_memory is None: host_memory = int(0.5 * host_free)
     params = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    plan = ExactPlan(window, fp, params, device.type, device_memory, host_memory, offload=bool(offload))
+    plan = ExactPlan(window, fp, params, str(device), device_memory, host_memory, offload=bool(offload),
+                     accelerator=is_accelerator(device))
     if offload is None and plan.on_accelerator and not plan.fits: plan.offload = True
     return plan
+
+def release_pinned(plan:ExactPlan|None):
+    "Give back the pinned host blocks a fit's offload or staged store left in torch's host cache (kept there for reuse, they stay page-locked)."
+    if plan is not None and plan.pinned and (plan.offload or plan.staged) and hasattr(torch._C, '_host_emptyCache'):
+        torch._C._host_emptyCache()
 
 def auto_picks_exact(plan:ExactPlan) -> bool:
     "The default policy's rule: train windows as one batch when that fits the budgets without moving saved activations to the host."
     return plan.fits and not plan.offload
 
 def saved_on_host(plan:ExactPlan):
-    "The context that keeps saved activations in host memory when `plan` says so (pinned on CUDA)."
-    if not plan.offload: return contextlib.nullcontext()
-    return torch.autograd.graph.save_on_cpu(pin_memory=plan.device == 'cuda')
+    "The context that keeps saved activations in host memory when `plan` says so (pinned where the build can pin); never around a staged step, which keeps its own values in host memory."
+    if not plan.offload or plan.staged: return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=plan.on_accelerator)  # a copy of its own in host memory, pinned if it can be
 
 # %% ../nbs/02a_exact.ipynb #95035e37
 def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' or a BatchNorm policy
@@ -176,12 +205,13 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
                  offload:bool|None=None, # saved activations in host memory
                  name:str='GradientAccumulation', # the callback, for the error message
                  verify:bool=True, # check a staged step against the big batch on the model before choosing it (`verify_staged`)
+                 autocast=None, # callable returning the autocast context training runs in (the plan is measured under it)
                 ) -> tuple:
     "(train each window as one batch?, the `ExactPlan` or None; `plan.staged` if stage by stage): see the rule below."
     if policy not in ('exact', 'staged', 'auto'): return False, None
     if policy == 'auto' and not any(m.training for m in bn_layers(model)): return False, None
     xb = peek()
-    plan = plan_exact(model, xb, n_acc or n_step * xb[0].shape[0], device_memory, host_memory, offload)
+    plan = plan_exact(model, xb, n_acc or n_step * xb[0].shape[0], device_memory, host_memory, offload, autocast)
     plan.chunk = plan.micro = xb[0].shape[0]
     synced = world_size() > 1 and not _syncs_itself(model)  # DDP with per-process BatchNorm: only a staged step reduces it over the processes
     staged_asked = synced or policy == 'staged' or (policy == 'auto' and not auto_picks_exact(plan))
@@ -203,7 +233,7 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
                                                   "which falls back to it), or pass verify=False to train staged anyway.")
         plan.staged, plan.chunk, plan.offload = True, _largest_chunk(plan), False
         return True, plan
-    whole, staged, offloaded = _agreed(auto_picks_exact(plan) and not unfit, plan.reason is None,
+    whole, staged, offloaded = _agreed(plan.device, auto_picks_exact(plan) and not unfit, plan.reason is None,
                                        plan.fits and plan.offload and not synced)
     if whole:
         if synced: _whole_staged(plan)
@@ -255,9 +285,10 @@ def _staged_memory(plan:ExactPlan) -> str|None:
         return f"one chunk of {plan.chunk} needs {fmt_bytes(plan.staged_device_needed)} (budget {fmt_bytes(budget)})"
     return None
 
-def _agreed(*flags:bool) -> list:
+def _agreed(device, # this process's training device (NCCL reduces there)
+            *flags:bool) -> list:
     "Under data parallelism every rank must train the same way: each option only if every rank can take it (one all-reduce)."
     if world_size() == 1: return list(flags)
-    t = torch.tensor([float(f) for f in flags], device='cuda' if dist.get_backend() == 'nccl' else 'cpu')
+    t = torch.tensor([float(f) for f in flags], device=collective_device(device))
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return [bool(v) for v in t.tolist()]

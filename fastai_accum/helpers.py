@@ -13,8 +13,8 @@ from torch import nn, Tensor
 from torch.fx.node import map_aggregate
 
 # %% auto #0
-__all__ = ['learner_and_model', 'modes_kept', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept',
-           'peek_batches']
+__all__ = ['emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'split_batch', 'rng_states',
+           'restore_rng_states', 'random_state_kept', 'peek_batches']
 
 # %% ../nbs/00_helpers.ipynb #5f390a10
 def _to(v, device):
@@ -25,6 +25,28 @@ def _to(v, device):
         return type(v)(*items) if hasattr(v, '_fields') else type(v)(items)  # a namedtuple takes its fields one by one
     if isinstance(v, dict): return type(v)((k, _to(o, device)) for k, o in v.items())
     return v
+
+# %% ../nbs/00_helpers.ipynb #7c1e0a02
+class _Emulated: on = False  # inside `emulated_accelerator`
+
+@contextmanager
+def emulated_accelerator():
+    "Inside, the CPU counts as an accelerator with memory of its own: the planner, the core and the staged step take the branches a GPU takes."
+    before, _Emulated.on = _Emulated.on, True
+    try: yield
+    finally: _Emulated.on = before
+
+def is_accelerator(device) -> bool:
+    "Is `device` (a `torch.device` or its name) a memory apart from the host's: an accelerator, or the CPU inside `emulated_accelerator`?"
+    return torch.device(device).type != 'cpu' or _Emulated.on
+
+_pinnable = []
+def can_pin() -> bool:
+    "Can this build allocate pinned (page-locked) host memory? A build without a usable CUDA device cannot."
+    if not _pinnable:
+        try: _pinnable.append(torch.empty(1, pin_memory=True).is_pinned())
+        except RuntimeError: _pinnable.append(False)
+    return _pinnable[0]
 
 # %% ../nbs/00_helpers.ipynb #55371df6
 def learner_and_model(o) -> tuple:

@@ -47,15 +47,30 @@ def _storage_key(t:torch.Tensor):
     s = t.untyped_storage()
     return (str(s.device), s.data_ptr()), s.nbytes()
 
+def _cast_of(t:torch.Tensor, keys:set) -> bool:
+    "Is `t` a cast of a tensor whose storage is in `keys` (autocast's low-precision copy of a weight)?"
+    f = t.grad_fn
+    while f is not None and type(f).__name__ == 'ToCopyBackward0':
+        nxt = [g for g, _ in f.next_functions if g is not None]
+        if len(nxt) != 1: return False
+        f = nxt[0]
+        if hasattr(f, 'variable'): return _storage_key(f.variable)[0] in keys
+    return False
+
 class SavedTensorMeter:
-    "Live and peak bytes of the distinct storages autograd holds for backward, counted via saved-tensor hooks."
+    "Live and peak bytes of the distinct storages autograd holds for backward, counted via saved-tensor hooks; `packed`: (bytes, first dimension, storage) of each tensor saved, one by one (what `save_on_cpu` copies); `packed_model`: the bytes of `exclude`'s tensors and their casts (autocast's weight copies), not counted as live."
     def __init__(self, exclude:nn.Module|None=None): # a model whose parameters and buffers are not counted
         self.exclude, self.live, self.peak, self._refs, self._skip = exclude, 0, 0, {}, set()
+        self.packed, self.packed_model = [], 0
 
     def _pack(self, t):
         try: key, nbytes = _storage_key(t)
         except Exception: return t  # no plain storage (e.g. a tensor subclass): not counted
-        if key in self._skip: return t
+        size = t.numel() * t.element_size()
+        if key in self._skip or _cast_of(t, self._skip):
+            self.packed_model += size
+            return t
+        self.packed.append((size, t.shape[0] if t.dim() else None, key))
         ref = self._refs.get(key)
         if ref is None:
             self._refs[key] = [1, nbytes]

@@ -11,7 +11,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 import torch.distributed as dist
 from .batchnorm import AccumulateBatchNorm, GradPool, bn_layers
 from .staged import trace_model, StagedGraph
-from .helpers import modes_kept
+from .helpers import modes_kept, is_accelerator
 from .meters import ByteMeter, SavedTensorMeter, LayerMeter, fmt_bytes
 
 # %% auto #0
@@ -135,7 +135,7 @@ def window_prepasses(model:nn.Module, # a model with `AccumulateBatchNorm` layer
     sync = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     mode, chunk, sg = _prepass_mode(model, layers, xbs, chunk, memory)
     info = _last_run[model] = dict(mode=mode, chunk=chunk, samples=sum(xb[0].shape[0] for xb in xbs), sync=sync)
-    if store is None and layers[0].running_mean.device.type != 'cpu': store = 'cpu'
+    if store is None and is_accelerator(layers[0].running_mean.device): store = 'cpu'
     for m in layers: m._begin_prepass(mode, sync, group)
     try: _run_prepass(model, xbs, mode, chunk, sg, store, meter, info)
     finally:

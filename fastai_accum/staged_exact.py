@@ -14,12 +14,12 @@ from torch import nn, fx, Tensor
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.fx.node import map_aggregate
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten, tree_map
 from .meters import _nbytes
 from .stats import ChannelStats, all_reduce_stats
 from .window import world_size
 from .staged import StagedGraph
-from .helpers import _to, _tensors, random_state_kept
+from .helpers import _to, _tensors, random_state_kept, is_accelerator, can_pin
 from .batchnorm import _after_norm
 from .prepass import _trace, untraceable_reason
 
@@ -50,6 +50,7 @@ class StagedStep(StagedGraph):
     grow = True  # stages that bring in fewer bytes per sample run in larger chunks (False: every stage in chunks of `chunk`)
     local = False  # this process's window alone: no collective under DDP (the check on the user's model)
     _said_random = False  # the warning that chunked stages drew random numbers was given
+    pin = False  # the host store is pinned (a model on CUDA, kept values in host memory)
     def __init__(self,
                  model:nn.Module, # the model (called through its modules; nothing is copied)
                  graph:fx.Graph, # its torch.fx graph with every BatchNorm layer a leaf (`_trace`)
@@ -80,6 +81,9 @@ class StagedStep(StagedGraph):
         self.stage_out = [[self.nodes[i] for i in idx if owner[self.nodes[i]] == s and
                            (self.nodes[i] in outs or any(self.nodes[i] in r for r in reads[s + 1:]))] for s, idx in enumerate(self.stages)]
         self.stage_params = [_params_of(self, [self.nodes[i] for i in idx]) for idx in self.stages]
+        opens = [self.nodes[idx[0]] for idx in self.stages[1:]] + [None]  # the barrier that ends each stage
+        self.reads_input = [any(n.op == 'placeholder' for n in self.stage_in[s]) or (b is not None and b.args[0].op == 'placeholder')
+                            for s, b in enumerate(opens)]  # only these stages copy the window's inputs to the device
         self.sizes = {}  # nodes holding the batch's size: 'int' (`x.size(0)`, `len(x)`) or 'shape' (`x.shape`, batch first)
         for n in self.nodes: _size_kind(n, self.sizes)
 
@@ -134,8 +138,9 @@ def _run_stage(self, s:int, env:dict, xb:tuple, grad:bool):
         env[n] = _after_norm(m, F.batch_norm(x, mean, var, m.weight, m.bias, False, 0., m.eps))
     return leaf
 
-def _xb(self, a:int, b:int, dev, grad:bool=False) -> tuple:
-    "Samples a:b of the window's inputs (which may wait in host memory) on `dev`; for a backward, a chunk of their own."
+def _xb(self, a:int, b:int, dev, grad:bool=False, s:int|None=None) -> tuple:
+    "Samples a:b of the window's inputs (which may wait in host memory) on `dev`; for a backward, a chunk of their own; none for a stage `s` that does not read them."
+    if s is not None and not self.reads_input[s]: return ()
     return tuple((t[a:b].clone() if grad and t.device == dev else _to(t[a:b], dev)) if isinstance(t, Tensor) else t for t in self.xb)
 
 def _chunk(self, n, a:int, b:int, dev) -> Tensor:
@@ -177,10 +182,10 @@ def _struct_keys(self, n, v) -> list:
 
 def _keep(self, d:dict, n, v:Tensor, a:int, b:int, add:bool=False):
     "Samples a:b of node `n`'s value (or, `add`, gradient) into the window-sized `d[n]`, in `store`."
-    if n not in d: d[n] = (torch.zeros if add else torch.empty)((self.W,) + v.shape[1:], dtype=v.dtype, device=self.store or v.device)
-    v = _to(v, d[n].device)
-    if add: d[n][a:b] += v
-    else: d[n][a:b] = v
+    if n not in d: d[n] = (torch.zeros if add else torch.empty)((self.W,) + v.shape[1:], dtype=v.dtype, device=self.store or v.device,
+                                                               pin_memory=self.pin)
+    if add: d[n][a:b] += _to(v, d[n].device)  # read on the host: a synchronous copy
+    else: d[n][a:b].copy_(v, non_blocking=self.pin)  # into pinned memory, read back only by copies queued after this one
 
 def _hold(self, n, v, a:int, b:int):
     "Keep node `n`'s value of samples a:b for later stages: a tensor of the batch window-sized in `store`; any other value (`torch.Size`, an int, a tuple, None, a constant tensor) as it is, per chunk."
@@ -244,6 +249,7 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
     self._plan()
     self.xb = tuple(_plain(t) for t in xb)
     self.W, dev = self.xb[0].shape[0], _device(self.model, self.xb)
+    self.pin = self.store is not None and torch.device(self.store).type == 'cpu' and dev.type != 'cpu' and can_pin()  # a pinned host store
     self.autocast = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
     self.kept, self.carried, self.structs, self.rng, self.stats, self.count, self.spans = {}, {}, {}, {}, {}, {}, []
     self.random_chunked = []  # stages that drew random numbers chunk by chunk
@@ -267,7 +273,7 @@ def _stage_forward(self, s:int, dev):
     bar = self.nodes[self.stages[s + 1][0]] if s + 1 < len(self.stages) else None
     st = ChannelStats()
     for a, b in self.spans[s]:
-        env, xb = self._stage_inputs(s, a, b, dev), self._xb(a, b, dev)
+        env, xb = self._stage_inputs(s, a, b, dev), self._xb(a, b, dev, s=s)
         self.rng[s, a] = state = _rng_state(dev)
         with torch.no_grad(): self._run_stage(s, env, xb, grad=False)
         if a == 0 and len(self.spans[s]) > 1 and not _same_state(state, _rng_state(dev)):  # it draws random numbers
@@ -354,7 +360,7 @@ def _backward(self, grad, # the gradient of the loss with respect to the window'
             env = self._stage_inputs(s, a, b, dev, grad=True)
             with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []), torch.enable_grad(), autocast:
                 _set_rng_state(self.rng[s, a], dev)
-                leaf = self._run_stage(s, env, self._xb(a, b, dev, grad=True), grad=True)
+                leaf = self._run_stage(s, env, self._xb(a, b, dev, grad=True, s=s), grad=True)
             self._check_carried(s, env)
             pairs = [(t, _to(grads[k][a:b], dev)) for n in outs for k, t in self._struct_keys(n, env[n]) if k in grads and t.requires_grad]
             leaves = [(k, t) for n in self.stage_in[s] if n in env for k, t in self._struct_keys(n, env[n]) if t.requires_grad]
@@ -472,15 +478,24 @@ class StagedForward:
         dev = next(model.parameters()).device
         self.model, self.chunk, self.autocast = model, chunk, autocast
         self.own = model.__dict__.get('forward')  # a forward set on the instance (Accelerate's autocast wrapper): put back on uninstall
-        self.step = StagedStep(model, graph, store if store is not None or dev.type == 'cpu' else 'cpu')
+        self.fp32 = _converts_to_fp32(self.own)  # Accelerate's mixed precision returns float32 outputs: so does the staged step
+        self.step = StagedStep(model, graph, store if store is not None or not is_accelerator(dev) else 'cpu')
     def __call__(self, *xb, **kwargs):
         if kwargs or not (self.model.training and torch.is_grad_enabled()):
             return self.own(*xb, **kwargs) if self.own is not None else type(self.model).forward(self.model, *xb, **kwargs)
         params = [p for p in self.model.parameters() if p.requires_grad]
         with self.autocast() if self.autocast is not None else nullcontext():
-            return _rebuilt(_StagedFunction.apply(self.step, self.chunk, len(xb), *xb, *params), self.step)
+            out = _rebuilt(_StagedFunction.apply(self.step, self.chunk, len(xb), *xb, *params), self.step)
+        return tree_map(_fp32, out) if self.fp32 else out
     def __reduce__(self):  # a model pickled mid-fit (`torch.save(learn.model)`) keeps its own forward, loadable without this package
         return (getattr, (self.model, 'forward')) if self.own is None else (copy.copy, (self.own,))
+
+def _converts_to_fp32(f) -> bool:
+    "Does the forward `f` set on a model (Accelerate's mixed-precision wrapper, a class or a closure by version) return its outputs in float32?"
+    g = getattr(f, '__func__', f)
+    return type(g).__name__ == 'ConvertOutputsToFp32' or getattr(g, '__qualname__', '').startswith('convert_outputs_to_fp32')
+
+def _fp32(t): return t.float() if isinstance(t, Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t
 
 def install_staged(model:nn.Module, chunk:int, store=None, autocast=None) -> StagedForward:
     "Make `model` train each batch as a staged exact step in chunks of `chunk` (until `uninstall_staged`)."

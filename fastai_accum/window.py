@@ -14,8 +14,8 @@ from .batchnorm import _check_policy
 from .helpers import _to
 
 # %% auto #0
-__all__ = ['window_full', 'world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads',
-           'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'WindowLoader']
+__all__ = ['window_full', 'world_size', 'collective_device', 'AccumulationWindow', 'validate_window_args', 'loss_reduction',
+           'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'WindowLoader']
 
 # %% ../nbs/02_window.ipynb #6b430344
 def _check_count(name, value) -> int|None:
@@ -36,6 +36,13 @@ def window_full(n_step:int|None, n_acc:int|None, # the window's size: micro-batc
 def world_size(group=None) -> int:
     "Processes in `group` (1 when torch.distributed is not initialised)."
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+def collective_device(device=None, # this process's training device
+                     ) -> torch.device:
+    "Where a collective's tensor goes: for NCCL this process's GPU (`device`'s, else the current CUDA device), for other backends the CPU."
+    if dist.get_backend() != 'nccl': return torch.device('cpu')
+    d = torch.device(device) if device is not None else None
+    return d if d is not None and d.type == 'cuda' and d.index is not None else torch.device('cuda', torch.cuda.current_device())
 
 class AccumulationWindow:
     "Counts the micro-batches of a window, gives each its loss weight and the gradient correction at the step."

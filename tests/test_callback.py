@@ -311,11 +311,11 @@ def test_each_fit_chooses_its_path_from_the_modes_it_trains_in(capsys):
 
 def test_staged_window_inputs_wait_where_inputs_on_says(monkeypatch):
     """On an accelerator a staged window's model inputs wait in host memory (`Accumulation.inputs_on`): the loader joins
-    them there and fastai's `_set_device` leaves them alone, targets going to the device. Forced here on the CPU: fastai
-    gets the loader's input tensor itself, training is still the big batch (float64) and the fit leaves no patch behind."""
+    them there and fastai's `_set_device` leaves them alone, targets going to the device. On the CPU inside
+    `emulated_accelerator` (the accelerator's branches): fastai gets the loader's input tensor itself, training is still
+    the big batch (float64) and the fit leaves no patch behind."""
     from fastai_accum.callback import WindowPrefetch
-    from fastai_accum.core import Accumulation
-    monkeypatch.setattr(Accumulation, 'inputs_on', property(lambda self: 'cpu' if self.exact and self.plan.staged else None))
+    from fastai_accum.helpers import emulated_accelerator
     kept, set_device = [], WindowPrefetch._set_device
     def spy(self, b):
         out = set_device(self, b)
@@ -325,8 +325,8 @@ def test_staged_window_inputs_wait_where_inputs_on_says(monkeypatch):
     big = make_learner(16, bn_net, image=True, dtype=torch.float64)
     ga = GradientAccumulation(n_step=4, policy='staged', preflight=False)
     acc = make_learner(4, bn_net, image=True, dtype=torch.float64, cbs=ga)
-    for l in (big, acc):
-        with l.no_bar(), l.no_logging(): l.fit(1, 1e-2)
-    assert kept and all(kept) and len(kept) == ga.steps == 5
+    with big.no_bar(), big.no_logging(): big.fit(1, 1e-2)
+    with acc.no_bar(), acc.no_logging(), emulated_accelerator(): acc.fit(1, 1e-2)
+    assert kept and all(kept) and len(kept) == ga.steps == 5 and ga.plan.on_accelerator
     assert ga.path == 'staged exact' and '_set_device' not in acc.__dict__
     assert rel(params(acc), params(big)) < 1e-9
