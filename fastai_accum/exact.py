@@ -138,7 +138,7 @@ class ExactPlan:
         if not self.on_accelerator: return f"a window of {self.window} samples as one batch needs {fmt_bytes(self.host_needed)} ({self._budget})"
         where = f"in host memory{' (pinned)' if self.pinned else ''}" if self.offload else 'on the accelerator'
         s = (f"a window of {self.window} samples as one batch, saved activations {where}, needs "
-             f"{fmt_bytes(self.device_needed)} of accelerator memory (budget {fmt_bytes(self.device_budget)})")
+             f"{fmt_bytes(self.device_needed)} of accelerator memory" + (f" (budget {fmt_bytes(self.device_budget)})" if self.device_budget is not None else ''))
         if self.offload: s += f" and {fmt_bytes(self.host_needed)} of host memory (budget {fmt_bytes(self.host_budget)})"
         return s
 
