@@ -359,6 +359,7 @@ class Accumulation:
         mode = '?' if self.exact is None else 'exact' if self.exact else 'micro-batches'
         return f'{type(self).__name__}(n_step={self.n_step}, n_acc={self.n_acc}, policy={self.policy!r}, {mode}, steps={self.steps})'
 
+# %% ../nbs/02d_core.ipynb #2f0d6a12
 def _rebuilt(b, items:list):
     "A batch of `b`'s type (a tuple, list or namedtuple) holding `items`."
     return type(b)(*items) if hasattr(b, '_fields') else type(b)(items)
