@@ -9,14 +9,14 @@ Contents (line: module: classes), dependencies first:
        24: stats: ChannelStats
       164: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
       564: helpers: -
-      662: window: AccumulationWindow, WindowLoader
-      904: meters: ByteMeter, SavedTensorMeter, LayerMeter
-     1007: staged: StagedGraph
-     1143: prepass: PrepassPlan
-     1355: staged_exact: StagedStep, StagedForward
-     2009: exact: Footprint, ExactModeMemoryError, ExactPlan, StagedMismatchError
-     2260: core: Accumulation, FrontEnd
-     2670: callback: WindowPrefetch, GradientAccumulation
+      684: window: AccumulationWindow, WindowLoader
+      933: meters: ByteMeter, SavedTensorMeter, LayerMeter
+     1051: staged: StagedGraph
+     1187: prepass: PrepassPlan
+     1399: staged_exact: StagedStep, StagedForward
+     2068: exact: Footprint, ExactModeMemoryError, ExactPlan, StagedMismatchError
+     2350: core: Accumulation, FrontEnd
+     2784: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -583,6 +583,28 @@ def _to(v, device):
     if isinstance(v, dict): return type(v)((k, _to(o, device)) for k, o in v.items())
     return v
 
+# %% ../nbs/00_helpers.ipynb #7c1e0a02
+class _Emulated: on = False  # inside `emulated_accelerator`
+
+@contextmanager
+def emulated_accelerator():
+    "Inside, the CPU counts as an accelerator with memory of its own: the planner, the core and the staged step take the branches a GPU takes."
+    before, _Emulated.on = _Emulated.on, True
+    try: yield
+    finally: _Emulated.on = before
+
+def is_accelerator(device) -> bool:
+    "Is `device` (a `torch.device` or its name) a memory apart from the host's: an accelerator, or the CPU inside `emulated_accelerator`?"
+    return torch.device(device).type != 'cpu' or _Emulated.on
+
+_pinnable = []
+def can_pin() -> bool:
+    "Can this build allocate pinned (page-locked) host memory? A build without a usable CUDA device cannot."
+    if not _pinnable:
+        try: _pinnable.append(torch.empty(1, pin_memory=True).is_pinned())
+        except RuntimeError: _pinnable.append(False)
+    return _pinnable[0]
+
 # %% ../nbs/00_helpers.ipynb #55371df6
 def learner_and_model(o) -> tuple:
     "(the Learner or None, the model) for `o`, a fastai `Learner` or a plain `nn.Module`."
@@ -687,6 +709,13 @@ def window_full(n_step:int|None, n_acc:int|None, # the window's size: micro-batc
 def world_size(group=None) -> int:
     "Processes in `group` (1 when torch.distributed is not initialised)."
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+def collective_device(device=None, # this process's training device
+                     ) -> torch.device:
+    "Where a collective's tensor goes: for NCCL this process's GPU (`device`'s, else the current CUDA device), for other backends the CPU."
+    if dist.get_backend() != 'nccl': return torch.device('cpu')
+    d = torch.device(device) if device is not None else None
+    return d if d is not None and d.type == 'cuda' and d.index is not None else torch.device('cuda', torch.cuda.current_device())
 
 class AccumulationWindow:
     "Counts the micro-batches of a window, gives each its loss weight and the gradient correction at the step."
@@ -944,15 +973,30 @@ def _storage_key(t:torch.Tensor):
     s = t.untyped_storage()
     return (str(s.device), s.data_ptr()), s.nbytes()
 
+def _cast_of(t:torch.Tensor, keys:set) -> bool:
+    "Is `t` a cast of a tensor whose storage is in `keys` (autocast's low-precision copy of a weight)?"
+    f = t.grad_fn
+    while f is not None and type(f).__name__ == 'ToCopyBackward0':
+        nxt = [g for g, _ in f.next_functions if g is not None]
+        if len(nxt) != 1: return False
+        f = nxt[0]
+        if hasattr(f, 'variable'): return _storage_key(f.variable)[0] in keys
+    return False
+
 class SavedTensorMeter:
-    "Live and peak bytes of the distinct storages autograd holds for backward, counted via saved-tensor hooks."
+    "Live and peak bytes of the distinct storages autograd holds for backward, counted via saved-tensor hooks; `packed`: (bytes, first dimension, storage) of each tensor saved, one by one (what `save_on_cpu` copies); `packed_model`: the bytes of `exclude`'s tensors and their casts (autocast's weight copies), not counted as live."
     def __init__(self, exclude:nn.Module|None=None): # a model whose parameters and buffers are not counted
         self.exclude, self.live, self.peak, self._refs, self._skip = exclude, 0, 0, {}, set()
+        self.packed, self.packed_model = [], 0
 
     def _pack(self, t):
         try: key, nbytes = _storage_key(t)
         except Exception: return t  # no plain storage (e.g. a tensor subclass): not counted
-        if key in self._skip: return t
+        size = t.numel() * t.element_size()
+        if key in self._skip or _cast_of(t, self._skip):
+            self.packed_model += size
+            return t
+        self.packed.append((size, t.shape[0] if t.dim() else None, key))
         ref = self._refs.get(key)
         if ref is None:
             self._refs[key] = [1, nbytes]
@@ -1268,7 +1312,7 @@ def window_prepasses(model:nn.Module, # a model with `AccumulateBatchNorm` layer
     sync = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     mode, chunk, sg = _prepass_mode(model, layers, xbs, chunk, memory)
     info = _last_run[model] = dict(mode=mode, chunk=chunk, samples=sum(xb[0].shape[0] for xb in xbs), sync=sync)
-    if store is None and layers[0].running_mean.device.type != 'cpu': store = 'cpu'
+    if store is None and is_accelerator(layers[0].running_mean.device): store = 'cpu'
     for m in layers: m._begin_prepass(mode, sync, group)
     try: _run_prepass(model, xbs, mode, chunk, sg, store, meter, info)
     finally:
@@ -1362,7 +1406,7 @@ from torch import nn, fx, Tensor
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.fx.node import map_aggregate
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten, tree_map
 
 # %% auto #0
 
@@ -1390,6 +1434,7 @@ class StagedStep(StagedGraph):
     grow = True  # stages that bring in fewer bytes per sample run in larger chunks (False: every stage in chunks of `chunk`)
     local = False  # this process's window alone: no collective under DDP (the check on the user's model)
     _said_random = False  # the warning that chunked stages drew random numbers was given
+    pin = False  # the host store is pinned (a model on CUDA, kept values in host memory)
     def __init__(self,
                  model:nn.Module, # the model (called through its modules; nothing is copied)
                  graph:fx.Graph, # its torch.fx graph with every BatchNorm layer a leaf (`_trace`)
@@ -1420,6 +1465,9 @@ class StagedStep(StagedGraph):
         self.stage_out = [[self.nodes[i] for i in idx if owner[self.nodes[i]] == s and
                            (self.nodes[i] in outs or any(self.nodes[i] in r for r in reads[s + 1:]))] for s, idx in enumerate(self.stages)]
         self.stage_params = [_params_of(self, [self.nodes[i] for i in idx]) for idx in self.stages]
+        opens = [self.nodes[idx[0]] for idx in self.stages[1:]] + [None]  # the barrier that ends each stage
+        self.reads_input = [any(n.op == 'placeholder' for n in self.stage_in[s]) or (b is not None and b.args[0].op == 'placeholder')
+                            for s, b in enumerate(opens)]  # only these stages copy the window's inputs to the device
         self.sizes = {}  # nodes holding the batch's size: 'int' (`x.size(0)`, `len(x)`) or 'shape' (`x.shape`, batch first)
         for n in self.nodes: _size_kind(n, self.sizes)
 
@@ -1474,8 +1522,9 @@ def _run_stage(self, s:int, env:dict, xb:tuple, grad:bool):
         env[n] = _after_norm(m, F.batch_norm(x, mean, var, m.weight, m.bias, False, 0., m.eps))
     return leaf
 
-def _xb(self, a:int, b:int, dev, grad:bool=False) -> tuple:
-    "Samples a:b of the window's inputs (which may wait in host memory) on `dev`; for a backward, a chunk of their own."
+def _xb(self, a:int, b:int, dev, grad:bool=False, s:int|None=None) -> tuple:
+    "Samples a:b of the window's inputs (which may wait in host memory) on `dev`; for a backward, a chunk of their own; none for a stage `s` that does not read them."
+    if s is not None and not self.reads_input[s]: return ()
     return tuple((t[a:b].clone() if grad and t.device == dev else _to(t[a:b], dev)) if isinstance(t, Tensor) else t for t in self.xb)
 
 def _chunk(self, n, a:int, b:int, dev) -> Tensor:
@@ -1517,10 +1566,10 @@ def _struct_keys(self, n, v) -> list:
 
 def _keep(self, d:dict, n, v:Tensor, a:int, b:int, add:bool=False):
     "Samples a:b of node `n`'s value (or, `add`, gradient) into the window-sized `d[n]`, in `store`."
-    if n not in d: d[n] = (torch.zeros if add else torch.empty)((self.W,) + v.shape[1:], dtype=v.dtype, device=self.store or v.device)
-    v = _to(v, d[n].device)
-    if add: d[n][a:b] += v
-    else: d[n][a:b] = v
+    if n not in d: d[n] = (torch.zeros if add else torch.empty)((self.W,) + v.shape[1:], dtype=v.dtype, device=self.store or v.device,
+                                                               pin_memory=self.pin)
+    if add: d[n][a:b] += _to(v, d[n].device)  # read on the host: a synchronous copy
+    else: d[n][a:b].copy_(v, non_blocking=self.pin)  # into pinned memory, read back only by copies queued after this one
 
 def _hold(self, n, v, a:int, b:int):
     "Keep node `n`'s value of samples a:b for later stages: a tensor of the batch window-sized in `store`; any other value (`torch.Size`, an int, a tuple, None, a constant tensor) as it is, per chunk."
@@ -1584,6 +1633,7 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
     self._plan()
     self.xb = tuple(_plain(t) for t in xb)
     self.W, dev = self.xb[0].shape[0], _device(self.model, self.xb)
+    self.pin = self.store is not None and torch.device(self.store).type == 'cpu' and dev.type != 'cpu' and can_pin()  # a pinned host store
     self.autocast = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
     self.kept, self.carried, self.structs, self.rng, self.stats, self.count, self.spans = {}, {}, {}, {}, {}, {}, []
     self.random_chunked = []  # stages that drew random numbers chunk by chunk
@@ -1607,7 +1657,7 @@ def _stage_forward(self, s:int, dev):
     bar = self.nodes[self.stages[s + 1][0]] if s + 1 < len(self.stages) else None
     st = ChannelStats()
     for a, b in self.spans[s]:
-        env, xb = self._stage_inputs(s, a, b, dev), self._xb(a, b, dev)
+        env, xb = self._stage_inputs(s, a, b, dev), self._xb(a, b, dev, s=s)
         self.rng[s, a] = state = _rng_state(dev)
         with torch.no_grad(): self._run_stage(s, env, xb, grad=False)
         if a == 0 and len(self.spans[s]) > 1 and not _same_state(state, _rng_state(dev)):  # it draws random numbers
@@ -1694,7 +1744,7 @@ def _backward(self, grad, # the gradient of the loss with respect to the window'
             env = self._stage_inputs(s, a, b, dev, grad=True)
             with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []), torch.enable_grad(), autocast:
                 _set_rng_state(self.rng[s, a], dev)
-                leaf = self._run_stage(s, env, self._xb(a, b, dev, grad=True), grad=True)
+                leaf = self._run_stage(s, env, self._xb(a, b, dev, grad=True, s=s), grad=True)
             self._check_carried(s, env)
             pairs = [(t, _to(grads[k][a:b], dev)) for n in outs for k, t in self._struct_keys(n, env[n]) if k in grads and t.requires_grad]
             leaves = [(k, t) for n in self.stage_in[s] if n in env for k, t in self._struct_keys(n, env[n]) if t.requires_grad]
@@ -1812,15 +1862,24 @@ class StagedForward:
         dev = next(model.parameters()).device
         self.model, self.chunk, self.autocast = model, chunk, autocast
         self.own = model.__dict__.get('forward')  # a forward set on the instance (Accelerate's autocast wrapper): put back on uninstall
-        self.step = StagedStep(model, graph, store if store is not None or dev.type == 'cpu' else 'cpu')
+        self.fp32 = _converts_to_fp32(self.own)  # Accelerate's mixed precision returns float32 outputs: so does the staged step
+        self.step = StagedStep(model, graph, store if store is not None or not is_accelerator(dev) else 'cpu')
     def __call__(self, *xb, **kwargs):
         if kwargs or not (self.model.training and torch.is_grad_enabled()):
             return self.own(*xb, **kwargs) if self.own is not None else type(self.model).forward(self.model, *xb, **kwargs)
         params = [p for p in self.model.parameters() if p.requires_grad]
         with self.autocast() if self.autocast is not None else nullcontext():
-            return _rebuilt(_StagedFunction.apply(self.step, self.chunk, len(xb), *xb, *params), self.step)
+            out = _rebuilt(_StagedFunction.apply(self.step, self.chunk, len(xb), *xb, *params), self.step)
+        return tree_map(_fp32, out) if self.fp32 else out
     def __reduce__(self):  # a model pickled mid-fit (`torch.save(learn.model)`) keeps its own forward, loadable without this package
         return (getattr, (self.model, 'forward')) if self.own is None else (copy.copy, (self.own,))
+
+def _converts_to_fp32(f) -> bool:
+    "Does the forward `f` set on a model (Accelerate's mixed-precision wrapper, a class or a closure by version) return its outputs in float32?"
+    g = getattr(f, '__func__', f)
+    return type(g).__name__ == 'ConvertOutputsToFp32' or getattr(g, '__qualname__', '').startswith('convert_outputs_to_fp32')
+
+def _fp32(t): return t.float() if isinstance(t, Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t
 
 def install_staged(model:nn.Module, chunk:int, store=None, autocast=None) -> StagedForward:
     "Make `model` train each batch as a staged exact step in chunks of `chunk` (until `uninstall_staged`)."
@@ -2036,19 +2095,35 @@ class Footprint:
     "Activation bytes per sample of a model's training forward."
     saved:float   # kept by autograd for the backward: training at batch b holds b x this
     working:float # the largest input + output of a single layer: what running that layer needs
+    blocks:tuple=() # per-sample bytes of each batch tensor autograd saves, one by one (what an offload copies to the host)
+    fixed:int=0   # bytes of the parameters and buffers autograd saves in one forward (an offload copies them too)
     def __repr__(self): return f'Footprint(saved={fmt_bytes(self.saved)}/sample, working={fmt_bytes(self.working)}/sample)'
+
+    def offloaded(self, window:int, # samples in the batch
+                  pinned:bool=False, # in pinned memory: the caching host allocator rounds each block up to a power of two
+                 ) -> int:
+        "Host bytes an offload (`save_on_cpu`) of a training forward at batch `window` takes: each saved tensor copied on its own."
+        if not self.blocks: return int(window * self.saved * (2 if pinned else 1))  # sizes unknown: the rounding's bound
+        sizes = [int(window * b) for b in self.blocks] + ([self.fixed] if self.fixed else [])
+        return sum(_pinned_block(n) if pinned else n for n in sizes)
+
+def _pinned_block(n:int) -> int: return 1 << max(n - 1, 0).bit_length()  # the pinned block a request of `n` bytes takes
 
 def measure_footprint(model:nn.Module, # the model (nothing in it changes)
                       *xb, # one micro-batch of model inputs
+                      autocast=None, # callable returning the autocast context training runs in (mixed precision saves half the bytes)
                      ) -> Footprint:
-    "Per-sample bytes saved for the backward and largest layer working set, from one training forward on `xb`."
+    "Per-sample bytes saved for the backward and largest layer working set, from one training forward on `xb` (as training runs it: under `autocast`)."
     bs = xb[0].shape[0]
     if bs < 2: xb, bs = tuple(torch.cat([t, t]) if torch.is_tensor(t) else t for t in xb), 2  # BatchNorm needs 2 values to train
     saved, layers = SavedTensorMeter(exclude=model), LayerMeter(model)
-    with layers, leaves_no_trace(model), torch.enable_grad(), saved:
+    with layers, leaves_no_trace(model), torch.enable_grad(), saved, autocast() if autocast is not None else contextlib.nullcontext():
         model.train()
         model(*xb)  # the output is dropped at once: the meter's peak is what this forward saved
-    return Footprint(saved.peak / bs, layers.peak / bs)
+    other = {k: n for n, d0, k in saved.packed if d0 != bs}  # saved tensors that do not grow with the batch (a frozen weight's cast)
+    blocks = tuple(n / bs for n, d0, _ in saved.packed if d0 == bs)
+    return Footprint(max(saved.peak - sum(other.values()), 0) / bs, layers.peak / bs, blocks,
+                     saved.packed_model + sum(n for n, d0, _ in saved.packed if d0 != bs))
 
 # %% ../nbs/02a_exact.ipynb #35940889
 class ExactModeMemoryError(MemoryError):
@@ -2060,7 +2135,7 @@ class ExactPlan:
     window:int            # samples in the window
     footprint:Footprint   # measured per-sample bytes
     params:int            # bytes of trainable parameters
-    device:str            # 'cpu', 'cuda', ...
+    device:str            # where it trains: 'cpu', 'cuda:1', ...
     device_budget:int|None # accelerator bytes it may use (None on CPU)
     host_budget:int       # host bytes it may use
     offload:bool=False    # saved activations in host memory
@@ -2071,9 +2146,15 @@ class ExactPlan:
     check_time:float=0.   # seconds the check took
     whole:bool=False      # staged in one chunk of the whole window (under DDP: BatchNorm reduced over the processes)
     micro:int|None=None   # samples per micro-batch (of the one measured)
+    accelerator:bool|None=None # the device's memory is apart from the host's (default: a device other than the CPU; `emulated_accelerator`)
 
     @property
-    def on_accelerator(self) -> bool: return self.device != 'cpu'
+    def on_accelerator(self) -> bool:
+        return self.accelerator if self.accelerator is not None else torch.device(self.device).type != 'cpu'
+    @property
+    def pinned(self) -> bool:
+        "Does host memory for the device come pinned (page-locked: asynchronous copies, rounded to powers of two)?"
+        return self.on_accelerator and torch.device(self.device).type == 'cuda' and can_pin()
     @property
     def device_needed(self) -> int:
         "Bytes needed on the training device (on CPU: everything, which is host memory)."
@@ -2083,7 +2164,7 @@ class ExactPlan:
     def host_needed(self) -> int:
         "Bytes of host memory: the offloaded saved activations (on CPU, everything)."
         if not self.on_accelerator: return self.device_needed
-        return int(self.window * self.footprint.saved) if self.offload else 0
+        return self.footprint.offloaded(self.window, self.pinned) if self.offload else 0
     @property
     def fits(self) -> bool:
         "The whole window as one batch fits (on CPU also within `device_budget` when one was given)."
@@ -2109,9 +2190,9 @@ class ExactPlan:
                     f"trains as one batch stage by stage in chunks of {self.chunk}: about {fmt_bytes(self.staged_device_needed)} on "
                     f"the device and {fmt_bytes(self.staged_host_needed)} of values kept between stages{self._checked}")
         if not self.on_accelerator: return f"a window of {self.window} samples as one batch needs {fmt_bytes(self.host_needed)} ({self._budget})"
-        where = 'in host memory (pinned)' if self.offload else 'on the accelerator'
+        where = f"in host memory{' (pinned)' if self.pinned else ''}" if self.offload else 'on the accelerator'
         s = (f"a window of {self.window} samples as one batch, saved activations {where}, needs "
-             f"{fmt_bytes(self.device_needed)} of accelerator memory (budget {fmt_bytes(self.device_budget)})")
+             f"{fmt_bytes(self.device_needed)} of accelerator memory" + (f" (budget {fmt_bytes(self.device_budget)})" if self.device_budget is not None else ''))
         if self.offload: s += f" and {fmt_bytes(self.host_needed)} of host memory (budget {fmt_bytes(self.host_budget)})"
         return s
 
@@ -2139,26 +2220,33 @@ def plan_exact(model:nn.Module, # the model to train
                device_memory:int|None=None, # accelerator bytes it may use (default: 80% of what is free)
                host_memory:int|None=None, # host bytes it may use (default: half of what is available)
                offload:bool|None=None, # saved activations in host memory (default: only if they do not fit on the accelerator)
+               autocast=None, # callable returning the autocast context training runs in: the footprint is measured under it
               ) -> ExactPlan:
     "Measure `model` on `xb` and plan training a window of `window` samples as one batch."
-    fp = measure_footprint(model, *xb)
-    device = xb[0].device
+    fp = measure_footprint(model, *xb, autocast=autocast)
+    device = _device(model, xb)
     dev_free, host_free = free_memory(device)
     if device_memory is None and dev_free is not None: device_memory = int(0.8 * dev_free)
     if host_memory is None: host_memory = int(0.5 * host_free)
     params = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    plan = ExactPlan(window, fp, params, device.type, device_memory, host_memory, offload=bool(offload))
+    plan = ExactPlan(window, fp, params, str(device), device_memory, host_memory, offload=bool(offload),
+                     accelerator=is_accelerator(device))
     if offload is None and plan.on_accelerator and not plan.fits: plan.offload = True
     return plan
+
+def release_pinned(plan:ExactPlan|None):
+    "Give back the pinned host blocks a fit's offload or staged store left in torch's host cache (kept there for reuse, they stay page-locked)."
+    if plan is not None and plan.pinned and (plan.offload or plan.staged) and hasattr(torch._C, '_host_emptyCache'):
+        torch._C._host_emptyCache()
 
 def auto_picks_exact(plan:ExactPlan) -> bool:
     "The default policy's rule: train windows as one batch when that fits the budgets without moving saved activations to the host."
     return plan.fits and not plan.offload
 
 def saved_on_host(plan:ExactPlan):
-    "The context that keeps saved activations in host memory when `plan` says so (pinned on CUDA)."
-    if not plan.offload: return contextlib.nullcontext()
-    return torch.autograd.graph.save_on_cpu(pin_memory=plan.device == 'cuda')
+    "The context that keeps saved activations in host memory when `plan` says so (pinned where the build can pin); never around a staged step, which keeps its own values in host memory."
+    if not plan.offload or plan.staged: return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=plan.on_accelerator)  # a copy of its own in host memory, pinned if it can be
 
 # %% ../nbs/02a_exact.ipynb #95035e37
 def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' or a BatchNorm policy
@@ -2171,12 +2259,13 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
                  offload:bool|None=None, # saved activations in host memory
                  name:str='GradientAccumulation', # the callback, for the error message
                  verify:bool=True, # check a staged step against the big batch on the model before choosing it (`verify_staged`)
+                 autocast=None, # callable returning the autocast context training runs in (the plan is measured under it)
                 ) -> tuple:
     "(train each window as one batch?, the `ExactPlan` or None; `plan.staged` if stage by stage): see the rule below."
     if policy not in ('exact', 'staged', 'auto'): return False, None
     if policy == 'auto' and not any(m.training for m in bn_layers(model)): return False, None
     xb = peek()
-    plan = plan_exact(model, xb, n_acc or n_step * xb[0].shape[0], device_memory, host_memory, offload)
+    plan = plan_exact(model, xb, n_acc or n_step * xb[0].shape[0], device_memory, host_memory, offload, autocast)
     plan.chunk = plan.micro = xb[0].shape[0]
     synced = world_size() > 1 and not _syncs_itself(model)  # DDP with per-process BatchNorm: only a staged step reduces it over the processes
     staged_asked = synced or policy == 'staged' or (policy == 'auto' and not auto_picks_exact(plan))
@@ -2198,7 +2287,7 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
                                                   "which falls back to it), or pass verify=False to train staged anyway.")
         plan.staged, plan.chunk, plan.offload = True, _largest_chunk(plan), False
         return True, plan
-    whole, staged, offloaded = _agreed(auto_picks_exact(plan) and not unfit, plan.reason is None,
+    whole, staged, offloaded = _agreed(plan.device, auto_picks_exact(plan) and not unfit, plan.reason is None,
                                        plan.fits and plan.offload and not synced)
     if whole:
         if synced: _whole_staged(plan)
@@ -2250,10 +2339,11 @@ def _staged_memory(plan:ExactPlan) -> str|None:
         return f"one chunk of {plan.chunk} needs {fmt_bytes(plan.staged_device_needed)} (budget {fmt_bytes(budget)})"
     return None
 
-def _agreed(*flags:bool) -> list:
+def _agreed(device, # this process's training device (NCCL reduces there)
+            *flags:bool) -> list:
     "Under data parallelism every rank must train the same way: each option only if every rank can take it (one all-reduce)."
     if world_size() == 1: return list(flags)
-    t = torch.tensor([float(f) for f in flags], device='cuda' if dist.get_backend() == 'nccl' else 'cpu')
+    t = torch.tensor([float(f) for f in flags], device=collective_device(device))
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return [bool(v) for v in t.tolist()]
 
@@ -2320,6 +2410,7 @@ class Accumulation:
         self._modes, self._wrapped, self._own_policy, self._pools = None, [], {}, {}
         self.steps, self.losses, self.prepass_time = 0, [], 0.
         self._micro, self._offload, self._ends_window, self._ghost_micro = None, None, False, False
+        self._input_at = None  # the batch elements the model inputs come from (`_input_elements`), found at the first placed batch
 
     @property
     def params(self) -> list:
@@ -2420,7 +2511,8 @@ class Accumulation:
         "The callback's rule (`choose_exact`): 'exact' if it fits; 'auto' if the model has BatchNorm and the window fits without offload."
         peek = b if callable(b) else lambda: b
         exact, self.plan = choose_exact(self.policy, self.module, lambda: tuple(self.inputs(peek())), self.n_step, self.n_acc,
-                                        self.device_memory, self.host_memory, self.offload, name=self.name, verify=self.verify)
+                                        self.device_memory, self.host_memory, self.offload, name=self.name, verify=self.verify,
+                                        autocast=self.autocast)
         return exact
 
     def preflight(self, xb:tuple, # one micro-batch's model inputs
@@ -2454,6 +2546,7 @@ class Accumulation:
         "Iterate `loader` (any iterable of batches) one window ahead: micro-batches, or whole windows under 'exact'. A `batches` left unfinished on this model (by this or another `Accumulation`) is closed first."
         self.close()
         self.clear()
+        self._input_at = None
         _open[id(self.module)] = gen = self._batches(loader)
         return gen
 
@@ -2480,6 +2573,7 @@ class Accumulation:
                     yield b
         finally:
             self._exit_offload()
+            release_pinned(self.plan)
             if self.ddp is not None: self.ddp.require_backward_grad_sync = True
             self.release()  # between epochs the model holds plain torch BatchNorm layers
 
@@ -2496,11 +2590,11 @@ class Accumulation:
         return 'cpu' if self.exact and p is not None and p.staged and not p.whole and p.on_accelerator else None
 
     def _placed(self, b):
-        "Micro-batch `b` on the device, its model inputs where `inputs_on` says."
+        "Micro-batch `b` on the device, the elements its model inputs come from where `inputs_on` says."
         on = self.inputs_on
         if on is None or not isinstance(b, (tuple, list)): return _to(b, self.device)
-        xs = self.inputs(b)
-        return type(b)(_to(o, on if any(o is x for x in xs) else self.device) for o in b)
+        if self._input_at is None: self._input_at = _input_elements(self.inputs, b)
+        return _batch_like(b, [_to(o, on if i in self._input_at else self.device) for i, o in enumerate(b)])
 
     # The events an adapter calls when it cannot hand its loop to `batches`
     def start_window(self, window:list):
@@ -2601,6 +2695,26 @@ class Accumulation:
     def __repr__(self):
         mode = '?' if self.exact is None else 'exact' if self.exact else 'micro-batches'
         return f'{type(self).__name__}(n_step={self.n_step}, n_acc={self.n_acc}, policy={self.policy!r}, {mode}, steps={self.steps})'
+
+# %% ../nbs/02d_core.ipynb #2f0d6a12
+def _batch_like(b, items:list):
+    "A batch of `b`'s type (a tuple, list or namedtuple) holding `items`."
+    return type(b)(*items) if hasattr(b, '_fields') else type(b)(items)
+
+def _input_elements(inputs, # the core's `inputs`: batch -> model inputs
+                    b, # one batch, a tuple or list
+                   ) -> set:
+    "Positions of the elements of `b` that the model inputs come from: the elements `inputs` returns, or, for an `inputs` that makes new tensors (`b[0].float() / 255`), the elements it reads (each tried on the 'meta' device)."
+    xs = _tensors(tuple(inputs(b)))
+    same = {i for i, o in enumerate(b) if any(o is x for x in xs)}
+    if len(same) == len(xs): return same
+    found = set()
+    for i, o in enumerate(b):
+        if not isinstance(o, Tensor): continue
+        try: got = _tensors(tuple(inputs(_batch_like(b, [o.to('meta') if j == i else v for j, v in enumerate(b)]))))
+        except Exception: return same  # an `inputs` that reads values: only the elements it returns are known
+        if any(t.device.type == 'meta' for t in got): found.add(i)
+    return same | found
 
 # %% ../nbs/02d_core.ipynb #13c1b3a2
 def accumulation_options(kwargs:dict, # keyword arguments a front end got for the core
@@ -2935,4 +3049,4 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'learner_and_model', 'modes_kept', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'window_full', 'world_size', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'WindowLoader', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'fmt_bytes', 'trace_model', 'StagedGraph', 'untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'auto_picks_exact', 'saved_on_host', 'choose_exact', 'StagedMismatchError', 'default_inputs', 'Accumulation', 'accumulation_options', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'window_full', 'world_size', 'collective_device', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'WindowLoader', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'fmt_bytes', 'trace_model', 'StagedGraph', 'untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'release_pinned', 'auto_picks_exact', 'saved_on_host', 'choose_exact', 'StagedMismatchError', 'default_inputs', 'Accumulation', 'accumulation_options', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']

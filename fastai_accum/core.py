@@ -257,7 +257,7 @@ class Accumulation:
         on = self.inputs_on
         if on is None or not isinstance(b, (tuple, list)): return _to(b, self.device)
         if self._input_at is None: self._input_at = _input_elements(self.inputs, b)
-        return _rebuilt(b, [_to(o, on if i in self._input_at else self.device) for i, o in enumerate(b)])
+        return _batch_like(b, [_to(o, on if i in self._input_at else self.device) for i, o in enumerate(b)])
 
     # The events an adapter calls when it cannot hand its loop to `batches`
     def start_window(self, window:list):
@@ -360,7 +360,7 @@ class Accumulation:
         return f'{type(self).__name__}(n_step={self.n_step}, n_acc={self.n_acc}, policy={self.policy!r}, {mode}, steps={self.steps})'
 
 # %% ../nbs/02d_core.ipynb #2f0d6a12
-def _rebuilt(b, items:list):
+def _batch_like(b, items:list):
     "A batch of `b`'s type (a tuple, list or namedtuple) holding `items`."
     return type(b)(*items) if hasattr(b, '_fields') else type(b)(items)
 
@@ -374,7 +374,7 @@ def _input_elements(inputs, # the core's `inputs`: batch -> model inputs
     found = set()
     for i, o in enumerate(b):
         if not isinstance(o, Tensor): continue
-        try: got = _tensors(tuple(inputs(_rebuilt(b, [o.to('meta') if j == i else v for j, v in enumerate(b)]))))
+        try: got = _tensors(tuple(inputs(_batch_like(b, [o.to('meta') if j == i else v for j, v in enumerate(b)]))))
         except Exception: return same  # an `inputs` that reads values: only the elements it returns are known
         if any(t.device.type == 'meta' for t in got): found.add(i)
     return same | found
