@@ -83,6 +83,7 @@ def test_offloaded_saved_activations_give_the_same_step(monkeypatch):
     assert ga.plan.offload and len(entered) == 5 and entered[0] == dict(pin_memory=False)
     assert rel(params(acc), params(big)) <= 1e-6
 
+@pytest.mark.skipif(not hasattr(torch._C._autograd, '_top_saved_tensors_default_hooks'), reason='torch < 2.8 cannot list the hooks')
 def test_interrupt_leaves_no_saved_tensor_hooks():
     class Stop(Callback):
         order = 100

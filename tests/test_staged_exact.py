@@ -24,9 +24,15 @@ def outputs(out) -> list:
                          ids=['timm_resnet18', 'timm_efficientnet_b0', 'timm_mobilenetv3_small_100', 'timm_densenet121', 'tv_resnet50',
                               'tv_fcn_resnet50_aux', 'tv_fcn_resnet50', 'tv_deeplabv3_resnet50_aux', 'tv_deeplabv3_resnet50', 'tv_googlenet_aux'])
 def test_staged_step_is_the_big_batch(make):
-    "Dropout on, drawn as the big batch draws it: the stages holding it run whole here (the last stage reruns whole; a head's stage brings in few bytes per sample)."
+    """Dropout held fixed (eval): a chunked stage draws its masks chunk by chunk, equal in distribution to the big batch's
+    but not in value (the library warns; whether they happen to match depends on torch's CPU generator: from 2.7 they
+    do, before they do not). The last stage's masks are the big batch's on every version: it reruns whole
+    (tests/test_exact_or_says_so.py::test_dropout_after_the_last_batchnorm_draws_the_big_batch_masks)."""
     torch.manual_seed(0)
-    big = make().double().train(); st = copy.deepcopy(big); install_staged(st, chunk=3)
+    big = make().double().train()
+    for m in big.modules():
+        if isinstance(m, torch.nn.Dropout): m.eval()
+    st = copy.deepcopy(big); install_staged(st, chunk=3)
     x = torch.randn(8, 3, 32, 32, dtype=torch.float64)  # a window of 8 in ragged chunks of 3
     outs = []
     for m in (big, st):
@@ -62,4 +68,6 @@ def test_half_precision_staged_step_is_as_accurate_as_plain_half_precision():
     for m, xx in ((ref, x), (big, x.half()), (st, x.half())): (m(xx).float().pow(2).mean() * 65536).backward()
     g_ref, g_big, g_st = (torch.cat([p.grad.float().flatten() for p in m.parameters()]) for m in (ref, big, st))
     err = lambda g: ((g - g_ref).norm() / g_ref.norm()).item()
-    assert torch.isfinite(g_st).all() and err(g_st) <= 1.25 * err(g_big)
+    assert torch.isfinite(g_st).all()
+    if torch.isfinite(g_big).all(): assert err(g_st) <= 1.25 * err(g_big)  # torch < 2.6: plain fp16 BatchNorm on the CPU overflows to NaN
+    else: assert err(g_st) < 1e-2
