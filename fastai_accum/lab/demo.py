@@ -36,9 +36,9 @@ from .cli import command
 
 # %% auto #0
 __all__ = ['mnist_sample_path', 'pets_breeds', 'pets_pat', 'pets_note', 'forum_settings', 'mnist_forum_settings',
-           'forum_accuracy', 'demo_defaults', 'demo_full', 'pets_path', 'mnist_cnn', 'body_head_split', 'mnist_dls',
-           'pets_dls', 'pretrained_file', 'pretrained_resnet18', 'demo_settings', 'DemoResults', 'run_experiment',
-           'plot_results', 'DemoData', 'data_root', 'mnist_sample', 'default_policy']
+           'forum_accuracy', 'quick_settings', 'demo_defaults', 'demo_full', 'pets_path', 'mnist_cnn',
+           'body_head_split', 'mnist_dls', 'pets_dls', 'pretrained_file', 'pretrained_resnet18', 'demo_settings',
+           'DemoResults', 'run_experiment', 'plot_results', 'DemoData', 'data_root', 'mnist_sample', 'default_policy']
 
 # %% ../../nbs/10_demo.ipynb #f5ed98fd
 mnist_sample_path = mnist_sample # the demos' older name of `fastai_accum.lab.experiments.mnist_sample`
@@ -179,6 +179,7 @@ mnist_forum_settings = ('bs64', 'naive', 'bnfreeze', 'momentum_up', 'momentum_do
                         'resnet18_groupnorm', 'ours', 'ours:window') # every row of the forum's MNIST table, and ours
 forum_accuracy = dict(bs64=0.94, naive=0.49, bnfreeze=0.59, momentum_up=0.49, momentum_down=0.57, instancenorm=0.57,
                       groupnorm=0.98, resnet18_groupnorm=0.99) # the forum's MNIST_SAMPLE table (vgg16_bn, 2 x 32)
+quick_settings = ('bs64', 'naive', 'ours') # the command line's default: the target, the forum's problem, ours
 _demo_only = dict(resnet18_groupnorm='resnet18 instead of vgg16_bn, BatchNorm replaced by GroupNorm, fastai GradientAccumulation')
 _all_ = ['default_policy'] # at home in `fastai_accum.lab.experiments`, importable from here as before
 
@@ -194,10 +195,11 @@ def _parse_settings(settings, task=None) -> list:
     if settings is None: settings = 'forum'
     if isinstance(settings, str): settings = [s.strip() for s in settings.split(',') if s.strip()]
     known = demo_settings(task)
-    groups, out = dict(forum=list(mnist_forum_settings if task == 'mnist' else forum_settings), all=list(known)), []
+    groups = dict(quick=list(quick_settings), forum=list(mnist_forum_settings if task == 'mnist' else forum_settings), all=list(known))
+    out = []
     for s in settings:
         try: new = groups[s] if s in groups else [canonical_setting(s, known)]
-        except ValueError as e: raise ValueError(f"{e} (or 'forum', 'all')") from None
+        except ValueError as e: raise ValueError(f"{e} (or 'quick', 'forum', 'all')") from None
         out += [n for n in new if n not in out]
     return out
 
@@ -276,8 +278,8 @@ def _task_data(task, cfg, seed, device, path, allow_download, pretrained, wheel=
     return data, {resnet18: use_pre}, weights, images, lambda bs: pets_dls(data, bs, n_img, cfg['n_classes'],
                                                        valid_pct=cfg['n_valid']/n_img, size=cfg['size'], seed=seed, device=device)
 
-def _train_setting(name, task, make_dls, pre, cfg, seed, mbar) -> tuple:
-    "Train setting `name` from `seed`: its table row and its accuracy after each epoch."
+def _train_setting(name, task, make_dls, pre, cfg, seed, mbar, say=None, row:str='') -> tuple:
+    "Train setting `name` from `seed`: its table row and its accuracy after each epoch; one line when done (`say`, else the master bar's)."
     mbs, ns = cfg['micro_bs'], cfg['n_step']
     label = f'bs{mbs*ns}' if name == 'bs64' else name
     arch, setting = _arch_setting(task, name)
@@ -290,7 +292,9 @@ def _train_setting(name, task, make_dls, pre, cfg, seed, mbar) -> tuple:
         warnings.simplefilter('ignore')
         learn.fit_one_cycle(cfg['epochs'], cfg['lr'], cbs=cbs)
     secs, curve = time.perf_counter() - start, [float(v[-1]) for v in learn.recorder.values]
-    if mbar is not None: mbar.write(f'{label}: accuracy {curve[-1]:.3f} ({secs:.0f} s)')
+    line = f'{row}{label}: accuracy {curve[-1]:.3f} ({secs:.0f} s)'
+    if say is not None: say(line)
+    elif mbar is not None: mbar.write(line)
     forum = dict(forum=forum_accuracy.get(name, float('nan'))) if task == 'mnist' else {}
     return dict(setting=label, batch=f'{mbs*ns}' if name == 'bs64' else f'{mbs}x{ns}', accuracy=curve[-1], **forum,
                 time_s=round(secs, 1), description=demo_settings(task)[name]), curve
@@ -313,6 +317,7 @@ def run_experiment(task:str='mnist', # 'mnist' (MNIST_SAMPLE 3 vs 7, vgg16_bn) o
                    full:bool=False, # MNIST: all of MNIST_SAMPLE (`demo_full`) instead of the default subsets
                    n_threads:int|None=1, # torch CPU threads during the run (`None`: leave torch's setting)
                    show_progress:bool=True, # a fastprogress master bar over the settings
+                   say=None, # called with what will run (data, weights, rows, an estimate of the time) before training, then a line per row
                    **kwargs, # task-specific: `n_classes`, `size` (PETS)
                   ) -> DemoResults:
     "Train the forum's accumulation settings on `task` with fastai Learners; the validation accuracy of each."
@@ -326,10 +331,35 @@ def run_experiment(task:str='mnist', # 'mnist' (MNIST_SAMPLE 3 vs 7, vgg16_bn) o
     rows, curves = [], {}
     mbar = master_bar(names) if show_progress else None
     with torch_threads(n_threads):
-        for name in (mbar if mbar is not None else names):
-            row, curve = _train_setting(name, task, make_dls, pre, cfg, seed, mbar)
+        if say is not None: say(_intro(config, names, _estimate(task, names, make_dls, pre, cfg, seed, data)))
+        for i, name in enumerate(mbar if mbar is not None else names):
+            row, curve = _train_setting(name, task, make_dls, pre, cfg, seed, mbar, say, f'[{i + 1}/{len(names)}] ')
             rows.append(row); curves[row['setting']] = curve
     return DemoResults(pd.DataFrame(rows), curves, config)
+
+def _estimate(task, names, make_dls, pre, cfg, seed, data) -> float:
+    "Seconds the rows `names` should take here: one micro-batch training step timed (after a warm-up) on the task's model, times every row's steps, plus a third for validation and set-up."
+    arch = _arch_setting(task, 'naive')[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        set_seed(seed)
+        learn = _learner(task, make_dls(cfg['micro_bs']), 'naive', arch, pre[arch])
+        xb, yb = learn.dls.one_batch()
+        learn.model.train()
+        for i in range(4):
+            if i == 1: t = time.perf_counter()
+            learn.loss_func(learn.model(xb), yb).backward()
+        step = (time.perf_counter() - t) / 3
+    n_train = cfg['n_train'] or _split_sizes(data)['train']
+    per_row = cfg['epochs'] * n_train / cfg['micro_bs'] * step * 4 / 3
+    return per_row * len(names)
+
+def _intro(config:dict, names:list, seconds:float) -> str:
+    "What the demo will run, said before it trains."
+    c = config
+    return (f"{c['task']}: {len(names)} rows ({', '.join(names)}), {c['epochs']} epochs each, micro-batch {c['micro_bs']} x "
+            f"{c['n_step']} steps (batch {c['micro_bs'] * c['n_step']})\nimages: {c['images']}\ndata: {c['data']}\n"
+            f"weights: {c['weights']}\nestimated time: about {max(1, round(seconds / 60))} min here (one micro-batch step timed)\n")
 
 # %% ../../nbs/10_demo.ipynb #1fd72c64
 def plot_results(results:DemoResults, # what `run_experiment` returned
@@ -340,8 +370,10 @@ def plot_results(results:DemoResults, # what `run_experiment` returned
     "Left: validation accuracy after each epoch, one line per setting; right: the settings' final accuracies side by side (and the forum's, where the table has them). The saved file's path if `fname`, else the figure."
     import matplotlib.pyplot as plt, textwrap
     fig, (ax, bx) = plt.subplots(1, 2, figsize=figsize, gridspec_kw=dict(width_ratios=(1, 1.25)))
-    for name, accs in results.curves.items():
-        ax.plot(range(1, len(accs)+1), accs, marker='o', label=name, ls='--' if name.startswith('bs') else '-')
+    styles = [('o', '-'), ('s', '--'), ('^', ':'), ('D', '-.'), ('v', '-'), ('P', '--'), ('X', ':'), ('*', '-.')]
+    for i, (name, accs) in enumerate(results.curves.items()):  # a marker and a dash of its own: equal curves stay visible
+        m, ls = styles[i % len(styles)]
+        ax.plot(range(1, len(accs)+1), accs, marker=m, ls=ls, label=name, markersize=9 - 1.5 * (i % 3), alpha=0.85)
     c = results.config
     if title is None:
         title = (f"{c['task']}: {'real data' if c['real_data'] else 'offline stand-in data'}, "
@@ -367,25 +399,25 @@ def plot_results(results:DemoResults, # what `run_experiment` returned
 
 # %% ../../nbs/10_demo.ipynb #7405f336
 def _demo(args) -> int:
+    start = time.perf_counter()
     res = run_experiment(args.task, args.settings, epochs=args.epochs, micro_bs=args.micro_bs, n_step=args.n_step,
                          lr=args.lr, n_train=args.n_train, n_valid=args.n_valid, device=args.device, seed=args.seed,
                          pretrained={'auto': None, 'yes': True, 'no': False}[args.pretrained], path=args.data,
                          allow_download=args.download or (args.task == 'mnist' and not args.offline),
-                         wheel=args.mnist_wheel, full=args.full, show_progress=not args.quiet)
+                         wheel=args.mnist_wheel, full=args.full, show_progress=not args.quiet, say=lambda s: print(s, flush=True))
     c, model = res.config, 'vgg16_bn (resnet18 in its row)' if args.task == 'mnist' else 'resnet18'
     print(f"\n{c['task']}: {model}, {c['epochs']} epochs, micro-batch {c['micro_bs']} x {c['n_step']} steps "
-          f"(batch {c['micro_bs']*c['n_step']}), fit_one_cycle lr {c['lr']}, seed {c['seed']}")
-    print(f"images: {c['images']}\ndata: {c['data']}\nweights: {c['weights']}\n")
+          f"(batch {c['micro_bs']*c['n_step']}), fit_one_cycle lr {c['lr']}, seed {c['seed']}, {time.perf_counter() - start:.0f} s in all")
     if args.task == 'mnist': print("forum: the accuracies of the forum's table (vgg16_bn, ImageNet weights, all of MNIST_SAMPLE)")
     print(res)
     out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
     print(f"\nplot: {res.plot(out/f'demo_{args.task}.png')}")
     return 0
 
-@command('demo', help="Train the forum's gradient-accumulation comparison offline, print the table, plot the curves")
+@command('demo', help="Train the forum's gradient-accumulation comparison (MNIST_SAMPLE from the package index, or an offline stand-in), print the table, plot the curves")
 def _demo_args(p):
     p.add_argument('task', choices=list(demo_defaults), help="mnist: MNIST_SAMPLE 3 vs 7, vgg16_bn, the forum's table; pets: breeds, resnet18")
-    p.add_argument('--settings', default='forum', help=f"comma list of {', '.join(demo_settings('mnist'))} (mnist only: momentum_up ... resnet18_groupnorm) (or old spellings: ours-micro, ...); or 'forum', 'all'")
+    p.add_argument('--settings', default='quick', help=f"comma list of {', '.join(demo_settings('mnist'))} (mnist only: momentum_up ... resnet18_groupnorm) (or old spellings: ours-micro, ...); or 'quick' (default: {', '.join(quick_settings)}), 'forum' (every row of the forum's table), 'all'")
     p.add_argument('--epochs', type=int, help='epochs per setting (default: mnist 2, pets 4)')
     p.add_argument('--micro-bs', type=int, help='samples per micro-batch (default 2)')
     p.add_argument('--n-step', type=int, help='micro-batches per optimizer step (default: mnist 32, pets 8)')
