@@ -10,7 +10,7 @@ import torch
 from fastai.basics import *
 import fastai.callback.training
 from fastai.callback.fp16 import MixedPrecision
-from .window import loss_reduction, WindowLoader, _micro_per_window
+from .window import loss_reduction, WindowLoader, _micro_per_window, window_exceeds_epoch
 from .core import Accumulation, FrontEnd, accumulation_options
 from .helpers import split_batch
 
@@ -63,6 +63,7 @@ def before_fit(self:GradientAccumulation):
     if self._fitting: self._nested += 1; return
     self._check_alone()
     self._check_batch_size()
+    self._check_epoch()
     self._lengthen_lr_find()
     self._guard_interrupts()
     if not hasattr(self.learn, 'window_prefetch'):
@@ -90,8 +91,7 @@ def _choose(self:GradientAccumulation):
     self.acc.setup(self._peek_batch)  # 'exact' or not (measuring a peeked micro-batch only if it must), wrap BatchNorm
     finding = getattr(self.learn, 'lr_finder', None) is not None
     if finding: self._warn_lr_find()
-    self._announce = (self.preflight and not finding and not rank_distrib() and self.path != 'no BatchNorm'
-                      and self.path != self._said)
+    self._announce = self.preflight and not rank_distrib() and self.path != self._said  # `lr_find` too: it says how it trains
 
 @patch
 def _peek_batch(self:GradientAccumulation):
@@ -115,6 +115,18 @@ def _check_batch_size(self:GradientAccumulation):
     if self.n_acc is not None and bs and bs > self.n_acc:
         raise ValueError(f"GradientAccumulation: the training DataLoader's bs={bs} is larger than the effective batch "
                          f"n_acc={self.n_acc}; lower bs or raise n_acc")
+
+@patch
+def _check_epoch(self:GradientAccumulation):
+    "Warn when one window holds more than an epoch of the training DataLoader."
+    warning = window_exceeds_epoch(getattr(self.dls, 'train', None) or [], self.n_step, self.n_acc, self.partial, 'GradientAccumulation')
+    if warning: warnings.warn(warning, stacklevel=3)
+
+@patch
+def preflight_table(self:GradientAccumulation):
+    "The full table behind the micro-batch pre-flight: every BatchNorm layer, its values per channel per micro-batch, what its policy does, the pre-pass. The last fit's (before any fit: the layers as they are now)."
+    if self._table is not None: return self._table
+    return self._core(self.learn.model, inputs=self._inputs).preflight_table(tuple(self._inputs(self._peek())))
 
 @patch
 def _inputs(self:GradientAccumulation, b):

@@ -15,7 +15,7 @@ from .exact import choose_exact, saved_on_host, release_pinned, ExactModeMemoryE
 from .staged_exact import install_staged, uninstall_staged
 from .helpers import _to, _tensors, split_batch, _optional, peek_batches
 from .window import (AccumulationWindow, WindowLoader, validate_window_args, _check_count, scale_grads,
-                     commit_window, drop_window, batch_size, world_size, cat_batches)
+                     commit_window, drop_window, batch_size, world_size, cat_batches, window_exceeds_epoch)
 
 # %% auto #0
 __all__ = ['default_inputs', 'Accumulation', 'accumulation_options', 'FrontEnd']
@@ -34,7 +34,7 @@ def _ghost():
 # %% ../nbs/02d_core.ipynb #8f133906
 class Accumulation:
     "Gradient accumulation with exact BatchNorm for any training loop: `batches` reads windows ahead, `backward` says when to step."
-    adapter_args = ['model', 'loss_reduction', 'inputs', 'device', 'autocast', 'params', 'merge_exact', 'name']  # what a front end (fastai's callbacks) fills in itself
+    adapter_args = ['model', 'loss_reduction', 'inputs', 'device', 'autocast', 'params', 'merge_exact', 'name', 'preflight']  # what a front end (fastai's callbacks) fills in itself
     local = False  # this process's window alone (`check_accumulation` on one rank): no all-reduce of the correction, no merge of statistics
     def __init__(self, model:nn.Module, # the model (or its DDP wrapper); its BatchNorm layers are wrapped in place
                  n_step:int|None=None, # micro-batches per optimizer step
@@ -55,6 +55,7 @@ class Accumulation:
                  verify:bool=True,     # before a staged step is chosen, check it against the big batch on a copy of the model (`verify_staged`): 'auto' falls back if it differs, 'staged' raises
                  merge_exact:bool=True, # 'exact' under DDP: wrap BatchNorm so that running statistics merge across processes (fastai leaves that to `sync_bn`)
                  name:str|None=None,   # who speaks in error messages and the pre-flight (default: the class name)
+                 preflight:bool=False, # print how training runs (the front ends' pre-flight) when the first window starts
                 ):
         n_step, n_acc, prepass_bs = _check_count('n_step', n_step), _check_count('n_acc', n_acc), _check_count('prepass_bs', prepass_bs)
         validate_window_args(n_step, n_acc, policy, partial)
@@ -65,11 +66,13 @@ class Accumulation:
         self.prepass_bs, self.prepass_memory = prepass_bs, prepass_memory
         self.offload, self.device_memory, self.host_memory = offload, device_memory, host_memory
         self._params, self.merge_exact, self.name, self.verify = params, merge_exact, name or type(self).__name__, verify
+        self._say = preflight
         self.use_model(model)
         self.device = device if device is not None else next(self.module.parameters()).device
         self.window = AccumulationWindow(n_step, n_acc, loss_reduction)
         self.exact, self.plan, self.bns, self.needs_window = None, None, [], False  # decided at the first window ('auto' measures a micro-batch)
         self.path = None  # how training runs, once chosen: 'exact', 'frozen BatchNorm', 'no BatchNorm', or a BatchNorm policy
+        self.table = None  # the last micro-batch pre-flight's table of BatchNorm layers (`preflight_table`)
         self._modes, self._wrapped, self._own_policy, self._pools = None, [], {}, {}
         self.steps, self.losses, self.prepass_time = 0, [], 0.
         self._micro, self._offload, self._ends_window, self._ghost_micro = None, None, False, False
@@ -192,24 +195,33 @@ class Accumulation:
         if self.frozen_bn:
             return (f"GradientAccumulation: all {len(self._modes)} BatchNorm layers are frozen (eval mode) in this fit: it trains "
                     "as a model without BatchNorm, micro-batch by micro-batch (no pre-pass; their running statistics stay).")
+        if not self.bns and not _has_bn(self.module):
+            size = f"{self.n_step} micro-batches" if self.n_step else f"{self.n_acc} samples"
+            return f"GradientAccumulation: no BatchNorm layer: plain accumulation, each window's gradient ({size}) is the big batch's."
         lines = []
         if self.plan is not None:
             lines.append(f"GradientAccumulation: policy 'auto' -> window BatchNorm: {self.plan.describe()}; staged exact cannot "
                          f"run: {self.plan.reason}.")
-        with warnings.catch_warnings():
-            warnings.simplefilter('ignore')  # a model torch.fx cannot trace: said once, below, not as a warning
-            t = bn_preflight(self.module, *xb, window=self.n_acc or self.n_step * batch_size(xb), memory=self.prepass_memory)
-        table = (f"GradientAccumulation: {len(t)} BatchNorm layers, {int(t.at_risk.sum())} with < 32 values per channel "
-                 f"per micro-batch; policy {self.policy!r}:\n" + t.drop(columns=['type', 'channels']).to_string(index=False))
+        self.table = self.preflight_table(xb)
+        lines.append(_summary(self.table, self.bns[0].policy if self.bns else self.policy))
         why = untraceable_reason(self.module) if self.needs_window else None
         if why and not any(why in l for l in lines): lines.append(f"GradientAccumulation: {why}")  # said once
-        return '\n'.join(lines + [table])
+        return '\n'.join(lines)
+
+    def preflight_table(self, xb:tuple, # one micro-batch's model inputs
+                       ):
+        "The pre-flight's table: every BatchNorm layer, its values per channel per micro-batch, what its policy does, how the pre-pass runs (`bn_preflight`)."
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')  # a model torch.fx cannot trace: the pre-flight says it once, not as a warning
+            return bn_preflight(self.module, *xb, window=self.n_acc or self.n_step * batch_size(xb), memory=self.prepass_memory)
 
     def batches(self, loader):
         "Iterate `loader` (any iterable of batches) one window ahead: micro-batches, or whole windows under 'exact'. A `batches` left unfinished on this model (by this or another `Accumulation`) is closed first."
         self.close()
         self.clear()
         self._input_at = None
+        warning = window_exceeds_epoch(loader, self.n_step, self.n_acc, self.partial, self.name)
+        if warning: warnings.warn(warning, stacklevel=2)
         _open[id(self.module)] = gen = self._batches(loader)
         return gen
 
@@ -225,7 +237,9 @@ class Accumulation:
                 if self.partial == 'drop' and not windows.is_full(window): continue
                 if not ready:  # chosen from the modes the user put the model in before the loop (re-measured only if they changed)
                     first = _to(window[0], self.device)
+                    said = self.path
                     self.setup(first) if self.needs_setup() else self.find_bns()
+                    if self._say and self.path != said: print(self.preflight(tuple(self.inputs(first))))
                     ready = True
                 window = [self._placed(b) for b in window]
                 if self.exact: window = [cat_batches(window)]
@@ -356,8 +370,26 @@ class Accumulation:
         self._micro, self._ends_window = None, False
 
     def __repr__(self):
-        mode = '?' if self.exact is None else 'exact' if self.exact else 'micro-batches'
-        return f'{type(self).__name__}(n_step={self.n_step}, n_acc={self.n_acc}, policy={self.policy!r}, {mode}, steps={self.steps})'
+        how = 'chosen at the first window' if self.path is None else self.path + (f': {self.plan.describe()}' if self.exact else '')
+        return f'{type(self).__name__}(n_step={self.n_step}, n_acc={self.n_acc}, policy={self.policy!r}, steps={self.steps}; {how})'
+
+_says = {'window': "each micro-batch is normalized with the whole window's statistics (a no-grad pre-pass over the window first) and "
+                    "the window's statistics are committed; the backward maps each micro-batch's BatchNorm terms to the window (an estimate)",
+         'micro': "each micro-batch is normalized with its own statistics; running statistics are committed once per window",
+         'running': "each micro-batch is normalized with the running statistics, updated once per window",
+         'frozen': "each micro-batch is normalized with the running statistics, which do not change"}
+
+def _summary(t, # `bn_preflight`'s table
+             policy:str, # the accumulating layers' policy
+            ) -> str:
+    "The pre-flight's lines for micro-batch training: what `policy` does, the layers at risk, the pre-pass; the full table on request."
+    risk, prepass = int(t.at_risk.sum()), next((p for p in t.prepass if p != '-'), None)
+    s = (f"GradientAccumulation: policy {policy!r} on {len(t)} BatchNorm layers: {_says.get(policy, policy)}. {risk} of them "
+         f"{'sees' if risk == 1 else 'see'} < 32 values per channel per micro-batch" + (" (their backward uses the previous window's means)" if risk and policy == 'window' else ''))
+    if prepass: s += f"; pre-pass: {prepass}"
+    return s + ". Every layer: `preflight_table()`."
+
+def _has_bn(model:nn.Module) -> bool: return bool(bn_layers(model))
 
 # %% ../nbs/02d_core.ipynb #2f0d6a12
 def _batch_like(b, items:list):
@@ -403,7 +435,7 @@ class FrontEnd:
         validate_window_args(self.n_step, self.n_acc, options['policy'], options['partial'])
         self.preflight, self._name, self._options = preflight, name, list(options)
         self.__dict__.update(options)
-        self.acc, self._final, self._drop, self._announce = None, False, False, False
+        self.acc, self._final, self._drop, self._announce, self._table = None, False, False, False, None
 
     def _core(self, model:nn.Module, **kwargs) -> Accumulation:
         "The core for a fit of `model` with this front end's options; `kwargs`: what the framework fills in (`Accumulation.adapter_args`)."
@@ -432,6 +464,7 @@ class FrontEnd:
         "Print how this fit trains (and that it changed, if an earlier fit trained otherwise); returns the path said."
         if said is not None: print(f"GradientAccumulation: this fit trains otherwise than the one before ({said!r} -> {self.path!r}):")
         print(self.acc.preflight(xb))
+        self._table = self.acc.table  # the table behind it, for `preflight_table` after the fit
         return self.path
 
     # The core's state, read through the front end (`learn.gradient_accumulation.losses`, ...); before a fit: empty

@@ -217,4 +217,15 @@ def bn_preflight(model:nn.Module, # the model (its state is not changed: the for
     finally:
         for h in hooks: h.remove()
         for mod, mode in modes.items(): mod.training = mode
-    return pd.DataFrame(rows)
+    return _table(pd.DataFrame(rows))
+
+def _table(df):
+    "`df` as a `PreflightTable`: a DataFrame that prints in full, every column and row (a DataFrame's own print cuts a wide table to '...')."
+    global PreflightTable
+    if 'PreflightTable' not in globals():  # pandas is imported only when a table is made
+        class PreflightTable(type(df)):
+            _metadata = []
+            @property
+            def _constructor(self): return PreflightTable
+            def __repr__(self): return self.to_string(index=False)
+    return PreflightTable(df)

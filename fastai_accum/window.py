@@ -15,7 +15,8 @@ from .helpers import _to
 
 # %% auto #0
 __all__ = ['window_full', 'world_size', 'collective_device', 'AccumulationWindow', 'validate_window_args', 'loss_reduction',
-           'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'WindowLoader']
+           'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'window_exceeds_epoch',
+           'WindowLoader']
 
 # %% ../nbs/02_window.ipynb #6b430344
 def _check_count(name, value) -> int|None:
@@ -211,6 +212,23 @@ def _place_inputs(b, # a batch: a tuple (or list) whose first `n_inp` elements a
 def _micro_per_window(n_step:int|None, n_acc:int|None, bs:int|None) -> int:
     "Micro-batches per window: `n_step`, or as many micro-batches of `bs` as reach `n_acc` samples (rounded up, as `WindowLoader` reads them)."
     return n_step or max(1, math.ceil(n_acc / max(1, bs or 1)))
+
+def window_exceeds_epoch(loader, # the training loader (a fastai or PyTorch DataLoader, or any sized iterable of batches)
+                         n_step:int|None, n_acc:int|None, # the window
+                         partial:str='step', # what happens to the incomplete window at the epoch's end
+                         name:str='Accumulation', # who speaks
+                        ) -> str|None:
+    "A warning when one window holds more than an epoch of `loader` (every epoch is one incomplete window, or none with partial='drop'); None otherwise or when the loader's size is unknown."
+    try: n_batches = len(loader)
+    except TypeError: return None
+    bs = getattr(loader, 'bs', None) or getattr(loader, 'batch_size', None)
+    n = len(loader.dataset) if hasattr(loader, 'dataset') and hasattr(loader.dataset, '__len__') else None
+    if n_step is not None and n_batches >= n_step: return None
+    if n_acc is not None and (n or n_batches * (bs or 1)) >= n_acc: return None
+    what = f"n_step={n_step} micro-batches" if n_step is not None else f"n_acc={n_acc} samples"
+    epoch = f"{n} samples in {n_batches} micro-batches" if n is not None else f"{n_batches} micro-batches"
+    then = "no optimizer step at all (partial='drop' drops it)" if partial == 'drop' else "one optimizer step per epoch, on that part"
+    return f"{name}: one window ({what}) is more than an epoch ({epoch}): each epoch is part of one window, {then}"
 
 class WindowLoader:
     "Iterate `dl` reading one accumulation window ahead; `window` holds the current window's batches."

@@ -205,15 +205,6 @@ def test_model_without_bn_is_silent():
         warnings.simplefilter('error')
         make_learner(4, mlp).fit(1, lr=0.01, cbs=GradientAccumulation(n_step=2))
 
-def test_preflight_table_printed_once(capsys):
-    ga = GradientAccumulation(n_step=4, policy='window')
-    learn = make_learner(2, bn_net, image=True, cbs=ga)
-    with learn.no_bar(), learn.no_logging(): learn.fit(1, lr=0.01)
-    out = capsys.readouterr().out
-    assert out.count('GradientAccumulation: 2 BatchNorm layers, 1 with < 32 values per channel') == 1
-    assert "previous window's means" in out and 'micro-batch, mapped to the window' in out
-    assert bn_preflight(learn.model, torch.randn(2, 3, 4, 4)).values_per_channel.tolist() == [32, 2]
-
 def write_images(root, n=8, size=32):
     "A two-class image folder (train/valid) of small random PNGs, the classes told apart by their red channel."
     import numpy as np

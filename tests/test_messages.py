@@ -1,0 +1,74 @@
+"""Every path speaks once, briefly: a one-line pre-flight for each fit (lr_find and a model without BatchNorm included),
+micro-batch policies summarised with the full table on request, a warning when a window outgrows the epoch, the
+plain-loop core's opt-in pre-flight and its repr, `bn_preflight` printing in full, the paste file's first lines."""
+import warnings
+from pathlib import Path
+import pytest, torch
+from torch import nn
+from test_callback import make_learner, mlp, bn_net
+from fastai_accum.callback import GradientAccumulation
+from fastai_accum.core import Accumulation
+from fastai_accum.prepass import bn_preflight
+
+def fit(learn, *args, how='fit', **kw):
+    with learn.no_bar(), learn.no_logging(), warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter('always')
+        getattr(learn, how)(*args, **kw)
+    return [str(w.message) for w in ws]
+
+def test_a_model_without_batchnorm_says_plain_accumulation_once(capsys):
+    learn = make_learner(4, mlp, cbs=GradientAccumulation(n_step=2))
+    assert not [w for w in fit(learn, 1, 0.01) if 'GradientAccumulation' in w]  # no warning
+    fit(learn, 1, 0.01)
+    out = capsys.readouterr().out
+    assert out.count("GradientAccumulation: no BatchNorm layer: plain accumulation, each window's gradient (2 micro-batches) is the big batch's.") == 1, out
+
+def test_lr_find_says_how_it_trains(capsys):
+    learn = make_learner(4, bn_net, image=True, cbs=GradientAccumulation(n_step=2))
+    fit(learn, how='lr_find', num_it=10, show_plot=False)
+    assert "GradientAccumulation: policy 'auto' -> 'exact'" in capsys.readouterr().out
+
+def test_window_policy_says_a_summary_and_gives_the_table_on_request(capsys):
+    ga = GradientAccumulation(n_step=4, policy='window')
+    learn = make_learner(2, bn_net, image=True, cbs=ga)
+    fit(learn, 1, 0.01); fit(learn, 1, 0.01)
+    out = capsys.readouterr().out
+    lines = [l for l in out.splitlines() if 'BatchNorm layers' in l]
+    assert len(lines) == 1 and lines[0].startswith("GradientAccumulation: policy 'window' on 2 BatchNorm layers: each micro-batch")
+    assert "1 of them sees < 32 values per channel per micro-batch (their backward uses the previous window's means)" in lines[0]
+    assert '`preflight_table()`' in lines[0] and 'at_risk' not in out  # the table is not printed
+    t = ga.preflight_table()
+    assert t.values_per_channel.tolist() == [32, 2] and t.backward.tolist() == ['micro-batch, mapped to the window', "previous window's means"]
+    assert "previous window's means" in repr(t) and '...' not in repr(t)
+
+def test_bn_preflight_prints_every_column_in_full():
+    import torchvision
+    t = bn_preflight(torchvision.models.resnet18(num_classes=3).train(), torch.randn(2, 3, 32, 32), window=64)
+    text = repr(t)
+    assert '...' not in text and len(text.splitlines()) == len(t) + 1 and 'micro-batch stats (512 values), stats updated per micro-batch' in text
+
+@pytest.mark.parametrize('partial,then', [('step', 'one optimizer step per epoch'), ('drop', 'no optimizer step at all')])
+def test_a_window_larger_than_the_epoch_is_warned(partial, then):
+    learn = make_learner(4, mlp, cbs=GradientAccumulation(n_acc=10000, partial=partial))
+    said = [w for w in fit(learn, 1, 0.01) if 'more than an epoch' in w]
+    assert said == [f"GradientAccumulation: one window (n_acc=10000 samples) is more than an epoch (72 samples in 18 micro-batches): "
+                    f"each epoch is part of one window, {then}" + (" (partial='drop' drops it)" if partial == 'drop' else ', on that part')]
+    acc = Accumulation(nn.Linear(2, 1), n_step=10)
+    with pytest.warns(UserWarning, match=r'Accumulation: one window \(n_step=10 micro-batches\) is more than an epoch \(4 micro-batches\)'):
+        list(acc.batches([(torch.randn(2, 2), torch.randn(2, 1))] * 4))
+
+def test_the_plain_loop_core_says_how_it_trains_when_asked(capsys):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+    data = [(torch.randn(4, 3, 8, 8), torch.randint(0, 2, (4,))) for _ in range(8)]
+    for say in (False, True):
+        acc = Accumulation(m, n_step=4, preflight=say)
+        assert repr(acc) == "Accumulation(n_step=4, n_acc=None, policy='auto', steps=0; chosen at the first window)"
+        for x, y in acc.batches(data): acc.backward(nn.functional.cross_entropy(m(x), y))
+        out = capsys.readouterr().out
+        assert out.count("policy 'auto' -> 'exact'") == int(say), out
+    assert repr(acc).startswith("Accumulation(n_step=4, n_acc=None, policy='auto', steps=2; exact: a window of 16 samples as one batch needs")
+
+def test_the_paste_file_says_where_it_goes():
+    head = (Path(__file__).parents[1]/'fastai_accum_single.py').read_text().splitlines()[:5]
+    assert any('at the very top of its own notebook cell' in l for l in head) and any('from __future__' in l for l in head)
