@@ -19,7 +19,7 @@ Contents (line: module: classes), dependencies first:
      1430: staged_exact: StagedStep, StagedForward
      2099: exact: Footprint, ExactModeMemoryError, ExactPlan, StagedMismatchError
      2381: core: Accumulation, FrontEnd
-     2847: callback: WindowPrefetch, GradientAccumulation
+     2848: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -1042,7 +1042,7 @@ class SavedTensorMeter:
 
     def __enter__(self):
         ts = [] if self.exclude is None else list(self.exclude.parameters()) + list(self.exclude.buffers())
-        self._skip = {_storage_key(t)[0] for t in ts}
+        self._skip = {_storage_key(t)[0] for t in ts if not isinstance(t, nn.parameter.UninitializedTensorMixin)}  # a lazy module's: none yet
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
@@ -2803,7 +2803,7 @@ class FrontEnd:
         validate_window_args(self.n_step, self.n_acc, options['policy'], options['partial'])
         self.preflight, self._name, self._options = preflight, name, list(options)
         self.__dict__.update(options)
-        self.acc, self._final, self._drop, self._announce = None, False, False, False
+        self.acc, self._final, self._drop, self._announce, self._table = None, False, False, False, None
 
     def _core(self, model:nn.Module, **kwargs) -> Accumulation:
         "The core for a fit of `model` with this front end's options; `kwargs`: what the framework fills in (`Accumulation.adapter_args`)."
@@ -2832,6 +2832,7 @@ class FrontEnd:
         "Print how this fit trains (and that it changed, if an earlier fit trained otherwise); returns the path said."
         if said is not None: print(f"GradientAccumulation: this fit trains otherwise than the one before ({said!r} -> {self.path!r}):")
         print(self.acc.preflight(xb))
+        self._table = self.acc.table  # the table behind it, for `preflight_table` after the fit
         return self.path
 
     # The core's state, read through the front end (`learn.gradient_accumulation.losses`, ...); before a fit: empty
@@ -2962,7 +2963,7 @@ def _check_epoch(self:GradientAccumulation):
 @patch
 def preflight_table(self:GradientAccumulation):
     "The full table behind the micro-batch pre-flight: every BatchNorm layer, its values per channel per micro-batch, what its policy does, the pre-pass. The last fit's (before any fit: the layers as they are now)."
-    if self.acc is not None and self.acc.table is not None: return self.acc.table
+    if self._table is not None: return self._table
     return self._core(self.learn.model, inputs=self._inputs).preflight_table(tuple(self._inputs(self._peek())))
 
 @patch

@@ -96,7 +96,7 @@ class SavedTensorMeter:
 
     def __enter__(self):
         ts = [] if self.exclude is None else list(self.exclude.parameters()) + list(self.exclude.buffers())
-        self._skip = {_storage_key(t)[0] for t in ts}
+        self._skip = {_storage_key(t)[0] for t in ts if not isinstance(t, nn.parameter.UninitializedTensorMixin)}  # a lazy module's: none yet
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self

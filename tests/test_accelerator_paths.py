@@ -208,7 +208,7 @@ def test_pinned_blocks_are_given_back_after_the_fit(monkeypatch):
     "torch keeps pinned host blocks cached for reuse: after a fit whose plan pinned host memory they are given back."
     calls = []
     monkeypatch.setattr(exact, 'can_pin', lambda: True)
-    monkeypatch.setattr(torch._C, '_host_emptyCache', lambda: calls.append(1))
+    monkeypatch.setattr(torch._C, '_host_emptyCache', lambda: calls.append(1), raising=False)  # torch < 2.5 has none: nothing to give back
     plan = ExactPlan(8, Footprint(1., 1.), 0, 'cuda:0', 10, 10, offload=True)
     release_pinned(plan); release_pinned(None); release_pinned(ExactPlan(8, Footprint(1., 1.), 0, 'cpu', None, 10, offload=True))
     assert calls == [1]

@@ -51,7 +51,7 @@ def numbered(blocks:list[str]) -> str:
 
 def test_readme_has_the_blocks_a_user_reads():
     blocks = readme_blocks()
-    assert sum(map(is_v1, blocks)) == 1 and len(blocks) >= 4, blocks
+    assert sum(map(is_v1, blocks)) == 1 and len(blocks) >= 3, blocks
     assert any('Accumulation(model' in b for b in blocks)  # the plain-PyTorch loop
 
 def test_readme_fastai_v2_and_plain_pytorch_blocks_run_as_written(tmp_path):
@@ -72,3 +72,25 @@ def test_the_places_the_readme_cites_exist():
         assert f'def {name}(' in (ROOT/f).read_text(), f'{f}::{name}'
     for f in set(re.findall(r'(tests/\w+\.py)', readme)): assert (ROOT/f).exists(), f
     for nb in set(re.findall(r'nbs/(\w+)', readme)): assert list((ROOT/'nbs').glob(nb + '*')), nb
+
+def test_readme_is_a_front_page_whose_claims_are_the_code_s():
+    "At most 2,500 words, the fastai quick start within the first 60 lines; the figures it states are those the code has."
+    from fastai_accum.lab.demo import demo_defaults, quick_settings
+    readme = (ROOT/'README.md').read_text()
+    assert len(readme.split()) <= 2500
+    assert readme.splitlines().index('## Quick start: fastai v2') < 60
+    flat = ' '.join(readme.split())
+    d = demo_defaults['mnist']
+    assert f"The default rows are {', '.join(quick_settings[:-1])} and {quick_settings[-1]} on {d['n_train']} images for {d['epochs']} epochs" in flat
+    floor = re.search(r'torch>=([\d.]+)', (ROOT/'settings.ini').read_text()).group(1)
+    assert f'torch >= {floor}' in readme and f'oldest torch the package declares ({floor}' in flat
+    import torch
+    from torch import nn
+    from fastai_accum.core import Accumulation
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(2))
+    acc = Accumulation(model, n_step=2)
+    batch = (torch.randn(2, 1, 8, 8), torch.zeros(2, dtype=torch.long))
+    next(iter(acc.batches([batch] * 2)))
+    said = acc.preflight(batch[:1]).split(' a window of')[0]  # the example's words, up to its numbers
+    assert said.startswith("GradientAccumulation: policy 'auto' -> 'exact'") and said in flat
+    assert (ROOT/'nbs'/'images'/'demo_mnist.png').exists()
