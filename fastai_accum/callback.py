@@ -188,7 +188,8 @@ def _warn_lr_find(self:GradientAccumulation):
 def _show_preflight(self:GradientAccumulation):
     "Print how this fit trains (and, if an earlier fit trained otherwise, that it changed)."
     self._announce = False
-    self._said = self._print_preflight(self.learn.xb, self._said)
+    said = self._print_preflight(self.learn.xb, self._said)
+    if getattr(self.learn, 'lr_finder', None) is None: self._said = said  # `lr_find`'s line does not stand for the fit after it
 
 # %% ../nbs/03_callback.ipynb #45970d89
 @patch

@@ -27,6 +27,8 @@ def test_lr_find_says_how_it_trains(capsys):
     learn = make_learner(4, bn_net, image=True, cbs=GradientAccumulation(n_step=2))
     fit(learn, how='lr_find', num_it=10, show_plot=False)
     assert "GradientAccumulation: policy 'auto' -> 'exact'" in capsys.readouterr().out
+    fit(learn, 1, 0.01)  # the fit after it says it again: lr_find's output is a throwaway
+    assert capsys.readouterr().out.count("GradientAccumulation: policy 'auto' -> 'exact'") == 1
 
 def test_window_policy_says_a_summary_and_gives_the_table_on_request(capsys):
     ga = GradientAccumulation(n_step=4, policy='window')
