@@ -11,6 +11,7 @@ from fastai_accum.exact import plan_exact, Footprint, ExactPlan, release_pinned,
 from fastai_accum.helpers import emulated_accelerator
 from fastai_accum.staged_exact import StagedStep, install_staged
 import fastai_accum.exact as exact, fastai_accum.window as window
+from test_exact_or_says_so import forced_budget as budget  # a device budget the window does not fit, one chunk does
 
 def net():
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
@@ -21,12 +22,6 @@ def windows(n_win=2, n_step=4, bs=2, dtype=torch.float64, scale=2., size=8):
     g = torch.Generator().manual_seed(0)
     return [(torch.randn(bs, 3, size, size, generator=g).to(dtype) * scale + 1, torch.randn(bs, 5, generator=g).to(dtype))
             for _ in range(n_win * n_step)]
-
-def budget(model, micro, n_step):
-    "A device budget between one chunk's need and the whole window's: the plan cannot hold the window on the device."
-    p = plan_exact(model, (micro[0],), n_step * micro[0].shape[0])
-    p.chunk = micro[0].shape[0]
-    return (p.staged_device_needed + p.device_needed) // 2
 
 def rel(a, b):
     "Relative difference; zero below 1e-12 absolute (gradients that are rounding noise: a bias before a BatchNorm)."
