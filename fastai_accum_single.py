@@ -18,8 +18,8 @@ Contents (line: module: classes), dependencies first:
      1207: prepass: PrepassPlan
      1430: staged_exact: StagedStep, StagedForward
      2099: exact: Footprint, ExactModeMemoryError, ExactPlan, StagedMismatchError
-     2381: core: Accumulation, FrontEnd
-     2848: callback: WindowPrefetch, GradientAccumulation
+     2385: core: Accumulation, FrontEnd
+     2852: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -2178,6 +2178,7 @@ class ExactPlan:
     whole:bool=False      # staged in one chunk of the whole window (under DDP: BatchNorm reduced over the processes)
     micro:int|None=None   # samples per micro-batch (of the one measured)
     accelerator:bool|None=None # the device's memory is apart from the host's (default: a device other than the CPU; `emulated_accelerator`)
+    frozen:bool=False     # some parameters did not train when measured
 
     @property
     def on_accelerator(self) -> bool:
@@ -2212,7 +2213,10 @@ class ExactPlan:
         return int(self.window * self.footprint.saved)
 
     def describe(self) -> str:
-        "What this plan does and the numbers it rests on."
+        "What this plan does and the numbers it rests on; that they were measured with part of the model frozen (a frozen body saves fewer activations: the estimate grows when it is unfrozen)."
+        return self._what() + ("; measured with part of the model frozen (unfrozen, it saves more)" if self.frozen else '')
+
+    def _what(self) -> str:
         if self.staged and self.whole:
             return (f"a window of {self.window} samples as one batch per process, each BatchNorm layer normalizing over all "
                     f"{world_size()} processes' windows (SyncBatchNorm's semantics: 2 collectives per layer), needs {fmt_bytes(self.device_needed)}{self._checked}")
@@ -2261,7 +2265,7 @@ def plan_exact(model:nn.Module, # the model to train
     if host_memory is None: host_memory = int(0.5 * host_free)
     params = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     plan = ExactPlan(window, fp, params, str(device), device_memory, host_memory, offload=bool(offload),
-                     accelerator=is_accelerator(device))
+                     accelerator=is_accelerator(device), frozen=any(not p.requires_grad for p in model.parameters()))
     if offload is None and plan.on_accelerator and not plan.fits: plan.offload = True
     return plan
 

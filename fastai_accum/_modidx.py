@@ -511,6 +511,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                     'fastai_accum.exact.ExactPlan': ('exact.html#exactplan', 'fastai_accum/exact.py'),
                                     'fastai_accum.exact.ExactPlan._budget': ('exact.html#exactplan._budget', 'fastai_accum/exact.py'),
                                     'fastai_accum.exact.ExactPlan._checked': ('exact.html#exactplan._checked', 'fastai_accum/exact.py'),
+                                    'fastai_accum.exact.ExactPlan._what': ('exact.html#exactplan._what', 'fastai_accum/exact.py'),
                                     'fastai_accum.exact.ExactPlan.describe': ('exact.html#exactplan.describe', 'fastai_accum/exact.py'),
                                     'fastai_accum.exact.ExactPlan.device_needed': ( 'exact.html#exactplan.device_needed',
                                                                                     'fastai_accum/exact.py'),

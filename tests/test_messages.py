@@ -74,3 +74,14 @@ def test_the_plain_loop_core_says_how_it_trains_when_asked(capsys):
 def test_the_paste_file_says_where_it_goes():
     head = (Path(__file__).parents[1]/'fastai_accum_single.py').read_text().splitlines()[:5]
     assert any('at the very top of its own notebook cell' in l for l in head) and any('from __future__' in l for l in head)
+
+def test_a_plan_measured_with_part_of_the_model_frozen_says_so():
+    "fine_tune's frozen phase saves fewer activations than the unfrozen one: the same window's estimate differs, and the pre-flight says why."
+    import torchvision
+    from fastai_accum.exact import plan_exact
+    m, x = torchvision.models.resnet18(num_classes=3), torch.randn(2, 3, 32, 32)
+    whole = plan_exact(m, (x,), 16)
+    for p in list(m.parameters())[:-10]: p.requires_grad_(False)
+    frozen = plan_exact(m, (x,), 16)
+    assert frozen.host_needed < whole.host_needed and 'frozen' not in whole.describe()
+    assert frozen.describe().endswith('; measured with part of the model frozen (unfrozen, it saves more)')
