@@ -18,8 +18,8 @@ Contents (line: module: classes), dependencies first:
      1207: prepass: PrepassPlan
      1430: staged_exact: StagedStep, StagedForward
      2099: exact: Footprint, ExactModeMemoryError, ExactPlan, StagedMismatchError
-     2385: core: Accumulation, FrontEnd
-     2852: callback: WindowPrefetch, GradientAccumulation
+     2417: core: Accumulation, FrontEnd
+     2885: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -2179,6 +2179,12 @@ class ExactPlan:
     micro:int|None=None   # samples per micro-batch (of the one measured)
     accelerator:bool|None=None # the device's memory is apart from the host's (default: a device other than the CPU; `emulated_accelerator`)
     frozen:bool=False     # some parameters did not train when measured
+    opt_state:float|None=None # optimizer state per byte of trainable parameters (`optimizer_state`: Adam 2, SGD with momentum 1); None: 1 assumed
+
+    @property
+    def param_needed(self) -> int:
+        "Bytes the trainable parameters hold with their gradients and the optimizer's state."
+        return int((2 + (1 if self.opt_state is None else self.opt_state)) * self.params)
 
     @property
     def on_accelerator(self) -> bool:
@@ -2191,7 +2197,7 @@ class ExactPlan:
     def device_needed(self) -> int:
         "Bytes needed on the training device (on CPU: everything, which is host memory)."
         per = 2 * self.footprint.working + (0 if self.offload and self.on_accelerator else self.footprint.saved)
-        return int(self.window * per + 3 * self.params)
+        return int(self.window * per + self.param_needed)
     @property
     def host_needed(self) -> int:
         "Bytes of host memory: the offloaded saved activations (on CPU, everything)."
@@ -2206,7 +2212,7 @@ class ExactPlan:
     @property
     def staged_device_needed(self) -> int:
         "Bytes a staged step needs on the device: at most training at one chunk."
-        return int((self.chunk or 1) * (self.footprint.saved + 2 * self.footprint.working) + 3 * self.params)
+        return int((self.chunk or 1) * (self.footprint.saved + 2 * self.footprint.working) + self.param_needed)
     @property
     def staged_host_needed(self) -> int:
         "Bytes of the values a staged step keeps between stages (and their gradients), bounded by the saved activations."
@@ -2214,7 +2220,9 @@ class ExactPlan:
 
     def describe(self) -> str:
         "What this plan does and the numbers it rests on; that they were measured with part of the model frozen (a frozen body saves fewer activations: the estimate grows when it is unfrozen)."
-        return self._what() + ("; measured with part of the model frozen (unfrozen, it saves more)" if self.frozen else '')
+        s = self._what() + ("; measured with part of the model frozen (unfrozen, it saves more)" if self.frozen else '')
+        if self.opt_state is None and self.device_budget is not None: s += "; the optimizer's state assumed 1x the parameters (unknown optimizer)"
+        return s
 
     def _what(self) -> str:
         if self.staged and self.whole:
@@ -2256,6 +2264,7 @@ def plan_exact(model:nn.Module, # the model to train
                host_memory:int|None=None, # host bytes it may use (default: half of what is available)
                offload:bool|None=None, # saved activations in host memory (default: only if they do not fit on the accelerator)
                autocast=None, # callable returning the autocast context training runs in: the footprint is measured under it
+               opt_state:float|None=None, # optimizer state per byte of parameters (`optimizer_state`; None: 1 assumed)
               ) -> ExactPlan:
     "Measure `model` on `xb` and plan training a window of `window` samples as one batch."
     fp = measure_footprint(model, *xb, autocast=autocast)
@@ -2265,9 +2274,31 @@ def plan_exact(model:nn.Module, # the model to train
     if host_memory is None: host_memory = int(0.5 * host_free)
     params = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     plan = ExactPlan(window, fp, params, str(device), device_memory, host_memory, offload=bool(offload),
-                     accelerator=is_accelerator(device), frozen=any(not p.requires_grad for p in model.parameters()))
+                     accelerator=is_accelerator(device), frozen=any(not p.requires_grad for p in model.parameters()), opt_state=opt_state)
     if offload is None and plan.on_accelerator and not plan.fits: plan.offload = True
     return plan
+
+_state_per_param = dict(Adam=2, AdamW=2, Adamax=2, NAdam=2, RAdam=2, Adadelta=2, Adagrad=1, ASGD=2, Rprop=2, LBFGS=2)  # torch's, before a step
+_fastai_stats = dict(average_grad=1, average_sqr_grad=1)  # fastai `Optimizer` callbacks that keep one parameter-sized tensor each
+
+def optimizer_state(opt) -> float|None:
+    "Bytes of `opt`'s state per byte of the parameters it trains: counted once it has stepped, else from its type (torch's or fastai's Adam 2, SGD with momentum 1, fastai's Lookahead +1); None if unknown."
+    inner = getattr(opt, 'opt', None) or getattr(opt, 'optimizer', None)  # fastai's OptimWrapper and Lookahead, Accelerate's wrapper
+    if opt is None: return None
+    extra = 1 if type(opt).__name__ == 'Lookahead' else 0  # its slow weights
+    if inner is not None and inner is not opt: return None if (s := optimizer_state(inner)) is None else s + extra
+    state = getattr(opt, 'state', None)
+    if isinstance(state, dict) and state:
+        held = sum(t.numel() * t.element_size() for st in state.values() if isinstance(st, dict) for t in st.values() if torch.is_tensor(t) and t.dim())
+        params = sum(p.numel() * p.element_size() for p in state if torch.is_tensor(p))
+        if held and params: return held / params  # it has stepped (fastai fills flags such as `do_wd` before)
+    if hasattr(opt, 'cbs'):  # fastai's Optimizer: one tensor per parameter per statistic it keeps
+        return float(sum(_fastai_stats.get(getattr(c, '__name__', getattr(getattr(c, 'func', None), '__name__', '')), 0) for c in opt.cbs))
+    name = type(opt).__name__
+    if name in ('SGD', 'RMSprop'):
+        d = opt.defaults
+        return float(bool(d.get('momentum')) + (name == 'RMSprop') + bool(d.get('centered')))
+    return float(_state_per_param[name]) if name in _state_per_param else None
 
 def release_pinned(plan:ExactPlan|None):
     "Give back the pinned host blocks a fit's offload or staged store left in torch's host cache (kept there for reuse, they stay page-locked)."
@@ -2295,12 +2326,13 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
                  name:str='GradientAccumulation', # the callback, for the error message
                  verify:bool=True, # check a staged step against the big batch on the model before choosing it (`verify_staged`)
                  autocast=None, # callable returning the autocast context training runs in (the plan is measured under it)
+                 opt_state:float|None=None, # optimizer state per byte of parameters (`optimizer_state`)
                 ) -> tuple:
     "(train each window as one batch?, the `ExactPlan` or None; `plan.staged` if stage by stage): see the rule below."
     if policy not in ('exact', 'staged', 'auto'): return False, None
     if policy == 'auto' and not any(m.training for m in bn_layers(model)): return False, None
     xb = peek()
-    plan = plan_exact(model, xb, n_acc or n_step * xb[0].shape[0], device_memory, host_memory, offload, autocast)
+    plan = plan_exact(model, xb, n_acc or n_step * xb[0].shape[0], device_memory, host_memory, offload, autocast, opt_state)
     plan.chunk = plan.micro = xb[0].shape[0]
     synced = world_size() > 1 and not _syncs_itself(model)  # DDP with per-process BatchNorm: only a staged step reduces it over the processes
     staged_asked = synced or policy == 'staged' or (policy == 'auto' and not auto_picks_exact(plan))
@@ -2356,7 +2388,7 @@ def _largest_chunk(plan:ExactPlan) -> int:
     "The most samples per chunk the device budget holds, training as at that batch size (at least the micro-batch): fewer, larger kernels."
     budget = plan.device_budget if plan.device_budget is not None else plan.host_budget
     per = plan.footprint.saved + 2 * plan.footprint.working
-    fit = int((budget - 3 * plan.params) // per) if per > 0 else plan.window
+    fit = int((budget - plan.param_needed) // per) if per > 0 else plan.window
     return max(plan.chunk, min(plan.window, fit))
 
 def _not_staged(model:nn.Module, xb:tuple) -> str|None:
@@ -2406,7 +2438,7 @@ def _ghost():
 # %% ../nbs/02d_core.ipynb #8f133906
 class Accumulation:
     "Gradient accumulation with exact BatchNorm for any training loop: `batches` reads windows ahead, `backward` says when to step."
-    adapter_args = ['model', 'loss_reduction', 'inputs', 'device', 'autocast', 'params', 'merge_exact', 'name', 'preflight']  # what a front end (fastai's callbacks) fills in itself
+    adapter_args = ['model', 'loss_reduction', 'inputs', 'device', 'autocast', 'params', 'merge_exact', 'name', 'preflight', 'optimizer']  # what a front end (fastai's callbacks) fills in itself
     local = False  # this process's window alone (`check_accumulation` on one rank): no all-reduce of the correction, no merge of statistics
     def __init__(self, model:nn.Module, # the model (or its DDP wrapper); its BatchNorm layers are wrapped in place
                  n_step:int|None=None, # micro-batches per optimizer step
@@ -2428,6 +2460,7 @@ class Accumulation:
                  merge_exact:bool=True, # 'exact' under DDP: wrap BatchNorm so that running statistics merge across processes (fastai leaves that to `sync_bn`)
                  name:str|None=None,   # who speaks in error messages and the pre-flight (default: the class name)
                  preflight:bool=False, # print how training runs (the front ends' pre-flight) when the first window starts
+                 optimizer=None,       # the optimizer, whose state the memory plan counts (`optimizer_state`; default: 1x the parameters assumed)
                 ):
         n_step, n_acc, prepass_bs = _check_count('n_step', n_step), _check_count('n_acc', n_acc), _check_count('prepass_bs', prepass_bs)
         validate_window_args(n_step, n_acc, policy, partial)
@@ -2438,7 +2471,7 @@ class Accumulation:
         self.prepass_bs, self.prepass_memory = prepass_bs, prepass_memory
         self.offload, self.device_memory, self.host_memory = offload, device_memory, host_memory
         self._params, self.merge_exact, self.name, self.verify = params, merge_exact, name or type(self).__name__, verify
-        self._say = preflight
+        self._say, self.optimizer = preflight, optimizer
         self.use_model(model)
         self.device = device if device is not None else next(self.module.parameters()).device
         self.window = AccumulationWindow(n_step, n_acc, loss_reduction)
@@ -2550,7 +2583,7 @@ class Accumulation:
         peek = b if callable(b) else lambda: b
         exact, self.plan = choose_exact(self.policy, self.module, lambda: tuple(self.inputs(peek())), self.n_step, self.n_acc,
                                         self.device_memory, self.host_memory, self.offload, name=self.name, verify=self.verify,
-                                        autocast=self.autocast)
+                                        autocast=self.autocast, opt_state=optimizer_state(self.optimizer))
         return exact
 
     def preflight(self, xb:tuple, # one micro-batch's model inputs
@@ -2915,7 +2948,7 @@ def before_fit(self:GradientAccumulation):
 def _start_fit(self:GradientAccumulation):
     "The fit's first training epoch starts: build the core for it (a `validate` or `get_preds` never gets here)."
     self.acc = self._core(self.learn.model, loss_reduction=loss_reduction(self.learn.loss_func), inputs=self._inputs,
-                          autocast=self._autocast)
+                          autocast=self._autocast, optimizer=self.learn.opt)
     self.train_time, self._final, self._drop, self._announce, self._fitting = 0., False, False, False, True
 
 @patch
@@ -3130,4 +3163,4 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'window_full', 'world_size', 'collective_device', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'fmt_bytes', 'trace_model', 'StagedGraph', 'untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'release_pinned', 'auto_picks_exact', 'saved_on_host', 'choose_exact', 'StagedMismatchError', 'default_inputs', 'Accumulation', 'accumulation_options', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'window_full', 'world_size', 'collective_device', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'fmt_bytes', 'trace_model', 'StagedGraph', 'untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'optimizer_state', 'release_pinned', 'auto_picks_exact', 'saved_on_host', 'choose_exact', 'StagedMismatchError', 'default_inputs', 'Accumulation', 'accumulation_options', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']

@@ -73,7 +73,7 @@ def before_fit(self:GradientAccumulation):
 def _start_fit(self:GradientAccumulation):
     "The fit's first training epoch starts: build the core for it (a `validate` or `get_preds` never gets here)."
     self.acc = self._core(self.learn.model, loss_reduction=loss_reduction(self.learn.loss_func), inputs=self._inputs,
-                          autocast=self._autocast)
+                          autocast=self._autocast, optimizer=self.learn.opt)
     self.train_time, self._final, self._drop, self._announce, self._fitting = 0., False, False, False, True
 
 @patch

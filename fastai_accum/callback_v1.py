@@ -77,7 +77,8 @@ class GradientAccumulationV1(FrontEnd):
         if self.mp is not None and clip is not None and clip.clip:
             raise ValueError(f"GradientAccumulationV1: clip_grad(clip={clip.clip}) with to_fp16() would clip the last "
                              "micro-batch's half-precision gradients, not the window's: pass the clip to to_fp16(clip=...)")
-        self.acc = self._core(learn.model, loss_reduction=loss_reduction(learn.loss_func), inputs=_inputs_v1, params=self._params)
+        self.acc = self._core(learn.model, loss_reduction=loss_reduction(learn.loss_func), inputs=_inputs_v1, params=self._params,
+                              optimizer=getattr(learn, 'opt', None))
         self._choose()
         self._clear()
         self._patch(self.mp, self._mp_backward_end)

@@ -11,7 +11,7 @@ from torch import nn, Tensor
 from torch.nn.parallel import DistributedDataParallel
 from .batchnorm import AccumulateBatchNorm, wrap_bn, bn_layers, unwrap_layer
 from .prepass import untraceable_reason, window_prepasses, bn_preflight
-from .exact import choose_exact, saved_on_host, release_pinned, ExactModeMemoryError
+from .exact import choose_exact, saved_on_host, release_pinned, optimizer_state, ExactModeMemoryError
 from .staged_exact import install_staged, uninstall_staged
 from .helpers import _to, _tensors, split_batch, _optional, peek_batches
 from .window import (AccumulationWindow, WindowLoader, validate_window_args, _check_count, scale_grads,
@@ -34,7 +34,7 @@ def _ghost():
 # %% ../nbs/02d_core.ipynb #8f133906
 class Accumulation:
     "Gradient accumulation with exact BatchNorm for any training loop: `batches` reads windows ahead, `backward` says when to step."
-    adapter_args = ['model', 'loss_reduction', 'inputs', 'device', 'autocast', 'params', 'merge_exact', 'name', 'preflight']  # what a front end (fastai's callbacks) fills in itself
+    adapter_args = ['model', 'loss_reduction', 'inputs', 'device', 'autocast', 'params', 'merge_exact', 'name', 'preflight', 'optimizer']  # what a front end (fastai's callbacks) fills in itself
     local = False  # this process's window alone (`check_accumulation` on one rank): no all-reduce of the correction, no merge of statistics
     def __init__(self, model:nn.Module, # the model (or its DDP wrapper); its BatchNorm layers are wrapped in place
                  n_step:int|None=None, # micro-batches per optimizer step
@@ -56,6 +56,7 @@ class Accumulation:
                  merge_exact:bool=True, # 'exact' under DDP: wrap BatchNorm so that running statistics merge across processes (fastai leaves that to `sync_bn`)
                  name:str|None=None,   # who speaks in error messages and the pre-flight (default: the class name)
                  preflight:bool=False, # print how training runs (the front ends' pre-flight) when the first window starts
+                 optimizer=None,       # the optimizer, whose state the memory plan counts (`optimizer_state`; default: 1x the parameters assumed)
                 ):
         n_step, n_acc, prepass_bs = _check_count('n_step', n_step), _check_count('n_acc', n_acc), _check_count('prepass_bs', prepass_bs)
         validate_window_args(n_step, n_acc, policy, partial)
@@ -66,7 +67,7 @@ class Accumulation:
         self.prepass_bs, self.prepass_memory = prepass_bs, prepass_memory
         self.offload, self.device_memory, self.host_memory = offload, device_memory, host_memory
         self._params, self.merge_exact, self.name, self.verify = params, merge_exact, name or type(self).__name__, verify
-        self._say = preflight
+        self._say, self.optimizer = preflight, optimizer
         self.use_model(model)
         self.device = device if device is not None else next(self.module.parameters()).device
         self.window = AccumulationWindow(n_step, n_acc, loss_reduction)
@@ -178,7 +179,7 @@ class Accumulation:
         peek = b if callable(b) else lambda: b
         exact, self.plan = choose_exact(self.policy, self.module, lambda: tuple(self.inputs(peek())), self.n_step, self.n_acc,
                                         self.device_memory, self.host_memory, self.offload, name=self.name, verify=self.verify,
-                                        autocast=self.autocast)
+                                        autocast=self.autocast, opt_state=optimizer_state(self.optimizer))
         return exact
 
     def preflight(self, xb:tuple, # one micro-batch's model inputs

@@ -19,7 +19,8 @@ from .helpers import random_state_kept, is_accelerator, can_pin
 
 # %% auto #0
 __all__ = ['leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact',
-           'release_pinned', 'auto_picks_exact', 'saved_on_host', 'choose_exact', 'StagedMismatchError']
+           'optimizer_state', 'release_pinned', 'auto_picks_exact', 'saved_on_host', 'choose_exact',
+           'StagedMismatchError']
 
 # %% ../nbs/02a_exact.ipynb #a31cf6dc
 @contextlib.contextmanager
@@ -94,6 +95,12 @@ class ExactPlan:
     micro:int|None=None   # samples per micro-batch (of the one measured)
     accelerator:bool|None=None # the device's memory is apart from the host's (default: a device other than the CPU; `emulated_accelerator`)
     frozen:bool=False     # some parameters did not train when measured
+    opt_state:float|None=None # optimizer state per byte of trainable parameters (`optimizer_state`: Adam 2, SGD with momentum 1); None: 1 assumed
+
+    @property
+    def param_needed(self) -> int:
+        "Bytes the trainable parameters hold with their gradients and the optimizer's state."
+        return int((2 + (1 if self.opt_state is None else self.opt_state)) * self.params)
 
     @property
     def on_accelerator(self) -> bool:
@@ -106,7 +113,7 @@ class ExactPlan:
     def device_needed(self) -> int:
         "Bytes needed on the training device (on CPU: everything, which is host memory)."
         per = 2 * self.footprint.working + (0 if self.offload and self.on_accelerator else self.footprint.saved)
-        return int(self.window * per + 3 * self.params)
+        return int(self.window * per + self.param_needed)
     @property
     def host_needed(self) -> int:
         "Bytes of host memory: the offloaded saved activations (on CPU, everything)."
@@ -121,7 +128,7 @@ class ExactPlan:
     @property
     def staged_device_needed(self) -> int:
         "Bytes a staged step needs on the device: at most training at one chunk."
-        return int((self.chunk or 1) * (self.footprint.saved + 2 * self.footprint.working) + 3 * self.params)
+        return int((self.chunk or 1) * (self.footprint.saved + 2 * self.footprint.working) + self.param_needed)
     @property
     def staged_host_needed(self) -> int:
         "Bytes of the values a staged step keeps between stages (and their gradients), bounded by the saved activations."
@@ -129,7 +136,9 @@ class ExactPlan:
 
     def describe(self) -> str:
         "What this plan does and the numbers it rests on; that they were measured with part of the model frozen (a frozen body saves fewer activations: the estimate grows when it is unfrozen)."
-        return self._what() + ("; measured with part of the model frozen (unfrozen, it saves more)" if self.frozen else '')
+        s = self._what() + ("; measured with part of the model frozen (unfrozen, it saves more)" if self.frozen else '')
+        if self.opt_state is None and self.device_budget is not None: s += "; the optimizer's state assumed 1x the parameters (unknown optimizer)"
+        return s
 
     def _what(self) -> str:
         if self.staged and self.whole:
@@ -171,6 +180,7 @@ def plan_exact(model:nn.Module, # the model to train
                host_memory:int|None=None, # host bytes it may use (default: half of what is available)
                offload:bool|None=None, # saved activations in host memory (default: only if they do not fit on the accelerator)
                autocast=None, # callable returning the autocast context training runs in: the footprint is measured under it
+               opt_state:float|None=None, # optimizer state per byte of parameters (`optimizer_state`; None: 1 assumed)
               ) -> ExactPlan:
     "Measure `model` on `xb` and plan training a window of `window` samples as one batch."
     fp = measure_footprint(model, *xb, autocast=autocast)
@@ -180,9 +190,31 @@ def plan_exact(model:nn.Module, # the model to train
     if host_memory is None: host_memory = int(0.5 * host_free)
     params = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     plan = ExactPlan(window, fp, params, str(device), device_memory, host_memory, offload=bool(offload),
-                     accelerator=is_accelerator(device), frozen=any(not p.requires_grad for p in model.parameters()))
+                     accelerator=is_accelerator(device), frozen=any(not p.requires_grad for p in model.parameters()), opt_state=opt_state)
     if offload is None and plan.on_accelerator and not plan.fits: plan.offload = True
     return plan
+
+_state_per_param = dict(Adam=2, AdamW=2, Adamax=2, NAdam=2, RAdam=2, Adadelta=2, Adagrad=1, ASGD=2, Rprop=2, LBFGS=2)  # torch's, before a step
+_fastai_stats = dict(average_grad=1, average_sqr_grad=1)  # fastai `Optimizer` callbacks that keep one parameter-sized tensor each
+
+def optimizer_state(opt) -> float|None:
+    "Bytes of `opt`'s state per byte of the parameters it trains: counted once it has stepped, else from its type (torch's or fastai's Adam 2, SGD with momentum 1, fastai's Lookahead +1); None if unknown."
+    inner = getattr(opt, 'opt', None) or getattr(opt, 'optimizer', None)  # fastai's OptimWrapper and Lookahead, Accelerate's wrapper
+    if opt is None: return None
+    extra = 1 if type(opt).__name__ == 'Lookahead' else 0  # its slow weights
+    if inner is not None and inner is not opt: return None if (s := optimizer_state(inner)) is None else s + extra
+    state = getattr(opt, 'state', None)
+    if isinstance(state, dict) and state:
+        held = sum(t.numel() * t.element_size() for st in state.values() if isinstance(st, dict) for t in st.values() if torch.is_tensor(t) and t.dim())
+        params = sum(p.numel() * p.element_size() for p in state if torch.is_tensor(p))
+        if held and params: return held / params  # it has stepped (fastai fills flags such as `do_wd` before)
+    if hasattr(opt, 'cbs'):  # fastai's Optimizer: one tensor per parameter per statistic it keeps
+        return float(sum(_fastai_stats.get(getattr(c, '__name__', getattr(getattr(c, 'func', None), '__name__', '')), 0) for c in opt.cbs))
+    name = type(opt).__name__
+    if name in ('SGD', 'RMSprop'):
+        d = opt.defaults
+        return float(bool(d.get('momentum')) + (name == 'RMSprop') + bool(d.get('centered')))
+    return float(_state_per_param[name]) if name in _state_per_param else None
 
 def release_pinned(plan:ExactPlan|None):
     "Give back the pinned host blocks a fit's offload or staged store left in torch's host cache (kept there for reuse, they stay page-locked)."
@@ -210,12 +242,13 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
                  name:str='GradientAccumulation', # the callback, for the error message
                  verify:bool=True, # check a staged step against the big batch on the model before choosing it (`verify_staged`)
                  autocast=None, # callable returning the autocast context training runs in (the plan is measured under it)
+                 opt_state:float|None=None, # optimizer state per byte of parameters (`optimizer_state`)
                 ) -> tuple:
     "(train each window as one batch?, the `ExactPlan` or None; `plan.staged` if stage by stage): see the rule below."
     if policy not in ('exact', 'staged', 'auto'): return False, None
     if policy == 'auto' and not any(m.training for m in bn_layers(model)): return False, None
     xb = peek()
-    plan = plan_exact(model, xb, n_acc or n_step * xb[0].shape[0], device_memory, host_memory, offload, autocast)
+    plan = plan_exact(model, xb, n_acc or n_step * xb[0].shape[0], device_memory, host_memory, offload, autocast, opt_state)
     plan.chunk = plan.micro = xb[0].shape[0]
     synced = world_size() > 1 and not _syncs_itself(model)  # DDP with per-process BatchNorm: only a staged step reduces it over the processes
     staged_asked = synced or policy == 'staged' or (policy == 'auto' and not auto_picks_exact(plan))
@@ -271,7 +304,7 @@ def _largest_chunk(plan:ExactPlan) -> int:
     "The most samples per chunk the device budget holds, training as at that batch size (at least the micro-batch): fewer, larger kernels."
     budget = plan.device_budget if plan.device_budget is not None else plan.host_budget
     per = plan.footprint.saved + 2 * plan.footprint.working
-    fit = int((budget - 3 * plan.params) // per) if per > 0 else plan.window
+    fit = int((budget - plan.param_needed) // per) if per > 0 else plan.window
     return max(plan.chunk, min(plan.window, fit))
 
 def _not_staged(model:nn.Module, xb:tuple) -> str|None:

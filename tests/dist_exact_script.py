@@ -43,7 +43,7 @@ rank = int(os.environ['RANK'])
 if mode == 'staged':  # a device budget that holds one chunk of 2 samples, not the window of 4
     fp = measure_footprint(learn.model, x[:2].double())
     params = sum(p.numel() * p.element_size() for p in learn.model.parameters())
-    ga = GradientAccumulation(n_step=4, policy='staged', preflight=False, device_memory=int(3 * params + 2 * (fp.saved + 2 * fp.working)))
+    ga = GradientAccumulation(n_step=4, policy='staged', preflight=False, device_memory=int(2 * params + 2 * (fp.saved + 2 * fp.working)))  # weights and gradients: SGD without momentum keeps no state
 elif mode == 'auto_disagree': ga = GradientAccumulation(n_step=4, preflight=False, host_memory=1000 if rank == 1 else None)
 else: ga = GradientAccumulation(n_step=4, policy=mode, preflight=False)
 counter, collectives = CountAllReduces(), CountCollectives()

@@ -245,3 +245,20 @@ def test_accelerate_mixed_precision_outputs_stay_float32_under_the_staged_step()
                 acc.backward(F.mse_loss(out, yb)); opt.step(); opt.zero_grad()
         assert acc.path == 'staged exact' and dtypes == [torch.float32] * 2
     finally: AcceleratorState._reset_state(True); GradientState._reset_state()
+
+def test_the_plan_counts_the_optimizer_s_state():
+    "fastai's default Adam keeps two tensors per parameter: the plan reserves 4x the parameters (3x was assumed), from the Learner's optimizer, before and after its first step."
+    from test_callback import make_learner, bn_net
+    from fastai_accum.callback import GradientAccumulation
+    from fastai.optimizer import Adam
+    ga = GradientAccumulation(n_step=4, preflight=False)
+    learn = make_learner(4, bn_net, image=True, cbs=ga, opt_func=Adam)  # fastai's default optimizer
+    for _ in range(2):
+        with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
+        assert ga.plan.opt_state == pytest.approx(2.) and ga.plan.param_needed == 4 * ga.plan.params
+    m = net(); opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    acc = Accumulation(m, n_step=2, policy='exact', optimizer=opt)
+    x = torch.randn(2, 3, 8, 8)
+    for xb, yb in acc.batches([(x, torch.randn(2, 5))] * 2):
+        if acc.backward(F.mse_loss(m(xb), yb)): opt.step()
+    assert acc.plan.opt_state == 1. and acc.plan.param_needed == 3 * acc.plan.params
