@@ -12,14 +12,14 @@ Contents (line: module: classes), dependencies first:
        27: stats: ChannelStats
       167: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
       567: helpers: -
-      687: window: AccumulationWindow, WindowLoader
-      953: meters: ByteMeter, SavedTensorMeter, LayerMeter
-     1071: staged: StagedGraph
-     1207: prepass: PrepassPlan
+      689: window: AccumulationWindow, WindowLoader
+      955: meters: ByteMeter, SavedTensorMeter, LayerMeter
+     1075: staged: StagedGraph
+     1211: prepass: PrepassPlan, PreflightTable
      1430: staged_exact: StagedStep, StagedForward
      2099: exact: Footprint, ExactModeMemoryError, ExactPlan, StagedMismatchError
      2417: core: Accumulation, FrontEnd
-     2885: callback: WindowPrefetch, GradientAccumulation
+     2879: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -577,12 +577,14 @@ from torch.fx.node import map_aggregate
 # %% auto #0
 
 # %% ../nbs/00_helpers.ipynb #5f390a10
+def _batch_like(b, items:list):
+    "A container of `b`'s type (a tuple, list or namedtuple, which takes its fields one by one) holding `items`."
+    return type(b)(*items) if hasattr(b, '_fields') else type(b)(items)
+
 def _to(v, device):
     "`v`'s tensors (in tuples, lists, dicts, kept as they are) on `device`: asynchronous onto an accelerator, synchronous back to the host (a read must see the data)."
     if isinstance(v, Tensor): return v.to(device, non_blocking=torch.device(device).type != 'cpu')
-    if isinstance(v, (list, tuple)):
-        items = [_to(o, device) for o in v]
-        return type(v)(*items) if hasattr(v, '_fields') else type(v)(items)  # a namedtuple takes its fields one by one
+    if isinstance(v, (list, tuple)): return _batch_like(v, [_to(o, device) for o in v])
     if isinstance(v, dict): return type(v)((k, _to(o, device)) for k, o in v.items())
     return v
 
@@ -1005,8 +1007,10 @@ def _cast_of(t:torch.Tensor, keys:set) -> bool:
 
 class SavedTensorMeter:
     "Live and peak bytes of the distinct storages autograd holds for backward, counted via saved-tensor hooks; `packed`: (bytes, first dimension, storage) of each tensor saved, one by one (what `save_on_cpu` copies); `packed_model`: the bytes of `exclude`'s tensors and their casts (autocast's weight copies), not counted as live."
-    def __init__(self, exclude:nn.Module|None=None): # a model whose parameters and buffers are not counted
-        self.exclude, self.live, self.peak, self._refs, self._skip = exclude, 0, 0, {}, set()
+    def __init__(self, exclude:nn.Module|None=None, # a model whose parameters and buffers are not counted
+                 record:bool=False, # keep `packed` (one entry per saved tensor: for a single forward, not a long run)
+                ):
+        self.exclude, self.live, self.peak, self._refs, self._skip, self.record = exclude, 0, 0, {}, set(), record
         self.packed, self.packed_model = [], 0
 
     def _pack(self, t):
@@ -1016,7 +1020,7 @@ class SavedTensorMeter:
         if key in self._skip or _cast_of(t, self._skip):
             self.packed_model += size
             return t
-        self.packed.append((size, t.shape[0] if t.dim() else None, key))
+        if self.record: self.packed.append((size, t.shape[0] if t.dim() else None, key))
         ref = self._refs.get(key)
         if ref is None:
             self._refs[key] = [1, nbytes]
@@ -1207,6 +1211,7 @@ def _get_attr(model, target:str):
 # ======== fastai_accum/prepass.py ========
 # %% ../nbs/01a_prepass.ipynb #4f791310
 import warnings, weakref
+import pandas as pd
 import torch
 from torch import nn, Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -1394,7 +1399,6 @@ def bn_preflight(model:nn.Module, # the model (its state is not changed: the for
                  memory:int|None=None, # the pre-pass's memory cap in bytes, as given to `window_prepasses`
                 ):
     "A table of the model's BatchNorm layers: values per channel per micro-batch, risk, what the policy does, and how the pre-pass runs."
-    import pandas as pd
     plan = prepass_plan(model, xb, memory) if any(_window_layer(m) and m.training for m in bn_layers(model)) else None
     prepass = plan.describe(window) if plan is not None else '-'
     names = {mod: name for name, mod in model.named_modules()}
@@ -1414,18 +1418,14 @@ def bn_preflight(model:nn.Module, # the model (its state is not changed: the for
     finally:
         for h in hooks: h.remove()
         for mod, mode in modes.items(): mod.training = mode
-    return _table(pd.DataFrame(rows))
+    return PreflightTable(rows)
 
-def _table(df):
-    "`df` as a `PreflightTable`: a DataFrame that prints in full, every column and row (a DataFrame's own print cuts a wide table to '...')."
-    global PreflightTable
-    if 'PreflightTable' not in globals():  # pandas is imported only when a table is made
-        class PreflightTable(type(df)):
-            _metadata = []
-            @property
-            def _constructor(self): return PreflightTable
-            def __repr__(self): return self.to_string(index=False)
-    return PreflightTable(df)
+class PreflightTable(pd.DataFrame):
+    "`bn_preflight`'s table: a DataFrame that prints in full, every column and row (a DataFrame's own print cuts a wide table to '...')."
+    _metadata = []
+    @property
+    def _constructor(self): return PreflightTable
+    def __repr__(self): return self.to_string(index=False)
 
 # ======== fastai_accum/staged_exact.py ========
 # %% ../nbs/02b_staged_exact.ipynb #bc1cb743
@@ -2147,7 +2147,7 @@ def measure_footprint(model:nn.Module, # the model (nothing in it changes)
     "Per-sample bytes saved for the backward and largest layer working set, from one training forward on `xb` (as training runs it: under `autocast`)."
     bs = xb[0].shape[0]
     if bs < 2: xb, bs = tuple(torch.cat([t, t]) if torch.is_tensor(t) else t for t in xb), 2  # BatchNorm needs 2 values to train
-    saved, layers = SavedTensorMeter(exclude=model), LayerMeter(model)
+    saved, layers = SavedTensorMeter(exclude=model, record=True), LayerMeter(model)
     with layers, leaves_no_trace(model), torch.enable_grad(), saved, autocast() if autocast is not None else contextlib.nullcontext():
         model.train()
         model(*xb)  # the output is dropped at once: the meter's peak is what this forward saved
@@ -2600,7 +2600,7 @@ class Accumulation:
         if self.frozen_bn:
             return (f"GradientAccumulation: all {len(self._modes)} BatchNorm layers are frozen (eval mode) in this fit: it trains "
                     "as a model without BatchNorm, micro-batch by micro-batch (no pre-pass; their running statistics stay).")
-        if not self.bns and not _has_bn(self.module):
+        if not self.bns and not bn_layers(self.module):
             size = f"{self.n_step} micro-batches" if self.n_step else f"{self.n_acc} samples"
             return f"GradientAccumulation: no BatchNorm layer: plain accumulation, each window's gradient ({size}) is the big batch's."
         lines = []
@@ -2794,13 +2794,7 @@ def _summary(t, # `bn_preflight`'s table
     if prepass: s += f"; pre-pass: {prepass}"
     return s + ". Every layer: `preflight_table()`."
 
-def _has_bn(model:nn.Module) -> bool: return bool(bn_layers(model))
-
 # %% ../nbs/02d_core.ipynb #2f0d6a12
-def _batch_like(b, items:list):
-    "A batch of `b`'s type (a tuple, list or namedtuple) holding `items`."
-    return type(b)(*items) if hasattr(b, '_fields') else type(b)(items)
-
 def _input_elements(inputs, # the core's `inputs`: batch -> model inputs
                     b, # one batch, a tuple or list
                    ) -> set:
@@ -3163,4 +3157,4 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'window_full', 'world_size', 'collective_device', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'fmt_bytes', 'trace_model', 'StagedGraph', 'untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'optimizer_state', 'release_pinned', 'auto_picks_exact', 'saved_on_host', 'choose_exact', 'StagedMismatchError', 'default_inputs', 'Accumulation', 'accumulation_options', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'window_full', 'world_size', 'collective_device', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'fmt_bytes', 'trace_model', 'StagedGraph', 'untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'optimizer_state', 'release_pinned', 'auto_picks_exact', 'saved_on_host', 'choose_exact', 'StagedMismatchError', 'default_inputs', 'Accumulation', 'accumulation_options', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']

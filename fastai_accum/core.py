@@ -13,7 +13,7 @@ from .batchnorm import AccumulateBatchNorm, wrap_bn, bn_layers, unwrap_layer
 from .prepass import untraceable_reason, window_prepasses, bn_preflight
 from .exact import choose_exact, saved_on_host, release_pinned, optimizer_state, ExactModeMemoryError
 from .staged_exact import install_staged, uninstall_staged
-from .helpers import _to, _tensors, split_batch, _optional, peek_batches
+from .helpers import _to, _tensors, _batch_like, split_batch, _optional, peek_batches
 from .window import (AccumulationWindow, WindowLoader, validate_window_args, _check_count, scale_grads,
                      commit_window, drop_window, batch_size, world_size, cat_batches, window_exceeds_epoch)
 
@@ -196,7 +196,7 @@ class Accumulation:
         if self.frozen_bn:
             return (f"GradientAccumulation: all {len(self._modes)} BatchNorm layers are frozen (eval mode) in this fit: it trains "
                     "as a model without BatchNorm, micro-batch by micro-batch (no pre-pass; their running statistics stay).")
-        if not self.bns and not _has_bn(self.module):
+        if not self.bns and not bn_layers(self.module):
             size = f"{self.n_step} micro-batches" if self.n_step else f"{self.n_acc} samples"
             return f"GradientAccumulation: no BatchNorm layer: plain accumulation, each window's gradient ({size}) is the big batch's."
         lines = []
@@ -390,13 +390,7 @@ def _summary(t, # `bn_preflight`'s table
     if prepass: s += f"; pre-pass: {prepass}"
     return s + ". Every layer: `preflight_table()`."
 
-def _has_bn(model:nn.Module) -> bool: return bool(bn_layers(model))
-
 # %% ../nbs/02d_core.ipynb #2f0d6a12
-def _batch_like(b, items:list):
-    "A batch of `b`'s type (a tuple, list or namedtuple) holding `items`."
-    return type(b)(*items) if hasattr(b, '_fields') else type(b)(items)
-
 def _input_elements(inputs, # the core's `inputs`: batch -> model inputs
                     b, # one batch, a tuple or list
                    ) -> set:

@@ -63,7 +63,7 @@ def measure_footprint(model:nn.Module, # the model (nothing in it changes)
     "Per-sample bytes saved for the backward and largest layer working set, from one training forward on `xb` (as training runs it: under `autocast`)."
     bs = xb[0].shape[0]
     if bs < 2: xb, bs = tuple(torch.cat([t, t]) if torch.is_tensor(t) else t for t in xb), 2  # BatchNorm needs 2 values to train
-    saved, layers = SavedTensorMeter(exclude=model), LayerMeter(model)
+    saved, layers = SavedTensorMeter(exclude=model, record=True), LayerMeter(model)
     with layers, leaves_no_trace(model), torch.enable_grad(), saved, autocast() if autocast is not None else contextlib.nullcontext():
         model.train()
         model(*xb)  # the output is dropped at once: the meter's peak is what this forward saved

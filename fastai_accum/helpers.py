@@ -17,12 +17,14 @@ __all__ = ['emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_mod
            'restore_rng_states', 'random_state_kept', 'peek_batches']
 
 # %% ../nbs/00_helpers.ipynb #5f390a10
+def _batch_like(b, items:list):
+    "A container of `b`'s type (a tuple, list or namedtuple, which takes its fields one by one) holding `items`."
+    return type(b)(*items) if hasattr(b, '_fields') else type(b)(items)
+
 def _to(v, device):
     "`v`'s tensors (in tuples, lists, dicts, kept as they are) on `device`: asynchronous onto an accelerator, synchronous back to the host (a read must see the data)."
     if isinstance(v, Tensor): return v.to(device, non_blocking=torch.device(device).type != 'cpu')
-    if isinstance(v, (list, tuple)):
-        items = [_to(o, device) for o in v]
-        return type(v)(*items) if hasattr(v, '_fields') else type(v)(items)  # a namedtuple takes its fields one by one
+    if isinstance(v, (list, tuple)): return _batch_like(v, [_to(o, device) for o in v])
     if isinstance(v, dict): return type(v)((k, _to(o, device)) for k, o in v.items())
     return v
 

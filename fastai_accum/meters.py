@@ -59,8 +59,10 @@ def _cast_of(t:torch.Tensor, keys:set) -> bool:
 
 class SavedTensorMeter:
     "Live and peak bytes of the distinct storages autograd holds for backward, counted via saved-tensor hooks; `packed`: (bytes, first dimension, storage) of each tensor saved, one by one (what `save_on_cpu` copies); `packed_model`: the bytes of `exclude`'s tensors and their casts (autocast's weight copies), not counted as live."
-    def __init__(self, exclude:nn.Module|None=None): # a model whose parameters and buffers are not counted
-        self.exclude, self.live, self.peak, self._refs, self._skip = exclude, 0, 0, {}, set()
+    def __init__(self, exclude:nn.Module|None=None, # a model whose parameters and buffers are not counted
+                 record:bool=False, # keep `packed` (one entry per saved tensor: for a single forward, not a long run)
+                ):
+        self.exclude, self.live, self.peak, self._refs, self._skip, self.record = exclude, 0, 0, {}, set(), record
         self.packed, self.packed_model = [], 0
 
     def _pack(self, t):
@@ -70,7 +72,7 @@ class SavedTensorMeter:
         if key in self._skip or _cast_of(t, self._skip):
             self.packed_model += size
             return t
-        self.packed.append((size, t.shape[0] if t.dim() else None, key))
+        if self.record: self.packed.append((size, t.shape[0] if t.dim() else None, key))
         ref = self._refs.get(key)
         if ref is None:
             self._refs[key] = [1, nbytes]

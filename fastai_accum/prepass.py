@@ -5,6 +5,7 @@
 # %% ../nbs/01a_prepass.ipynb #4f791310
 from __future__ import annotations
 import warnings, weakref
+import pandas as pd
 import torch
 from torch import nn, Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -15,7 +16,8 @@ from .helpers import modes_kept, is_accelerator
 from .meters import ByteMeter, SavedTensorMeter, LayerMeter, fmt_bytes
 
 # %% auto #0
-__all__ = ['untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight']
+__all__ = ['untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight',
+           'PreflightTable']
 
 # %% ../nbs/01a_prepass.ipynb #b7202dc1
 def _chunks(xbs:list, chunk:int|None) -> list:
@@ -197,7 +199,6 @@ def bn_preflight(model:nn.Module, # the model (its state is not changed: the for
                  memory:int|None=None, # the pre-pass's memory cap in bytes, as given to `window_prepasses`
                 ):
     "A table of the model's BatchNorm layers: values per channel per micro-batch, risk, what the policy does, and how the pre-pass runs."
-    import pandas as pd
     plan = prepass_plan(model, xb, memory) if any(_window_layer(m) and m.training for m in bn_layers(model)) else None
     prepass = plan.describe(window) if plan is not None else '-'
     names = {mod: name for name, mod in model.named_modules()}
@@ -217,15 +218,11 @@ def bn_preflight(model:nn.Module, # the model (its state is not changed: the for
     finally:
         for h in hooks: h.remove()
         for mod, mode in modes.items(): mod.training = mode
-    return _table(pd.DataFrame(rows))
+    return PreflightTable(rows)
 
-def _table(df):
-    "`df` as a `PreflightTable`: a DataFrame that prints in full, every column and row (a DataFrame's own print cuts a wide table to '...')."
-    global PreflightTable
-    if 'PreflightTable' not in globals():  # pandas is imported only when a table is made
-        class PreflightTable(type(df)):
-            _metadata = []
-            @property
-            def _constructor(self): return PreflightTable
-            def __repr__(self): return self.to_string(index=False)
-    return PreflightTable(df)
+class PreflightTable(pd.DataFrame):
+    "`bn_preflight`'s table: a DataFrame that prints in full, every column and row (a DataFrame's own print cuts a wide table to '...')."
+    _metadata = []
+    @property
+    def _constructor(self): return PreflightTable
+    def __repr__(self): return self.to_string(index=False)
