@@ -12,7 +12,8 @@ import fastai.callback.training
 from fastai.callback.fp16 import MixedPrecision
 from .window import loss_reduction, WindowLoader, _micro_per_window, window_exceeds_epoch
 from .core import Accumulation, FrontEnd, accumulation_options
-from .helpers import split_batch
+from .helpers import split_batch, place_batch
+from .plan import may_train_whole
 
 # %% auto #0
 __all__ = ['WindowPrefetch', 'GradientAccumulation']
@@ -35,8 +36,8 @@ class WindowPrefetch(Callback):
     def _set_device(self, b):
         "fastai's `Learner._set_device` (each batch to the model's device), but a staged window's model inputs stay in host memory."
         if self.loader is None or self.learn.dl is not self.loader: return Learner._set_device(self.learn, b)
-        n = self.loader.n_inp
-        return tuple(b[:n]) + tuple(Learner._set_device(self.learn, tuple(b[n:])))
+        device = next(self.learn.model.parameters()).device  # where fastai's `_set_device` puts a batch
+        return place_batch(b, device, self.loader.inputs_on, range(self.loader.n_inp))
 
 # %% ../nbs/03_callback.ipynb #957a3b99
 @delegates(Accumulation.__init__, but=Accumulation.adapter_args)
@@ -169,7 +170,7 @@ def _guard_interrupts(self:GradientAccumulation):
 def _lengthen_lr_find(self:GradientAccumulation):
     "Under 'exact' each `lr_find` iteration is a window: give its fit epochs enough for `num_it` windows (it stops at `num_it` anyway)."
     finder = getattr(self.learn, 'lr_finder', None)
-    if finder is None or self.policy not in ('exact', 'auto'): return
+    if finder is None or not may_train_whole(self.policy): return
     windows = max(1, len(WindowLoader(self.dls.train, self.n_step, self.n_acc, True, self.partial)))
     self.learn.n_epoch = max(self.learn.n_epoch, finder.num_it // windows + 1)
 

@@ -22,7 +22,8 @@ from .batchnorm import (AccumulateBatchNorm, bn_policies, bn_layers, wrap_bn, un
                                     _forward_is_known, _has_stats)
 from .window import cat_batches, loss_reduction, _micro_per_window
 from .core import Accumulation
-from .exact import leaves_no_trace, choose_exact
+from .exact import leaves_no_trace
+from .plan import plan_training
 from .helpers import learner_and_model, split_batch, peek_batches, modes_kept
 from .callback import GradientAccumulation
 
@@ -158,10 +159,10 @@ def resolve_auto(model:nn.Module, # the model, BatchNorm layers in the mode trai
                  window:int, # samples per window
                 ) -> tuple:
     "(policy, why): what `GradientAccumulation(policy='auto')` trains `model` with, as its `before_fit` decides."
-    exact, plan = choose_exact('auto', model, lambda: xb, n_acc=window)  # the callback's own decision
-    if plan is None: return 'window', "policy 'auto' is 'window': no BatchNorm in training mode"
-    if exact: return 'exact', f"policy 'auto' is 'exact' here, as in GradientAccumulation: {plan.describe()}"
-    return 'window', f"policy 'auto' is 'window' here: {plan.describe()}; staged exact cannot run: {plan.reason}"
+    how = plan_training('auto', model, lambda: xb, n_acc=window)  # the callback's own decision
+    if how.memory is None: return 'window', "policy 'auto' is 'window': no BatchNorm in training mode"
+    if how.exact: return 'exact', f"policy 'auto' is 'exact' here, as in GradientAccumulation: {how.memory.describe()}"
+    return 'window', f"policy 'auto' is 'window' here: {how.memory.describe()}; staged exact cannot run: {how.reason}"
 
 # %% ../nbs/06_check.ipynb #1d10b993
 def _dropouts(model:nn.Module) -> list:

@@ -6,36 +6,109 @@
 from __future__ import annotations
 import inspect, time, warnings, weakref
 from contextlib import nullcontext
-import torch
 from torch import nn, Tensor
 from torch.nn.parallel import DistributedDataParallel
+from fastcore.basics import patch
 from .batchnorm import AccumulateBatchNorm, wrap_bn, bn_layers, unwrap_layer
-from .prepass import untraceable_reason, window_prepasses, bn_preflight
-from .exact import choose_exact, saved_on_host, release_pinned, optimizer_state, ExactModeMemoryError
+from .staged import untraceable_reason
+from .prepass import window_prepasses, bn_preflight
+from .exact import saved_on_host, release_pinned, optimizer_state
+from .plan import TrainingPlan, plan_training, check_policy
 from .staged_exact import install_staged, uninstall_staged
-from .helpers import _to, _tensors, _batch_like, split_batch, _optional, peek_batches
+from .ghost import install_ghost, uninstall_ghost
+from .distributed import world_size
+from .helpers import _tensors, _batch_like, split_batch, peek_batches, place_batch
 from .window import (AccumulationWindow, WindowLoader, validate_window_args, _check_count, scale_grads,
-                     commit_window, drop_window, batch_size, world_size, cat_batches, window_exceeds_epoch)
+                                 commit_window, drop_window, batch_size, cat_batches, window_exceeds_epoch)
 
 # %% auto #0
-__all__ = ['default_inputs', 'Accumulation', 'accumulation_options', 'FrontEnd']
+__all__ = ['default_inputs', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd']
 
 # %% ../nbs/02d_core.ipynb #e75c5500
 def default_inputs(b) -> tuple:
-    "The model inputs of batch `b`: everything but the last element (the target), or `b` itself if it has one element."
+    "The model inputs of batch `b`: all but the last element (the target), or `b` itself if it has one."
     return split_batch(b)[0]
 
-_open = weakref.WeakValueDictionary()  # id(model) -> the `batches` generator training it now: the next `batches` on that model closes it
+_open = weakref.WeakValueDictionary()  # id(model) -> the `batches` generator training it: the next `batches` closes it
 
-def _ghost():
-    "The ghost-batch module (`bn_batch`), which the default path never imports."
-    return _optional('ghost', 'bn_batch (ghost batches)')
+# %% ../nbs/02d_core.ipynb #c0e1a002
+_counts = ('n_step', 'n_acc', 'prepass_bs', 'bn_batch')
 
-# %% ../nbs/02d_core.ipynb #8f133906
+def accumulation_options(kwargs:dict, # options a front end was given (`Accumulation`'s, but those it fills in itself)
+                         name:str, # the front end, named in errors
+                         whole_windows:bool=True, # can the front end train a window as one batch? (`check_policy`)
+                        ) -> dict:
+    "The core's options: the defaults updated by `kwargs`, checked."
+    own = {'model', *Accumulation.adapter_args}
+    options = {k: p.default for k, p in inspect.signature(Accumulation).parameters.items() if k not in own}
+    bad = [k for k in kwargs if k not in options]
+    if bad: raise TypeError(f"{name}() got an unexpected keyword argument {bad[0]!r}")
+    options.update(kwargs)
+    options.update({k: _check_count(k, options[k]) for k in _counts})  # plain ints (numpy integers too)
+    validate_window_args(options['n_step'], options['n_acc'], options['partial'])
+    options['policy'] = check_policy(options['policy'], name, options['bn_batch'], whole_windows)
+    return options
+
+# %% ../nbs/02d_core.ipynb #c0e1a004
+class BatchNormInstaller:
+    "Puts a model's BatchNorm layers in place for a `TrainingPlan`; `release` hands plain layers back."
+    def __init__(self, wrap:bool=True, # wrap plain BatchNorm layers (else only layers the user wrapped accumulate)
+                 merge_exact:bool=True, # a whole window under DDP: wrap, so that running statistics merge
+                 bn_batch:int|None=None, # samples per ghost batch
+                 autocast=None, # callable giving the training autocast context (the staged step runs under it)
+                ):
+        self.wrap, self.merge_exact, self.bn_batch, self.autocast = wrap, merge_exact, bn_batch, autocast
+        self.wrapped, self.own_policy, self.pools = [], {}, {}
+
+    def install(self, module:nn.Module, how:TrainingPlan) -> list:
+        "Install `how` on `module`; the accumulating BatchNorm layers."
+        m = how.memory
+        if how.staged: install_staged(module, m.chunk, store=m.device if m.whole else None, autocast=self.autocast)
+        elif how.ghost_micro: install_ghost(module, self.bn_batch)  # plain layers, each micro-batch in ghost batches
+        elif how.layers is not None:
+            new = self.wrap and (not how.exact or self.merge_exact and world_size() > 1)
+            self._wrap(module, how.layers, new)
+            if how.exact and self.bn_batch: install_ghost(module, self.bn_batch)
+        bns = bn_layers(module, accumulating=True)
+        for b in bns: b.count_calls = True  # `start_micro` restarts their count: a layer called k times commits k steps
+        return bns
+
+    def _wrap(self, module:nn.Module, policy:str, new:bool):
+        "Give every accumulating layer `policy`; with `new` wrap plain layers too."
+        before = bn_layers(module, accumulating=True)
+        for m in before:
+            if m not in self.wrapped: self.own_policy.setdefault(m, m.policy)
+        if new:
+            with warnings.catch_warnings():
+                warnings.simplefilter('ignore')  # a model without BatchNorm accumulates fine: no warning
+                wrap_bn(module, policy)
+        for m in bn_layers(module, accumulating=True):
+            m.policy = policy
+            if new and not any(m is o for o in before):
+                self.wrapped.append(m)
+                if m in self.pools: m.grad_pool = self.pools.pop(m)  # 'window': the last window's backward means
+
+    def uninstall_forwards(self, module:nn.Module):
+        "Give every BatchNorm layer its own forward back (the staged step's or ghost batches' replaced it)."
+        uninstall_staged(module)
+        if self.bn_batch: uninstall_ghost(module)
+
+    def release(self, module:nn.Module, bns:list):
+        "Plain torch layers back: unwrap those wrapped here, give the user's wrapped layers their own policy."
+        self.uninstall_forwards(module)
+        self.pools = {m: m.grad_pool for m in self.wrapped if isinstance(m, AccumulateBatchNorm)}
+        for m in self.wrapped:
+            if isinstance(m, AccumulateBatchNorm): unwrap_layer(m)
+        for m, policy in self.own_policy.items(): m.policy = policy
+        for m in bns: m.__dict__.pop('count_calls', None)  # layers the user wrapped count no calls outside the core
+        self.wrapped, self.own_policy = [], {}
+
+# %% ../nbs/02d_core.ipynb #c0e1a007
 class Accumulation:
-    "Gradient accumulation with exact BatchNorm for any training loop: `batches` reads windows ahead, `backward` says when to step."
-    adapter_args = ['model', 'loss_reduction', 'inputs', 'device', 'autocast', 'params', 'merge_exact', 'name', 'preflight', 'optimizer']  # what a front end (fastai's callbacks) fills in itself
-    local = False  # this process's window alone (`check_accumulation` on one rank): no all-reduce of the correction, no merge of statistics
+    "Gradient accumulation with exact BatchNorm for any training loop: `batches` reads windows, `backward` says when to step."
+    adapter_args = ['model', 'loss_reduction', 'inputs', 'device', 'autocast', 'params', 'merge_exact', 'name',
+                    'preflight', 'optimizer']  # what a front end (fastai's callbacks) fills in itself
+    local = False  # this process's window alone (`check_accumulation`): no all-reduce, no merge of statistics
     def __init__(self, model:nn.Module, # the model (or its DDP wrapper); its BatchNorm layers are wrapped in place
                  n_step:int|None=None, # micro-batches per optimizer step
                  n_acc:int|None=None,  # or: samples per optimizer step (the effective batch size)
@@ -43,7 +116,7 @@ class Accumulation:
                  partial:str='step',   # incomplete last window of an epoch: 'step' (scaled exactly) or 'drop' (skipped)
                  loss_reduction:str='mean', # the loss's reduction: 'mean' (weighted by samples) or 'sum'
                  inputs=default_inputs, # batch -> tuple of positional model inputs (for the pre-pass and 'exact' planning)
-                 device=None,          # where `batches` puts each batch (default: the model's parameters' device; None-op if there)
+                 device=None,          # where `batches` puts each batch (default: the model's parameters' device)
                  autocast=None,        # callable returning the training forward's autocast context, for the pre-pass
                  wrap:bool=True,       # wrap the model's BatchNorm layers as `AccumulateBatchNorm`
                  prepass_bs:int|None=None, # 'window' policy: samples per chunk of a staged (memory-bounded, exact) pre-pass (default: chosen within `prepass_memory`)
@@ -58,26 +131,30 @@ class Accumulation:
                  preflight:bool=False, # print how training runs (the front ends' pre-flight) when the first window starts
                  optimizer=None,       # the optimizer, whose state the memory plan counts (`optimizer_state`; default: 1x the parameters assumed)
                 ):
-        n_step, n_acc, prepass_bs = _check_count('n_step', n_step), _check_count('n_acc', n_acc), _check_count('prepass_bs', prepass_bs)
-        validate_window_args(n_step, n_acc, policy, partial)
-        self.bn_batch = _check_count('bn_batch', bn_batch)
-        if self.bn_batch: _ghost().check_ghost_policy(self.bn_batch, policy, name or type(self).__name__)
-        self.model, self.n_step, self.n_acc, self.policy, self.partial = model, n_step, n_acc, policy, partial
-        self.inputs, self.autocast, self.wrap, self.sync_each_batch = inputs, autocast, wrap, sync_each_batch
-        self.prepass_bs, self.prepass_memory = prepass_bs, prepass_memory
-        self.offload, self.device_memory, self.host_memory = offload, device_memory, host_memory
-        self._params, self.merge_exact, self.name, self.verify = params, merge_exact, name or type(self).__name__, verify
-        self._say, self.optimizer = preflight, optimizer
+        args = {k: v for k, v in locals().items() if k not in ('self', 'model', '__class__')}
+        given = {k: args.pop(k) for k in self.adapter_args if k in args}
+        given['name'] = name or type(self).__name__
+        self._start(model, accumulation_options(args, given['name']), given)
+
+    def _start(self, model:nn.Module, options:dict, given:dict):
+        "Keep the checked `options` and what the front end filled in (`given`, the rest defaults); an empty state."
+        defaults = {k: p.default for k, p in inspect.signature(Accumulation).parameters.items() if k in self.adapter_args}
+        given = {**defaults, **given}
+        self.__dict__.update(options)
+        self.loss_reduction, self.inputs, self.autocast = given['loss_reduction'], given['inputs'], given['autocast']
+        self.merge_exact, self.name, self.optimizer = given['merge_exact'], given['name'], given['optimizer']
+        self._params, self._say = given['params'], given['preflight']
         self.use_model(model)
-        self.device = device if device is not None else next(self.module.parameters()).device
-        self.window = AccumulationWindow(n_step, n_acc, loss_reduction)
-        self.exact, self.plan, self.bns, self.needs_window = None, None, [], False  # decided at the first window ('auto' measures a micro-batch)
-        self.path = None  # how training runs, once chosen: 'exact', 'frozen BatchNorm', 'no BatchNorm', or a BatchNorm policy
-        self.table = None  # the last micro-batch pre-flight's table of BatchNorm layers (`preflight_table`)
-        self._modes, self._wrapped, self._own_policy, self._pools = None, [], {}, {}
+        self.device = given['device'] if given['device'] is not None else next(self.module.parameters()).device
+        self.window = AccumulationWindow(self.n_step, self.n_acc, self.loss_reduction)
+        self.installer = BatchNormInstaller(self.wrap, self.merge_exact, self.bn_batch, self.autocast)
+        self.how, self.bns, self.needs_window, self.table, self._modes = None, [], False, None, None
         self.steps, self.losses, self.prepass_time = 0, [], 0.
-        self._micro, self._offload, self._ends_window, self._ghost_micro = None, None, False, False
-        self._input_at = None  # the batch elements the model inputs come from (`_input_elements`), found at the first placed batch
+        self._micro, self._offload, self._ends_window, self._input_at = None, None, False, None
+
+    exact = property(lambda self: None if self.how is None else self.how.exact)  # each window trains as one batch
+    plan = property(lambda self: None if self.how is None else self.how.memory)  # the memory plan, if one was made
+    path = property(lambda self: None if self.how is None else self.how.path)  # how training runs, in a word
 
     @property
     def params(self) -> list:
@@ -91,291 +168,66 @@ class Accumulation:
         self.ddp = model if isinstance(model, DistributedDataParallel) else None
         self.module = model.module if self.ddp is not None else model
 
-    def setup(self, b):
-        "Choose how training runs from the modes the BatchNorm layers are in now (the modes training runs in) and the first micro-batch `b` (on the device; or a callable giving it, called only if needed); wrap BatchNorm."
-        self._uninstall()  # measuring runs the model's own forward
-        self._modes = self._bn_modes()
-        self.exact = self._choose_exact(b)
-        self._ghost_micro = bool(self.bn_batch and self.plan is not None) and self._check_ghost()
-        self.find_bns()
-        self.path = self._path()
+# %% ../nbs/02d_core.ipynb #c0e1a009
+@patch
+def setup(self:Accumulation, b):
+    "Plan from the BatchNorm layers' modes now and the first micro-batch `b` (or a callable giving it); install it."
+    self.installer.uninstall_forwards(self.module)  # measuring runs the model's own forward
+    self._modes = self._bn_modes()
+    peek = b if callable(b) else lambda: b
+    self.how = plan_training(self.policy, self.module, lambda: tuple(self.inputs(peek())), self.n_step, self.n_acc,
+                             wrap=self.wrap, bn_batch=self.bn_batch, name=self.name, device_memory=self.device_memory,
+                             host_memory=self.host_memory, offload=self.offload, verify=self.verify,
+                             autocast=self.autocast, opt_state=optimizer_state(self.optimizer))
+    self.find_bns()
 
-    def _check_ghost(self) -> bool:
-        "Check `bn_batch` against the window; True if ghost batches train micro-batch by micro-batch (the window does not fit as one batch, but each micro-batch holds whole ghost batches)."
-        k = _ghost().check_ghost(self.bn_batch, self.plan.window, self.module, self.name)
-        if self.exact and not self.plan.staged: return False
-        if self.plan.micro % k == 0:  # ghost batches never span micro-batches: each trains on its own, exactly
-            self.exact = False
-            return True
-        why = self.plan.describe() if self.exact or self.plan.reason is None else f"{self.plan.describe()}; {self.plan.reason}"
-        raise ExactModeMemoryError(f"{self.name}(bn_batch={k}): ghost batches larger than the micro-batch ({self.plan.micro}) need "
-                                   f"each window trained as one batch, but {why}. Use a bn_batch that divides the micro-batch, "
-                                   "lower n_step/n_acc or set device_memory=/host_memory=.")
+@patch
+def _bn_modes(self:Accumulation) -> tuple: return tuple(m.training for m in bn_layers(self.module))
 
-    def _uninstall(self):
-        "Give every BatchNorm layer its own forward back (the staged step's, the ghost batches' replaced it)."
-        uninstall_staged(self.module)
-        if self.bn_batch: _ghost().uninstall_ghost(self.module)
+@patch
+def needs_setup(self:Accumulation) -> bool:
+    "Must `setup` plan (again)? Before the first window, and when other BatchNorm layers train (a freeze, `BnFreeze`)."
+    return self.how is None or self._bn_modes() != self._modes
 
-    def _bn_modes(self) -> tuple: return tuple(m.training for m in bn_layers(self.module))
+@patch
+def find_bns(self:Accumulation):
+    "Install the plan and collect the accumulating BatchNorm layers."
+    self.bns = self.installer.install(self.module, self.how)
+    self.needs_window = any(m.policy == 'window' and m.training for m in self.bns)
 
-    def needs_setup(self) -> bool:
-        "Must `setup` choose (again)? Before the first window, and when other BatchNorm layers train than when it chose (a freeze, `BnFreeze`, `model.eval()`)."
-        return self.exact is None or self._bn_modes() != self._modes
+@patch
+def release(self:Accumulation):
+    "Hand the model back with plain torch BatchNorm layers (`BatchNormInstaller.release`)."
+    self.clear()
+    self.installer.release(self.module, self.bns)
+    self.bns, self.needs_window = [], False
 
-    @property
-    def frozen_bn(self) -> bool:
-        "The model has BatchNorm layers but none trains (all in eval mode): it trains as a model without BatchNorm."
-        return bool(self._modes) and not any(self._modes)
+# %% ../nbs/02d_core.ipynb #c0e1a00b
+@patch
+def preflight(self:Accumulation, xb:tuple, # one micro-batch's model inputs
+             ) -> str:
+    "What training does, as the pre-flight prints it: the plan's headline, and the BatchNorm table's summary."
+    head = self.how.headline()
+    if self.how.layers is None or self.how.exact or not self.bns: return head
+    self.table = self.preflight_table(xb)
+    lines = [head] if head else []
+    lines.append(_summary(self.table, self.bns[0].policy))
+    why = untraceable_reason(self.module) if self.needs_window else None
+    if why and not any(why in l for l in lines): lines.append(f"GradientAccumulation: {why}")  # said once
+    return '\n'.join(lines)
 
-    def _path(self) -> str:
-        "How training runs, in a word (`path`): 'exact', 'frozen BatchNorm', 'no BatchNorm', or the accumulating layers' policy."
-        if self.exact: return 'staged exact' if self.plan.staged else 'exact'
-        if self._ghost_micro: return 'ghost micro-batches'
-        if self.frozen_bn: return 'frozen BatchNorm'
-        return self.bns[0].policy if self.bns else 'no BatchNorm'
-
-    def find_bns(self):
-        "Wrap (if asked) and collect the accumulating BatchNorm layers, or install the staged step; again after anything replaces layers (fastai's `DistributedTrainer`) and after `release`."
-        if self.exact and self.plan.staged:  # the whole window as one chunk (DDP) keeps its values where it trains
-            install_staged(self.module, self.plan.chunk, store=self.plan.device if self.plan.whole else None, autocast=self.autocast)
-        elif self.exact:  # one batch per window; under DDP wrapped as 'micro' so that running statistics merge across processes at the step
-            self._wrap('micro', new=self.wrap and self.merge_exact and world_size() > 1)
-            if self.bn_batch: _ghost().install_ghost(self.module, self.bn_batch)
-        elif self._ghost_micro: _ghost().install_ghost(self.module, self.bn_batch)  # plain layers, each micro-batch in ghost batches
-        elif not self.frozen_bn: self._wrap('window' if self.policy == 'auto' else self.policy, new=self.wrap)  # 'auto' when the window cannot train as one batch
-        self.bns = bn_layers(self.module, accumulating=True)
-        for m in self.bns: m.count_calls = True  # `start_micro` restarts their count of calls: a layer called k times commits k steps
-        self.needs_window = any(m.policy == 'window' and m.training for m in self.bns)
-
-    def _wrap(self, policy:str, new:bool):
-        "Give every accumulating layer `policy` (`release` gives an earlier-wrapped layer its own back); with `new` wrap plain BatchNorm layers too (`release` unwraps them)."
-        before = bn_layers(self.module, accumulating=True)
-        for m in before:
-            if m not in self._wrapped: self._own_policy.setdefault(m, m.policy)
-        if new:
-            with warnings.catch_warnings():
-                warnings.simplefilter('ignore')  # a model without BatchNorm accumulates fine: no warning
-                wrap_bn(self.module, policy)
-        for m in bn_layers(self.module, accumulating=True):
-            m.policy = policy
-            if new and not any(m is o for o in before):
-                self._wrapped.append(m)
-                if m in self._pools: m.grad_pool = self._pools.pop(m)  # 'window': the last window's backward means, across `batches` calls
-
-    def release(self):
-        "Hand the model back with plain torch BatchNorm layers: unwrap those this wrapped, give earlier-wrapped ones their own policy back."
-        self.clear()
-        self._uninstall()
-        self._pools = {m: m.grad_pool for m in self._wrapped if isinstance(m, AccumulateBatchNorm)}
-        for m in self._wrapped:
-            if isinstance(m, AccumulateBatchNorm): unwrap_layer(m)
-        for m, policy in self._own_policy.items(): m.policy = policy
-        for m in self.bns: m.__dict__.pop('count_calls', None)  # layers wrapped before (by the user) count no calls outside the core
-        self._wrapped, self._own_policy, self.bns, self.needs_window = [], {}, [], False
-
-    def _choose_exact(self, b) -> bool:
-        "The callback's rule (`choose_exact`): 'exact' if it fits; 'auto' if the model has BatchNorm and the window fits without offload."
-        peek = b if callable(b) else lambda: b
-        exact, self.plan = choose_exact(self.policy, self.module, lambda: tuple(self.inputs(peek())), self.n_step, self.n_acc,
-                                        self.device_memory, self.host_memory, self.offload, name=self.name, verify=self.verify,
-                                        autocast=self.autocast, opt_state=optimizer_state(self.optimizer))
-        return exact
-
-    def preflight(self, xb:tuple, # one micro-batch's model inputs
-                 ) -> str:
-        "What training does, as the pre-flight prints it: the 'exact' plan, frozen BatchNorm, or why not 'exact' and the BatchNorm table."
-        if self.exact:
-            mode = "'staged exact'" if self.plan.staged else "'exact'"
-            bn = f"BatchNorm in ghost batches of {self.bn_batch} samples, exactly" if self.bn_batch else "BatchNorm exact"
-            return (f"GradientAccumulation: policy {self.policy!r} -> {mode}: each window trains as one batch ({bn}: "
-                    f"forward, backward, running statistics); {self.plan.describe()}.")
-        if self._ghost_micro:
-            return (f"GradientAccumulation: bn_batch={self.bn_batch}: {self.plan.describe()}, so each micro-batch of {self.plan.micro} "
-                    f"trains on its own, BatchNorm in ghost batches of {self.bn_batch} (exact: no ghost batch spans two micro-batches).")
-        if self.frozen_bn:
-            return (f"GradientAccumulation: all {len(self._modes)} BatchNorm layers are frozen (eval mode) in this fit: it trains "
-                    "as a model without BatchNorm, micro-batch by micro-batch (no pre-pass; their running statistics stay).")
-        if not self.bns and not bn_layers(self.module):
-            size = f"{self.n_step} micro-batches" if self.n_step else f"{self.n_acc} samples"
-            return f"GradientAccumulation: no BatchNorm layer: plain accumulation, each window's gradient ({size}) is the big batch's."
-        lines = []
-        if self.plan is not None:
-            lines.append(f"GradientAccumulation: policy 'auto' -> window BatchNorm: {self.plan.describe()}; staged exact cannot "
-                         f"run: {self.plan.reason}.")
-        self.table = self.preflight_table(xb)
-        lines.append(_summary(self.table, self.bns[0].policy if self.bns else self.policy))
-        why = untraceable_reason(self.module) if self.needs_window else None
-        if why and not any(why in l for l in lines): lines.append(f"GradientAccumulation: {why}")  # said once
-        return '\n'.join(lines)
-
-    def preflight_table(self, xb:tuple, # one micro-batch's model inputs
-                       ):
-        "The pre-flight's table: every BatchNorm layer, its values per channel per micro-batch, what its policy does, how the pre-pass runs (`bn_preflight`)."
-        with warnings.catch_warnings():
-            warnings.simplefilter('ignore')  # a model torch.fx cannot trace: the pre-flight says it once, not as a warning
-            return bn_preflight(self.module, *xb, window=self.n_acc or self.n_step * batch_size(xb), memory=self.prepass_memory)
-
-    def batches(self, loader):
-        "Iterate `loader` (any iterable of batches) one window ahead: micro-batches, or whole windows under 'exact'. A `batches` left unfinished on this model (by this or another `Accumulation`) is closed first."
-        self.close()
-        self.clear()
-        self._input_at = None
-        warning = window_exceeds_epoch(loader, self.n_step, self.n_acc, self.partial, self.name)
-        if warning: warnings.warn(warning, stacklevel=2)
-        _open[id(self.module)] = gen = self._batches(loader)
-        return gen
-
-    def close(self):
-        "Close the `batches` generator training this model if one was left unfinished (a `break`, an exception, kept referenced): its partial window dropped, BatchNorm handed back."
-        gen = _open.pop(id(self.module), None)
-        if gen is not None: gen.close()
-
-    def _batches(self, loader):
-        try:
-            windows, ready = WindowLoader(loader, self.n_step, self.n_acc), False
-            for window in windows.windows():
-                if self.partial == 'drop' and not windows.is_full(window): continue
-                if not ready:  # chosen from the modes the user put the model in before the loop (re-measured only if they changed)
-                    first = _to(window[0], self.device)
-                    said = self.path
-                    self.setup(first) if self.needs_setup() else self.find_bns()
-                    if self._say and self.path != said: print(self.preflight(tuple(self.inputs(first))))
-                    ready = True
-                window = [self._placed(b) for b in window]
-                if self.exact: window = [cat_batches(window)]
-                if not self.window.empty: self._drop_unfinished()
-                self.start_window(window)
-                for i, b in enumerate(window):
-                    self.start_micro(batch_size(b), i == len(window) - 1)
-                    yield b
-        finally:
-            self._exit_offload()
-            release_pinned(self.plan)
-            if self.ddp is not None: self.ddp.require_backward_grad_sync = True
-            self.release()  # between epochs the model holds plain torch BatchNorm layers
-
-    def _drop_unfinished(self):
-        "The window before ended without its last backward (skipped, cancelled): drop its gradients rather than carry them into this one."
-        warnings.warn(f"{self.name}: a window's last micro-batch had no backward (skipped or cancelled): the window's "
-                      f"{self.window.n_micro} micro-batches of gradients are dropped, not carried into the next window", RuntimeWarning)
-        self.clear()
-
-    @property
-    def inputs_on(self):
-        "Where a window's model inputs wait: host memory for a staged step on an accelerator (its chunks go to the device one by one); None: on the device."
-        p = self.plan
-        return 'cpu' if self.exact and p is not None and p.staged and not p.whole and p.on_accelerator else None
-
-    def _placed(self, b):
-        "Micro-batch `b` on the device, the elements its model inputs come from where `inputs_on` says."
-        on = self.inputs_on
-        if on is None or not isinstance(b, (tuple, list)): return _to(b, self.device)
-        if self._input_at is None: self._input_at = _input_elements(self.inputs, b)
-        return _batch_like(b, [_to(o, on if i in self._input_at else self.device) for i, o in enumerate(b)])
-
-    # The events an adapter calls when it cannot hand its loop to `batches`
-    def start_window(self, window:list):
-        "A window starts: `window` holds its micro-batches on the device ('window' policy: the pre-pass over them)."
-        if self.exact is None: self.setup(window[0])
-        if not self.needs_window or self.exact: return
-        t = time.perf_counter()
-        with self.autocast() if self.autocast else nullcontext():  # the pre-pass runs as training's forward does
-            window_prepasses(self.module, [tuple(self.inputs(b)) for b in window], chunk=self.prepass_bs, memory=self.prepass_memory)
-        self.prepass_time += time.perf_counter() - t
-
-    def ends(self, bs:int, # samples in the micro-batch about to run forward
-             last:bool=False, # it is the epoch's last micro-batch
-            ) -> tuple[bool, bool]:
-        "The window rule, before a micro-batch's forward: (the optimizer steps after it, its window is dropped). A window ends when it is full (`window_full`), and at the epoch's end; with partial='drop' an incomplete one is dropped there ('exact': every micro-batch is a whole window)."
-        fills = bool(self.exact) or self.window.fills(bs)
-        drop = last and not fills and self.partial == 'drop'
-        return (fills or last) and not drop, drop
-
-    def start_micro(self, bs:int, # samples in the micro-batch about to run forward
-                    final:bool, # does it end its window? (`ends`)
-                    drop:bool=False, # does it end a window that is dropped? (`ends`; its gradients still all-reduce under DDP, as every window's end)
+@patch
+def preflight_table(self:Accumulation, xb:tuple, # one micro-batch's model inputs
                    ):
-        "Before a micro-batch's forward: set DDP's gradient sync, enter the 'exact' plan's offload."
-        final = final or bool(self.exact)
-        self._micro = (bs, final)
-        for m in self.bns: m._call = 0  # the micro-batch's forward calls each layer from its first call
-        self._before_forward(final or drop)
-        if self.exact: self._enter_offload()
+    "The pre-flight's table: every BatchNorm layer, its values per channel per micro-batch, its policy, the pre-pass."
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')  # a model torch.fx cannot trace: the pre-flight says it once, not as a warning
+        window = self.n_acc or self.n_step * batch_size(xb)
+        return bn_preflight(self.module, *xb, window=window, memory=self.prepass_memory)
 
-    def _before_forward(self, final:bool):
-        "DDP decides in its forward whether the coming backward all-reduces (the flag `no_sync()` sets): once per window."
-        if self.ddp is not None: self.ddp.require_backward_grad_sync = self.sync_each_batch or final
-
-    def loss_factor(self, loss:Tensor|None=None, # the micro-batch's loss (recorded for the window's mean loss)
-                   ) -> float:
-        "What the micro-batch's loss must be multiplied by before its backward (at the window's end: also rescales earlier gradients)."
-        if self._micro is None: raise RuntimeError("Accumulation: backward() without a micro-batch from batches() (or start_micro)")
-        self._exit_offload()  # the backward unpacks what the forward saved
-        bs, final = self._micro
-        if self.exact:  # the window, trained as one batch, is one micro-batch of weight 1
-            self._ends_window = True
-            return self.window.add_whole(bs, loss)
-        w = self.window.add(bs, loss)
-        if final:  # before the last backward, so that under DDP the all-reduced gradient is already the global mean
-            f = self.window.grad_correction if self.local else self.window.correction(device=loss.device if loss is not None else None)
-            if f != 1.: scale_grads(self.params, f); w *= f
-            self._ends_window = True
-        return w
-
-    def end_micro(self) -> bool:
-        "After the micro-batch's backward: at the window's end commit BatchNorm statistics; True if the optimizer steps now."
-        self._exit_offload()  # if no `loss_factor` came (the micro-batch was cancelled)
-        self._micro = None
-        if not self._ends_window: return False
-        self._ends_window = False
-        bad = self.window.nonfinite() if self.local or world_size() == 1 else None  # under DDP the merged statistics' own check decides
-        if bad is None: commit_window(self.bns, merge=not self.local)  # BatchNorm's running statistics: one momentum step with the window's, merged across processes
-        else:
-            drop_window(self.bns)
-            warnings.warn(f"{self.name}: micro-batch {bad} of window {self.steps} has a non-finite loss: the window's BatchNorm "
-                          "running statistics are not updated (the optimizer step is the training loop's to skip)", RuntimeWarning)
-        if self.window.loss is not None: self.losses.append(self.window.loss.item())
-        self.steps += 1
-        self.window.reset()
-        return True
-
-    def backward(self, loss:Tensor, # the micro-batch's loss (mean over its samples, or sum with loss_reduction='sum')
-                 **kwargs, # passed on to the backward
-                ) -> bool:
-        "Back-propagate `loss` weighted by samples; True when the window is complete: step the optimizer then."
-        f = self.loss_factor(loss)
-        self._backward(loss * f if f != 1. else loss, **kwargs)
-        return self.end_micro()
-
-    def _backward(self, loss, **kwargs): loss.backward(**kwargs)
-
-    def _enter_offload(self):
-        self._offload = saved_on_host(self.plan)
-        self._offload.__enter__()
-
-    def _exit_offload(self):
-        offload, self._offload = self._offload, None
-        if offload is not None: offload.__exit__(None, None, None)
-
-    def drop_grads(self):
-        "Drop the accumulated gradients: a partial window's, or a window's that ended without an optimizer step (its backward was cancelled)."
-        for p in self.params: p.grad = None
-
-    def clear(self):
-        "Drop a partial window: its accumulated gradients and pending BatchNorm statistics."
-        self._exit_offload()
-        if not self.window.empty: self.drop_grads()
-        drop_window(self.bns)
-        self.window.reset()
-        self._micro, self._ends_window = None, False
-
-    def __repr__(self):
-        how = 'chosen at the first window' if self.path is None else self.path + (f': {self.plan.describe()}' if self.exact else '')
-        return f'{type(self).__name__}(n_step={self.n_step}, n_acc={self.n_acc}, policy={self.policy!r}, steps={self.steps}; {how})'
-
-_says = {'window': "each micro-batch is normalized with the whole window's statistics (a no-grad pre-pass over the window first) and "
-                    "the window's statistics are committed; the backward maps each micro-batch's BatchNorm terms to the window (an estimate)",
+_says = {'window': "each micro-batch is normalized with the whole window's statistics (a no-grad pre-pass over the "
+                   "window first) and the window's statistics are committed; the backward maps each micro-batch's "
+                   "BatchNorm terms to the window (an estimate)",
          'micro': "each micro-batch is normalized with its own statistics; running statistics are committed once per window",
          'running': "each micro-batch is normalized with the running statistics, updated once per window",
          'frozen': "each micro-batch is normalized with the running statistics, which do not change"}
@@ -383,12 +235,203 @@ _says = {'window': "each micro-batch is normalized with the whole window's stati
 def _summary(t, # `bn_preflight`'s table
              policy:str, # the accumulating layers' policy
             ) -> str:
-    "The pre-flight's lines for micro-batch training: what `policy` does, the layers at risk, the pre-pass; the full table on request."
+    "The pre-flight's lines for micro-batch training: what `policy` does, the layers at risk, the pre-pass."
     risk, prepass = int(t.at_risk.sum()), next((p for p in t.prepass if p != '-'), None)
-    s = (f"GradientAccumulation: policy {policy!r} on {len(t)} BatchNorm layers: {_says.get(policy, policy)}. {risk} of them "
-         f"{'sees' if risk == 1 else 'see'} < 32 values per channel per micro-batch" + (" (their backward uses the previous window's means)" if risk and policy == 'window' else ''))
+    means = " (their backward uses the previous window's means)" if risk and policy == 'window' else ''
+    s = (f"GradientAccumulation: policy {policy!r} on {len(t)} BatchNorm layers: {_says.get(policy, policy)}. {risk} "
+         f"of them {'sees' if risk == 1 else 'see'} < 32 values per channel per micro-batch{means}")
     if prepass: s += f"; pre-pass: {prepass}"
     return s + ". Every layer: `preflight_table()`."
+
+# %% ../nbs/02d_core.ipynb #c0e1a00d
+@patch
+def batches(self:Accumulation, loader):
+    "Iterate `loader` one window ahead: micro-batches, or whole windows. An unfinished `batches` on this model is closed first."
+    self.close()
+    self.clear()
+    self._input_at = None
+    warning = window_exceeds_epoch(loader, self.n_step, self.n_acc, self.partial, self.name)
+    if warning: warnings.warn(warning, stacklevel=2)
+    _open[id(self.module)] = gen = self._batches(loader)
+    return gen
+
+@patch
+def close(self:Accumulation):
+    "Close the `batches` generator training this model if one was left unfinished: its window dropped, BatchNorm handed back."
+    gen = _open.pop(id(self.module), None)
+    if gen is not None: gen.close()
+
+@patch
+def _batches(self:Accumulation, loader):
+    try:
+        windows, ready = WindowLoader(loader, self.n_step, self.n_acc), False
+        for window in windows.windows():
+            if self.partial == 'drop' and not windows.is_full(window): continue
+            ready = ready or self._ready(window)
+            window = [self._placed(b) for b in window]
+            if self.exact: window = [cat_batches(window)]
+            if not self.window.empty: self._drop_unfinished()
+            self.start_window(window)
+            for i, b in enumerate(window):
+                self.start_micro(batch_size(b), i == len(window) - 1)
+                yield b
+    finally:
+        self._exit_offload()
+        release_pinned(self.plan)
+        if self.ddp is not None: self.ddp.require_backward_grad_sync = True
+        self.release()  # between epochs the model holds plain torch BatchNorm layers
+
+@patch
+def _ready(self:Accumulation, window:list) -> bool:
+    "Before the first window: plan from its first micro-batch (again only if the BatchNorm modes changed); say so if asked."
+    first = place_batch(window[0], self.device)
+    said = self.path
+    if self.needs_setup(): self.setup(first)
+    else: self.find_bns()
+    if self._say and self.path != said: print(self.preflight(tuple(self.inputs(first))))
+    if self.inputs_on is None: window[0] = first  # placed once
+    return True
+
+@patch
+def _drop_unfinished(self:Accumulation):
+    "The window before ended without its last backward (skipped, cancelled): drop its gradients."
+    warnings.warn(f"{self.name}: a window's last micro-batch had no backward (skipped or cancelled): the window's "
+                  f"{self.window.n_micro} micro-batches of gradients are dropped, not carried into the next window",
+                  RuntimeWarning)
+    self.clear()
+
+@patch(as_prop=True)
+def inputs_on(self:Accumulation):
+    "Where a window's model inputs wait: host memory for a staged step on an accelerator; None: on the device."
+    p = self.plan
+    return 'cpu' if self.exact and p.staged and not p.whole and p.on_accelerator else None
+
+@patch
+def _placed(self:Accumulation, b):
+    "Micro-batch `b` on the device, the elements its model inputs come from where `inputs_on` says."
+    on = self.inputs_on
+    if on is not None and self._input_at is None and isinstance(b, (tuple, list)):
+        self._input_at = _input_elements(self.inputs, b)
+    return place_batch(b, self.device, on, self._input_at)
+
+# %% ../nbs/02d_core.ipynb #c0e1a00f
+@patch
+def start_window(self:Accumulation, window:list):
+    "A window starts: `window` holds its micro-batches on the device ('window' policy: the pre-pass over them)."
+    if self.how is None: self.setup(window[0])
+    if not self.needs_window or self.exact: return
+    t = time.perf_counter()
+    with self.autocast() if self.autocast else nullcontext():  # the pre-pass runs as training's forward does
+        xbs = [tuple(self.inputs(b)) for b in window]
+        window_prepasses(self.module, xbs, chunk=self.prepass_bs, memory=self.prepass_memory)
+    self.prepass_time += time.perf_counter() - t
+
+@patch
+def ends(self:Accumulation, bs:int, # samples in the micro-batch about to run forward
+         last:bool=False, # it is the epoch's last micro-batch
+        ) -> tuple[bool, bool]:
+    "Before a micro-batch's forward: (the optimizer steps after it, its window is dropped)."
+    fills = bool(self.exact) or self.window.fills(bs)  # full (`window_full`), or a window trained whole
+    drop = last and not fills and self.partial == 'drop'
+    return (fills or last) and not drop, drop
+
+@patch
+def start_micro(self:Accumulation, bs:int, # samples in the micro-batch about to run forward
+                final:bool, # does it end its window? (`ends`)
+                drop:bool=False, # does it end a dropped window? (its gradients still all-reduce under DDP)
+               ):
+    "Before a micro-batch's forward: set DDP's gradient sync, enter the plan's offload."
+    final = final or bool(self.exact)
+    self._micro = (bs, final)
+    for m in self.bns: m._call = 0  # the micro-batch's forward calls each layer from its first call
+    self._before_forward(final or drop)
+    if self.exact: self._enter_offload()
+
+@patch
+def _before_forward(self:Accumulation, final:bool):
+    "DDP decides in its forward whether the coming backward all-reduces (the flag `no_sync()` sets): once per window."
+    if self.ddp is not None: self.ddp.require_backward_grad_sync = self.sync_each_batch or final
+
+@patch
+def loss_factor(self:Accumulation, loss:Tensor|None=None, # the micro-batch's loss (recorded for the window's mean)
+               ) -> float:
+    "What the micro-batch's loss is multiplied by before its backward (at the window's end: earlier gradients rescaled)."
+    if self._micro is None: raise RuntimeError("Accumulation: backward() without a micro-batch from batches() (or start_micro)")
+    self._exit_offload()  # the backward unpacks what the forward saved
+    bs, final = self._micro
+    if self.exact:  # the window, trained as one batch, is one micro-batch of weight 1
+        self._ends_window = True
+        return self.window.add_whole(bs, loss)
+    w = self.window.add(bs, loss)
+    if final:  # before the last backward: under DDP the all-reduced gradient is then the global mean
+        device = loss.device if loss is not None else None
+        f = self.window.grad_correction if self.local else self.window.correction(device=device)
+        if f != 1.:
+            scale_grads(self.params, f)
+            w *= f
+        self._ends_window = True
+    return w
+
+# %% ../nbs/02d_core.ipynb #c0e1a010
+@patch
+def end_micro(self:Accumulation) -> bool:
+    "After the micro-batch's backward: at the window's end commit BatchNorm statistics; True if the optimizer steps now."
+    self._exit_offload()  # if no `loss_factor` came (the micro-batch was cancelled)
+    self._micro = None
+    if not self._ends_window: return False
+    self._ends_window = False
+    bad = self.window.nonfinite() if self.local or world_size() == 1 else None  # under DDP the merge's own check decides
+    if bad is None: commit_window(self.bns, merge=not self.local)  # one momentum step with the window's statistics
+    else:
+        drop_window(self.bns)
+        warnings.warn(f"{self.name}: micro-batch {bad} of window {self.steps} has a non-finite loss: the window's "
+                      "BatchNorm running statistics are not updated (the optimizer step is the training loop's to skip)",
+                      RuntimeWarning)
+    if self.window.loss is not None: self.losses.append(self.window.loss.item())
+    self.steps += 1
+    self.window.reset()
+    return True
+
+@patch
+def backward(self:Accumulation, loss:Tensor, # the micro-batch's loss (mean over its samples, or sum with loss_reduction='sum')
+             **kwargs, # passed on to the backward
+            ) -> bool:
+    "Back-propagate `loss` weighted by samples; True when the window is complete: step the optimizer then."
+    f = self.loss_factor(loss)
+    self._backward(loss * f if f != 1. else loss, **kwargs)
+    return self.end_micro()
+
+@patch
+def _backward(self:Accumulation, loss, **kwargs): loss.backward(**kwargs)
+
+@patch
+def _enter_offload(self:Accumulation):
+    self._offload = saved_on_host(self.plan)
+    self._offload.__enter__()
+
+@patch
+def _exit_offload(self:Accumulation):
+    offload, self._offload = self._offload, None
+    if offload is not None: offload.__exit__(None, None, None)
+
+@patch
+def drop_grads(self:Accumulation):
+    "Drop the accumulated gradients: a partial window's, or one that ended without an optimizer step."
+    for p in self.params: p.grad = None
+
+@patch
+def clear(self:Accumulation):
+    "Drop a partial window: its accumulated gradients and pending BatchNorm statistics."
+    self._exit_offload()
+    if not self.window.empty: self.drop_grads()
+    drop_window(self.bns)
+    self.window.reset()
+    self._micro, self._ends_window = None, False
+
+@patch
+def __repr__(self:Accumulation):
+    how = 'chosen at the first window' if self.how is None else self.path + (f': {self.plan.describe()}' if self.exact else '')
+    return f'{type(self).__name__}(n_step={self.n_step}, n_acc={self.n_acc}, policy={self.policy!r}, steps={self.steps}; {how})'
 
 # %% ../nbs/02d_core.ipynb #2f0d6a12
 def _input_elements(inputs, # the core's `inputs`: batch -> model inputs
@@ -406,36 +449,21 @@ def _input_elements(inputs, # the core's `inputs`: batch -> model inputs
         if any(t.device.type == 'meta' for t in got): found.add(i)
     return same | found
 
-# %% ../nbs/02d_core.ipynb #13c1b3a2
-def accumulation_options(kwargs:dict, # keyword arguments a front end got for the core
-                         name:str, # the front end, named in the error
-                        ) -> dict:
-    "The core's options a front end passes on (`policy`, `partial`, `wrap`, `offload`, ...): the defaults updated by `kwargs`, checked."
-    own = {'n_step', 'n_acc', *Accumulation.adapter_args}
-    options = {k: p.default for k, p in inspect.signature(Accumulation).parameters.items() if k not in own}
-    bad = [k for k in kwargs if k not in options]
-    if bad: raise TypeError(f"{name}() got an unexpected keyword argument {bad[0]!r}")
-    counts = {k: _check_count(k, kwargs[k]) for k in ('prepass_bs', 'bn_batch') if k in kwargs}  # plain ints (numpy integers too)
-    options = {**options, **kwargs, **counts}
-    if options['bn_batch']: _ghost().check_ghost_policy(options['bn_batch'], options['policy'], name)
-    return options
-
 # %% ../nbs/02d_core.ipynb #fe1ea718
 class FrontEnd:
-    "What a framework's callback built on the core shares: arguments checked once, the core built per fit, the window rule before each micro-batch, the core's state read through."
-    def _take_args(self, n_step:int|None, n_acc:int|None, preflight:bool, kwargs:dict, name:str):
-        "Check the window's size and the core's options (`kwargs`, named after the front end `name` in errors); keep them as attributes."
-        self.n_step, self.n_acc = _check_count('n_step', n_step), _check_count('n_acc', n_acc)
-        options = accumulation_options(kwargs, name)
-        validate_window_args(self.n_step, self.n_acc, options['policy'], options['partial'])
+    "What a framework's callback on the core shares: options checked once, a core per fit, the window rule, its state."
+    def _take_args(self, n_step:int|None, n_acc:int|None, preflight:bool, kwargs:dict, name:str, whole_windows:bool=True):
+        "Check the window's size and the core's options once (`accumulation_options`); keep them as attributes."
+        options = accumulation_options(dict(kwargs, n_step=n_step, n_acc=n_acc), name, whole_windows)
         self.preflight, self._name, self._options = preflight, name, list(options)
         self.__dict__.update(options)
         self.acc, self._final, self._drop, self._announce, self._table = None, False, False, False, None
 
     def _core(self, model:nn.Module, **kwargs) -> Accumulation:
-        "The core for a fit of `model` with this front end's options; `kwargs`: what the framework fills in (`Accumulation.adapter_args`)."
-        return Accumulation(model, self.n_step, self.n_acc, **{k: getattr(self, k) for k in self._options},
-                            merge_exact=False, name=self._name, **kwargs)
+        "The core for a fit of `model` with the checked options; `kwargs`: what the framework fills in."
+        acc = Accumulation.__new__(Accumulation)
+        acc._start(model, {k: getattr(self, k) for k in self._options}, dict(merge_exact=False, name=self._name, **kwargs))
+        return acc
 
     def _start_micro(self, bs:int, # samples in the micro-batch about to run forward
                      last:bool, # it is the epoch's last micro-batch
@@ -445,7 +473,7 @@ class FrontEnd:
         self.acc.start_micro(bs, self._final, self._drop)
 
     def _peek(self):
-        "The first micro-batch of the training DataLoader (`_train_dl`), read without changing what it or any random generator gives later."
+        "The first micro-batch of the training DataLoader, read without changing what it or any generator gives later."
         return peek_batches(self._train_dl())[0]
 
     def _clear(self):
@@ -468,6 +496,7 @@ class FrontEnd:
     prepass_time = property(lambda self: self.acc.prepass_time if self.acc is not None else 0.)
     exact = property(lambda self: getattr(self.acc, 'exact', None))
     plan = property(lambda self: getattr(self.acc, 'plan', None))
+    how = property(lambda self: getattr(self.acc, 'how', None))
     window = property(lambda self: getattr(self.acc, 'window', None))
     bns = property(lambda self: getattr(self.acc, 'bns', []))
     path = property(lambda self: getattr(self.acc, 'path', None))

@@ -6,10 +6,23 @@
 from __future__ import annotations
 import torch
 import torch.distributed as dist
-from .window import collective_device
+
 
 # %% auto #0
-__all__ = ['fix_distributed_dl']
+__all__ = ['world_size', 'collective_device', 'fix_distributed_dl']
+
+# %% ../nbs/03b_distributed.ipynb #c3d1e2f1
+def world_size(group=None) -> int:
+    "Processes in `group` (1 when torch.distributed is not initialised)."
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+def collective_device(device=None, # this process's training device
+                     ) -> torch.device:
+    "Where a collective's tensor goes: NCCL's on this process's GPU, other backends' on the CPU."
+    if dist.get_backend() != 'nccl': return torch.device('cpu')
+    d = torch.device(device) if device is not None else None
+    if d is not None and d.type == 'cuda' and d.index is not None: return d
+    return torch.device('cuda', torch.cuda.current_device())
 
 # %% ../nbs/03b_distributed.ipynb #ddb13c1c
 def fix_distributed_dl():

@@ -5,22 +5,19 @@ batch's, exactly; the window's saved activations go to host memory when the acce
 
 # %% ../nbs/02a_exact.ipynb #43c0896b
 from __future__ import annotations
-import contextlib, time
+import contextlib
 from dataclasses import dataclass
 import torch
-import torch.distributed as dist
 from torch import nn
 from .meters import SavedTensorMeter, LayerMeter, fmt_bytes
-from .staged_exact import samples_mixed, verify_staged, _device
-from .window import world_size, collective_device
+from .staged_exact import _device
 from .batchnorm import bn_layers
-from .prepass import _trace, untraceable_reason
+from .distributed import world_size
 from .helpers import random_state_kept, is_accelerator, can_pin
 
 # %% auto #0
 __all__ = ['leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact',
-           'optimizer_state', 'release_pinned', 'auto_picks_exact', 'saved_on_host', 'choose_exact',
-           'StagedMismatchError']
+           'optimizer_state', 'release_pinned', 'saved_on_host']
 
 # %% ../nbs/02a_exact.ipynb #a31cf6dc
 @contextlib.contextmanager
@@ -221,111 +218,7 @@ def release_pinned(plan:ExactPlan|None):
     if plan is not None and plan.pinned and (plan.offload or plan.staged) and hasattr(torch._C, '_host_emptyCache'):
         torch._C._host_emptyCache()
 
-def auto_picks_exact(plan:ExactPlan) -> bool:
-    "The default policy's rule: train windows as one batch when that fits the budgets without moving saved activations to the host."
-    return plan.fits and not plan.offload
-
 def saved_on_host(plan:ExactPlan):
     "The context that keeps saved activations in host memory when `plan` says so (pinned where the build can pin); never around a staged step, which keeps its own values in host memory."
     if not plan.offload or plan.staged: return contextlib.nullcontext()
     return torch.autograd.graph.save_on_cpu(pin_memory=plan.on_accelerator)  # a copy of its own in host memory, pinned if it can be
-
-# %% ../nbs/02a_exact.ipynb #95035e37
-def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' or a BatchNorm policy
-                 model:nn.Module, # the model to train
-                 peek, # called without arguments: one training micro-batch's model inputs (only when needed)
-                 n_step:int|None=None, # micro-batches per window
-                 n_acc:int|None=None, # or: samples per window
-                 device_memory:int|None=None, # device bytes it may use (`plan_exact`; also honoured on CPU)
-                 host_memory:int|None=None, # host bytes it may use
-                 offload:bool|None=None, # saved activations in host memory
-                 name:str='GradientAccumulation', # the callback, for the error message
-                 verify:bool=True, # check a staged step against the big batch on the model before choosing it (`verify_staged`)
-                 autocast=None, # callable returning the autocast context training runs in (the plan is measured under it)
-                 opt_state:float|None=None, # optimizer state per byte of parameters (`optimizer_state`)
-                ) -> tuple:
-    "(train each window as one batch?, the `ExactPlan` or None; `plan.staged` if stage by stage): see the rule below."
-    if policy not in ('exact', 'staged', 'auto'): return False, None
-    if policy == 'auto' and not any(m.training for m in bn_layers(model)): return False, None
-    xb = peek()
-    plan = plan_exact(model, xb, n_acc or n_step * xb[0].shape[0], device_memory, host_memory, offload, autocast, opt_state)
-    plan.chunk = plan.micro = xb[0].shape[0]
-    synced = world_size() > 1 and not _syncs_itself(model)  # DDP with per-process BatchNorm: only a staged step reduces it over the processes
-    staged_asked = synced or policy == 'staged' or (policy == 'auto' and not auto_picks_exact(plan))
-    unfit = _not_staged(model, xb) if staged_asked else None  # why a staged step would not be the big batch
-    if policy == 'exact':
-        if not plan.fits:
-            raise ExactModeMemoryError(f"{name}(policy='exact'): {plan.describe()}. Lower n_step/n_acc, free memory, set the budget "
-                                       "with device_memory=/host_memory=, or use policy='staged' (memory of one chunk) or 'window'.")
-        if synced and not unfit and verify: unfit = _verified(plan, model, xb)
-        if unfit: raise ExactModeMemoryError(f"{name}(policy='exact') under DDP normalizes over all processes' windows stage by stage, "
-                                             f"but {unfit} Convert BatchNorm to SyncBatchNorm or use policy='window'.")
-        if synced: _whole_staged(plan)
-        return True, plan
-    if staged_asked: plan.reason = unfit or _staged_memory(plan)
-    if staged_asked and plan.reason is None and verify: plan.reason = _verified(plan, model, xb)
-    if policy == 'staged':
-        if plan.checked is None and plan.reason: raise ExactModeMemoryError(f"{name}(policy='staged'): {plan.reason}")
-        if plan.reason: raise StagedMismatchError(f"{name}(policy='staged'): {plan.reason}. Train with policy='window' (or 'auto', "
-                                                  "which falls back to it), or pass verify=False to train staged anyway.")
-        plan.staged, plan.chunk, plan.offload = True, _largest_chunk(plan), False
-        return True, plan
-    whole, staged, offloaded = _agreed(plan.device, auto_picks_exact(plan) and not unfit, plan.reason is None,
-                                       plan.fits and plan.offload and not synced)
-    if whole:
-        if synced: _whole_staged(plan)
-        return True, plan
-    if staged:
-        plan.staged, plan.chunk, plan.offload = True, _largest_chunk(plan), False
-        return True, plan
-    if offloaded: return True, plan
-    plan.reason = plan.reason or 'another process cannot train its window as one batch'
-    return False, plan
-
-class StagedMismatchError(RuntimeError):
-    "The staged step, checked on the user's model, is not the big batch's."
-
-def _verified(plan:ExactPlan, model:nn.Module, xb:tuple) -> str|None:
-    "Why a staged step is not the big batch on `model` (`verify_staged`, within half the host budget), or None; what was checked and its time go in `plan`."
-    t = time.perf_counter()
-    why, checked = verify_staged(model, xb, plan.host_budget // 2, plan.footprint.saved)
-    plan.checked, plan.check_time = checked or why, time.perf_counter() - t
-    return why
-
-def _whole_staged(plan:ExactPlan):
-    "Under DDP the whole window runs as one chunk of a staged step (its BatchNorm reduced over the processes), kept values on the device."
-    plan.staged, plan.chunk, plan.offload, plan.whole = True, plan.window, False, True
-
-def _syncs_itself(model:nn.Module) -> bool:
-    "Every training BatchNorm layer is a `SyncBatchNorm`, which reduces over the processes itself."
-    return all(isinstance(m, nn.SyncBatchNorm) for m in bn_layers(model) if m.training)
-
-def _largest_chunk(plan:ExactPlan) -> int:
-    "The most samples per chunk the device budget holds, training as at that batch size (at least the micro-batch): fewer, larger kernels."
-    budget = plan.device_budget if plan.device_budget is not None else plan.host_budget
-    per = plan.footprint.saved + 2 * plan.footprint.working
-    fit = int((budget - plan.param_needed) // per) if per > 0 else plan.window
-    return max(plan.chunk, min(plan.window, fit))
-
-def _not_staged(model:nn.Module, xb:tuple) -> str|None:
-    "Why a staged step would not be the big batch: the model does not trace, or an op combines samples (`samples_mixed`); or None."
-    if isinstance(_trace(model), str): return untraceable_reason(model)
-    mixed = samples_mixed(model, xb)
-    return f"a staged step would not be the big batch: {mixed}." if mixed else None
-
-def _staged_memory(plan:ExactPlan) -> str|None:
-    "Why the memory budgets do not hold a staged step in chunks of the micro-batch, or None."
-    if plan.staged_host_needed > plan.host_budget:
-        return f"its kept values need {fmt_bytes(plan.staged_host_needed)} of host memory (budget {fmt_bytes(plan.host_budget)})"
-    budget = plan.device_budget if plan.device_budget is not None else plan.host_budget
-    if plan.staged_device_needed > budget:
-        return f"one chunk of {plan.chunk} needs {fmt_bytes(plan.staged_device_needed)} (budget {fmt_bytes(budget)})"
-    return None
-
-def _agreed(device, # this process's training device (NCCL reduces there)
-            *flags:bool) -> list:
-    "Under data parallelism every rank must train the same way: each option only if every rank can take it (one all-reduce)."
-    if world_size() == 1: return list(flags)
-    t = torch.tensor([float(f) for f in flags], device=collective_device(device))
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return [bool(v) for v in t.tolist()]

@@ -12,7 +12,7 @@ from .batchnorm import bn_layers, AccumulateBatchNorm
 from .window import _check_count
 
 # %% auto #0
-__all__ = ['GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'check_ghost_policy']
+__all__ = ['GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost']
 
 # %% ../nbs/02c_ghost.ipynb #29ef8d97
 class GhostForward:
@@ -60,11 +60,3 @@ def check_ghost(k, # samples per ghost batch, as the user gave it
     if any(isinstance(m, AccumulateBatchNorm) for m in training):
         raise ValueError(f"{name}(bn_batch={k}): the model has layers wrapped by wrap_bn; unwrap them (unwrap_bn) to use ghost batches")
     return k
-
-def check_ghost_policy(k:int|None, # samples per ghost batch (None: no ghost batches)
-                       policy:str, # the front end's policy
-                       name:str='GradientAccumulation', # the front end, named in the error
-                      ):
-    "Ghost batches need the window trained as one batch: a `ValueError` at construction for another policy."
-    if k and policy not in ('auto', 'exact'):
-        raise ValueError(f"{name}(bn_batch={k}): ghost batches train each window as one batch: policy must be 'auto' or 'exact', got {policy!r}")

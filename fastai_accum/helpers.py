@@ -4,7 +4,6 @@
 
 # %% ../nbs/00_helpers.ipynb #645bb986
 from __future__ import annotations
-import importlib
 import itertools, random
 from contextlib import contextmanager, nullcontext
 import numpy as np
@@ -13,8 +12,8 @@ from torch import nn, Tensor
 from torch.fx.node import map_aggregate
 
 # %% auto #0
-__all__ = ['emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'split_batch', 'rng_states',
-           'restore_rng_states', 'random_state_kept', 'peek_batches']
+__all__ = ['place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'split_batch',
+           'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches']
 
 # %% ../nbs/00_helpers.ipynb #5f390a10
 def _batch_like(b, items:list):
@@ -23,10 +22,20 @@ def _batch_like(b, items:list):
 
 def _to(v, device):
     "`v`'s tensors (in tuples, lists, dicts, kept as they are) on `device`: asynchronous onto an accelerator, synchronous back to the host (a read must see the data)."
+    if device is None: return v
     if isinstance(v, Tensor): return v.to(device, non_blocking=torch.device(device).type != 'cpu')
     if isinstance(v, (list, tuple)): return _batch_like(v, [_to(o, device) for o in v])
     if isinstance(v, dict): return type(v)((k, _to(o, device)) for k, o in v.items())
     return v
+
+def place_batch(b, # a batch: a tensor, or a tuple (list, namedtuple) of them
+                device, # where it goes (None: where it is)
+                inputs_on=None, # where its model inputs wait instead (a staged window's: host memory), or None
+                at=(0,), # positions of the elements the model inputs come from
+               ):
+    "`b` on `device`, the elements at `at` on `inputs_on` if given: how every path places a batch."
+    if inputs_on is None or not isinstance(b, (tuple, list)): return _to(b, device)
+    return _batch_like(b, [_to(o, inputs_on if i in at else device) for i, o in enumerate(b)])
 
 # %% ../nbs/00_helpers.ipynb #7c1e0a02
 class _Emulated: on = False  # inside `emulated_accelerator`
@@ -81,17 +90,6 @@ def split_batch(b, # a batch: a tensor, or a tuple/list of its elements
     b = tuple(b)
     n = n_inp if n_inp is not None else (1 if len(b) == 1 else len(b) - 1)
     return b[:n], b[n:]
-
-# %% ../nbs/00_helpers.ipynb #8256df9f
-def _optional(module:str, # a module of the package, e.g. 'ghost'
-              option:str, # the option that needs it, named in the error
-             ):
-    "`fastai_accum.<module>`, imported when a non-default `option` first needs it; without the package (a pasted single file) an error says to install it."
-    try: return importlib.import_module(f'fastai_accum.{module}')
-    except ModuleNotFoundError as e:
-        if e.name not in ('fastai_accum', f'fastai_accum.{module}'): raise
-        raise ModuleNotFoundError(f"{option} needs the fastai_accum package (pip install fastai_accum): "
-                                  "the pasted single file holds the default path only") from None
 
 # %% ../nbs/00_helpers.ipynb #cb468bd8
 def rng_states() -> tuple:

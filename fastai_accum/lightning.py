@@ -36,11 +36,9 @@ class BatchNormAccumulation(FrontEnd, pl.Callback):
                  prepass_bs:int|None=None, # 'window' policy: samples per chunk of a staged (memory-bounded, exact) pre-pass (default: chosen within `prepass_memory`)
                  prepass_memory:int|None=None, # 'window' policy: bytes the pre-pass may hold on the device (default: what training holds at the micro-batch)
                 ):
-        if policy in ('exact', 'staged'):
-            raise ValueError(f"BatchNormAccumulation: {policy!r} is accumulate_grad_batches=1 with the window as the batch size")
-        policy = 'window' if policy == 'auto' else policy  # 'auto' never trains a window as one batch here
         options = dict(policy=policy, wrap=wrap, prepass_bs=prepass_bs, prepass_memory=prepass_memory)
-        self._take_args(1, None, False, options, 'BatchNormAccumulation')  # 1: a stand-in window, checked with the options
+        self._take_args(1, None, False, options, 'BatchNormAccumulation', whole_windows=False)  # 1: a stand-in window
+        # ('auto' trains as 'window' here: Lightning hands the callback micro-batches, never a whole window)
         self.n_step = None  # the window: the Trainer's accumulate_grad_batches, read in `setup`
         self.inputs, self.loss_reduction = inputs, loss_reduction
 

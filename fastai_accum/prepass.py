@@ -11,13 +11,12 @@ from torch import nn, Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 import torch.distributed as dist
 from .batchnorm import AccumulateBatchNorm, GradPool, bn_layers
-from .staged import trace_model, StagedGraph
+from .staged import StagedGraph, bn_graph, untraceable_reason
 from .helpers import modes_kept, is_accelerator
 from .meters import ByteMeter, SavedTensorMeter, LayerMeter, fmt_bytes
 
 # %% auto #0
-__all__ = ['untraceable_reason', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight',
-           'PreflightTable']
+__all__ = ['PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable']
 
 # %% ../nbs/01a_prepass.ipynb #b7202dc1
 def _chunks(xbs:list, chunk:int|None) -> list:
@@ -33,28 +32,6 @@ def _chunks(xbs:list, chunk:int|None) -> list:
 def _window_layer(m) -> bool:
     return isinstance(m, AccumulateBatchNorm) and m.policy == 'window' and m.track_running_stats
 
-# %% ../nbs/01a_prepass.ipynb #f472a1a8
-_traces = weakref.WeakKeyDictionary()  # model -> torch.fx graph with every BatchNorm a leaf, or why tracing failed
-
-def _trace(model):
-    if model not in _traces:
-        try: _traces[model] = trace_model(model, lambda m: isinstance(m, _BatchNorm))
-        except Exception as e:
-            _traces[model] = _one_line(e)
-            warnings.warn(f"window_prepasses: {untraceable_reason(model)}")
-    return _traces[model]
-
-def _one_line(e:BaseException) -> str:
-    "The exception's type and its whole message, on one line."
-    return f"{type(e).__name__}: {' '.join(str(e).split())}".rstrip(': ')
-
-def untraceable_reason(model:nn.Module) -> str|None:
-    "Why the staged pre-pass cannot run on `model` (torch.fx could not trace it), in one line; None if it can (or was never asked)."
-    why = _traces.get(model)
-    if not isinstance(why, str): return None
-    return (f"torch.fx cannot trace {type(model).__name__} ({why}); its pre-pass runs the whole window in one forward: "
-            "exact, but its activations grow with the window.")
-
 # %% ../nbs/01a_prepass.ipynb #4f47d376
 _plans = weakref.WeakKeyDictionary()   # model -> {(input shapes, dtype, memory): PrepassPlan}
 _last_run = weakref.WeakKeyDictionary() # model -> what the last `window_prepasses` did
@@ -68,7 +45,7 @@ class PrepassPlan:
     "How `window_prepasses` runs a model's pre-pass within a memory budget, from one micro-batch's measured sizes."
     def __init__(self, model, xb, memory=None):
         self.bs = xb[0].shape[0]
-        self.graph = _trace(model)
+        self.graph = bn_graph(model)
         self.traced = not isinstance(self.graph, str)
         self.reason = None if self.traced else self.graph
         with modes_kept(model):
@@ -149,7 +126,7 @@ def _prepass_mode(model, layers, xbs, chunk, memory) -> tuple:
     n = sum(xb[0].shape[0] for xb in xbs)
     if chunk is not None:
         mode = 'whole' if chunk >= n else 'staged'
-        graph = _trace(model) if mode == 'staged' else None
+        graph = bn_graph(model) if mode == 'staged' else None
         if isinstance(graph, str): mode, chunk = 'whole', None  # not traceable (warned): the whole window at once
     else:
         plan = prepass_plan(model, xbs[0], memory)
@@ -178,7 +155,7 @@ def _run_prepass(model, xbs, mode, chunk, sg, store, meter, info):
 
 def _metered_forward(model, xb) -> int:
     "Run `model(*xb)`; the peak activation bytes of the forward (traced: from the graph's liveness; else leaf modules)."
-    graph = _trace(model)
+    graph = bn_graph(model)
     if isinstance(graph, str): return _largest_activation(model, xb)
     bm = ByteMeter()
     StagedGraph(model, graph, lambda m: isinstance(m, _BatchNorm)).forward(xb, bm)  # up to the last BatchNorm

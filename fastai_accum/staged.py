@@ -6,14 +6,16 @@ with the device holding one chunk's working set."""
 
 # %% ../nbs/00a_staged.ipynb #95c66691
 from __future__ import annotations
+import warnings, weakref
 import torch
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch import nn, fx
 from torch.fx.node import map_aggregate
 from .meters import ByteMeter, _tensors
 from .helpers import _to
 
 # %% auto #0
-__all__ = ['trace_model', 'StagedGraph']
+__all__ = ['trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph']
 
 # %% ../nbs/00a_staged.ipynb #19635f33
 class _LeafTracer(fx.Tracer):
@@ -29,6 +31,29 @@ def trace_model(model:nn.Module, # the model to trace (not changed)
                ) -> fx.Graph:
     "The data flow of `model` as a torch.fx graph in which every `is_leaf` module is one `call_module` node."
     return _LeafTracer(is_leaf).trace(model)
+
+# %% ../nbs/00a_staged.ipynb #b7c1d2e1
+_traces = weakref.WeakKeyDictionary()  # model -> torch.fx graph with every BatchNorm a leaf, or why tracing failed
+
+def bn_graph(model:nn.Module) -> fx.Graph|str:
+    "`model` traced by torch.fx with every BatchNorm layer a leaf (cached per model), or why it cannot be."
+    if model not in _traces:
+        try: _traces[model] = trace_model(model, lambda m: isinstance(m, _BatchNorm))
+        except Exception as e:
+            _traces[model] = _one_line(e)
+            warnings.warn(f"window_prepasses: {untraceable_reason(model)}")  # said once per model
+    return _traces[model]
+
+def _one_line(e:BaseException) -> str:
+    "The exception's type and its whole message, on one line."
+    return f"{type(e).__name__}: {' '.join(str(e).split())}".rstrip(': ')
+
+def untraceable_reason(model:nn.Module) -> str|None:
+    "Why the staged pre-pass cannot run on `model` (torch.fx could not trace it), in one line; None if it can (or was never asked)."
+    why = _traces.get(model)
+    if not isinstance(why, str): return None
+    return (f"torch.fx cannot trace {type(model).__name__} ({why}); its pre-pass runs the whole window in one forward: "
+            "exact, but its activations grow with the window.")
 
 # %% ../nbs/00a_staged.ipynb #d0e418b2
 class StagedGraph:

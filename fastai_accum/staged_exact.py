@@ -17,11 +17,10 @@ from torch.fx.node import map_aggregate
 from torch.utils._pytree import tree_flatten, tree_unflatten, tree_map
 from .meters import _nbytes
 from .stats import ChannelStats, all_reduce_stats
-from .window import world_size
-from .staged import StagedGraph
+from .distributed import world_size
+from .staged import StagedGraph, bn_graph, untraceable_reason
 from .helpers import _to, _tensors, random_state_kept, is_accelerator, can_pin
 from .batchnorm import _after_norm
-from .prepass import _trace, untraceable_reason
 
 # %% auto #0
 __all__ = ['StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged']
@@ -53,7 +52,7 @@ class StagedStep(StagedGraph):
     pin = False  # the host store is pinned (a model on CUDA, kept values in host memory)
     def __init__(self,
                  model:nn.Module, # the model (called through its modules; nothing is copied)
-                 graph:fx.Graph, # its torch.fx graph with every BatchNorm layer a leaf (`_trace`)
+                 graph:fx.Graph, # its torch.fx graph with every BatchNorm layer a leaf (`bn_graph`)
                  store=None, # device for the values kept between stages and their gradients (None: where they are computed)
                 ):
         self.model, self.graph, self.store = model, graph, store
@@ -473,7 +472,7 @@ class StagedForward:
                  store=None, # where values kept between stages live (default: host memory for a model on an accelerator)
                  autocast=None, # callable returning the autocast context training runs in (a wrapper such as Accelerate's is replaced)
                 ):
-        graph = _trace(model)
+        graph = bn_graph(model)
         if isinstance(graph, str): raise ValueError(f"staged exact: {untraceable_reason(model)}")
         dev = next(model.parameters()).device
         self.model, self.chunk, self.autocast = model, chunk, autocast
@@ -561,7 +560,7 @@ def samples_mixed(model:nn.Module, # a model torch.fx can trace, in the modes it
                   xb:tuple, # one micro-batch of its inputs
                  ) -> str|None:
     "The first op outside BatchNorm whose output mixes samples (other samples change the batch's own values), or None."
-    graph = _trace(model)
+    graph = bn_graph(model)
     if isinstance(graph, str): return None
     step = StagedStep(model, graph)
     xb = tuple(_plain(t) for t in xb)

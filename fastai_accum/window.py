@@ -10,13 +10,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from .stats import all_reduce_stats
-from .batchnorm import _check_policy
-from .helpers import _to
+from .distributed import world_size
+from .helpers import place_batch
 
 # %% auto #0
-__all__ = ['window_full', 'world_size', 'collective_device', 'AccumulationWindow', 'validate_window_args', 'loss_reduction',
-           'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'window_exceeds_epoch',
-           'WindowLoader']
+__all__ = ['window_full', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window',
+           'drop_window', 'batch_size', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader']
 
 # %% ../nbs/02_window.ipynb #6b430344
 def _check_count(name, value) -> int|None:
@@ -33,17 +32,6 @@ def window_full(n_step:int|None, n_acc:int|None, # the window's size: micro-batc
                ) -> bool:
     "The one rule for a complete window: `n_step` micro-batches, or at least `n_acc` samples."
     return n_micro >= n_step if n_step is not None else n_seen >= n_acc
-
-def world_size(group=None) -> int:
-    "Processes in `group` (1 when torch.distributed is not initialised)."
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-
-def collective_device(device=None, # this process's training device
-                     ) -> torch.device:
-    "Where a collective's tensor goes: for NCCL this process's GPU (`device`'s, else the current CUDA device), for other backends the CPU."
-    if dist.get_backend() != 'nccl': return torch.device('cpu')
-    d = torch.device(device) if device is not None else None
-    return d if d is not None and d.type == 'cuda' and d.index is not None else torch.device('cuda', torch.cuda.current_device())
 
 class AccumulationWindow:
     "Counts the micro-batches of a window, gives each its loss weight and the gradient correction at the step."
@@ -131,14 +119,9 @@ class AccumulationWindow:
     def __repr__(self): return f'{type(self).__name__}(n_micro={self.n_micro}, n_seen={self.n_seen}, full={self.full})'
 
 # %% ../nbs/02_window.ipynb #516f34cd
-def validate_window_args(n_step, n_acc, policy, partial):
-    "Validate the arguments every front end shares (the core `Accumulation`, the fastai v2 and v1 callbacks), at construction."
+def validate_window_args(n_step, n_acc, partial):
+    "Check the window's size and `partial`, which every front end shares, at its construction."
     AccumulationWindow(n_step, n_acc)
-    if policy not in ('auto', 'exact', 'staged'):
-        try: _check_policy(policy)
-        except ValueError as e:
-            hint = ", 'exact' (each window trained as one batch), 'staged' (the same, stage by stage) or 'auto' (the first that runs: 'exact', 'staged', 'window')"
-            raise ValueError(f"{e}{hint}") from None
     if partial not in ('step', 'drop'): raise ValueError(f"partial must be 'step' or 'drop', got {partial!r}")
 
 # %% ../nbs/02_window.ipynb #8472b5a9
@@ -200,14 +183,6 @@ def cat_batches(batches:list, # micro-batches, each a tuple (or list) of tensors
         out.append(torch.cat(parts))
     return tuple(out)
 
-def _place_inputs(b, # a batch: a tuple (or list) whose first `n_inp` elements are the model's inputs
-                 n_inp:int, # elements that are model inputs
-                 device, # where they go
-                ) -> tuple:
-    "`b` with its model inputs on `device`, the rest where it is: a staged step's window waits in host memory, its chunks go to the device one by one."
-    b = tuple(b)
-    return tuple(_to(x, device) for x in b[:n_inp]) + b[n_inp:]
-
 # %% ../nbs/02_window.ipynb #6e8baaad
 def _micro_per_window(n_step:int|None, n_acc:int|None, bs:int|None) -> int:
     "Micro-batches per window: `n_step`, or as many micro-batches of `bs` as reach `n_acc` samples (rounded up, as `WindowLoader` reads them)."
@@ -254,7 +229,7 @@ class WindowLoader:
     def windows(self):
         "The windows of `dl`, each a list of its micro-batches (the last may be incomplete: `is_full`)."
         it = iter(self.dl)
-        if self.inputs_on is not None: it = (_place_inputs(b, self.n_inp, self.inputs_on) for b in it)
+        if self.inputs_on is not None: it = (place_batch(b, None, self.inputs_on, range(self.n_inp)) for b in it)
         while True:
             window, seen = [], 0
             for b in it:

@@ -10,7 +10,7 @@ from fastai_accum.core import Accumulation, _input_elements
 from fastai_accum.exact import plan_exact, Footprint, ExactPlan, release_pinned, measure_footprint
 from fastai_accum.helpers import emulated_accelerator
 from fastai_accum.staged_exact import StagedStep, install_staged
-import fastai_accum.exact as exact, fastai_accum.window as window
+import fastai_accum.exact as exact, fastai_accum.window as window, fastai_accum.plan as plan
 from test_exact_or_says_so import forced_budget as budget  # a device budget the window does not fit, one chunk does
 
 def net():
@@ -161,10 +161,10 @@ def test_the_plan_keeps_the_device_it_trains_on_and_nccl_collectives_go_there(mo
     assert plan_exact(m, (torch.randn(2, 3, 8, 8),), 8).device == 'cpu'
     monkeypatch.setattr(dist, 'get_backend', lambda *a: 'nccl')
     monkeypatch.setattr(torch.cuda, 'current_device', lambda: 0)
-    assert window.collective_device('cuda:1') == torch.device('cuda', 1)
-    assert window.collective_device(torch.device('cuda')) == window.collective_device(None) == torch.device('cuda', 0)
+    assert distributed.collective_device('cuda:1') == torch.device('cuda', 1)
+    assert distributed.collective_device(torch.device('cuda')) == distributed.collective_device(None) == torch.device('cuda', 0)
     monkeypatch.setattr(dist, 'get_backend', lambda *a: 'gloo')
-    assert window.collective_device('cuda:1') == torch.device('cpu')
+    assert distributed.collective_device('cuda:1') == torch.device('cpu')
     seen = []
     monkeypatch.setattr(distributed, 'collective_device', lambda d: seen.append(d) or torch.device('cpu'))
     monkeypatch.setattr(dist, 'broadcast', lambda t, rank: None)
@@ -173,10 +173,10 @@ def test_the_plan_keeps_the_device_it_trains_on_and_nccl_collectives_go_there(mo
     fix_distributed_dl()
     class FakeDL: device = torch.device('cuda', 1)
     assert DistributedDL._broadcast(FakeDL(), [3, 1, 2], 0) == [3, 1, 2] and seen == [torch.device('cuda', 1)]
-    monkeypatch.setattr(exact, 'world_size', lambda: 2)
-    monkeypatch.setattr(exact, 'collective_device', lambda d: seen.append(d) or torch.device('cpu'))
-    monkeypatch.setattr(exact.dist, 'all_reduce', lambda t, op=None: None)
-    assert exact._agreed('cuda:1', True, False) == [True, False] and seen[-1] == 'cuda:1'
+    monkeypatch.setattr(plan, "world_size", lambda: 2)
+    monkeypatch.setattr(plan, "collective_device", lambda d: seen.append(d) or torch.device("cpu"))
+    monkeypatch.setattr(plan.dist, "all_reduce", lambda t, op=None: None)
+    assert plan._agreed('cuda:1', True, False) == [True, False] and seen[-1] == 'cuda:1'
 
 def test_offload_host_memory_counts_each_saved_tensor_in_its_pinned_block():
     "`save_on_cpu` copies every saved tensor on its own, and pinned memory comes in powers of two: the plan counts both."

@@ -6,9 +6,10 @@ import pytest, torch
 from torch import nn
 import torch.nn.functional as F
 from fastai_accum.core import Accumulation
-from fastai_accum.exact import plan_exact, StagedMismatchError, ExactModeMemoryError
+from fastai_accum.exact import plan_exact, ExactModeMemoryError
+from fastai_accum.plan import StagedMismatchError
 from fastai_accum.staged_exact import verify_staged
-import fastai_accum.exact as exact
+import fastai_accum.exact as exact, fastai_accum.plan as plan
 
 class TwiceBN(nn.Module):
     "One BatchNorm module called twice in a forward."
@@ -190,7 +191,7 @@ def test_a_model_that_mixes_samples_is_refused_with_the_layer(capsys):
 
 def test_the_check_on_the_model_catches_what_the_static_checks_miss(monkeypatch):
     "With the static check blind, the step checked on the model finds the mixing: 'staged' raises naming a gradient, 'auto' falls back."
-    monkeypatch.setattr(exact, 'samples_mixed', lambda model, xb: None)
+    monkeypatch.setattr(plan, "samples_mixed", lambda model, xb: None)
     with pytest.raises(StagedMismatchError, match=r"not the big batch .*float64.*gradient of \S+ off by"): train_both(BatchAttention, 'staged')
     _, acc = train_both(BatchAttention, 'auto')
     assert acc.path == 'window' and 'not the big batch' in acc.plan.reason

@@ -11,7 +11,7 @@ from fastai.basics import *
 from fastai.callback.progress import *
 from ..batchnorm import bn_policies, wrap_bn, reset_bn_stats
 from ..prepass import window_prepasses, prepass_plan, prepass_info
-from ..exact import choose_exact
+from ..plan import plan_training
 from ..staged_exact import install_staged, uninstall_staged, verify_staged
 from ..meters import _nbytes
 from .experiments import (
@@ -328,8 +328,8 @@ class SpeedResults:
 def auto_choice(model_fn, bs:int, n_step:int, device='cpu') -> str:
     "What the default policy ('auto') trains `model_fn`'s windows of `n_step` micro-batches with here: 'exact', 'staged' or 'window'."
     learn = _make_learner('plain', model_fn, bs, n_step, n_step, device)
-    exact, plan = choose_exact('auto', learn.model, lambda: tuple(learn.dls.train.one_batch()[:1]), n_step)  # the callback's decision
-    return ('staged' if plan.staged else 'exact') if exact else 'window'
+    how = plan_training('auto', learn.model, lambda: tuple(learn.dls.train.one_batch()[:1]), n_step)  # the callback's decision
+    return ('staged' if how.staged else 'exact') if how.exact else 'window'
 
 _defaults = dict(quick=dict(repeats=5, windows=1, leak_micro=160, prepass_windows=(16, 64), prepass_size=64,
                             staged_models=('torchvision_resnet18', 'efficientnet_b0'), staged_windows=(16,), staged_size=64),

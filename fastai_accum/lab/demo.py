@@ -187,7 +187,7 @@ def demo_settings(task:str|None=None, # 'mnist': the forum's MNIST rows first; e
                  ) -> dict:
     "Every setting `run_experiment` knows for `task`, with what it is."
     first = list(mnist_forum_settings if task == 'mnist' else forum_settings)
-    others = [f'ours:{p}' for p in ours_policies if p not in ('auto', default_policy())]
+    others = [f'ours:{p}' for p in ours_policies if p != 'auto' and p != default_policy()]
     what = {**experiment_settings, **_demo_only}
     return {s: what[s] for s in dict.fromkeys(first + others)}
 

@@ -44,8 +44,8 @@ ours_policies = ('auto',) + bn_policies + ('exact', 'staged') # what `ours:POLIC
 
 def _ours_description(policy:str|None=None) -> str:
     if policy is not None: return f"fastai_accum GradientAccumulation, policy={policy!r}"
-    runs = (" ('exact' when the window fits in free memory, else 'staged' when the model traces, else 'window')"
-            if default_policy() == 'auto' else '')
+    runs = {'auto': " ('exact' when the window fits in free memory, else 'staged' when the model traces, else 'window')"}
+    runs = runs.get(default_policy(), '')
     return f"fastai_accum GradientAccumulation, default policy={default_policy()!r}{runs}"
 
 experiment_settings = dict(
