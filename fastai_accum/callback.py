@@ -11,7 +11,7 @@ from fastai.basics import *
 import fastai.callback.training
 from fastai.callback.fp16 import MixedPrecision
 from .window import loss_reduction, WindowLoader, _micro_per_window, window_exceeds_epoch
-from .core import Accumulation, FrontEnd, accumulation_options
+from .core import Accumulation, FrontEnd, option_defaults
 from .helpers import split_batch, place_batch
 from .plan import may_train_whole
 
@@ -251,7 +251,7 @@ def _rebuild_expression(args:dict) -> str|None:
 @patch
 def _live_args(self:GradientAccumulation) -> dict:
     "The arguments that rebuild this callback as it is now (options changed on it since it was made included)."
-    defaults = accumulation_options({}, 'GradientAccumulation')
+    defaults = option_defaults()
     options = {k: getattr(self, k) for k in self._options}
     return dict(n_acc=self.n_acc, n_step=self.n_step, preflight=self.preflight,
                 **{k: v for k, v in options.items() if k in self._args or v != defaults[k]})

@@ -22,7 +22,7 @@ from .window import (AccumulationWindow, WindowLoader, validate_window_args, _ch
                                  commit_window, drop_window, batch_size, cat_batches, window_exceeds_epoch)
 
 # %% auto #0
-__all__ = ['default_inputs', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd']
+__all__ = ['default_inputs', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd']
 
 # %% ../nbs/02d_core.ipynb #e75c5500
 def default_inputs(b) -> tuple:
@@ -34,13 +34,17 @@ _open = weakref.WeakValueDictionary()  # id(model) -> the `batches` generator tr
 # %% ../nbs/02d_core.ipynb #c0e1a002
 _counts = ('n_step', 'n_acc', 'prepass_bs', 'bn_batch')
 
+def option_defaults() -> dict:
+    "The core's options a front end passes on, with their defaults (`Accumulation`'s signature)."
+    own = {'model', *Accumulation.adapter_args}
+    return {k: p.default for k, p in inspect.signature(Accumulation).parameters.items() if k not in own}
+
 def accumulation_options(kwargs:dict, # options a front end was given (`Accumulation`'s, but those it fills in itself)
                          name:str, # the front end, named in errors
                          whole_windows:bool=True, # can the front end train a window as one batch? (`check_policy`)
                         ) -> dict:
     "The core's options: the defaults updated by `kwargs`, checked."
-    own = {'model', *Accumulation.adapter_args}
-    options = {k: p.default for k, p in inspect.signature(Accumulation).parameters.items() if k not in own}
+    options = option_defaults()
     bad = [k for k in kwargs if k not in options]
     if bad: raise TypeError(f"{name}() got an unexpected keyword argument {bad[0]!r}")
     options.update(kwargs)
@@ -103,8 +107,276 @@ class BatchNormInstaller:
         for m in bns: m.__dict__.pop('count_calls', None)  # layers the user wrapped count no calls outside the core
         self.wrapped, self.own_policy = [], {}
 
+# %% ../nbs/02d_core.ipynb #c0e1a009
+class _CorePlan:
+    "The plan made and installed: `setup`, `find_bns`, `release` (part of `Accumulation`)."
+    exact = property(lambda self: None if self.how is None else self.how.exact)  # windows trained whole
+    plan = property(lambda self: None if self.how is None else self.how.memory)  # the memory plan, if made
+    path = property(lambda self: None if self.how is None else self.how.path)  # how training runs, in a word
+
+    def use_model(self, model:nn.Module, # the model or its DDP wrapper
+                 ):
+        "Train `model` from now on (an adapter calls this when its framework wraps the model, e.g. in DDP)."
+        self.model = model
+        self.ddp = model if isinstance(model, DistributedDataParallel) else None
+        self.module = model.module if self.ddp is not None else model
+
+    @property
+    def params(self) -> list:
+        "The parameters whose gradients accumulate."
+        if self._params is not None: return list(self._params())
+        return [p for p in self.module.parameters() if p.requires_grad]
+    def setup(self, b):
+        "Plan from the BatchNorm layers' modes now and the first micro-batch `b` (or a callable giving it); install it."
+        self.installer.uninstall_forwards(self.module)  # measuring runs the model's own forward
+        self._modes = self._bn_modes()
+        peek = b if callable(b) else lambda: b
+        self.how = plan_training(self.policy, self.module, lambda: tuple(self.inputs(peek())), self.n_step, self.n_acc,
+                                 wrap=self.wrap, bn_batch=self.bn_batch, name=self.name, device_memory=self.device_memory,
+                                 host_memory=self.host_memory, offload=self.offload, verify=self.verify,
+                                 autocast=self.autocast, opt_state=optimizer_state(self.optimizer))
+        self.find_bns()
+
+    def _bn_modes(self) -> tuple: return tuple(m.training for m in bn_layers(self.module))
+
+    def needs_setup(self) -> bool:
+        "Must `setup` plan (again)? Before the first window, and when other BatchNorm layers train (a freeze, `BnFreeze`)."
+        return self.how is None or self._bn_modes() != self._modes
+
+    def find_bns(self):
+        "Install the plan and collect the accumulating BatchNorm layers."
+        self.bns = self.installer.install(self.module, self.how)
+        self.needs_window = any(m.policy == 'window' and m.training for m in self.bns)
+
+    def release(self):
+        "Hand the model back with plain torch BatchNorm layers (`BatchNormInstaller.release`)."
+        self.clear()
+        self.installer.release(self.module, self.bns)
+        self.bns, self.needs_window = [], False
+
+# %% ../nbs/02d_core.ipynb #c0e1a00b
+class _CorePreflight:
+    "What the pre-flight prints (part of `Accumulation`)."
+    def preflight(self, xb:tuple, # one micro-batch's model inputs
+                 ) -> str:
+        "What training does, as the pre-flight prints it: the plan's headline, and the BatchNorm table's summary."
+        head = self.how.headline()
+        if self.how.layers is None or self.how.exact or not self.bns: return head
+        self.table = self.preflight_table(xb)
+        lines = [head] if head else []
+        lines.append(_summary(self.table, self.bns[0].policy))
+        why = untraceable_reason(self.module) if self.needs_window else None
+        if why and not any(why in l for l in lines): lines.append(f"GradientAccumulation: {why}")  # said once
+        return '\n'.join(lines)
+
+    def preflight_table(self, xb:tuple, # one micro-batch's model inputs
+                       ):
+        "The pre-flight's table: every BatchNorm layer, its values per channel per micro-batch, its policy, the pre-pass."
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')  # a model torch.fx cannot trace: the pre-flight says it once, not as a warning
+            window = self.n_acc or self.n_step * batch_size(xb)
+            return bn_preflight(self.module, *xb, window=window, memory=self.prepass_memory)
+
+_says = {'window': "each micro-batch is normalized with the whole window's statistics (a no-grad pre-pass over the "
+                   "window first) and the window's statistics are committed; the backward maps each micro-batch's "
+                   "BatchNorm terms to the window (an estimate)",
+         'micro': "each micro-batch is normalized with its own statistics; running statistics are committed once per window",
+         'running': "each micro-batch is normalized with the running statistics, updated once per window",
+         'frozen': "each micro-batch is normalized with the running statistics, which do not change"}
+
+def _summary(t, # `bn_preflight`'s table
+             policy:str, # the accumulating layers' policy
+            ) -> str:
+    "The pre-flight's lines for micro-batch training: what `policy` does, the layers at risk, the pre-pass."
+    risk, prepass = int(t.at_risk.sum()), next((p for p in t.prepass if p != '-'), None)
+    means = " (their backward uses the previous window's means)" if risk and policy == 'window' else ''
+    s = (f"GradientAccumulation: policy {policy!r} on {len(t)} BatchNorm layers: {_says.get(policy, policy)}. {risk} "
+         f"of them {'sees' if risk == 1 else 'see'} < 32 values per channel per micro-batch{means}")
+    if prepass: s += f"; pre-pass: {prepass}"
+    return s + ". Every layer: `preflight_table()`."
+
+# %% ../nbs/02d_core.ipynb #c0e1a00d
+class _CoreLoop:
+    "The window loop: `batches` (part of `Accumulation`)."
+    def batches(self, loader):
+        "Iterate `loader` one window ahead: micro-batches, or whole windows. An unfinished `batches` on this model is closed first."
+        self.close()
+        self.clear()
+        self._input_at = None
+        warning = window_exceeds_epoch(loader, self.n_step, self.n_acc, self.partial, self.name)
+        if warning: warnings.warn(warning, stacklevel=2)
+        _open[id(self.module)] = gen = self._batches(loader)
+        return gen
+
+    def close(self):
+        "Close the `batches` generator training this model if one was left unfinished: its window dropped, BatchNorm handed back."
+        gen = _open.pop(id(self.module), None)
+        if gen is not None: gen.close()
+
+    def _batches(self, loader):
+        try:
+            windows, ready = WindowLoader(loader, self.n_step, self.n_acc), False
+            for window in windows.windows():
+                if self.partial == 'drop' and not windows.is_full(window): continue
+                ready = ready or self._ready(window)
+                window = [self._placed(b) for b in window]
+                if self.exact: window = [cat_batches(window)]
+                if not self.window.empty: self._drop_unfinished()
+                self.start_window(window)
+                for i, b in enumerate(window):
+                    self.start_micro(batch_size(b), i == len(window) - 1)
+                    yield b
+        finally:
+            self._exit_offload()
+            release_pinned(self.plan)
+            if self.ddp is not None: self.ddp.require_backward_grad_sync = True
+            self.release()  # between epochs the model holds plain torch BatchNorm layers
+
+# %% ../nbs/02d_core.ipynb #c0e1a014
+class _CorePlacing:
+    "Before the first window, and each micro-batch placed (part of `Accumulation`)."
+    def _ready(self, window:list) -> bool:
+        "Before the first window: plan from its first micro-batch (again only if the BatchNorm modes changed); say so if asked."
+        first = place_batch(window[0], self.device)
+        said = self.path
+        if self.needs_setup(): self.setup(first)
+        else: self.find_bns()
+        if self._say and self.path != said: print(self.preflight(tuple(self.inputs(first))))
+        if self.inputs_on is None: window[0] = first  # placed once
+        return True
+
+    def _drop_unfinished(self):
+        "The window before ended without its last backward (skipped, cancelled): drop its gradients."
+        warnings.warn(f"{self.name}: a window's last micro-batch had no backward (skipped or cancelled): the window's "
+                      f"{self.window.n_micro} micro-batches of gradients are dropped, not carried into the next window",
+                      RuntimeWarning)
+        self.clear()
+
+    @property
+    def inputs_on(self):
+        "Where a window's model inputs wait: host memory for a staged step on an accelerator; None: on the device."
+        p = self.plan
+        return 'cpu' if self.exact and p.staged and not p.whole and p.on_accelerator else None
+
+    def _placed(self, b):
+        "Micro-batch `b` on the device, the elements its model inputs come from where `inputs_on` says."
+        on = self.inputs_on
+        if on is not None and self._input_at is None and isinstance(b, (tuple, list)):
+            self._input_at = _input_elements(self.inputs, b)
+        return place_batch(b, self.device, on, self._input_at)
+
+# %% ../nbs/02d_core.ipynb #c0e1a00f
+class _CoreEvents:
+    "The events before a micro-batch's backward (part of `Accumulation`)."
+    def start_window(self, window:list):
+        "A window starts: `window` holds its micro-batches on the device ('window' policy: the pre-pass over them)."
+        if self.how is None: self.setup(window[0])
+        if not self.needs_window or self.exact: return
+        t = time.perf_counter()
+        with self.autocast() if self.autocast else nullcontext():  # the pre-pass runs as training's forward does
+            xbs = [tuple(self.inputs(b)) for b in window]
+            window_prepasses(self.module, xbs, chunk=self.prepass_bs, memory=self.prepass_memory)
+        self.prepass_time += time.perf_counter() - t
+
+    def ends(self, bs:int, # samples in the micro-batch about to run forward
+             last:bool=False, # it is the epoch's last micro-batch
+            ) -> tuple[bool, bool]:
+        "Before a micro-batch's forward: (the optimizer steps after it, its window is dropped)."
+        fills = bool(self.exact) or self.window.fills(bs)  # full (`window_full`), or a window trained whole
+        drop = last and not fills and self.partial == 'drop'
+        return (fills or last) and not drop, drop
+
+    def start_micro(self, bs:int, # samples in the micro-batch about to run forward
+                    final:bool, # does it end its window? (`ends`)
+                    drop:bool=False, # does it end a dropped window? (its gradients still all-reduce under DDP)
+                   ):
+        "Before a micro-batch's forward: set DDP's gradient sync, enter the plan's offload."
+        final = final or bool(self.exact)
+        self._micro = (bs, final)
+        for m in self.bns: m._call = 0  # the micro-batch's forward calls each layer from its first call
+        self._before_forward(final or drop)
+        if self.exact: self._enter_offload()
+
+    def _before_forward(self, final:bool):
+        "DDP decides in its forward whether the coming backward all-reduces (the flag `no_sync()` sets): once per window."
+        if self.ddp is not None: self.ddp.require_backward_grad_sync = self.sync_each_batch or final
+
+    def loss_factor(self, loss:Tensor|None=None, # the micro-batch's loss (recorded for the window's mean)
+                   ) -> float:
+        "What the micro-batch's loss is multiplied by before its backward (at the window's end: earlier gradients rescaled)."
+        if self._micro is None: raise RuntimeError("Accumulation: backward() without a micro-batch from batches() (or start_micro)")
+        self._exit_offload()  # the backward unpacks what the forward saved
+        bs, final = self._micro
+        if self.exact:  # the window, trained as one batch, is one micro-batch of weight 1
+            self._ends_window = True
+            return self.window.add_whole(bs, loss)
+        w = self.window.add(bs, loss)
+        if final:  # before the last backward: under DDP the all-reduced gradient is then the global mean
+            device = loss.device if loss is not None else None
+            f = self.window.grad_correction if self.local else self.window.correction(device=device)
+            if f != 1.:
+                scale_grads(self.params, f)
+                w *= f
+            self._ends_window = True
+        return w
+
+# %% ../nbs/02d_core.ipynb #c0e1a010
+class _CoreCommit:
+    "The events after a micro-batch's backward (part of `Accumulation`)."
+    def end_micro(self) -> bool:
+        "After the micro-batch's backward: at the window's end commit BatchNorm statistics; True if the optimizer steps now."
+        self._exit_offload()  # if no `loss_factor` came (the micro-batch was cancelled)
+        self._micro = None
+        if not self._ends_window: return False
+        self._ends_window = False
+        bad = self.window.nonfinite() if self.local or world_size() == 1 else None  # under DDP the merge's own check decides
+        if bad is None: commit_window(self.bns, merge=not self.local)  # one momentum step with the window's statistics
+        else:
+            drop_window(self.bns)
+            warnings.warn(f"{self.name}: micro-batch {bad} of window {self.steps} has a non-finite loss: the window's "
+                          "BatchNorm running statistics are not updated (the optimizer step is the training loop's to skip)",
+                          RuntimeWarning)
+        if self.window.loss is not None: self.losses.append(self.window.loss.item())
+        self.steps += 1
+        self.window.reset()
+        return True
+
+    def backward(self, loss:Tensor, # the micro-batch's loss (mean over its samples, or sum with loss_reduction='sum')
+                 **kwargs, # passed on to the backward
+                ) -> bool:
+        "Back-propagate `loss` weighted by samples; True when the window is complete: step the optimizer then."
+        f = self.loss_factor(loss)
+        self._backward(loss * f if f != 1. else loss, **kwargs)
+        return self.end_micro()
+
+    def _backward(self, loss, **kwargs): loss.backward(**kwargs)
+
+    def _enter_offload(self):
+        self._offload = saved_on_host(self.plan)
+        self._offload.__enter__()
+
+    def _exit_offload(self):
+        offload, self._offload = self._offload, None
+        if offload is not None: offload.__exit__(None, None, None)
+
+    def drop_grads(self):
+        "Drop the accumulated gradients: a partial window's, or one that ended without an optimizer step."
+        for p in self.params: p.grad = None
+
+    def clear(self):
+        "Drop a partial window: its accumulated gradients and pending BatchNorm statistics."
+        self._exit_offload()
+        if not self.window.empty: self.drop_grads()
+        drop_window(self.bns)
+        self.window.reset()
+        self._micro, self._ends_window = None, False
+
+    def __repr__(self):
+        how = 'chosen at the first window' if self.how is None else self.path + (f': {self.plan.describe()}' if self.exact else '')
+        return f'{type(self).__name__}(n_step={self.n_step}, n_acc={self.n_acc}, policy={self.policy!r}, steps={self.steps}; {how})'
+
 # %% ../nbs/02d_core.ipynb #c0e1a007
-class Accumulation:
+class Accumulation(_CorePlan, _CorePreflight, _CoreLoop, _CorePlacing, _CoreEvents, _CoreCommit):
     "Gradient accumulation with exact BatchNorm for any training loop: `batches` reads windows, `backward` says when to step."
     adapter_args = ['model', 'loss_reduction', 'inputs', 'device', 'autocast', 'params', 'merge_exact', 'name',
                     'preflight', 'optimizer']  # what a front end (fastai's callbacks) fills in itself
@@ -152,286 +424,6 @@ class Accumulation:
         self.steps, self.losses, self.prepass_time = 0, [], 0.
         self._micro, self._offload, self._ends_window, self._input_at = None, None, False, None
 
-    exact = property(lambda self: None if self.how is None else self.how.exact)  # each window trains as one batch
-    plan = property(lambda self: None if self.how is None else self.how.memory)  # the memory plan, if one was made
-    path = property(lambda self: None if self.how is None else self.how.path)  # how training runs, in a word
-
-    @property
-    def params(self) -> list:
-        if self._params is not None: return list(self._params())
-        return [p for p in self.module.parameters() if p.requires_grad]
-
-    def use_model(self, model:nn.Module, # the model or its DDP wrapper
-                 ):
-        "Train `model` from now on (an adapter calls this when its framework wraps the model, e.g. in DDP)."
-        self.model = model
-        self.ddp = model if isinstance(model, DistributedDataParallel) else None
-        self.module = model.module if self.ddp is not None else model
-
-# %% ../nbs/02d_core.ipynb #c0e1a009
-@patch
-def setup(self:Accumulation, b):
-    "Plan from the BatchNorm layers' modes now and the first micro-batch `b` (or a callable giving it); install it."
-    self.installer.uninstall_forwards(self.module)  # measuring runs the model's own forward
-    self._modes = self._bn_modes()
-    peek = b if callable(b) else lambda: b
-    self.how = plan_training(self.policy, self.module, lambda: tuple(self.inputs(peek())), self.n_step, self.n_acc,
-                             wrap=self.wrap, bn_batch=self.bn_batch, name=self.name, device_memory=self.device_memory,
-                             host_memory=self.host_memory, offload=self.offload, verify=self.verify,
-                             autocast=self.autocast, opt_state=optimizer_state(self.optimizer))
-    self.find_bns()
-
-@patch
-def _bn_modes(self:Accumulation) -> tuple: return tuple(m.training for m in bn_layers(self.module))
-
-@patch
-def needs_setup(self:Accumulation) -> bool:
-    "Must `setup` plan (again)? Before the first window, and when other BatchNorm layers train (a freeze, `BnFreeze`)."
-    return self.how is None or self._bn_modes() != self._modes
-
-@patch
-def find_bns(self:Accumulation):
-    "Install the plan and collect the accumulating BatchNorm layers."
-    self.bns = self.installer.install(self.module, self.how)
-    self.needs_window = any(m.policy == 'window' and m.training for m in self.bns)
-
-@patch
-def release(self:Accumulation):
-    "Hand the model back with plain torch BatchNorm layers (`BatchNormInstaller.release`)."
-    self.clear()
-    self.installer.release(self.module, self.bns)
-    self.bns, self.needs_window = [], False
-
-# %% ../nbs/02d_core.ipynb #c0e1a00b
-@patch
-def preflight(self:Accumulation, xb:tuple, # one micro-batch's model inputs
-             ) -> str:
-    "What training does, as the pre-flight prints it: the plan's headline, and the BatchNorm table's summary."
-    head = self.how.headline()
-    if self.how.layers is None or self.how.exact or not self.bns: return head
-    self.table = self.preflight_table(xb)
-    lines = [head] if head else []
-    lines.append(_summary(self.table, self.bns[0].policy))
-    why = untraceable_reason(self.module) if self.needs_window else None
-    if why and not any(why in l for l in lines): lines.append(f"GradientAccumulation: {why}")  # said once
-    return '\n'.join(lines)
-
-@patch
-def preflight_table(self:Accumulation, xb:tuple, # one micro-batch's model inputs
-                   ):
-    "The pre-flight's table: every BatchNorm layer, its values per channel per micro-batch, its policy, the pre-pass."
-    with warnings.catch_warnings():
-        warnings.simplefilter('ignore')  # a model torch.fx cannot trace: the pre-flight says it once, not as a warning
-        window = self.n_acc or self.n_step * batch_size(xb)
-        return bn_preflight(self.module, *xb, window=window, memory=self.prepass_memory)
-
-_says = {'window': "each micro-batch is normalized with the whole window's statistics (a no-grad pre-pass over the "
-                   "window first) and the window's statistics are committed; the backward maps each micro-batch's "
-                   "BatchNorm terms to the window (an estimate)",
-         'micro': "each micro-batch is normalized with its own statistics; running statistics are committed once per window",
-         'running': "each micro-batch is normalized with the running statistics, updated once per window",
-         'frozen': "each micro-batch is normalized with the running statistics, which do not change"}
-
-def _summary(t, # `bn_preflight`'s table
-             policy:str, # the accumulating layers' policy
-            ) -> str:
-    "The pre-flight's lines for micro-batch training: what `policy` does, the layers at risk, the pre-pass."
-    risk, prepass = int(t.at_risk.sum()), next((p for p in t.prepass if p != '-'), None)
-    means = " (their backward uses the previous window's means)" if risk and policy == 'window' else ''
-    s = (f"GradientAccumulation: policy {policy!r} on {len(t)} BatchNorm layers: {_says.get(policy, policy)}. {risk} "
-         f"of them {'sees' if risk == 1 else 'see'} < 32 values per channel per micro-batch{means}")
-    if prepass: s += f"; pre-pass: {prepass}"
-    return s + ". Every layer: `preflight_table()`."
-
-# %% ../nbs/02d_core.ipynb #c0e1a00d
-@patch
-def batches(self:Accumulation, loader):
-    "Iterate `loader` one window ahead: micro-batches, or whole windows. An unfinished `batches` on this model is closed first."
-    self.close()
-    self.clear()
-    self._input_at = None
-    warning = window_exceeds_epoch(loader, self.n_step, self.n_acc, self.partial, self.name)
-    if warning: warnings.warn(warning, stacklevel=2)
-    _open[id(self.module)] = gen = self._batches(loader)
-    return gen
-
-@patch
-def close(self:Accumulation):
-    "Close the `batches` generator training this model if one was left unfinished: its window dropped, BatchNorm handed back."
-    gen = _open.pop(id(self.module), None)
-    if gen is not None: gen.close()
-
-@patch
-def _batches(self:Accumulation, loader):
-    try:
-        windows, ready = WindowLoader(loader, self.n_step, self.n_acc), False
-        for window in windows.windows():
-            if self.partial == 'drop' and not windows.is_full(window): continue
-            ready = ready or self._ready(window)
-            window = [self._placed(b) for b in window]
-            if self.exact: window = [cat_batches(window)]
-            if not self.window.empty: self._drop_unfinished()
-            self.start_window(window)
-            for i, b in enumerate(window):
-                self.start_micro(batch_size(b), i == len(window) - 1)
-                yield b
-    finally:
-        self._exit_offload()
-        release_pinned(self.plan)
-        if self.ddp is not None: self.ddp.require_backward_grad_sync = True
-        self.release()  # between epochs the model holds plain torch BatchNorm layers
-
-@patch
-def _ready(self:Accumulation, window:list) -> bool:
-    "Before the first window: plan from its first micro-batch (again only if the BatchNorm modes changed); say so if asked."
-    first = place_batch(window[0], self.device)
-    said = self.path
-    if self.needs_setup(): self.setup(first)
-    else: self.find_bns()
-    if self._say and self.path != said: print(self.preflight(tuple(self.inputs(first))))
-    if self.inputs_on is None: window[0] = first  # placed once
-    return True
-
-@patch
-def _drop_unfinished(self:Accumulation):
-    "The window before ended without its last backward (skipped, cancelled): drop its gradients."
-    warnings.warn(f"{self.name}: a window's last micro-batch had no backward (skipped or cancelled): the window's "
-                  f"{self.window.n_micro} micro-batches of gradients are dropped, not carried into the next window",
-                  RuntimeWarning)
-    self.clear()
-
-@patch(as_prop=True)
-def inputs_on(self:Accumulation):
-    "Where a window's model inputs wait: host memory for a staged step on an accelerator; None: on the device."
-    p = self.plan
-    return 'cpu' if self.exact and p.staged and not p.whole and p.on_accelerator else None
-
-@patch
-def _placed(self:Accumulation, b):
-    "Micro-batch `b` on the device, the elements its model inputs come from where `inputs_on` says."
-    on = self.inputs_on
-    if on is not None and self._input_at is None and isinstance(b, (tuple, list)):
-        self._input_at = _input_elements(self.inputs, b)
-    return place_batch(b, self.device, on, self._input_at)
-
-# %% ../nbs/02d_core.ipynb #c0e1a00f
-@patch
-def start_window(self:Accumulation, window:list):
-    "A window starts: `window` holds its micro-batches on the device ('window' policy: the pre-pass over them)."
-    if self.how is None: self.setup(window[0])
-    if not self.needs_window or self.exact: return
-    t = time.perf_counter()
-    with self.autocast() if self.autocast else nullcontext():  # the pre-pass runs as training's forward does
-        xbs = [tuple(self.inputs(b)) for b in window]
-        window_prepasses(self.module, xbs, chunk=self.prepass_bs, memory=self.prepass_memory)
-    self.prepass_time += time.perf_counter() - t
-
-@patch
-def ends(self:Accumulation, bs:int, # samples in the micro-batch about to run forward
-         last:bool=False, # it is the epoch's last micro-batch
-        ) -> tuple[bool, bool]:
-    "Before a micro-batch's forward: (the optimizer steps after it, its window is dropped)."
-    fills = bool(self.exact) or self.window.fills(bs)  # full (`window_full`), or a window trained whole
-    drop = last and not fills and self.partial == 'drop'
-    return (fills or last) and not drop, drop
-
-@patch
-def start_micro(self:Accumulation, bs:int, # samples in the micro-batch about to run forward
-                final:bool, # does it end its window? (`ends`)
-                drop:bool=False, # does it end a dropped window? (its gradients still all-reduce under DDP)
-               ):
-    "Before a micro-batch's forward: set DDP's gradient sync, enter the plan's offload."
-    final = final or bool(self.exact)
-    self._micro = (bs, final)
-    for m in self.bns: m._call = 0  # the micro-batch's forward calls each layer from its first call
-    self._before_forward(final or drop)
-    if self.exact: self._enter_offload()
-
-@patch
-def _before_forward(self:Accumulation, final:bool):
-    "DDP decides in its forward whether the coming backward all-reduces (the flag `no_sync()` sets): once per window."
-    if self.ddp is not None: self.ddp.require_backward_grad_sync = self.sync_each_batch or final
-
-@patch
-def loss_factor(self:Accumulation, loss:Tensor|None=None, # the micro-batch's loss (recorded for the window's mean)
-               ) -> float:
-    "What the micro-batch's loss is multiplied by before its backward (at the window's end: earlier gradients rescaled)."
-    if self._micro is None: raise RuntimeError("Accumulation: backward() without a micro-batch from batches() (or start_micro)")
-    self._exit_offload()  # the backward unpacks what the forward saved
-    bs, final = self._micro
-    if self.exact:  # the window, trained as one batch, is one micro-batch of weight 1
-        self._ends_window = True
-        return self.window.add_whole(bs, loss)
-    w = self.window.add(bs, loss)
-    if final:  # before the last backward: under DDP the all-reduced gradient is then the global mean
-        device = loss.device if loss is not None else None
-        f = self.window.grad_correction if self.local else self.window.correction(device=device)
-        if f != 1.:
-            scale_grads(self.params, f)
-            w *= f
-        self._ends_window = True
-    return w
-
-# %% ../nbs/02d_core.ipynb #c0e1a010
-@patch
-def end_micro(self:Accumulation) -> bool:
-    "After the micro-batch's backward: at the window's end commit BatchNorm statistics; True if the optimizer steps now."
-    self._exit_offload()  # if no `loss_factor` came (the micro-batch was cancelled)
-    self._micro = None
-    if not self._ends_window: return False
-    self._ends_window = False
-    bad = self.window.nonfinite() if self.local or world_size() == 1 else None  # under DDP the merge's own check decides
-    if bad is None: commit_window(self.bns, merge=not self.local)  # one momentum step with the window's statistics
-    else:
-        drop_window(self.bns)
-        warnings.warn(f"{self.name}: micro-batch {bad} of window {self.steps} has a non-finite loss: the window's "
-                      "BatchNorm running statistics are not updated (the optimizer step is the training loop's to skip)",
-                      RuntimeWarning)
-    if self.window.loss is not None: self.losses.append(self.window.loss.item())
-    self.steps += 1
-    self.window.reset()
-    return True
-
-@patch
-def backward(self:Accumulation, loss:Tensor, # the micro-batch's loss (mean over its samples, or sum with loss_reduction='sum')
-             **kwargs, # passed on to the backward
-            ) -> bool:
-    "Back-propagate `loss` weighted by samples; True when the window is complete: step the optimizer then."
-    f = self.loss_factor(loss)
-    self._backward(loss * f if f != 1. else loss, **kwargs)
-    return self.end_micro()
-
-@patch
-def _backward(self:Accumulation, loss, **kwargs): loss.backward(**kwargs)
-
-@patch
-def _enter_offload(self:Accumulation):
-    self._offload = saved_on_host(self.plan)
-    self._offload.__enter__()
-
-@patch
-def _exit_offload(self:Accumulation):
-    offload, self._offload = self._offload, None
-    if offload is not None: offload.__exit__(None, None, None)
-
-@patch
-def drop_grads(self:Accumulation):
-    "Drop the accumulated gradients: a partial window's, or one that ended without an optimizer step."
-    for p in self.params: p.grad = None
-
-@patch
-def clear(self:Accumulation):
-    "Drop a partial window: its accumulated gradients and pending BatchNorm statistics."
-    self._exit_offload()
-    if not self.window.empty: self.drop_grads()
-    drop_window(self.bns)
-    self.window.reset()
-    self._micro, self._ends_window = None, False
-
-@patch
-def __repr__(self:Accumulation):
-    how = 'chosen at the first window' if self.how is None else self.path + (f': {self.plan.describe()}' if self.exact else '')
-    return f'{type(self).__name__}(n_step={self.n_step}, n_acc={self.n_acc}, policy={self.policy!r}, steps={self.steps}; {how})'
 
 # %% ../nbs/02d_core.ipynb #2f0d6a12
 def _input_elements(inputs, # the core's `inputs`: batch -> model inputs
@@ -455,14 +447,16 @@ class FrontEnd:
     def _take_args(self, n_step:int|None, n_acc:int|None, preflight:bool, kwargs:dict, name:str, whole_windows:bool=True):
         "Check the window's size and the core's options once (`accumulation_options`); keep them as attributes."
         options = accumulation_options(dict(kwargs, n_step=n_step, n_acc=n_acc), name, whole_windows)
-        self.preflight, self._name, self._options = preflight, name, list(options)
+        self.preflight, self._name = preflight, name
+        self._options = [k for k in options if k not in ('n_step', 'n_acc')]  # the window's size: kept apart
         self.__dict__.update(options)
         self.acc, self._final, self._drop, self._announce, self._table = None, False, False, False, None
 
     def _core(self, model:nn.Module, **kwargs) -> Accumulation:
         "The core for a fit of `model` with the checked options; `kwargs`: what the framework fills in."
         acc = Accumulation.__new__(Accumulation)
-        acc._start(model, {k: getattr(self, k) for k in self._options}, dict(merge_exact=False, name=self._name, **kwargs))
+        options = {k: getattr(self, k) for k in ('n_step', 'n_acc', *self._options)}
+        acc._start(model, options, dict(merge_exact=False, name=self._name, **kwargs))
         return acc
 
     def _start_micro(self, bs:int, # samples in the micro-batch about to run forward

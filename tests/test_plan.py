@@ -78,3 +78,10 @@ def test_the_planner_and_the_checker_agree():
     from fastai_accum.check import resolve_auto
     model, xb = bn_net().train(), (torch.randn(4, 6),)
     assert resolve_auto(model, xb, 8)[0] == ('exact' if plan_training('auto', model, lambda: xb, n_acc=8).exact else 'window')
+
+def test_the_core_notebook_reads_in_cells_of_at_most_60_lines():
+    "`nbs/02d_core.ipynb`, the story of one window: no code cell over 60 lines."
+    import json
+    nb = json.loads((PKG.parent/'nbs'/'02d_core.ipynb').read_text())
+    long = {c['id']: n for c in nb['cells'] if c['cell_type'] == 'code' and (n := len(''.join(c['source']).splitlines())) > 60}
+    assert not long, long
