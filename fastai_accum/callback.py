@@ -20,21 +20,26 @@ __all__ = ['WindowPrefetch', 'GradientAccumulation']
 
 # %% ../nbs/03_callback.ipynb #c2ce77c4
 class WindowPrefetch(Callback):
-    "Installs `WindowLoader` as `learn.dl` after every other DataLoader wrapper (e.g. fastai's `DistributedDL`), when `ga` reads windows ahead."
+    "Installs `WindowLoader` as `learn.dl` after every other DataLoader wrapper, when `ga` reads windows ahead."
+    # after fastai's `DistributedDL` too, so that the windows are this process's
     order,run_valid = 12,False  # after DistributedTrainer (11)
     def __init__(self, n_step=None, n_acc=None, exact=False, partial='step',
-                 ga=None): # the `GradientAccumulation` whose chosen path (made in its `before_train`, order 6) says whether and how
-        store_attr(); self.loader = None
+                 ga=None): # the `GradientAccumulation` whose plan (made in its `before_train`) says how
+        store_attr()
+        self.loader = None
     def before_train(self):
         acc, on = getattr(self.ga, 'acc', None), None
         if acc is not None:
-            if not (acc.exact or acc.needs_window): self.loader = None; return  # micro-batch by micro-batch: nothing to read ahead
+            if not (acc.exact or acc.needs_window):  # micro-batch by micro-batch: nothing to read ahead
+                self.loader = None
+                return
             self.exact, on = acc.exact, acc.inputs_on
+        n_inp = getattr(self.dls, 'n_inp', 1) if on is not None else 1
         self.learn.dl = self.loader = WindowLoader(self.learn.dl, self.n_step, self.n_acc, self.exact, self.partial,
-                                                   inputs_on=on, n_inp=getattr(self.dls, 'n_inp', 1) if on is not None else 1)
-        if on is not None: self.learn._set_device = self._set_device  # removed with this callback (`GradientAccumulation._release`)
+                                                   inputs_on=on, n_inp=n_inp)
+        if on is not None: self.learn._set_device = self._set_device  # removed by `GradientAccumulation._release`
     def _set_device(self, b):
-        "fastai's `Learner._set_device` (each batch to the model's device), but a staged window's model inputs stay in host memory."
+        "fastai's `Learner._set_device`, but a staged window's model inputs stay in host memory."
         if self.loader is None or self.learn.dl is not self.loader: return Learner._set_device(self.learn, b)
         device = next(self.learn.model.parameters()).device  # where fastai's `_set_device` puts a batch
         return place_batch(b, device, self.loader.inputs_on, range(self.loader.n_inp))
@@ -46,10 +51,10 @@ class GradientAccumulation(Callback, FrontEnd):
     order,run_valid = MixedPrecision.order-4,False
 
     def __init__(self,
-                 n_acc:int|None=None,  # samples per optimizer step (the effective batch size), as fastai's `n_acc` (32 if neither is given, as fastai)
+                 n_acc:int|None=None,  # samples per optimizer step (the effective batch size; 32 if neither is given)
                  n_step:int|None=None, # or: micro-batches per optimizer step
-                 preflight:bool=True,  # print how a fit trains (the 'exact' plan, or the BatchNorm table) at its first micro-batch, and again when a later fit trains differently
-                 **kwargs, # the core's options, documented on `Accumulation` (`policy`, `partial`, `wrap`, `offload`, ...)
+                 preflight:bool=True,  # print how a fit trains at its first micro-batch (again when a fit differs)
+                 **kwargs, # the core's options, documented on `Accumulation` (`policy`, `partial`, `wrap`, ...)
                 ):
         if n_step is None and n_acc is None: n_acc = 32  # fastai's default
         self._take_args(n_step, n_acc, preflight, kwargs, 'GradientAccumulation')
@@ -60,7 +65,7 @@ class GradientAccumulation(Callback, FrontEnd):
 # %% ../nbs/03_callback.ipynb #3d19dae1
 @patch
 def before_fit(self:GradientAccumulation):
-    "A fit, or `validate`/`get_preds` (fastai runs `before_fit` for them too), starts; inside a fit, a nested one is left alone."
+    "A fit starts (or `validate`/`get_preds`, which run `before_fit` too); a nested one is left alone."
     if self._fitting: self._nested += 1; return
     self._check_alone()
     self._check_batch_size()
@@ -79,20 +84,20 @@ def _start_fit(self:GradientAccumulation):
 
 @patch
 def before_train(self:GradientAccumulation):
-    "Each epoch's training starts: the model is in the modes it trains in (`TrainEvalCallback`, `BnFreeze`), in DDP if distributed."
+    "Each epoch's training starts: the model is in the modes it trains in (`BnFreeze` too), in DDP if distributed."
     if not self._fitting: self._start_fit()
     self._t0 = time.perf_counter()
-    self.acc.use_model(self.learn.model)  # fastai's DistributedTrainer wrapped it in DDP (and made SyncBatchNorm) after our before_fit
+    self.acc.use_model(self.learn.model)  # fastai's DistributedTrainer wrapped it in DDP after our before_fit
     if self.acc.needs_setup(): self._choose()
     else: self.acc.find_bns()
 
 @patch
 def _choose(self:GradientAccumulation):
-    "Choose how this fit trains; say so at its first micro-batch if that differs from what was said last (not in `lr_find`)."
+    "Plan how this fit trains; say so at its first micro-batch if that differs from what was said last."
     self.acc.setup(self._peek_batch)  # 'exact' or not (measuring a peeked micro-batch only if it must), wrap BatchNorm
     finding = getattr(self.learn, 'lr_finder', None) is not None
     if finding: self._warn_lr_find()
-    self._announce = self.preflight and not rank_distrib() and self.path != self._said  # `lr_find` too: it says how it trains
+    self._announce = self.preflight and not rank_distrib() and self.path != self._said  # `lr_find` says it too
 
 @patch
 def _peek_batch(self:GradientAccumulation):
@@ -105,10 +110,13 @@ def _train_dl(self:GradientAccumulation): return self.dls.train
 @patch
 def _check_alone(self:GradientAccumulation):
     "Two accumulation callbacks on one Learner would each scale and step: refuse before either changes anything."
-    others = [c for c in self.learn.cbs if c is not self and (isinstance(c, GradientAccumulation) or type(c).__name__ == 'GradientAccumulation')]
-    name = lambda c: f"{type(c).__module__.split('.')[0]}'s {type(c).__name__}(n_acc={getattr(c, 'n_acc', None)}, n_step={getattr(c, 'n_step', None)})"
+    ours = lambda c: isinstance(c, GradientAccumulation) or type(c).__name__ == 'GradientAccumulation'
+    others = [c for c in self.learn.cbs if c is not self and ours(c)]
+    size = lambda c: f"n_acc={getattr(c, 'n_acc', None)}, n_step={getattr(c, 'n_step', None)}"
+    name = lambda c: f"{type(c).__module__.split('.')[0]}'s {type(c).__name__}({size(c)})"
     if others: raise ValueError(f"The Learner has {len(others) + 1} gradient accumulation callbacks: {name(self)} and "
-                                f"{', '.join(map(name, others))} (one on the Learner, one passed to fit(cbs=...)?). Keep one.")
+                                f"{', '.join(map(name, others))} (one on the Learner, one passed to fit(cbs=...)?). "
+                                "Keep one.")
 
 @patch
 def _check_batch_size(self:GradientAccumulation):
@@ -120,12 +128,14 @@ def _check_batch_size(self:GradientAccumulation):
 @patch
 def _check_epoch(self:GradientAccumulation):
     "Warn when one window holds more than an epoch of the training DataLoader."
-    warning = window_exceeds_epoch(getattr(self.dls, 'train', None) or [], self.n_step, self.n_acc, self.partial, 'GradientAccumulation')
+    train = getattr(self.dls, 'train', None) or []
+    warning = window_exceeds_epoch(train, self.n_step, self.n_acc, self.partial, 'GradientAccumulation')
     if warning: warnings.warn(warning, stacklevel=3)
 
 @patch
 def preflight_table(self:GradientAccumulation):
-    "The full table behind the micro-batch pre-flight: every BatchNorm layer, its values per channel per micro-batch, what its policy does, the pre-pass. The last fit's (before any fit: the layers as they are now)."
+    "The table behind the micro-batch pre-flight: each BatchNorm layer, its values per channel, policy, pre-pass."
+    # the last fit's; before any fit, the layers as they are now
     if self._table is not None: return self._table
     return self._core(self.learn.model, inputs=self._inputs).preflight_table(tuple(self._inputs(self._peek())))
 
@@ -147,7 +157,7 @@ _cancels = (CancelBatchException, CancelStepException, CancelBackwardException, 
 
 @patch
 def _release(self:GradientAccumulation):
-    "The fit is over, or broke off: drop any partial window, hand the model back with plain torch BatchNorm layers, remove what the fit added."
+    "The fit is over, or broke off: drop any partial window, hand plain BatchNorm layers back, remove what it added."
     if self.acc is not None: self.acc.release()
     self._final = self._drop = self._fitting = False
     self._nested = 0
@@ -168,7 +178,8 @@ def _guard_interrupts(self:GradientAccumulation):
 
 @patch
 def _lengthen_lr_find(self:GradientAccumulation):
-    "Under 'exact' each `lr_find` iteration is a window: give its fit epochs enough for `num_it` windows (it stops at `num_it` anyway)."
+    "Windows trained whole make each `lr_find` iteration a window: give it epochs enough for `num_it` windows."
+    # it stops at `num_it` anyway
     finder = getattr(self.learn, 'lr_finder', None)
     if finder is None or not may_train_whole(self.policy): return
     windows = max(1, len(WindowLoader(self.dls.train, self.n_step, self.n_acc, True, self.partial)))
@@ -190,7 +201,7 @@ def _show_preflight(self:GradientAccumulation):
     "Print how this fit trains (and, if an earlier fit trained otherwise, that it changed)."
     self._announce = False
     said = self._print_preflight(self.learn.xb, self._said)
-    if getattr(self.learn, 'lr_finder', None) is None: self._said = said  # `lr_find`'s line does not stand for the fit after it
+    if getattr(self.learn, 'lr_finder', None) is None: self._said = said  # `lr_find`'s line is not the next fit's
 
 # %% ../nbs/03_callback.ipynb #45970d89
 @patch
@@ -212,7 +223,8 @@ def before_batch(self:GradientAccumulation):
     self._stepped = False
     if self._announce: self._show_preflight()
     if self.acc.needs_window and self.window.empty: self.acc.start_window(self._window())
-    self._start_micro(find_bs(self.learn.yb), last=self.learn.iter == self.learn.n_iter - 1)  # the window rule; DDP's gradient sync
+    last = self.learn.iter == self.learn.n_iter - 1
+    self._start_micro(find_bs(self.learn.yb), last=last)  # the window rule; DDP's gradient sync
 
 @patch
 def _window(self:GradientAccumulation) -> list:
@@ -234,12 +246,13 @@ def after_step(self:GradientAccumulation): self._stepped = True
 
 @patch
 def after_batch(self:GradientAccumulation):
-    "At the window's end commit BatchNorm statistics; if the optimizer did not step there (a cancelled backward), drop the window's gradients."
+    "At the window's end commit BatchNorm statistics; without an optimizer step there, drop the window's gradients."
     if self.acc.end_micro() and not self._stepped: self.acc.drop_grads()
 
 # %% ../nbs/03_callback.ipynb #ac820318
 def _rebuild_expression(args:dict) -> str|None:
-    "A constant expression giving `GradientAccumulation(**args)` where fastai_accum is installed, else a fastai `Callback` (None if an argument is not a literal)."
+    "An expression giving `GradientAccumulation(**args)` with fastai_accum installed, else a plain `Callback`."
+    # None if an argument is not a literal
     try:
         if any(ast.literal_eval(repr(v)) != v for v in args.values()): return None
     except (ValueError, SyntaxError): return None
@@ -259,7 +272,8 @@ def _live_args(self:GradientAccumulation) -> dict:
 @patch
 def __reduce_ex__(self:GradientAccumulation, protocol):
     expression = _rebuild_expression(self._live_args())
-    if expression is None: return super(GradientAccumulation, self).__reduce_ex__(protocol)  # by name: needs the package to load
+    if expression is None:  # pickled by name: loading needs the package
+        return super(GradientAccumulation, self).__reduce_ex__(protocol)
     return eval, (expression,), {'learn': self.learn}
 
 # %% ../nbs/03_callback.ipynb #580ee8b7

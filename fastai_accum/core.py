@@ -55,7 +55,7 @@ def accumulation_options(kwargs:dict, # options a front end was given (`Accumula
 
 # %% ../nbs/02d_core.ipynb #c0e1a004
 class BatchNormInstaller:
-    "Puts a model's BatchNorm layers in place for a `TrainingPlan`; `release` hands plain layers back."
+    "Puts a model's BatchNorm layers in place for a `TrainingPlan`; `release` hands them back."
     def __init__(self, wrap:bool=True, # wrap plain BatchNorm layers (else only layers the user wrapped accumulate)
                  merge_exact:bool=True, # a whole window under DDP: wrap, so that running statistics merge
                  bn_batch:int|None=None, # samples per ghost batch
@@ -127,20 +127,20 @@ class _CorePlan:
         if self._params is not None: return list(self._params())
         return [p for p in self.module.parameters() if p.requires_grad]
     def setup(self, b):
-        "Plan from the BatchNorm layers' modes now and the first micro-batch `b` (or a callable giving it); install it."
+        "Plan from the BatchNorm layers' modes and the first micro-batch `b` (or a callable giving it); install it."
         self.installer.uninstall_forwards(self.module)  # measuring runs the model's own forward
         self._modes = self._bn_modes()
         peek = b if callable(b) else lambda: b
         self.how = plan_training(self.policy, self.module, lambda: tuple(self.inputs(peek())), self.n_step, self.n_acc,
-                                 wrap=self.wrap, bn_batch=self.bn_batch, name=self.name, device_memory=self.device_memory,
-                                 host_memory=self.host_memory, offload=self.offload, verify=self.verify,
+                                 wrap=self.wrap, bn_batch=self.bn_batch, name=self.name, offload=self.offload,
+                                 device_memory=self.device_memory, host_memory=self.host_memory, verify=self.verify,
                                  autocast=self.autocast, opt_state=optimizer_state(self.optimizer))
         self.find_bns()
 
     def _bn_modes(self) -> tuple: return tuple(m.training for m in bn_layers(self.module))
 
     def needs_setup(self) -> bool:
-        "Must `setup` plan (again)? Before the first window, and when other BatchNorm layers train (a freeze, `BnFreeze`)."
+        "Must `setup` plan (again)? Before the first window, and when other BatchNorm layers train (a freeze)."
         return self.how is None or self._bn_modes() != self._modes
 
     def find_bns(self):
@@ -171,16 +171,17 @@ class _CorePreflight:
 
     def preflight_table(self, xb:tuple, # one micro-batch's model inputs
                        ):
-        "The pre-flight's table: every BatchNorm layer, its values per channel per micro-batch, its policy, the pre-pass."
+        "The pre-flight's table: every BatchNorm layer, its values per channel, its policy, the pre-pass."
         with warnings.catch_warnings():
-            warnings.simplefilter('ignore')  # a model torch.fx cannot trace: the pre-flight says it once, not as a warning
+            warnings.simplefilter('ignore')  # a model torch.fx cannot trace: the pre-flight says it once
             window = self.n_acc or self.n_step * batch_size(xb)
             return bn_preflight(self.module, *xb, window=window, memory=self.prepass_memory)
 
 _says = {'window': "each micro-batch is normalized with the whole window's statistics (a no-grad pre-pass over the "
                    "window first) and the window's statistics are committed; the backward maps each micro-batch's "
                    "BatchNorm terms to the window (an estimate)",
-         'micro': "each micro-batch is normalized with its own statistics; running statistics are committed once per window",
+         'micro': "each micro-batch is normalized with its own statistics; running statistics are committed once per "
+                  "window",
          'running': "each micro-batch is normalized with the running statistics, updated once per window",
          'frozen': "each micro-batch is normalized with the running statistics, which do not change"}
 
@@ -192,14 +193,15 @@ def _summary(t, # `bn_preflight`'s table
     means = " (their backward uses the previous window's means)" if risk and policy == 'window' else ''
     s = (f"GradientAccumulation: policy {policy!r} on {len(t)} BatchNorm layers: {_says.get(policy, policy)}. {risk} "
          f"of them {'sees' if risk == 1 else 'see'} < 32 values per channel per micro-batch{means}")
-    if prepass: s += f"; pre-pass: {prepass}"
+    if prepass:
+        s += f"; pre-pass: {prepass}"
     return s + ". Every layer: `preflight_table()`."
 
 # %% ../nbs/02d_core.ipynb #c0e1a00d
 class _CoreLoop:
     "The window loop: `batches` (part of `Accumulation`)."
     def batches(self, loader):
-        "Iterate `loader` one window ahead: micro-batches, or whole windows. An unfinished `batches` on this model is closed first."
+        "Iterate `loader` one window ahead: micro-batches, or whole windows (an unfinished one is closed first)."
         self.close()
         self.clear()
         self._input_at = None
@@ -209,7 +211,7 @@ class _CoreLoop:
         return gen
 
     def close(self):
-        "Close the `batches` generator training this model if one was left unfinished: its window dropped, BatchNorm handed back."
+        "Close an unfinished `batches` on this model: its window dropped, BatchNorm handed back."
         gen = _open.pop(id(self.module), None)
         if gen is not None: gen.close()
 
@@ -236,7 +238,7 @@ class _CoreLoop:
 class _CorePlacing:
     "Before the first window, and each micro-batch placed (part of `Accumulation`)."
     def _ready(self, window:list) -> bool:
-        "Before the first window: plan from its first micro-batch (again only if the BatchNorm modes changed); say so if asked."
+        "Before the first window: plan from its first micro-batch (again if the modes changed); say so if asked."
         first = place_batch(window[0], self.device)
         said = self.path
         if self.needs_setup(): self.setup(first)
@@ -254,7 +256,7 @@ class _CorePlacing:
 
     @property
     def inputs_on(self):
-        "Where a window's model inputs wait: host memory for a staged step on an accelerator; None: on the device."
+        "Where a window's model inputs wait: host memory for a staged step on an accelerator, else None."
         p = self.plan
         return 'cpu' if self.exact and p.staged and not p.whole and p.on_accelerator else None
 
@@ -298,13 +300,14 @@ class _CoreEvents:
         if self.exact: self._enter_offload()
 
     def _before_forward(self, final:bool):
-        "DDP decides in its forward whether the coming backward all-reduces (the flag `no_sync()` sets): once per window."
+        "Let DDP all-reduce the coming backward once per window (the flag `no_sync()` sets, read in its forward)."
         if self.ddp is not None: self.ddp.require_backward_grad_sync = self.sync_each_batch or final
 
     def loss_factor(self, loss:Tensor|None=None, # the micro-batch's loss (recorded for the window's mean)
                    ) -> float:
-        "What the micro-batch's loss is multiplied by before its backward (at the window's end: earlier gradients rescaled)."
-        if self._micro is None: raise RuntimeError("Accumulation: backward() without a micro-batch from batches() (or start_micro)")
+        "The micro-batch's loss weight for its backward (at the window's end earlier gradients are rescaled)."
+        if self._micro is None:
+            raise RuntimeError("Accumulation: backward() without a micro-batch from batches() (or start_micro)")
         self._exit_offload()  # the backward unpacks what the forward saved
         bs, final = self._micro
         if self.exact:  # the window, trained as one batch, is one micro-batch of weight 1
@@ -324,17 +327,18 @@ class _CoreEvents:
 class _CoreCommit:
     "The events after a micro-batch's backward (part of `Accumulation`)."
     def end_micro(self) -> bool:
-        "After the micro-batch's backward: at the window's end commit BatchNorm statistics; True if the optimizer steps now."
+        "After the micro-batch's backward: at the window's end commit BatchNorm statistics; True: step now."
         self._exit_offload()  # if no `loss_factor` came (the micro-batch was cancelled)
         self._micro = None
         if not self._ends_window: return False
         self._ends_window = False
-        bad = self.window.nonfinite() if self.local or world_size() == 1 else None  # under DDP the merge's own check decides
+        bad = self.window.nonfinite() if self.local or world_size() == 1 else None  # under DDP: the merge's check
         if bad is None: commit_window(self.bns, merge=not self.local)  # one momentum step with the window's statistics
         else:
             drop_window(self.bns)
             warnings.warn(f"{self.name}: micro-batch {bad} of window {self.steps} has a non-finite loss: the window's "
-                          "BatchNorm running statistics are not updated (the optimizer step is the training loop's to skip)",
+                          "BatchNorm running statistics are not updated (the optimizer step is the training loop's "
+                          "to skip)",
                           RuntimeWarning)
         if self.window.loss is not None: self.losses.append(self.window.loss.item())
         self.steps += 1
@@ -344,7 +348,7 @@ class _CoreCommit:
     def backward(self, loss:Tensor, # the micro-batch's loss (mean over its samples, or sum with loss_reduction='sum')
                  **kwargs, # passed on to the backward
                 ) -> bool:
-        "Back-propagate `loss` weighted by samples; True when the window is complete: step the optimizer then."
+        "Back-propagate `loss` weighted by samples; True when the window is complete: step then."
         f = self.loss_factor(loss)
         self._backward(loss * f if f != 1. else loss, **kwargs)
         return self.end_micro()
@@ -372,36 +376,40 @@ class _CoreCommit:
         self._micro, self._ends_window = None, False
 
     def __repr__(self):
-        how = 'chosen at the first window' if self.how is None else self.path + (f': {self.plan.describe()}' if self.exact else '')
-        return f'{type(self).__name__}(n_step={self.n_step}, n_acc={self.n_acc}, policy={self.policy!r}, steps={self.steps}; {how})'
+        how = 'chosen at the first window' if self.how is None else self.path
+        if self.exact: how += f': {self.plan.describe()}'
+        size = f'n_step={self.n_step}, n_acc={self.n_acc}'
+        return f'{type(self).__name__}({size}, policy={self.policy!r}, steps={self.steps}; {how})'
 
 # %% ../nbs/02d_core.ipynb #c0e1a007
 class Accumulation(_CorePlan, _CorePreflight, _CoreLoop, _CorePlacing, _CoreEvents, _CoreCommit):
-    "Gradient accumulation with exact BatchNorm for any training loop: `batches` reads windows, `backward` says when to step."
+    "Gradient accumulation with exact BatchNorm for any training loop."
     adapter_args = ['model', 'loss_reduction', 'inputs', 'device', 'autocast', 'params', 'merge_exact', 'name',
                     'preflight', 'optimizer']  # what a front end (fastai's callbacks) fills in itself
     local = False  # this process's window alone (`check_accumulation`): no all-reduce, no merge of statistics
     def __init__(self, model:nn.Module, # the model (or its DDP wrapper); its BatchNorm layers are wrapped in place
                  n_step:int|None=None, # micro-batches per optimizer step
                  n_acc:int|None=None,  # or: samples per optimizer step (the effective batch size)
-                 policy:str='auto',    # 'exact' (each window one batch), 'staged' (the same, stage by stage in chunks: memory of one chunk), a BatchNorm policy (`bn_policies`), or 'auto'
-                 partial:str='step',   # incomplete last window of an epoch: 'step' (scaled exactly) or 'drop' (skipped)
+                 policy:str='auto',    # 'auto', 'exact', 'staged' or a BatchNorm policy (`bn_policies`)
+                 partial:str='step',   # an epoch's incomplete last window: 'step' (scaled exactly) or 'drop'
                  loss_reduction:str='mean', # the loss's reduction: 'mean' (weighted by samples) or 'sum'
-                 inputs=default_inputs, # batch -> tuple of positional model inputs (for the pre-pass and 'exact' planning)
-                 device=None,          # where `batches` puts each batch (default: the model's parameters' device)
-                 autocast=None,        # callable returning the training forward's autocast context, for the pre-pass
+                 inputs=default_inputs, # batch -> tuple of positional model inputs
+                 device=None,          # where `batches` puts each batch (default: the parameters' device)
+                 autocast=None,        # callable returning the training forward's autocast context
                  wrap:bool=True,       # wrap the model's BatchNorm layers as `AccumulateBatchNorm`
-                 prepass_bs:int|None=None, # 'window' policy: samples per chunk of a staged (memory-bounded, exact) pre-pass (default: chosen within `prepass_memory`)
-                 prepass_memory:int|None=None, # 'window' policy: bytes the pre-pass may hold on the device (default: what training holds at the micro-batch)
+                 prepass_bs:int|None=None, # 'window': samples per chunk of a staged pre-pass
+                 prepass_memory:int|None=None, # 'window': bytes the pre-pass may hold on the device
                  sync_each_batch:bool=False, # under DDP, all-reduce gradients after every micro-batch
-                 offload:bool|None=None, device_memory:int|None=None, host_memory:int|None=None, # 'exact' policy: as `plan_exact`
-                 bn_batch:int|None=None, # ghost batches: BatchNorm normalizes each group of this many consecutive samples of the window (the window trains as one batch; default: the whole window)
-                 params=None,          # callable giving the parameters whose gradients accumulate (default: the model's trainable ones)
-                 verify:bool=True,     # before a staged step is chosen, check it against the big batch on a copy of the model (`verify_staged`): 'auto' falls back if it differs, 'staged' raises
-                 merge_exact:bool=True, # 'exact' under DDP: wrap BatchNorm so that running statistics merge across processes (fastai leaves that to `sync_bn`)
-                 name:str|None=None,   # who speaks in error messages and the pre-flight (default: the class name)
-                 preflight:bool=False, # print how training runs (the front ends' pre-flight) when the first window starts
-                 optimizer=None,       # the optimizer, whose state the memory plan counts (`optimizer_state`; default: 1x the parameters assumed)
+                 offload:bool|None=None, # whole windows: saved activations in host memory (`plan_exact`)
+                 device_memory:int|None=None, # device bytes a window may use (`plan_exact`)
+                 host_memory:int|None=None, # host bytes a window may use (`plan_exact`)
+                 bn_batch:int|None=None, # ghost batches: samples BatchNorm normalizes together
+                 params=None,          # callable giving the parameters whose gradients accumulate
+                 verify:bool=True,     # check a staged step against the big batch before choosing it
+                 merge_exact:bool=True, # whole windows under DDP: merge running statistics across processes
+                 name:str|None=None,   # who speaks in errors and the pre-flight (default: the class name)
+                 preflight:bool=False, # print how training runs when the first window starts
+                 optimizer=None,       # the optimizer, whose state the memory plan counts (`optimizer_state`)
                 ):
         args = {k: v for k, v in locals().items() if k not in ('self', 'model', '__class__')}
         given = {k: args.pop(k) for k in self.adapter_args if k in args}
@@ -409,8 +417,9 @@ class Accumulation(_CorePlan, _CorePreflight, _CoreLoop, _CorePlacing, _CoreEven
         self._start(model, accumulation_options(args, given['name']), given)
 
     def _start(self, model:nn.Module, options:dict, given:dict):
-        "Keep the checked `options` and what the front end filled in (`given`, the rest defaults); an empty state."
-        defaults = {k: p.default for k, p in inspect.signature(Accumulation).parameters.items() if k in self.adapter_args}
+        "Keep the checked `options` and what the front end filled in (`given`); an empty state."
+        signature = inspect.signature(Accumulation).parameters
+        defaults = {k: p.default for k, p in signature.items() if k in self.adapter_args}
         given = {**defaults, **given}
         self.__dict__.update(options)
         self.loss_reduction, self.inputs, self.autocast = given['loss_reduction'], given['inputs'], given['autocast']
@@ -429,7 +438,7 @@ class Accumulation(_CorePlan, _CorePreflight, _CoreLoop, _CorePlacing, _CoreEven
 def _input_elements(inputs, # the core's `inputs`: batch -> model inputs
                     b, # one batch, a tuple or list
                    ) -> set:
-    "Positions of the elements of `b` that the model inputs come from: the elements `inputs` returns, or, for an `inputs` that makes new tensors (`b[0].float() / 255`), the elements it reads (each tried on the 'meta' device)."
+    "Positions of the elements of `b` the model inputs come from (those `inputs` returns, or reads)."
     xs = _tensors(tuple(inputs(b)))
     same = {i for i, o in enumerate(b) if any(o is x for x in xs)}
     if len(same) == len(xs): return same
@@ -444,8 +453,9 @@ def _input_elements(inputs, # the core's `inputs`: batch -> model inputs
 # %% ../nbs/02d_core.ipynb #fe1ea718
 class FrontEnd:
     "What a framework's callback on the core shares: options checked once, a core per fit, the window rule, its state."
-    def _take_args(self, n_step:int|None, n_acc:int|None, preflight:bool, kwargs:dict, name:str, whole_windows:bool=True):
-        "Check the window's size and the core's options once (`accumulation_options`); keep them as attributes."
+    def _take_args(self, n_step:int|None, n_acc:int|None, preflight:bool, kwargs:dict, name:str,
+                   whole_windows:bool=True):
+        "Check the window's size and the core's options once (`accumulation_options`); keep them."
         options = accumulation_options(dict(kwargs, n_step=n_step, n_acc=n_acc), name, whole_windows)
         self.preflight, self._name = preflight, name
         self._options = [k for k in options if k not in ('n_step', 'n_acc')]  # the window's size: kept apart
@@ -453,7 +463,7 @@ class FrontEnd:
         self.acc, self._final, self._drop, self._announce, self._table = None, False, False, False, None
 
     def _core(self, model:nn.Module, **kwargs) -> Accumulation:
-        "The core for a fit of `model` with the checked options; `kwargs`: what the framework fills in."
+        "The core for a fit of `model`, from the checked options; `kwargs`: what the framework fills in."
         acc = Accumulation.__new__(Accumulation)
         options = {k: getattr(self, k) for k in ('n_step', 'n_acc', *self._options)}
         acc._start(model, options, dict(merge_exact=False, name=self._name, **kwargs))
@@ -478,8 +488,9 @@ class FrontEnd:
     def _print_preflight(self, xb:tuple, # one micro-batch's model inputs
                          said:str|None, # how the previous fit trained (`path`), if it was announced
                         ) -> str:
-        "Print how this fit trains (and that it changed, if an earlier fit trained otherwise); returns the path said."
-        if said is not None: print(f"GradientAccumulation: this fit trains otherwise than the one before ({said!r} -> {self.path!r}):")
+        "Print how this fit trains (and that it changed since the last fit said); the path said."
+        if said is not None:
+            print(f"GradientAccumulation: this fit trains otherwise than the one before ({said!r} -> {self.path!r}):")
         print(self.acc.preflight(xb))
         self._table = self.acc.table  # the table behind it, for `preflight_table` after the fit
         return self.path

@@ -60,29 +60,32 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
                  peek, # called without arguments: one training micro-batch's model inputs (only when needed)
                  n_step:int|None=None, # micro-batches per window
                  n_acc:int|None=None, # or: samples per window
-                 device_memory:int|None=None, # device bytes it may use (`plan_exact`; also honoured on CPU)
+                 device_memory:int|None=None, # device bytes it may use (`plan_exact`; honoured on CPU)
                  host_memory:int|None=None, # host bytes it may use
                  offload:bool|None=None, # saved activations in host memory
                  name:str='GradientAccumulation', # the callback, for the error message
-                 verify:bool=True, # check a staged step against the big batch on the model before choosing it (`verify_staged`)
-                 autocast=None, # callable returning the autocast context training runs in (the plan is measured under it)
+                 verify:bool=True, # check a staged step against the big batch before choosing it (`verify_staged`)
+                 autocast=None, # callable returning the autocast context training runs in (measured under it)
                  opt_state:float|None=None, # optimizer state per byte of parameters (`optimizer_state`)
                 ) -> tuple:
-    "(train each window as one batch?, the `ExactPlan` or None; `plan.staged` if stage by stage): see the rule below."
+    "(train each window as one batch?, the `ExactPlan` or None): the rule above."
     if policy not in ('exact', 'staged', 'auto'): return False, None
     if policy == 'auto' and not any(m.training for m in bn_layers(model)): return False, None
     xb = peek()
-    plan = plan_exact(model, xb, n_acc or n_step * xb[0].shape[0], device_memory, host_memory, offload, autocast, opt_state)
+    window = n_acc or n_step * xb[0].shape[0]
+    plan = plan_exact(model, xb, window, device_memory, host_memory, offload, autocast, opt_state)
     plan.chunk = plan.micro = xb[0].shape[0]
-    synced = world_size() > 1 and not _syncs_itself(model)  # DDP with per-process BatchNorm: only a staged step reduces it over the processes
+    synced = world_size() > 1 and not _syncs_itself(model)  # DDP, per-process BatchNorm: a staged step reduces it
     staged_asked = synced or policy == 'staged' or (policy == 'auto' and not auto_picks_exact(plan))
     unfit = _not_staged(model, xb) if staged_asked else None  # why a staged step would not be the big batch
     if policy == 'exact':
         if not plan.fits:
-            raise ExactModeMemoryError(f"{name}(policy='exact'): {plan.describe()}. Lower n_step/n_acc, free memory, set the budget "
-                                       "with device_memory=/host_memory=, or use policy='staged' (memory of one chunk) or 'window'.")
+            raise ExactModeMemoryError(f"{name}(policy='exact'): {plan.describe()}. Lower n_step/n_acc, free memory, "
+                                       "set the budget with device_memory=/host_memory=, or use policy='staged' "
+                                       "(memory of one chunk) or 'window'.")
         if synced and not unfit and verify: unfit = _verified(plan, model, xb)
-        if unfit: raise ExactModeMemoryError(f"{name}(policy='exact') under DDP normalizes over all processes' windows stage by stage, "
+        if unfit: raise ExactModeMemoryError(f"{name}(policy='exact') under DDP normalizes over all processes' windows "
+                                             "stage by stage, "
                                              f"but {unfit} Convert BatchNorm to SyncBatchNorm or use policy='window'.")
         if synced: _whole_staged(plan)
         return True, plan
@@ -90,8 +93,9 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
     if staged_asked and plan.reason is None and verify: plan.reason = _verified(plan, model, xb)
     if policy == 'staged':
         if plan.checked is None and plan.reason: raise ExactModeMemoryError(f"{name}(policy='staged'): {plan.reason}")
-        if plan.reason: raise StagedMismatchError(f"{name}(policy='staged'): {plan.reason}. Train with policy='window' (or 'auto', "
-                                                  "which falls back to it), or pass verify=False to train staged anyway.")
+        if plan.reason: raise StagedMismatchError(f"{name}(policy='staged'): {plan.reason}. Train with policy='window' "
+                                                  "(or 'auto', which falls back to it), or pass verify=False to train "
+                                                  "staged anyway.")
         plan.staged, plan.chunk, plan.offload = True, _largest_chunk(plan), False
         return True, plan
     whole, staged, offloaded = _agreed(plan.device, auto_picks_exact(plan) and not unfit, plan.reason is None,
@@ -111,14 +115,16 @@ class StagedMismatchError(RuntimeError):
     "The staged step, checked on the user's model, is not the big batch's."
 
 def _verified(plan:ExactPlan, model:nn.Module, xb:tuple) -> str|None:
-    "Why a staged step is not the big batch on `model` (`verify_staged`, within half the host budget), or None; what was checked and its time go in `plan`."
+    "Why a staged step is not the big batch on `model` (`verify_staged`), or None; what was checked goes in `plan`."
+    # the check runs within half the host budget
     t = time.perf_counter()
     why, checked = verify_staged(model, xb, plan.host_budget // 2, plan.footprint.saved)
     plan.checked, plan.check_time = checked or why, time.perf_counter() - t
     return why
 
 def _whole_staged(plan:ExactPlan):
-    "Under DDP the whole window runs as one chunk of a staged step (its BatchNorm reduced over the processes), kept values on the device."
+    "Under DDP: the whole window as one chunk of a staged step, its BatchNorm reduced over the processes."
+    # its kept values stay on the device
     plan.staged, plan.chunk, plan.offload, plan.whole = True, plan.window, False, True
 
 def _syncs_itself(model:nn.Module) -> bool:
@@ -126,14 +132,14 @@ def _syncs_itself(model:nn.Module) -> bool:
     return all(isinstance(m, nn.SyncBatchNorm) for m in bn_layers(model) if m.training)
 
 def _largest_chunk(plan:ExactPlan) -> int:
-    "The most samples per chunk the device budget holds, training as at that batch size (at least the micro-batch): fewer, larger kernels."
+    "The most samples per chunk the device budget holds (at least the micro-batch): fewer, larger kernels."
     budget = plan.device_budget if plan.device_budget is not None else plan.host_budget
     per = plan.footprint.saved + 2 * plan.footprint.working
     fit = int((budget - plan.param_needed) // per) if per > 0 else plan.window
     return max(plan.chunk, min(plan.window, fit))
 
 def _not_staged(model:nn.Module, xb:tuple) -> str|None:
-    "Why a staged step would not be the big batch: the model does not trace, or an op combines samples (`samples_mixed`); or None."
+    "Why a staged step would not be the big batch (the model does not trace, an op mixes samples), or None."
     if isinstance(bn_graph(model), str): return untraceable_reason(model)
     mixed = samples_mixed(model, xb)
     return f"a staged step would not be the big batch: {mixed}." if mixed else None
@@ -141,7 +147,8 @@ def _not_staged(model:nn.Module, xb:tuple) -> str|None:
 def _staged_memory(plan:ExactPlan) -> str|None:
     "Why the memory budgets do not hold a staged step in chunks of the micro-batch, or None."
     if plan.staged_host_needed > plan.host_budget:
-        return f"its kept values need {fmt_bytes(plan.staged_host_needed)} of host memory (budget {fmt_bytes(plan.host_budget)})"
+        need, budget = fmt_bytes(plan.staged_host_needed), fmt_bytes(plan.host_budget)
+        return f"its kept values need {need} of host memory (budget {budget})"
     budget = plan.device_budget if plan.device_budget is not None else plan.host_budget
     if plan.staged_device_needed > budget:
         return f"one chunk of {plan.chunk} needs {fmt_bytes(plan.staged_device_needed)} (budget {fmt_bytes(budget)})"
@@ -149,7 +156,7 @@ def _staged_memory(plan:ExactPlan) -> str|None:
 
 def _agreed(device, # this process's training device (NCCL reduces there)
             *flags:bool) -> list:
-    "Under data parallelism every rank must train the same way: each option only if every rank can take it (one all-reduce)."
+    "Each option only if every rank can take it (one all-reduce): under DDP every rank trains the same way."
     if world_size() == 1: return list(flags)
     t = torch.tensor([float(f) for f in flags], device=collective_device(device))
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
@@ -216,14 +223,15 @@ def plan_training(policy:str, # the front end's policy (`check_policy`)
     how = dict(policy=policy, memory=memory, bn_batch=bn_batch, n_bn=len(modes),
                window=f"{n_step} micro-batches" if n_step else f"{n_acc} samples")
     if ghost_micro: return TrainingPlan('ghost micro-batches', **how)
-    if exact: return TrainingPlan('staged exact' if memory.staged else 'exact', layers=None if memory.staged else 'micro', **how)
+    if exact and memory.staged: return TrainingPlan('staged exact', **how)
+    if exact: return TrainingPlan('exact', layers='micro', **how)
     if modes and not any(modes): return TrainingPlan('frozen BatchNorm', **how)
     layers = 'window' if policy == 'auto' else policy
     accumulates = bn_layers(model, accumulating=True) or (wrap and modes)
     return TrainingPlan(layers if accumulates else 'no BatchNorm', layers=layers, **how)
 
 def _ghost_micro(k:int, exact:bool, memory:ExactPlan, model:nn.Module, name:str) -> bool:
-    "Do ghost batches of `k` train micro-batch by micro-batch? (The window does not train whole, and each micro-batch holds whole ghost batches.)"
+    "Do ghost batches of `k` train micro-batch by micro-batch? (Not whole windows, and micro-batches hold whole ones.)"
     k = check_ghost(k, memory.window, model, name)
     if exact and not memory.staged: return False
     if memory.micro % k == 0: return True  # ghost batches never span micro-batches: each trains on its own, exactly
