@@ -10,19 +10,19 @@ It holds every path the callback plans (ghost batches too); the tools (check_acc
 
 Contents (line: module: classes), dependencies first:
        30: stats: ChannelStats
-      170: distributed: -
-      203: helpers: -
-      323: window: AccumulationWindow, WindowLoader
-      565: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
-      965: meters: ByteMeter, SavedTensorMeter, LayerMeter
-     1085: staged: StagedGraph
-     1246: prepass: PrepassPlan, PreflightTable
-     1443: staged_exact: StagedStep, StagedForward
-     2112: exact: Footprint, ExactModeMemoryError, ExactPlan
-     2325: ghost: GhostForward
-     2380: plan: StagedMismatchError, TrainingPlan
-     2599: core: BatchNormInstaller, Accumulation, FrontEnd
-     3080: callback: WindowPrefetch, GradientAccumulation
+      187: distributed: -
+      222: helpers: ReplacedForward
+      363: window: AccumulationWindow, WindowLoader
+      618: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
+     1036: meters: ByteMeter, SavedTensorMeter, LayerMeter
+     1160: staged: StagedGraph
+     1325: prepass: PrepassPlan, PreflightTable
+     1532: staged_exact: StagedStep, StagedForward
+     2304: exact: Footprint, ExactModeMemoryError, ExactPlan
+     2543: ghost: GhostForward
+     2597: plan: StagedMismatchError, TrainingPlan
+     2824: core: BatchNormInstaller, Accumulation, FrontEnd
+     3316: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -54,7 +54,7 @@ def merge_moments(counts:Tensor, # (k,) elements per channel in each part
 
 # %% ../nbs/00_stats.ipynb #a2a45d59
 class ChannelStats:
-    "Exact running count, mean and M2 per channel over any number of batches; cheap to feed, merged lazily."
+    "Exact running count, mean and M2 per channel of any number of batches; cheap to feed, merged lazily."
     max_parts = 16 # parts buffered before they are folded into the totals (bounds memory if nobody reads the stats)
 
     def __init__(self): self.reset()
@@ -80,13 +80,15 @@ class ChannelStats:
     def add(self,
             x:Tensor, # a batch with channels on dimension 1, any float dtype
            ):
-        "Add the per-channel statistics of `x` (extra passes over `x`; use `add_moments` when they come for free)."
+        "Add the per-channel statistics of `x`, computed with extra passes over it."
+        # use `add_moments` instead when the moments come for free
         x = x.detach().to(torch.promote_types(x.dtype, torch.float32))
         n = x.numel() // x.shape[1]
         if n == 0: return
         dims, shape = [d for d in range(x.dim()) if d != 1], [1, -1] + [1] * (x.dim() - 2)
         mean = x.mean(dims)
-        d = x - mean.view(shape)  # two passes: on a CPU 4-14x faster than `torch.var_mean` over dims (0, 2, 3), as accurate
+        # two passes: on a CPU 4-14x faster than `torch.var_mean` over dims (0, 2, 3), as accurate
+        d = x - mean.view(shape)
         self.add_moments(n, mean, (d * d).sum(dims) / max(n - 1, 1))
 
     def _fold(self):
@@ -111,12 +113,14 @@ class ChannelStats:
     @property
     def mean(self) -> Tensor|None:
         "Per-channel mean (float64), `None` before any data."
-        self._fold(); return self._mean
+        self._fold()
+        return self._mean
 
     @property
     def m2(self) -> Tensor|None:
         "Per-channel sum of squared deviations from the mean (float64)."
-        self._fold(); return self._m2
+        self._fold()
+        return self._m2
 
     @property
     def var(self) -> Tensor|None:
@@ -143,13 +147,14 @@ def all_reduce_stats(stats:list, # `ChannelStats` to merge across processes, the
                      group=None, # process group (default: the whole world)
                      device=None, # device for the collective (CUDA for NCCL); default: where the stats live, else CPU
                     ) -> list:
-    "Replace each entry of `stats` by the exact merge of that entry over all processes of `group`; one all-gather."
+    "Replace each entry of `stats` by its exact merge over all processes of `group`, in one all-gather."
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1: return stats
     if device is None: device = next((s.mean.device for s in stats if s.count), torch.device('cpu'))
     dt = stats_dtype(device)
     rows = []
     for s, c in zip(stats, num_channels):
-        if s.count: rows += [torch.tensor([float(s.count)], dtype=dt, device=device), s.mean.to(device, dt), s.m2.to(device, dt)]
+        if s.count: rows += [torch.tensor([float(s.count)], dtype=dt, device=device),
+                             s.mean.to(device, dt), s.m2.to(device, dt)]
         else: rows.append(torch.zeros(1 + 2*c, dtype=dt, device=device))
     flat = torch.cat(rows)
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
@@ -166,6 +171,18 @@ def all_reduce_stats(stats:list, # `ChannelStats` to merge across processes, the
         s._count, s._mean, s._m2 = int(n.item()), mean, m2
         s.merged = True
     return stats
+
+# %% ../nbs/00_stats.ipynb #e5f6a7b1
+@torch.no_grad()
+def momentum_step(bn, # a BatchNorm layer that tracks running statistics
+                  mean:Tensor, # the batch's mean per channel
+                  var:Tensor, # the batch's unbiased variance per channel
+                 ):
+    "One momentum step of `bn`'s running statistics toward a batch's `mean` and `var`."
+    bn.num_batches_tracked.add_(1)
+    f = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+    for buf, new in ((bn.running_mean, mean), (bn.running_var, var)):
+        buf.copy_(buf.to(new.dtype) * (1 - f) + new.to(buf.device) * f)
 
 # ======== fastai_accum/distributed.py ========
 # %% ../nbs/03b_distributed.ipynb #9359139a
@@ -190,11 +207,13 @@ def collective_device(device=None, # this process's training device
 
 # %% ../nbs/03b_distributed.ipynb #ddb13c1c
 def fix_distributed_dl():
-    "Make fastai's `DistributedDL` broadcast its indices on a device the process group's backend supports (gloo: CPU)."
+    "Make fastai's `DistributedDL` broadcast indices on a device the process group's backend supports."
+    # gloo: the CPU
     from fastai.distributed import DistributedDL
     if getattr(DistributedDL._broadcast, '_fastai_accum', False): return
     def _broadcast(self, t, rank):
-        t = torch.tensor(t, dtype=torch.long, device=collective_device(getattr(self, 'device', None)))  # NCCL: this process's GPU
+        # NCCL: this process's GPU
+        t = torch.tensor(t, dtype=torch.long, device=collective_device(getattr(self, 'device', None)))
         dist.broadcast(t, rank)
         return t.cpu().tolist()
     _broadcast._fastai_accum = True
@@ -217,7 +236,8 @@ def _batch_like(b, items:list):
     return type(b)(*items) if hasattr(b, '_fields') else type(b)(items)
 
 def _to(v, device):
-    "`v`'s tensors (in tuples, lists, dicts, kept as they are) on `device`: asynchronous onto an accelerator, synchronous back to the host (a read must see the data)."
+    "`v`'s tensors (in tuples, lists, dicts, kept as they are) on `device`."
+    # asynchronous onto an accelerator, synchronous back to the host (a read must see the data)
     if device is None: return v
     if isinstance(v, Tensor): return v.to(device, non_blocking=torch.device(device).type != 'cpu')
     if isinstance(v, (list, tuple)): return _batch_like(v, [_to(o, device) for o in v])
@@ -238,13 +258,13 @@ class _Emulated: on = False  # inside `emulated_accelerator`
 
 @contextmanager
 def emulated_accelerator():
-    "Inside, the CPU counts as an accelerator with memory of its own: the planner, the core and the staged step take the branches a GPU takes."
+    "Inside, the CPU counts as an accelerator with memory of its own: every path takes the branches a GPU takes."
     before, _Emulated.on = _Emulated.on, True
     try: yield
     finally: _Emulated.on = before
 
 def is_accelerator(device) -> bool:
-    "Is `device` (a `torch.device` or its name) a memory apart from the host's: an accelerator, or the CPU inside `emulated_accelerator`?"
+    "Is `device` a memory apart from the host's: an accelerator, or the CPU inside `emulated_accelerator`?"
     return torch.device(device).type != 'cpu' or _Emulated.on
 
 _pinnable = []
@@ -277,9 +297,29 @@ def modes_kept(model:nn.Module):
     finally:
         for m, t in modes.items(): m.training = t
 
+# %% ../nbs/00_helpers.ipynb #f1a2b3c1
+class ReplacedForward:
+    "A forward set on a module instance in place of its own, which `own_forward` still calls."
+    def __init__(self, module:nn.Module):
+        self.module, self.own = module, module.__dict__.get('forward')  # `own`: one set on the instance, or None
+
+    def own_forward(self, *args, **kwargs):
+        "The forward this one replaced: the instance's own, else the class's."
+        if self.own is not None: return self.own(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+def restore_forward(module:nn.Module, # a module whose forward a `kind` may have replaced
+                    kind:type, # the `ReplacedForward` subclass to undo
+                   ):
+    "Put back the forward `module` had before a `kind` replaced it (nothing if none did)."
+    f = module.__dict__.get('forward')
+    if not isinstance(f, kind): return
+    if f.own is not None: module.forward = f.own
+    else: del module.__dict__['forward']
+
 # %% ../nbs/00_helpers.ipynb #03bca2e2
 def split_batch(b, # a batch: a tensor, or a tuple/list of its elements
-                n_inp:int|None=None, # elements that are model inputs (default: all but the last; a lone element is an input)
+                n_inp:int|None=None, # elements that are model inputs (default: all but the last, or a lone one)
                ) -> tuple:
     "(model inputs, targets) of batch `b`, each a tuple."
     if isinstance(b, Tensor): return (b,), ()
@@ -331,7 +371,8 @@ from torch import Tensor
 
 # %% ../nbs/02_window.ipynb #6b430344
 def _check_count(name, value) -> int|None:
-    "`value` as a plain `int` (numpy integers too), or None; a bool, a float, a string or a count below 1 is refused, naming `name`."
+    "`value` as a plain `int` (numpy integers too), or None; anything else is refused, naming `name`."
+    # refused: a bool, a float, a string or a count below 1
     if value is None: return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -346,7 +387,7 @@ def window_full(n_step:int|None, n_acc:int|None, # the window's size: micro-batc
     return n_micro >= n_step if n_step is not None else n_seen >= n_acc
 
 class AccumulationWindow:
-    "Counts the micro-batches of a window, gives each its loss weight and the gradient correction at the step."
+    "Counts a window's micro-batches, gives each its loss weight and the gradient correction at the step."
     def __init__(self,
                  n_step:int|None=None, # micro-batches per optimizer step
                  n_acc:int|None=None,  # or: samples per optimizer step (the effective batch size)
@@ -374,7 +415,8 @@ class AccumulationWindow:
             raise ValueError(f"The micro-batch has {bs} samples, more than the effective batch n_acc={self.n_acc}: "
                              "lower the DataLoader's bs or raise n_acc")
         if self.ref is None: self.ref = self.n_acc if self.n_acc is not None else self.n_step * bs
-        self.n_micro += 1; self.n_seen += bs
+        self.n_micro += 1
+        self.n_seen += bs
         if loss is not None:
             self.loss_sum = self.loss_sum + loss.detach().float() * bs
             self.micro_losses.append(loss.detach())
@@ -405,12 +447,12 @@ class AccumulationWindow:
 
     @property
     def grad_correction(self) -> float:
-        "Factor for the accumulated gradients so they equal the mean over the `n_seen` samples actually in the window."
+        "Factor making the accumulated gradients the mean over the `n_seen` samples actually in the window."
         if self.loss_reduction == 'sum' or self.empty or self.n_seen == self.ref: return 1.
         return self.ref / self.n_seen
 
     def correction(self, group=None, device=None) -> float:
-        "`grad_correction` across processes: the factor that makes DDP's average of local gradients the global mean."
+        "`grad_correction` across processes: makes DDP's average of local gradients the global mean."
         world = world_size(group)
         if world == 1: return self.grad_correction
         if self.loss_reduction == 'sum': return float(world)  # DDP averages; a sum-reduced big batch sums
@@ -420,11 +462,12 @@ class AccumulationWindow:
 
     @property
     def loss(self) -> Tensor|None:
-        "Mean loss over the window's samples (what one big batch would report), `None` if nothing was recorded."
+        "Mean loss over the window's samples (what one big batch would report); `None` if none was recorded."
         return None if self.empty or not torch.is_tensor(self.loss_sum) else self.loss_sum / self.n_seen
 
     def nonfinite(self) -> int|None:
-        "The first micro-batch (from 0) whose loss is NaN or infinite, or None (one check of the window's loss, then a search)."
+        "The first micro-batch (from 0) whose loss is NaN or infinite, or None."
+        # one check of the window's loss, then a search
         if not torch.is_tensor(self.loss_sum) or bool(torch.isfinite(self.loss_sum).all()): return None
         return next((i for i, l in enumerate(self.micro_losses) if not bool(torch.isfinite(l).all())), None)
 
@@ -438,7 +481,8 @@ def validate_window_args(n_step, n_acc, partial):
 
 # %% ../nbs/02_window.ipynb #8472b5a9
 def loss_reduction(loss_func) -> str:
-    "The reduction of a torch, fastai or fastai v1 loss: 'sum' if it sums, else 'mean' (also when it does not say)."
+    "The reduction of a torch, fastai or fastai v1 loss: 'sum' if it sums, else 'mean'."
+    # 'mean' also when the loss does not say
     for f in (loss_func, getattr(loss_func, 'func', None)):
         r = getattr(f, 'reduction', None)
         if r is not None: return 'sum' if r == 'sum' else 'mean'
@@ -458,11 +502,15 @@ def commit_window(bns:list, # `AccumulateBatchNorm` layers
                   group=None, # process group whose pending statistics are merged first (default: the world)
                   merge:bool=True, # merge across processes first (False: this process's statistics alone)
                  ):
-    "Commit the pending statistics of every layer in `bns` (one momentum step each), merged across processes first."
+    "Commit the pending statistics of every layer in `bns`, merged across processes first."
+    # one momentum step each
     if not bns: return
-    local = [(st, bn) for bn in bns for st in [bn.pending] + bn.pending_more if not st.merged]  # the window policy's pre-pass statistics are merged already
-    if merge and world_size(group) > 1 and local:  # one all-gather for all layers; every process then commits identical statistics
-        all_reduce_stats([st for st, _ in local], [bn.num_features for _, bn in local], group, local[0][1].running_mean.device)
+    # the window policy's pre-pass statistics are merged already
+    local = [(st, bn) for bn in bns for st in [bn.pending] + bn.pending_more if not st.merged]
+    # one all-gather for all layers; every process then commits identical statistics
+    if merge and world_size(group) > 1 and local:
+        all_reduce_stats([st for st, _ in local], [bn.num_features for _, bn in local], group,
+                         local[0][1].running_mean.device)
     for bn in bns: bn.update_stats()
 
 def drop_window(bns:list):
@@ -471,7 +519,8 @@ def drop_window(bns:list):
 
 # %% ../nbs/02_window.ipynb #9dde4a43
 def batch_size(b) -> int:
-    "Samples in batch `b`: the first dimension of its first item, looking inside tuples, lists and dicts (as fastai's `find_bs`)."
+    "Samples in batch `b`: the first dimension of its first item, looking inside tuples, lists and dicts."
+    # as fastai's `find_bs`
     while not hasattr(b, 'shape'):
         if isinstance(b, dict): b = next(iter(b.values()))
         elif isinstance(b, (list, tuple)) and b: b = b[0]
@@ -486,7 +535,8 @@ def cat_batches(batches:list, # micro-batches, each a tuple (or list) of tensors
     batches = [tuple(b) for b in batches]
     if len(batches) == 1: return batches[0]
     sizes = {len(b) for b in batches}
-    if len(sizes) > 1: raise ValueError(f"cat_batches: micro-batches hold different numbers of elements {sorted(sizes)}")
+    if len(sizes) > 1:
+        raise ValueError(f"cat_batches: micro-batches hold different numbers of elements {sorted(sizes)}")
     out = []
     for i, parts in enumerate(zip(*batches)):
         bad = next((p for p in parts if not torch.is_tensor(p)), None)
@@ -497,15 +547,17 @@ def cat_batches(batches:list, # micro-batches, each a tuple (or list) of tensors
 
 # %% ../nbs/02_window.ipynb #6e8baaad
 def _micro_per_window(n_step:int|None, n_acc:int|None, bs:int|None) -> int:
-    "Micro-batches per window: `n_step`, or as many micro-batches of `bs` as reach `n_acc` samples (rounded up, as `WindowLoader` reads them)."
+    "Micro-batches per window: `n_step`, or as many micro-batches of `bs` as reach `n_acc` samples."
+    # rounded up, as `WindowLoader` reads them
     return n_step or max(1, math.ceil(n_acc / max(1, bs or 1)))
 
-def window_exceeds_epoch(loader, # the training loader (a fastai or PyTorch DataLoader, or any sized iterable of batches)
+def window_exceeds_epoch(loader, # the training loader (fastai or PyTorch DataLoader, or any sized iterable of batches)
                          n_step:int|None, n_acc:int|None, # the window
                          partial:str='step', # what happens to the incomplete window at the epoch's end
                          name:str='Accumulation', # who speaks
                         ) -> str|None:
-    "A warning when one window holds more than an epoch of `loader` (every epoch is one incomplete window, or none with partial='drop'); None otherwise or when the loader's size is unknown."
+    "A warning if one window holds more than an epoch of `loader`, else None (also for an unknown size)."
+    # in that case every epoch is one incomplete window (or none with partial='drop')
     try: n_batches = len(loader)
     except TypeError: return None
     bs = getattr(loader, 'bs', None) or getattr(loader, 'batch_size', None)
@@ -514,7 +566,8 @@ def window_exceeds_epoch(loader, # the training loader (a fastai or PyTorch Data
     if n_acc is not None and (n or n_batches * (bs or 1)) >= n_acc: return None
     what = f"n_step={n_step} micro-batches" if n_step is not None else f"n_acc={n_acc} samples"
     epoch = f"{n} samples in {n_batches} micro-batches" if n is not None else f"{n_batches} micro-batches"
-    then = "no optimizer step at all (partial='drop' drops it)" if partial == 'drop' else "one optimizer step per epoch, on that part"
+    then = ("no optimizer step at all (partial='drop' drops it)" if partial == 'drop'
+            else "one optimizer step per epoch, on that part")
     return f"{name}: one window ({what}) is more than an epoch ({epoch}): each epoch is part of one window, {then}"
 
 class WindowLoader:
@@ -524,7 +577,7 @@ class WindowLoader:
                  n_acc:int|None=None, # or: samples per window
                  exact:bool=False, # yield each window as one concatenated batch (the 'exact' policy)
                  partial:str='step', # with `exact`: 'drop' leaves out an incomplete last window
-                 inputs_on=None, # a device for each micro-batch's model inputs as it is read (a staged step's: host memory), or None
+                 inputs_on=None, # a device for each micro-batch's model inputs as it is read, or None
                  n_inp:int=1, # with `inputs_on`: elements of a batch that are model inputs
                 ):
         self.dl, self.n_step, self.n_acc, self.exact, self.partial, self.window = dl, n_step, n_acc, exact, partial, []
@@ -576,7 +629,8 @@ from fastcore.basics import patch
 # %% auto #0
 
 # %% ../nbs/01_batchnorm.ipynb #6839b6a1
-bn_policies = ('micro', 'running', 'frozen', 'window') # how a layer normalizes; the front ends' 'auto' chooses among 'exact', 'staged' and 'window'
+# how a layer normalizes; the front ends' 'auto' chooses among 'exact', 'staged' and 'window'
+bn_policies = ('micro', 'running', 'frozen', 'window')
 
 def _forward_is_known(cls) -> bool:
     "True if `cls`'s forward is a torch BatchNorm forward (we re-implement it exactly)."
@@ -588,7 +642,7 @@ def _check_policy(policy):
 
 # %% ../nbs/01_batchnorm.ipynb #111a3b45
 class GradPool:
-    "Per-channel sums of g and g*x_hat over the previous window and the current one, for the window-level backward."
+    "Per-channel sums of g and g*x_hat over the last and current windows, for the window-level backward."
     min_micro = 32 # values per channel in a micro-batch from which its own statistics project the gradient (see below)
     def __init__(self): self.prev, self.cur = None, None
 
@@ -611,11 +665,12 @@ class GradPool:
 
 # %% ../nbs/01_batchnorm.ipynb #4caa50be
 class WindowNormFunction(torch.autograd.Function):
-    "Normalize with fixed window statistics; backward projecting with the previous window's means (`layer.grad_pool`)."
+    "Normalize with fixed window statistics; backward projects with the previous window's means."
     @staticmethod
     def forward(ctx, x, weight, bias, mean, var, layer, pool=None):
         ctx.save_for_backward(x, weight, mean, var)
-        ctx.layer, ctx.pool = layer, pool if pool is not None else layer.grad_pool  # a layer called k times: one pool per call
+        # a layer called k times: one pool per call
+        ctx.layer, ctx.pool = layer, pool if pool is not None else layer.grad_pool
         return F.batch_norm(x, mean, var, weight, bias, False, 0., layer.eps)
 
     @staticmethod
@@ -639,7 +694,8 @@ class WindowNormFunction(torch.autograd.Function):
 
 # %% ../nbs/01_batchnorm.ipynb #50e7f4b8
 def _after_norm(m:nn.Module, x):
-    "The activation/dropout of timm-style norm-act layers (`drop`, `act` children of `m`), which their forward applies after BatchNorm."
+    "timm-style norm-act layer `m`'s activation/dropout (its `drop`, `act` children), applied to `x`."
+    # their forward applies these after BatchNorm
     for name in ('drop', 'act'):
         sub = m._modules.get(name)
         if sub is not None: x = sub(x)
@@ -648,7 +704,9 @@ def _after_norm(m:nn.Module, x):
 class AccumulateBatchNorm(_BatchNorm):
     "BatchNorm whose running statistics are committed once per accumulation window by `update_stats`."
     plain_class = _BatchNorm # the standard class this layer is the accumulating counterpart of
-    count_calls = False # the core counts this layer's calls per micro-batch (it resets `_call` before each): a layer called k times commits k steps
+    # the core counts this layer's calls per micro-batch (it resets `_call` before each): a layer called k times
+    # commits k steps
+    count_calls = False
 
     def __init__(self, *args,
                  policy:str='micro', # how training forwards normalize: one of `bn_policies`
@@ -658,11 +716,14 @@ class AccumulateBatchNorm(_BatchNorm):
 
     def _setup_accumulation(self, policy, layer_name=None):
         self.policy = policy
-        self.pending = ChannelStats()  # a plain attribute, never a buffer: nothing new in state_dict, nothing for DDP to broadcast
-        self.pending_more = []  # a layer called k times per forward ('window' policy): the window statistics of calls 2..k
+        # a plain attribute, never a buffer: nothing new in state_dict, nothing for DDP to broadcast
+        self.pending = ChannelStats()
+        # a layer called k times per forward ('window' policy): the window statistics of calls 2..k
+        self.pending_more = []
         self.layer_name = layer_name or type(self).__name__
         self._clear_window_state()
-        self.grad_pool, self._more_pools = GradPool(), []  # window-level backward statistics ('window' policy), per call
+        # window-level backward statistics ('window' policy), per call
+        self.grad_pool, self._more_pools = GradPool(), []
 
     def _clear_window_state(self):
         self.window_stats = None  # (mean, biased var) of this window's input, set by the pre-passes ('window' policy)
@@ -723,7 +784,8 @@ def _normalize_micro(self:AccumulateBatchNorm, x):
         "samples (drop_last=True on the DataLoader avoids a 1-sample last batch) or policy='running'.")
     group = self._sync_group(x)
     if group is not None:  # SyncBatchNorm across processes: normalize with all ranks' micro-batches, pool ours
-        out = sync_batch_norm.apply(x, self.weight, self.bias, None, None, self.eps, 0., group, dist.get_world_size(group))
+        out = sync_batch_norm.apply(x, self.weight, self.bias, None, None, self.eps, 0., group,
+                                    dist.get_world_size(group))
         self._pending_call().add(x)  # local moments: update_stats merges the ranks exactly (one extra pass over x)
         return out
     scratch = torch.zeros(2, self.num_features, device=x.device, dtype=self.running_mean.dtype)
@@ -734,13 +796,16 @@ def _normalize_micro(self:AccumulateBatchNorm, x):
     return out
 
 def _nth(items:list, i:int, make):
-    "`items[i]`, made with `make()` (and those before it) if the list is shorter: per-call state of a layer called several times."
+    "`items[i]`, made with `make()` (and those before it) if the list is shorter."
+    # per-call state of a layer called several times
     while len(items) <= i: items.append(make())
     return items[i]
 
 @patch
 def _pending_call(self:AccumulateBatchNorm) -> ChannelStats:
-    "The pending statistics of this call of the layer: the k-th call of a micro-batch's forward pools with the k-th calls of the window's others (calls are counted only where the core starts each micro-batch: `count_calls`)."
+    "The pending statistics of this call of the layer."
+    # the k-th call of a micro-batch's forward pools with the k-th calls of the window's others (calls are counted
+    # only where the core starts each micro-batch: `count_calls`)
     if not self.count_calls: return self.pending
     i, self._call = self._call, self._call + 1
     return self.pending if i == 0 else _nth(self.pending_more, i - 1, ChannelStats)
@@ -781,7 +846,8 @@ def _normalize_window(self:AccumulateBatchNorm, x):
 
 @patch
 def _next_call(self:AccumulateBatchNorm) -> tuple:
-    "(index of this call in the forward, the window statistics of every call): a layer called k times per forward cycles through k."
+    "(index of this call in the forward, the window statistics of every call)"
+    # a layer called k times per forward cycles through k
     calls = self.window_calls or [self.window_stats]
     i, self._call = self._call % len(calls), self._call + 1
     return i, calls
@@ -793,7 +859,7 @@ def _pool(self:AccumulateBatchNorm, i:int) -> GradPool:
 
 @patch
 def _renormalize(self:AccumulateBatchNorm, x, mean, var):
-    "Window normalization as Batch Renorm: micro-batch BN with r, d (constants) mapping it onto the window's statistics."
+    "Window normalization as Batch Renorm: micro-batch BN, constants r, d mapping it onto the window's."
     dims = [0] + list(range(2, x.dim()))
     with torch.no_grad():
         acc = torch.promote_types(x.dtype, torch.float32)  # at least float32, float64 stays float64
@@ -812,11 +878,13 @@ def _begin_prepass(self:AccumulateBatchNorm,
                    sync:bool=False, # merge each call's statistics across the processes of `group` before normalizing
                    group=None):
     self._prepass, self._prepass_sync, self._prepass_group = mode, sync, group
-    self._prepass_stats, self._chunk_stats, self._call = [], ChannelStats(), 0  # one `ChannelStats` per call of the layer
+    # `_prepass_stats`: one `ChannelStats` per call of the layer
+    self._prepass_stats, self._chunk_stats, self._call = [], ChannelStats(), 0
 
 @patch
 def _call_stats(self:AccumulateBatchNorm) -> ChannelStats:
-    "The pre-pass statistics of this call of the layer (the k-th call of a forward: the k-th); the next call gets the next."
+    "The pre-pass statistics of this call of the layer; the next call gets the next."
+    # the k-th call of a forward gets the k-th
     i, self._call = self._call, self._call + 1
     return _nth(self._prepass_stats, i, ChannelStats)
 
@@ -828,7 +896,8 @@ def _observe_prepass(self:AccumulateBatchNorm, x:Tensor):
 @patch
 @torch.no_grad()
 def _close_prepass(self:AccumulateBatchNorm, st:ChannelStats|None=None):
-    "This call has seen its whole window (`st`, default: the observed chunks): fix the statistics it normalizes with."
+    "This call has seen its whole window `st`: fix the statistics it normalizes with."
+    # `st` defaults to the observed chunks
     if st is None: st, self._chunk_stats = self._chunk_stats, ChannelStats()
     if self._prepass_sync:  # one small collective per layer call per window
         all_reduce_stats([st], [self.num_features], self._prepass_group, self.running_mean.device)
@@ -843,8 +912,10 @@ def _end_prepass(self:AccumulateBatchNorm):
     dt = self.running_mean.dtype
     self.window_calls = [(st.mean.to(dt), st.biased_var.to(dt)) for st in calls]
     self.window_stats = self.window_calls[0]
-    for st in calls: st.merged = self._prepass_sync  # already every process's window: the commit must not merge it again
-    self.pending, self.pending_more = calls[0], calls[1:]  # the pre-pass's statistics are the window's: update_stats commits them
+    # already every process's window: the commit must not merge it again
+    for st in calls: st.merged = self._prepass_sync
+    # the pre-pass's statistics are the window's: update_stats commits them
+    self.pending, self.pending_more = calls[0], calls[1:]
 
 @patch
 @torch.no_grad()
@@ -869,7 +940,8 @@ def _normalize_prepass(self:AccumulateBatchNorm, x):
 @patch
 @torch.no_grad()
 def update_stats(self:AccumulateBatchNorm):
-    "Commit the pending window to the running statistics: one momentum step per call of the layer in a forward, as BN on the whole window would."
+    "Commit the pending window to the running statistics, as BN on the whole window would."
+    # one momentum step per call of the layer in a forward
     calls, self.pending_more = [self.pending] + self.pending_more, []
     self.window_stats = self.window_calls = None  # a window's statistics never serve the next window
     for pool in [self.grad_pool] + self._more_pools: pool.roll()
@@ -886,13 +958,10 @@ def _commit(self:AccumulateBatchNorm, st:ChannelStats):
                          "Accumulate at least 2 samples per window.")
     if not bool(torch.isfinite(st.mean).all() & torch.isfinite(st.m2).all()):
         st.reset()
-        warnings.warn(f"{self.layer_name}: the window's statistics are not finite (a NaN or inf in its input): its running "
-                      "statistics are not updated for this window", RuntimeWarning)
+        warnings.warn(f"{self.layer_name}: the window's statistics are not finite (a NaN or inf in its input): "
+                      "its running statistics are not updated for this window", RuntimeWarning)
         return
-    self.num_batches_tracked.add_(1)
-    f = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-    for buf, new in ((self.running_mean, st.mean), (self.running_var, st.var)):
-        buf.copy_(buf.to(new.dtype) * (1 - f) + new.to(buf.device) * f)
+    momentum_step(self, st.mean, st.var)
     st.reset()
 
 @patch
@@ -905,7 +974,7 @@ def reset_stats(self:AccumulateBatchNorm):
 
 # %% ../nbs/01_batchnorm.ipynb #0755c075
 def bn_layers(model:nn.Module, accumulating:bool=False) -> list:
-    "All BatchNorm layers of `model` (only `AccumulateBatchNorm` ones if `accumulating`), in module order."
+    "All BatchNorm layers of `model` (only `AccumulateBatchNorm`s if `accumulating`), in module order."
     cls = AccumulateBatchNorm if accumulating else _BatchNorm
     return [m for m in model.modules() if isinstance(m, cls)]
 
@@ -915,19 +984,21 @@ def _has_stats(m) -> bool:
 
 # %% ../nbs/01_batchnorm.ipynb #62dd26b4
 def wrap_bn(model:nn.Module, # any model; its BatchNorm layers are changed in place
-            policy:str='micro', # how training forwards normalize, one of `bn_policies` (also set on already-wrapped layers)
+            policy:str='micro', # one of `bn_policies`: how training forwards normalize (also on already-wrapped layers)
            ) -> int:
-    "Make every BatchNorm layer of `model` an `AccumulateBatchNorm`, in place; returns how many it newly wrapped."
+    "Make every BatchNorm layer of `model` an `AccumulateBatchNorm`, in place; returns how many are new."
     _check_policy(policy)
     n_bn, n_new = 0, 0
     for name, m in model.named_modules():
         if not isinstance(m, _BatchNorm): continue
         n_bn += 1
-        if isinstance(m, AccumulateBatchNorm): m.policy = policy; continue
+        if isinstance(m, AccumulateBatchNorm):
+            m.policy = policy
+            continue
         cls = type(m)
         if not _forward_is_known(cls) and 'act' not in m._modules:
-            warnings.warn(f"wrap_bn: left {name or 'model'} ({cls.__name__}) unwrapped: it overrides forward() in a way "
-                          "fastai_accum does not know; its statistics will update per micro-batch.")
+            warnings.warn(f"wrap_bn: left {name or 'model'} ({cls.__name__}) unwrapped: it overrides forward() "
+                          "in a way fastai_accum does not know; its statistics will update per micro-batch.")
             continue
         # Same object, new class: parameters, buffers, hooks, device, dtype and state_dict keys all stay as they are
         m.__class__ = accumulating_class(cls)
@@ -937,23 +1008,23 @@ def wrap_bn(model:nn.Module, # any model; its BatchNorm layers are changed in pl
     return n_new
 
 _accumulation_state = ('_policy', 'pending', 'pending_more', 'layer_name', 'grad_pool', '_more_pools', 'window_stats',
-                       'window_calls', '_prepass', '_prepass_stats', '_chunk_stats', '_call', '_prepass_sync', '_prepass_group',
-                       'count_calls')  # what `_setup_accumulation` adds to a layer
+                       'window_calls', '_prepass', '_prepass_stats', '_chunk_stats', '_call', '_prepass_sync',
+                       '_prepass_group', 'count_calls')  # what `_setup_accumulation` adds to a layer
 
 def unwrap_layer(m:AccumulateBatchNorm):
-    "Turn the accumulating layer `m` back into its plain BatchNorm class, in place, leaving nothing of ours on it."
+    "Make accumulating layer `m` its plain BatchNorm class again, in place, leaving none of our state."
     m.__class__ = m.plain_class
     for attr in _accumulation_state: m.__dict__.pop(attr, None)
 
 def unwrap_bn(model:nn.Module) -> int:
-    "Turn every `AccumulateBatchNorm` of `model` back into its plain BatchNorm class, in place; returns how many."
+    "Turn every `AccumulateBatchNorm` of `model` back into its plain class, in place; returns how many."
     layers = bn_layers(model, accumulating=True)
     for m in layers: unwrap_layer(m)
     return len(layers)
 
 # %% ../nbs/01_batchnorm.ipynb #fc758225
 def update_bn_stats(model:nn.Module) -> int:
-    "Call `update_stats` on every `AccumulateBatchNorm` of `model`; returns how many had a pending window."
+    "Call `update_stats` on each `AccumulateBatchNorm` of `model`; returns how many had a pending window."
     layers = [m for m in bn_layers(model, accumulating=True) if m.pending.count]
     for m in layers: m.update_stats()
     return len(layers)
@@ -975,7 +1046,7 @@ def _nbytes(v) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(v))
 
 class ByteMeter:
-    "Bytes of the distinct storages of the values `hold` registered and `drop` did not release yet; tracks the peak."
+    "Bytes of the distinct storages `hold` registered and `drop` did not release yet; tracks the peak."
     def __init__(self): self.refs, self.live, self.peak = {}, 0, 0
     def _key(self, t): return (t.untyped_storage().data_ptr(), str(t.device))
     def hold(self, v):
@@ -996,7 +1067,8 @@ class ByteMeter:
 
 # %% ../nbs/00_meters.ipynb #e5b48933
 class _Saved:
-    "A saved tensor (detached: a saved output must not hold its own graph, or graph and tensor form a cycle gc cannot see)."
+    "A saved tensor, detached."
+    # detached: a saved output must not hold its own graph, or graph and tensor form a cycle gc cannot see
     __slots__ = ('t', 'key', 'meter')
     def __init__(self, t, key, meter): self.t, self.key, self.meter = t.detach(), key, meter
     def __del__(self): self.meter._release(self.key)
@@ -1016,7 +1088,7 @@ def _cast_of(t:torch.Tensor, keys:set) -> bool:
     return False
 
 class SavedTensorMeter:
-    "Live and peak bytes of the distinct storages autograd holds for backward, counted via saved-tensor hooks; `packed`: (bytes, first dimension, storage) of each tensor saved, one by one (what `save_on_cpu` copies); `packed_model`: the bytes of `exclude`'s tensors and their casts (autocast's weight copies), not counted as live."
+    "Live and peak bytes of the distinct storages autograd saves for backward, via saved-tensor hooks."
     def __init__(self, exclude:nn.Module|None=None, # a model whose parameters and buffers are not counted
                  record:bool=False, # keep `packed` (one entry per saved tensor: for a single forward, not a long run)
                 ):
@@ -1056,7 +1128,8 @@ class SavedTensorMeter:
 
     def __enter__(self):
         ts = [] if self.exclude is None else list(self.exclude.parameters()) + list(self.exclude.buffers())
-        self._skip = {_storage_key(t)[0] for t in ts if not isinstance(t, nn.parameter.UninitializedTensorMixin)}  # a lazy module's: none yet
+        self._skip = {_storage_key(t)[0] for t in ts
+                      if not isinstance(t, nn.parameter.UninitializedTensorMixin)}  # a lazy module's: none yet
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
@@ -1065,11 +1138,13 @@ class SavedTensorMeter:
 
 # %% ../nbs/00_meters.ipynb #fa4cb647
 class LayerMeter:
-    "Largest input + output bytes of one leaf module over the forwards run inside (`peak`): the working set of the biggest layer."
+    "Largest input + output bytes of one leaf module over the forwards run inside (`peak`)."
+    # `peak` is the working set of the biggest layer
     def __init__(self, model:nn.Module): self.model, self.peak, self._hooks = model, 0, []
     def _hook(self, m, inp, out): self.peak = max(self.peak, _nbytes(inp) + _nbytes(out))
     def __enter__(self):
-        self._hooks = [m.register_forward_hook(self._hook) for m in self.model.modules() if next(m.children(), None) is None]
+        self._hooks = [m.register_forward_hook(self._hook) for m in self.model.modules()
+                       if next(m.children(), None) is None]
         return self
     def __exit__(self, *exc):
         for h in self._hooks: h.remove()
@@ -1104,14 +1179,14 @@ class _LeafTracer(fx.Tracer):
 def trace_model(model:nn.Module, # the model to trace (not changed)
                 is_leaf, # `is_leaf(module) -> bool`: modules to keep as single nodes (e.g. BatchNorm layers)
                ) -> fx.Graph:
-    "The data flow of `model` as a torch.fx graph in which every `is_leaf` module is one `call_module` node."
+    "The data flow of `model` as a torch.fx graph where every `is_leaf` module is one `call_module` node."
     return _LeafTracer(is_leaf).trace(model)
 
 # %% ../nbs/00a_staged.ipynb #b7c1d2e1
 _traces = weakref.WeakKeyDictionary()  # model -> torch.fx graph with every BatchNorm a leaf, or why tracing failed
 
 def bn_graph(model:nn.Module) -> fx.Graph|str:
-    "`model` traced by torch.fx with every BatchNorm layer a leaf (cached per model), or why it cannot be."
+    "`model` traced by torch.fx with every BatchNorm a leaf (cached per model), or why it cannot be."
     if model not in _traces:
         try: _traces[model] = trace_model(model, lambda m: isinstance(m, _BatchNorm))
         except Exception as e:
@@ -1124,7 +1199,8 @@ def _one_line(e:BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())}".rstrip(': ')
 
 def untraceable_reason(model:nn.Module) -> str|None:
-    "Why the staged pre-pass cannot run on `model` (torch.fx could not trace it), in one line; None if it can (or was never asked)."
+    "Why the staged pre-pass cannot run on `model` (torch.fx could not trace it), in one line, or None."
+    # None if it can (or was never asked)
     why = _traces.get(model)
     if not isinstance(why, str): return None
     return (f"torch.fx cannot trace {type(model).__name__} ({why}); its pre-pass runs the whole window in one forward: "
@@ -1132,11 +1208,11 @@ def untraceable_reason(model:nn.Module) -> str|None:
 
 # %% ../nbs/00a_staged.ipynb #d0e418b2
 class StagedGraph:
-    "A traced model cut at its barrier nodes, to run a window of samples chunk by chunk, one stage at a time."
+    "A traced model cut at its barrier nodes, to run a window chunk by chunk, one stage at a time."
     def __init__(self,
                  model:nn.Module, # the traced model (its modules are called, not copied)
                  graph:fx.Graph,  # `trace_model(model, ...)`, every barrier module a leaf
-                 is_barrier, # `is_barrier(module) -> bool`: modules that must see the whole window's input before any output
+                 is_barrier, # `is_barrier(module) -> bool`: modules needing the whole window's input before output
                 ):
         self.model, self.graph = model, graph
         self.modules = dict(model.named_modules())
@@ -1147,7 +1223,9 @@ class StagedGraph:
         needed, stack = set(), list(bar)
         while stack:
             n = stack.pop()
-            if n not in needed: needed.add(n); stack.extend(n.all_input_nodes)
+            if n not in needed:
+                needed.add(n)
+                stack.extend(n.all_input_nodes)
         self.nodes = [n for n in nodes if n in needed and n.op not in ('placeholder', 'get_attr')]
         pos = {n: i for i, n in enumerate(self.nodes)}
         self.barriers = [pos[n] for n in bar]
@@ -1177,11 +1255,11 @@ class StagedGraph:
             chunks:list, # the window's inputs, chunk by chunk: each a tuple of model inputs
             observe, # `observe(module, x)`: one chunk of a barrier's input (all chunks, in order, before `close`)
             close, # `close(module)`: the barrier has seen its whole window; it runs on the chunks after this
-            store=None, # device for the values that live across a barrier (e.g. 'cpu' for a CUDA model); None: left in place
-            meter:ByteMeter|None=None, # counts the activations a stage holds on the device (values kept across barriers excepted)
+            store=None, # device for values living across a barrier (e.g. 'cpu' for a CUDA model); None: left in place
+            meter:ByteMeter|None=None, # counts a stage's activations on the device (not values kept across barriers)
             stored:ByteMeter|None=None, # counts the values kept across barriers (in `store`)
            ):
-        "Compute every node once per sample; each barrier `observe`s all chunks of its input and `close`s before it runs."
+        "Run every node once per sample; a barrier `observe`s every chunk of its input, `close`s, then runs."
         kept = [dict() for _ in chunks]  # per chunk: values a later stage needs
         ends = self.barriers + [len(self.nodes)]
         start = 0
@@ -1219,7 +1297,7 @@ class StagedGraph:
                 xb:tuple, # one batch of model inputs
                 meter:ByteMeter|None=None, # counts the activations held, freed after their last use
                ):
-        "A plain forward through the nodes (up to the last barrier), as the model's own forward would run them."
+        "A plain forward through the nodes (up to the last barrier), as the model's own forward runs them."
         env = {}
         for i, n in enumerate(self.nodes):
             env[n] = v = self._run_node(n, env, xb)
@@ -1232,7 +1310,8 @@ class StagedGraph:
     def measure(self,
                 xb:tuple, # one batch of model inputs
                ) -> tuple[int, int]:
-        "Peak activation bytes of a plain forward of `xb` and of `xb` run as one staged chunk, in the model's current mode (eval mode changes no state)."
+        "Peak activation bytes of a plain forward of `xb` and of `xb` run as one staged chunk."
+        # in the model's current mode (eval mode changes no state)
         whole, stage = ByteMeter(), ByteMeter()
         self.forward(xb, whole)
         self.run([xb], lambda m, x: None, lambda m: None, meter=stage)
@@ -1256,12 +1335,16 @@ import torch.distributed as dist
 
 # %% ../nbs/01a_prepass.ipynb #b7202dc1
 def _chunks(xbs:list, chunk:int|None) -> list:
-    "Regroup micro-batch inputs (tuples of tensors) into concatenated chunks of at most `chunk` samples (None: one)."
+    "Regroup micro-batch inputs (tuples of tensors) into concatenated chunks of at most `chunk` samples."
+    # `chunk` None: one chunk
     if chunk is None: chunk = sum(xb[0].shape[0] for xb in xbs)
     out, cur, n = [], [], 0
     for xb in xbs:
-        if cur and n + xb[0].shape[0] > chunk: out.append(cur); cur, n = [], 0
-        cur.append(xb); n += xb[0].shape[0]
+        if cur and n + xb[0].shape[0] > chunk:
+            out.append(cur)
+            cur, n = [], 0
+        cur.append(xb)
+        n += xb[0].shape[0]
     if cur: out.append(cur)
     return [tuple(torch.cat(ts) for ts in zip(*c)) if len(c) > 1 else c[0] for c in out]
 
@@ -1273,12 +1356,12 @@ _plans = weakref.WeakKeyDictionary()   # model -> {(input shapes, dtype, memory)
 _last_run = weakref.WeakKeyDictionary() # model -> what the last `window_prepasses` did
 
 def _saved_bytes(model, xb) -> int:
-    "Bytes autograd saves for backward in one forward of `xb` (distinct storages, parameters and buffers excluded)."
+    "Bytes autograd saves in one forward of `xb` (distinct storages, parameters and buffers excluded)."
     with torch.enable_grad(), SavedTensorMeter(exclude=model) as meter: model(*xb)  # the output is dropped at once
     return meter.peak
 
 class PrepassPlan:
-    "How `window_prepasses` runs a model's pre-pass within a memory budget, from one micro-batch's measured sizes."
+    "How `window_prepasses` runs a model's pre-pass within a memory budget, measured on one micro-batch."
     def __init__(self, model, xb, memory=None):
         self.bs = xb[0].shape[0]
         self.graph = bn_graph(model)
@@ -1315,13 +1398,14 @@ class PrepassPlan:
     def __repr__(self): return f'{type(self).__name__}({self.describe()})'
 
 def _largest_activation(model, xb) -> int:
-    "Largest leaf-module input + output in one forward: a lower bound on what a forward holds (untraceable models)."
+    "Largest leaf-module input + output in one forward: a lower bound on what a forward holds."
+    # for models torch.fx cannot trace
     with LayerMeter(model) as layers: model(*xb)
     return layers.peak
 
 def prepass_plan(model:nn.Module, # a model with `AccumulateBatchNorm` layers
                  xb:tuple, # one micro-batch of model inputs (sizes are measured on it)
-                 memory:int|None=None, # bytes the pre-pass may hold on the device (default: what training holds at this micro-batch)
+                 memory:int|None=None, # device bytes the pre-pass may hold (default: training's, at this micro-batch)
                 ) -> PrepassPlan:
     "The pre-pass plan of `model` for micro-batches shaped like `xb` (measured once, then cached)."
     key = (tuple((tuple(t.shape[1:]), t.dtype, str(t.device)) for t in xb if isinstance(t, Tensor)), memory,
@@ -1331,7 +1415,7 @@ def prepass_plan(model:nn.Module, # a model with `AccumulateBatchNorm` layers
     return plans[key]
 
 def prepass_info(model:nn.Module) -> dict|None:
-    "What the last `window_prepasses` on `model` did: mode, chunk, samples, and measured bytes when it was metered."
+    "What the last `window_prepasses` on `model` did: mode, chunk, samples, bytes (when metered)."
     return _last_run.get(model)
 
 # %% ../nbs/01a_prepass.ipynb #713d978c
@@ -1340,11 +1424,11 @@ def window_prepasses(model:nn.Module, # a model with `AccumulateBatchNorm` layer
                      xbs:list, # the window's micro-batch inputs, each a tuple of model inputs
                      chunk:int|None=None, # samples per chunk of a staged pre-pass (default: chosen within `memory`)
                      group=None, # under data parallelism: the process group whose windows make one (default: the world)
-                     memory:int|None=None, # bytes the pre-pass may hold on the device (default: what training holds at the micro-batch)
-                     store=None, # where a staged pre-pass keeps values across BatchNorm layers (default: 'cpu' for an accelerator)
+                     memory:int|None=None, # device bytes the pre-pass may hold (default: training's at the micro-batch)
+                     store=None, # where a staged pre-pass keeps values across BN layers (default 'cpu' on accelerators)
                      meter:bool=False, # count the activation bytes of the run (`prepass_info`)
                     ) -> int:
-    "One exact no-grad pre-pass that gives every 'window' layer its window statistics; returns how many layers."
+    "One exact no-grad pre-pass giving each 'window' layer its window statistics; returns their count."
     layers = [m for m in bn_layers(model, accumulating=True) if _window_layer(m) and m.training]
     if not layers or not xbs: return 0
     sync = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
@@ -1378,7 +1462,8 @@ def _prepass_mode(model, layers, xbs, chunk, memory) -> tuple:
     return mode, chunk, sg
 
 def _run_prepass(model, xbs, mode, chunk, sg, store, meter, info):
-    "The pre-pass forward(s): the whole window at once, or staged over chunks; the activation bytes into `info` if `meter`."
+    "The pre-pass forward(s): the whole window at once, or staged over chunks."
+    # with `meter`, the activation bytes go into `info`
     if mode == 'whole':
         xb = _chunks(xbs, None)[0]
         if meter: info['device_bytes'] = _metered_forward(model, xb)
@@ -1390,7 +1475,8 @@ def _run_prepass(model, xbs, mode, chunk, sg, store, meter, info):
     if meter: info.update(device_bytes=dm.peak, stored_bytes=hm.peak)
 
 def _metered_forward(model, xb) -> int:
-    "Run `model(*xb)`; the peak activation bytes of the forward (traced: from the graph's liveness; else leaf modules)."
+    "Run `model(*xb)`; the peak activation bytes of the forward."
+    # traced: from the graph's liveness; else from the leaf modules
     graph = bn_graph(model)
     if isinstance(graph, str): return _largest_activation(model, xb)
     bm = ByteMeter()
@@ -1399,9 +1485,10 @@ def _metered_forward(model, xb) -> int:
 
 # %% ../nbs/01a_prepass.ipynb #e0cc0a8b
 def _treatment(m, n:int, training:bool=True) -> tuple[str, str]:
-    "(forward, backward) of layer `m` for a micro-batch with `n` values per channel, when it is in training mode or not."
+    "(forward, backward) of layer `m` at `n` values per channel per micro-batch, in training mode or not."
     if not training: return 'running stats (frozen: eval mode)', 'none through the stats'
-    if not isinstance(m, AccumulateBatchNorm): return f'micro-batch stats ({n} values), stats updated per micro-batch', 'micro-batch'
+    if not isinstance(m, AccumulateBatchNorm):
+        return f'micro-batch stats ({n} values), stats updated per micro-batch', 'micro-batch'
     if m.policy == 'micro': return f'micro-batch stats ({n} values)', 'micro-batch'
     if m.policy in ('running', 'frozen'): return 'running stats', 'none through the stats'
     return 'window stats', 'micro-batch, mapped to the window' if n >= GradPool.min_micro else "previous window's means"
@@ -1411,7 +1498,8 @@ def bn_preflight(model:nn.Module, # the model (its state is not changed: the for
                  window:int|None=None, # samples per window, to name the pre-pass mode chosen for it ('window' policy)
                  memory:int|None=None, # the pre-pass's memory cap in bytes, as given to `window_prepasses`
                 ):
-    "A table of the model's BatchNorm layers: values per channel per micro-batch, risk, what the policy does, and how the pre-pass runs."
+    "A table of the model's BatchNorm layers: values per channel per micro-batch, risk, policy, pre-pass."
+    # per layer: what its policy does (forward, backward) and how the pre-pass runs
     plan = prepass_plan(model, xb, memory) if any(_window_layer(m) and m.training for m in bn_layers(model)) else None
     prepass = plan.describe(window) if plan is not None else '-'
     names = {mod: name for name, mod in model.named_modules()}
@@ -1426,15 +1514,16 @@ def bn_preflight(model:nn.Module, # the model (its state is not changed: the for
                          prepass=prepass if _window_layer(mod) and modes[mod] else '-'))
     for mod in bn_layers(model): hooks.append(mod.register_forward_pre_hook(hook))
     try:
-        model.eval()  # shapes are all we need: eval mode touches no statistics
-        with torch.no_grad(): model(*xb)
+        with modes_kept(model), torch.no_grad():
+            model.eval()  # shapes are all we need: eval mode touches no statistics
+            model(*xb)
     finally:
         for h in hooks: h.remove()
-        for mod, mode in modes.items(): mod.training = mode
     return PreflightTable(rows)
 
 class PreflightTable(pd.DataFrame):
-    "`bn_preflight`'s table: a DataFrame that prints in full, every column and row (a DataFrame's own print cuts a wide table to '...')."
+    "`bn_preflight`'s table: a DataFrame that prints in full, every column and row."
+    # a DataFrame's own print cuts a wide table to '...'
     _metadata = []
     @property
     def _constructor(self): return PreflightTable
@@ -1456,11 +1545,13 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, tree_map
 
 # %% ../nbs/02b_staged_exact.ipynb #47a3cd82
 def _is_barrier(m) -> bool:
-    "A BatchNorm layer that normalizes with batch statistics (training, or without running statistics): it couples samples."
+    "A BatchNorm layer that normalizes with batch statistics (training, or without running statistics)."
+    # it couples samples
     return isinstance(m, _BatchNorm) and (m.training or m.running_mean is None)
 
 def _plain(t):
-    "`t` as a plain `Tensor` (a subclass such as fastai's `TensorImage` would make every op dispatch through it)."
+    "`t` as a plain `Tensor`."
+    # a subclass such as fastai's `TensorImage` would make every op dispatch through it
     return t.as_subclass(Tensor) if isinstance(t, Tensor) and type(t) is not Tensor else t
 
 def _rng_state(dev):
@@ -1470,19 +1561,22 @@ def _set_rng_state(state, dev):
     torch.set_rng_state(state[0])
     if state[1] is not None: torch.cuda.set_rng_state(state[1], dev)
 
-def _same_state(a, b) -> bool: return all(x is y or (x is not None and y is not None and torch.equal(x, y)) for x, y in zip(a, b))
+def _same_state(a, b) -> bool:
+    return all(x is y or (x is not None and y is not None and torch.equal(x, y)) for x, y in zip(a, b))
 
 # %% ../nbs/02b_staged_exact.ipynb #b87c84e1
 class StagedStep(StagedGraph):
-    "The big batch's forward and backward over a window, stage by stage (a stage ends at a training BatchNorm layer) and chunk by chunk."
-    grow = True  # stages that bring in fewer bytes per sample run in larger chunks (False: every stage in chunks of `chunk`)
+    "The big batch's forward and backward over a window, stage by stage and chunk by chunk."
+    # a stage ends at a training BatchNorm layer
+    # stages that bring in fewer bytes per sample run in larger chunks (False: every stage in chunks of `chunk`)
+    grow = True
     local = False  # this process's window alone: no collective under DDP (the check on the user's model)
     _said_random = False  # the warning that chunked stages drew random numbers was given
     pin = False  # the host store is pinned (a model on CUDA, kept values in host memory)
     def __init__(self,
                  model:nn.Module, # the model (called through its modules; nothing is copied)
                  graph:fx.Graph, # its torch.fx graph with every BatchNorm layer a leaf (`bn_graph`)
-                 store=None, # device for the values kept between stages and their gradients (None: where they are computed)
+                 store=None, # device for the values kept between stages and their gradients (None: where computed)
                 ):
         self.model, self.graph, self.store = model, graph, store
         self.modules = dict(model.named_modules())
@@ -1507,16 +1601,22 @@ class StagedStep(StagedGraph):
         outs = set(self.output.all_input_nodes)
         self.stage_in = [[n for n in owner if n in reads[s]] for s in range(len(self.stages))]
         self.stage_out = [[self.nodes[i] for i in idx if owner[self.nodes[i]] == s and
-                           (self.nodes[i] in outs or any(self.nodes[i] in r for r in reads[s + 1:]))] for s, idx in enumerate(self.stages)]
+                           (self.nodes[i] in outs or any(self.nodes[i] in r for r in reads[s + 1:]))]
+                          for s, idx in enumerate(self.stages)]
         self.stage_params = [_params_of(self, [self.nodes[i] for i in idx]) for idx in self.stages]
         opens = [self.nodes[idx[0]] for idx in self.stages[1:]] + [None]  # the barrier that ends each stage
-        self.reads_input = [any(n.op == 'placeholder' for n in self.stage_in[s]) or (b is not None and b.args[0].op == 'placeholder')
+        self.reads_input = [any(n.op == 'placeholder' for n in self.stage_in[s])
+                            or (b is not None and b.args[0].op == 'placeholder')
                             for s, b in enumerate(opens)]  # only these stages copy the window's inputs to the device
-        self.sizes = {}  # nodes holding the batch's size: 'int' (`x.size(0)`, `len(x)`) or 'shape' (`x.shape`, batch first)
+        # nodes holding the batch's size: 'int' (`x.size(0)`, `len(x)`) or 'shape' (`x.shape`, batch first)
+        self.sizes = {}
         for n in self.nodes: _size_kind(n, self.sizes)
 
 def _recomputing(self, s:int, owner:dict) -> list:
-    "Stage `s`'s node indices, with the nodes of earlier stages it reads that are computed from parameters and constants alone (`w = self.scale.exp()`) computed again after its BatchNorm: their gradients then reach the parameters from every stage that uses them."
+    "Stage `s`'s node indices, plus the parameter-only nodes of earlier stages it reads, recomputed."
+    # the nodes of earlier stages it reads that are computed from parameters and constants alone
+    # (`w = self.scale.exp()`) are computed again after its BatchNorm: their gradients then reach the parameters from
+    # every stage that uses them
     pos = {n: i for i, n in enumerate(self.nodes)}
     own, need = self.stages[s], set()
     stack = [a for i in own for a in self.nodes[i].all_input_nodes if owner.get(a, s) < s and a not in self.from_input]
@@ -1530,7 +1630,8 @@ def _recomputing(self, s:int, owner:dict) -> list:
 StagedStep._recomputing = _recomputing
 
 def _size_kind(n, sizes:dict):
-    "Note in `sizes` whether node `n` holds the batch's size: `x.size(0)`, `len(x)` ('int'), `x.shape`, `x.size()` or a slice of them from the front ('shape')."
+    "Note in `sizes` whether node `n` holds the batch's size: 'int' or 'shape'."
+    # 'int': `x.size(0)`, `len(x)`; 'shape': `x.shape`, `x.size()` or a slice of them from the front
     f, args = n.target, n.args
     if n.op == 'call_method' and f == 'size':
         dim = args[1] if len(args) > 1 else n.kwargs.get('dim')
@@ -1539,12 +1640,13 @@ def _size_kind(n, sizes:dict):
     elif n.op == 'call_function' and f is len: kind = 'int'
     elif n.op == 'call_function' and f is operator.getitem and sizes.get(args[0]) == 'shape':
         i = args[1]
-        kind = 'int' if i == 0 else 'shape' if isinstance(i, slice) and i.start in (None, 0) and i.step in (None, 1) else None
+        kind = ('int' if i == 0 else 'shape' if isinstance(i, slice) and i.start in (None, 0) and i.step in (None, 1)
+                else None)
     else: kind = None
     if kind: sizes[n] = kind
 
 def _params_of(self, nodes:list) -> list:
-    "The parameters `nodes` use: those of the modules they call and the parameters they read (`get_attr`), once each."
+    "The parameters `nodes` use, once each: their modules' and those they read (`get_attr`)."
     found = {}
     for n in nodes:
         if n.op == 'call_module': found.update((id(p), p) for p in self.modules[n.target].parameters())
@@ -1554,11 +1656,14 @@ def _params_of(self, nodes:list) -> list:
 
 # %% ../nbs/02b_staged_exact.ipynb #97042fc2
 def _run_stage(self, s:int, env:dict, xb:tuple, grad:bool):
-    "Run stage `s` of one chunk on `env`; the BatchNorm that opens it normalizes with the window's statistics (one fused op; its input a leaf of its own if `grad`, returned)."
+    "Run stage `s` of one chunk on `env`; the BatchNorm opening it normalizes with window statistics."
+    # that BatchNorm is one fused op; its input is a leaf of its own if `grad`, returned
     leaf = None
     for i in self.stages[s]:
         n = self.nodes[i]
-        if i != self.stages[s][0] or s == 0: env[n] = _plain(self._run_node(n, env, xb)); continue
+        if i != self.stages[s][0] or s == 0:
+            env[n] = _plain(self._run_node(n, env, xb))
+            continue
         m = self.modules[n.target]
         x = self._value(n.args[0], env, xb)
         if grad: x = leaf = x.detach().requires_grad_(True)  # its gradient: BatchNorm's with the statistics held fixed
@@ -1567,16 +1672,19 @@ def _run_stage(self, s:int, env:dict, xb:tuple, grad:bool):
     return leaf
 
 def _xb(self, a:int, b:int, dev, grad:bool=False, s:int|None=None) -> tuple:
-    "Samples a:b of the window's inputs (which may wait in host memory) on `dev`; for a backward, a chunk of their own; none for a stage `s` that does not read them."
+    "Samples a:b of the window's inputs (which may wait in host memory) on `dev`."
+    # for a backward, a chunk of their own; none for a stage `s` that does not read them
     if s is not None and not self.reads_input[s]: return ()
-    return tuple((t[a:b].clone() if grad and t.device == dev else _to(t[a:b], dev)) if isinstance(t, Tensor) else t for t in self.xb)
+    return tuple((t[a:b].clone() if grad and t.device == dev else _to(t[a:b], dev)) if isinstance(t, Tensor) else t
+                 for t in self.xb)
 
 def _chunk(self, n, a:int, b:int, dev) -> Tensor:
     "Samples a:b of node `n`'s value (kept between stages, or a model input) on `dev`."
     return self._value(n, {}, self._xb(a, b, dev)) if n.op == 'placeholder' else _to(self.kept[n][a:b], dev)
 
 def _stage_inputs(self, s:int, a:int, b:int, dev, grad:bool=False) -> dict:
-    "Samples a:b of the values stage `s` reads from earlier stages, on `dev` (leaves that collect gradients if `grad`)."
+    "Samples a:b of the values stage `s` reads from earlier stages, on `dev`."
+    # leaves that collect gradients if `grad`
     env = {}
     for n in self.stage_in[s]:
         if n.op == 'placeholder': continue
@@ -1586,13 +1694,15 @@ def _stage_inputs(self, s:int, a:int, b:int, dev, grad:bool=False) -> dict:
     return env
 
 def _kept_chunk(self, key, a:int, b:int, dev, grad:bool) -> Tensor:
-    "Samples a:b of the kept tensor `key` on `dev`; for a backward, a leaf of its own that collects its gradient."
+    "Samples a:b of the kept tensor `key` on `dev`; for a backward, a leaf collecting its gradient."
     v = _to(self.kept[key][a:b], dev)
-    if grad and v.device == self.kept[key].device: v = v.clone()  # a chunk of its own, as on an accelerator: the store stays out of the graph
+    # a chunk of its own, as on an accelerator: the store stays out of the graph
+    if grad and v.device == self.kept[key].device: v = v.clone()
     return v.detach().requires_grad_(v.is_floating_point()) if grad else v
 
 def _struct(self, n, a:int, b:int, tensor) -> object:
-    "Node `n`'s container value (a tuple, list or dict holding batch tensors) for samples a:b, its batch tensors from `tensor((n, i))`."
+    "Node `n`'s container value (a tuple, list or dict holding batch tensors) for samples a:b."
+    # its batch tensors from `tensor((n, i))`
     spec, idx = self.structs[n]
     leaves = list(self._carried(n, a, b))
     for i in idx: leaves[i] = tensor((n, i))
@@ -1603,20 +1713,23 @@ def _keys(self, n) -> list:
     return [(n, i) for i in self.structs[n][1]] if n in self.structs else [n]
 
 def _struct_keys(self, n, v) -> list:
-    "[(key, tensor)] of the batch tensors in node `n`'s value `v`: (`n`, v) for a tensor, ((`n`, i), leaf) for a container's."
+    "[(key, tensor)] of the batch tensors in node `n`'s value `v`."
+    # (`n`, v) for a tensor, ((`n`, i), leaf) for a container's
     if n not in self.structs: return [(n, v)] if isinstance(v, Tensor) else []
     leaves, _ = tree_flatten(v)
     return [((n, i), leaves[i]) for i in self.structs[n][1]]
 
 def _keep(self, d:dict, n, v:Tensor, a:int, b:int, add:bool=False):
     "Samples a:b of node `n`'s value (or, `add`, gradient) into the window-sized `d[n]`, in `store`."
-    if n not in d: d[n] = (torch.zeros if add else torch.empty)((self.W,) + v.shape[1:], dtype=v.dtype, device=self.store or v.device,
-                                                               pin_memory=self.pin)
+    if n not in d: d[n] = (torch.zeros if add else torch.empty)((self.W,) + v.shape[1:], dtype=v.dtype,
+                                                               device=self.store or v.device, pin_memory=self.pin)
     if add: d[n][a:b] += _to(v, d[n].device)  # read on the host: a synchronous copy
-    else: d[n][a:b].copy_(v, non_blocking=self.pin)  # into pinned memory, read back only by copies queued after this one
+    else: d[n][a:b].copy_(v, non_blocking=self.pin)  # into pinned memory, read back only by copies queued after it
 
 def _hold(self, n, v, a:int, b:int):
-    "Keep node `n`'s value of samples a:b for later stages: a tensor of the batch window-sized in `store`; any other value (`torch.Size`, an int, a tuple, None, a constant tensor) as it is, per chunk."
+    "Keep node `n`'s value of samples a:b for later stages."
+    # a tensor of the batch window-sized in `store`; any other value (`torch.Size`, an int, a tuple, None, a constant
+    # tensor) as it is, per chunk
     if self._batched(n, v, a, b): return self._keep(self.kept, n, v, a, b)
     if isinstance(v, (list, tuple, dict)):  # a container of batch tensors (a namedtuple of outputs, a list of features)
         leaves, spec = tree_flatten(v)
@@ -1628,11 +1741,11 @@ def _hold(self, n, v, a:int, b:int):
     self.carried.setdefault(n, {})[a, b] = v
 
 def _batched(self, n, v, a:int, b:int) -> bool:
-    "Is `v`, a value of node `n` on samples a:b, a tensor of the batch (computed from the inputs, one row per sample)?"
+    "Is `v`, node `n`'s value on samples a:b, a batch tensor: from the inputs, one row per sample?"
     return isinstance(v, Tensor) and n in self.from_input and v.dim() > 0 and v.shape[0] == b - a
 
 def _carried(self, n, a:int, b:int):
-    "Node `n`'s value that is not a batch tensor, for samples a:b: that chunk's, or the one every chunk gave."
+    "Node `n`'s non-batch-tensor value for samples a:b: that chunk's, or the one every chunk gave."
     vals = self.carried[n]
     if (a, b) in vals: return vals[a, b]
     first = next(iter(vals.values()))
@@ -1640,15 +1753,18 @@ def _carried(self, n, a:int, b:int):
     if kind == 'int': return b - a
     if kind == 'shape': return type(first)((b - a,) + tuple(first[1:]))
     if all(_same(v, first) for v in vals.values()): return first
-    forms = [_form(v, e - s) for (s, e), v in vals.items()]  # values that differ only by multiples of their chunk's size (`x.size(0) * 5`)
+    # values that differ only by multiples of their chunk's size (`x.size(0) * 5`)
+    forms = [_form(v, e - s) for (s, e), v in vals.items()]
     if all(_same(f, forms[0]) for f in forms): return _filled(forms[0], b - a)
-    raise RuntimeError(f"staged exact: {n.name} (a {type(first).__name__}) differs from chunk to chunk and is read by a stage chunked otherwise")
+    raise RuntimeError(f"staged exact: {n.name} (a {type(first).__name__}) differs from chunk to chunk "
+                       "and is read by a stage chunked otherwise")
 
 class _Sized(int):
     "Where a value held `k` times its chunk's size."
 
 def _form(v, n:int):
-    "`v` with every int that is a multiple k of the chunk size `n` (in tuples, lists, `torch.Size`) marked as `_Sized(k)`."
+    "`v` with every int that is a multiple k of the chunk size `n` marked as `_Sized(k)`."
+    # ints in tuples, lists and `torch.Size` too
     if isinstance(v, int) and not isinstance(v, bool): return _Sized(v // n) if n and v % n == 0 else v
     if isinstance(v, (tuple, list)): return (type(v), tuple(_form(x, n) for x in v))
     return v
@@ -1656,7 +1772,8 @@ def _form(v, n:int):
 def _filled(form, n:int):
     "The value of `form` (`_form`) for a chunk of `n` samples."
     if isinstance(form, _Sized): return int(form) * n
-    if isinstance(form, tuple) and len(form) == 2 and isinstance(form[0], type): return form[0](_filled(x, n) for x in form[1])
+    if isinstance(form, tuple) and len(form) == 2 and isinstance(form[0], type):
+        return form[0](_filled(x, n) for x in form[1])
     return form
 
 def _same(u, v) -> bool:
@@ -1665,19 +1782,30 @@ def _same(u, v) -> bool:
     try: return bool(u == v)
     except Exception: return False
 
-StagedStep._run_stage = _run_stage; StagedStep._xb = _xb; StagedStep._chunk = _chunk; StagedStep._stage_inputs = _stage_inputs; StagedStep._keep = _keep
-StagedStep._hold = _hold; StagedStep._carried = _carried; StagedStep._batched = _batched; StagedStep._kept_chunk = _kept_chunk
-StagedStep._struct = _struct; StagedStep._struct_keys = _struct_keys; StagedStep._keys = _keys
+StagedStep._run_stage = _run_stage
+StagedStep._xb = _xb
+StagedStep._chunk = _chunk
+StagedStep._stage_inputs = _stage_inputs
+StagedStep._keep = _keep
+StagedStep._hold = _hold
+StagedStep._carried = _carried
+StagedStep._batched = _batched
+StagedStep._kept_chunk = _kept_chunk
+StagedStep._struct = _struct
+StagedStep._struct_keys = _struct_keys
+StagedStep._keys = _keys
 
 # %% ../nbs/02b_staged_exact.ipynb #b06b8998
 def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
             chunk:int, # samples per chunk
            ) -> Tensor:
-    "The model's output for the window, computed stage by stage without a graph; BatchNorm running statistics committed once."
+    "The model's output for the window, computed stage by stage without a graph."
+    # BatchNorm running statistics committed once
     self._plan()
     self.xb = tuple(_plain(t) for t in xb)
     self.W, dev = self.xb[0].shape[0], _device(self.model, self.xb)
-    self.pin = self.store is not None and torch.device(self.store).type == 'cpu' and dev.type != 'cpu' and can_pin()  # a pinned host store
+    # a pinned host store
+    self.pin = self.store is not None and torch.device(self.store).type == 'cpu' and dev.type != 'cpu' and can_pin()
     self.autocast = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
     self.kept, self.carried, self.structs, self.rng, self.stats, self.count, self.spans = {}, {}, {}, {}, {}, {}, []
     self.random_chunked = []  # stages that drew random numbers chunk by chunk
@@ -1685,7 +1813,8 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
     for s in range(len(self.stages)):
         per = sum(self._kept_bytes(n) if n in self.kept or n in self.carried else per_input * self.W
                   for n in self.stage_in[s]) / self.W  # bytes a sample brings in
-        c = min(self.W, max(chunk, int(chunk * per_input // max(per, 1)) if self.grow else chunk))  # as many bytes in as a micro-batch's input
+        # as many bytes in as a micro-batch's input
+        c = min(self.W, max(chunk, int(chunk * per_input // max(per, 1)) if self.grow else chunk))
         self.spans.append([(a, min(a + c, self.W)) for a in range(0, self.W, c)])
         self._stage_forward(s, dev)
     if self.random_chunked: self._say_random()
@@ -1697,7 +1826,8 @@ def _kept_bytes(self, n) -> int:
     return sum(_nbytes(self.kept[n, i]) for i in self.structs[n][1]) if n in self.structs else 0
 
 def _stage_forward(self, s:int, dev):
-    "Run stage `s` over the window chunk by chunk, without a graph; keep what later stages (and the output) read. The last stage reruns in one chunk if it draws random numbers (dropout): its masks are then the big batch's."
+    "Run stage `s` over the window chunk by chunk, no graph; keep what later stages and the output read."
+    # the last stage reruns in one chunk if it draws random numbers (dropout): its masks are then the big batch's
     bar = self.nodes[self.stages[s + 1][0]] if s + 1 < len(self.stages) else None
     st = ChannelStats()
     for a, b in self.spans[s]:
@@ -1718,18 +1848,21 @@ def _say_random(self):
     "Warn once that some stages drew their random numbers (dropout masks) chunk by chunk."
     if self._said_random: return
     self._said_random = True
-    where = ', '.join(f"after {self.nodes[self.stages[s][0]].target}" if s else "before the first BatchNorm" for s in self.random_chunked)
-    warnings.warn(f"staged exact: random ops (dropout, drop-path) in chunked stages ({where}) draw their masks chunk by chunk: "
-                  "equal in distribution to the big batch's, not in value. Everything else is the big batch's step.", stacklevel=2)
+    where = ', '.join(f"after {self.nodes[self.stages[s][0]].target}" if s else "before the first BatchNorm"
+                      for s in self.random_chunked)
+    warnings.warn(f"staged exact: random ops (dropout, drop-path) in chunked stages ({where}) "
+                  "draw their masks chunk by chunk: equal in distribution to the big batch's, not in value. "
+                  "Everything else is the big batch's step.", stacklevel=2)
 
 def _device(model:nn.Module, xb:tuple) -> torch.device:
-    "Where `model` computes: its parameters' (or buffers') device; the inputs' for a model without either."
+    "Where `model` computes: its parameters' (or buffers') device, else the inputs'."
     t = next(iter(model.parameters()), None)
     if t is None: t = next(iter(model.buffers()), None)
     return t.device if t is not None else next(x for x in xb if isinstance(x, Tensor)).device
 
 def _output(self, dev):
-    "The window's output, as the model returns it (a tensor, or a dict, tuple or list of them: torchvision's segmentation models), on `dev`."
+    "The window's output on `dev`, as the model returns it (a tensor, or a dict, tuple or list of them)."
+    # a dict, tuple or list: torchvision's segmentation models
     def value(n):
         if not isinstance(n, fx.Node): return n
         if n in self.kept: return _to(self.kept[n], dev)
@@ -1739,38 +1872,43 @@ def _output(self, dev):
     return _plain_containers(map_aggregate(self.output.args[0], value))
 
 def _plain_containers(o):
-    "`o` with torch.fx's immutable dicts and lists turned into plain ones, as the model's own forward returns them."
+    "`o` with torch.fx's immutable dicts and lists made plain, as the model's own forward returns them."
     if isinstance(o, dict): return {k: _plain_containers(v) for k, v in o.items()}
-    if isinstance(o, tuple) and hasattr(o, '_fields'): return type(o)(*(_plain_containers(v) for v in o))  # a namedtuple
+    if isinstance(o, tuple) and hasattr(o, '_fields'):  # a namedtuple
+        return type(o)(*(_plain_containers(v) for v in o))
     if isinstance(o, (list, tuple)): return (list if isinstance(o, list) else tuple)(_plain_containers(v) for v in o)
     return o
 
 @torch.no_grad()
 def _close(self, bar, st:ChannelStats):
-    "Barrier node `bar` has seen its window (under DDP: the union of the processes' windows, one collective): fix the statistics it normalizes with, commit its module's running statistics as BatchNorm on that batch does (once per call of the module)."
+    "Barrier node `bar` has seen its window: fix its statistics, commit its module's running statistics."
+    # its window: under DDP the union of the processes' windows (one collective); the statistics are those it normalizes
+    # with, and the running statistics are committed as BatchNorm on that batch does (once per call of the module)
     m = self.modules[bar.target]
     if world_size() > 1 and not self.local: all_reduce_stats([st], [m.num_features])
-    if st.count < 2: raise ValueError(f"Expected more than 1 value per channel when training, got {st.count} in the window "
-                                      f"at {bar.target} ({type(m).__name__}): a 1-sample window has no batch statistics")
+    if st.count < 2:
+        raise ValueError(f"Expected more than 1 value per channel when training, got {st.count} in the window "
+                         f"at {bar.target} ({type(m).__name__}): a 1-sample window has no batch statistics")
     dt = m.weight.dtype if m.weight is not None else st.mean.dtype
     mean, var = st.mean.to(dt), st.biased_var.to(dt)
     self.stats[bar], self.count[bar] = (mean, var, torch.rsqrt(var + m.eps)), st.count
     if not (m.training and m.track_running_stats): return
     if not bool(torch.isfinite(st.mean).all() & torch.isfinite(st.m2).all()):
-        warnings.warn(f"staged exact: {bar.target}'s window statistics are not finite (a NaN or inf in its input): its running "
-                      "statistics are not updated for this window", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"staged exact: {bar.target}'s window statistics are not finite (a NaN or inf in its input): "
+                      "its running statistics are not updated for this window", RuntimeWarning, stacklevel=3)
         return
-    m.num_batches_tracked.add_(1)
-    f = 1.0 / float(m.num_batches_tracked) if m.momentum is None else m.momentum
-    m.running_mean.mul_(1 - f).add_(mean.to(m.running_mean.dtype) * f)
-    m.running_var.mul_(1 - f).add_(st.var.to(m.running_var.dtype) * f)
+    momentum_step(m, st.mean, st.var)
 
-StagedStep.forward = _forward; StagedStep._output = _output; StagedStep._close = _close
-StagedStep._stage_forward = _stage_forward; StagedStep._say_random = _say_random; StagedStep._kept_bytes = _kept_bytes
+StagedStep.forward = _forward
+StagedStep._output = _output
+StagedStep._close = _close
+StagedStep._stage_forward = _stage_forward
+StagedStep._say_random = _say_random
+StagedStep._kept_bytes = _kept_bytes
 
 # %% ../nbs/02b_staged_exact.ipynb #1494d3bf
-def _backward(self, grad, # the gradient of the loss with respect to the window's output (shaped as the output: a tensor, a dict of them, ...)
-              params:list|None=None, # parameters whose gradients to return (default: every trainable one, added to its `.grad`)
+def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shaped as the output: a tensor, a dict, ...)
+              params:list|None=None, # parameters to return gradients of (default: all trainable, added to `.grad`)
              ) -> list:
     "Back-propagate through the window: the big batch's gradient of each of `params`."
     own = params is None
@@ -1782,17 +1920,22 @@ def _backward(self, grad, # the gradient of the loss with respect to the window'
     for s in reversed(range(len(self.stages))):
         bar = self.nodes[self.stages[s][0]] if s > 0 else None
         outs = [n for n in self.stage_out[s] if any(k in grads for k in self._keys(n))]
-        fixed, sums = {}, None  # the barrier's input gradient with its statistics held fixed (window-sized, in `store`); Σ g, Σ g·x̂
-        used = [index[id(p)] for p in self.stage_params[s] if id(p) in index]  # autograd asked only for this stage's parameters
+        # the barrier's input gradient with its statistics held fixed (window-sized, in `store`); Σ g, Σ g·x̂
+        fixed, sums = {}, None
+        # autograd asked only for this stage's parameters
+        used = [index[id(p)] for p in self.stage_params[s] if id(p) in index]
         for a, b in self.spans[s]:
             env = self._stage_inputs(s, a, b, dev, grad=True)
             with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []), torch.enable_grad(), autocast:
                 _set_rng_state(self.rng[s, a], dev)
                 leaf = self._run_stage(s, env, self._xb(a, b, dev, grad=True, s=s), grad=True)
             self._check_carried(s, env)
-            pairs = [(t, _to(grads[k][a:b], dev)) for n in outs for k, t in self._struct_keys(n, env[n]) if k in grads and t.requires_grad]
-            leaves = [(k, t) for n in self.stage_in[s] if n in env for k, t in self._struct_keys(n, env[n]) if t.requires_grad]
-            got = self._grads(pairs, [t for _, t in leaves] + ([leaf] if leaf is not None else []), params, pgrads, used)
+            pairs = [(t, _to(grads[k][a:b], dev)) for n in outs for k, t in self._struct_keys(n, env[n])
+                     if k in grads and t.requires_grad]
+            leaves = [(k, t) for n in self.stage_in[s] if n in env for k, t in self._struct_keys(n, env[n])
+                      if t.requires_grad]
+            got = self._grads(pairs, [t for _, t in leaves] + ([leaf] if leaf is not None else []), params, pgrads,
+                              used)
             for (k, _), g in zip(leaves, got):
                 if g is not None: self._keep(grads, k, g, a, b, add=True)
             if bar is not None:
@@ -1808,18 +1951,20 @@ def _backward(self, grad, # the gradient of the loss with respect to the window'
     return pgrads
 
 def _check_carried(self, s:int, env:dict):
-    "A value carried as it is (not a batch tensor) that needs a gradient cannot pass one back across a stage: refuse."
+    "A carried value (not a batch tensor) needing a gradient cannot pass one back across a stage: refuse."
     for n in self.stage_out[s]:
         if n not in self.carried: continue
         kept = set(self.structs[n][1]) if n in self.structs else set()
         leaves, _ = tree_flatten(env[n])
         if any(isinstance(t, Tensor) and t.requires_grad and i not in kept for i, t in enumerate(leaves)):
-            raise RuntimeError(f"staged exact: {n.name}, a tensor computed from parameters alone, is read across a BatchNorm "
-                               "layer: its gradient cannot be carried back")
+            raise RuntimeError(f"staged exact: {n.name}, a tensor computed from parameters alone, is read across "
+                               "a BatchNorm layer: its gradient cannot be carried back")
 
 def _output_grads(self, grad) -> dict:
-    "{output node: its window's gradient}, from `grad` shaped as the model's output (a node returned twice: summed)."
-    keys = map_aggregate(self.output.args[0], lambda n: self._struct(n, 0, self.W, _Key) if n in self.structs else _Key(n))
+    "{output node: its window's gradient}, from `grad` shaped as the model's output."
+    # a node returned twice: its gradients summed
+    keys = map_aggregate(self.output.args[0],
+                         lambda n: self._struct(n, 0, self.W, _Key) if n in self.structs else _Key(n))
     keys, _ = tree_flatten(_plain_containers(keys))
     gs, _ = tree_flatten(grad)
     grads = {}
@@ -1828,13 +1973,15 @@ def _output_grads(self, grad) -> dict:
     return grads
 
 class _Key:
-    "A key of `grads` (a node, or (node, i) for a container's i-th tensor), kept whole where pytree flattens."
+    "A key of `grads` (a node, or (node, i) for a container's i-th tensor), whole where pytree flattens."
     def __init__(self, key): self.key = key
 
 def _grads(self, pairs:list, leaves:list, params:list, pgrads:list, used:list) -> list:
-    "Gradients of `leaves` from one chunk's stage (None where unused); those of `params[i]` for `i` in `used` added to `pgrads` (no `.grad` is touched)."
+    "Gradients of `leaves` from one chunk's stage (None where unused)."
+    # those of `params[i]` for `i` in `used` are added to `pgrads` (no `.grad` is touched)
     if not pairs or not (leaves or used): return [None] * len(leaves)
-    got = torch.autograd.grad([t for t, _ in pairs], leaves + [params[i] for i in used], [g for _, g in pairs], allow_unused=True)
+    got = torch.autograd.grad([t for t, _ in pairs], leaves + [params[i] for i in used], [g for _, g in pairs],
+                              allow_unused=True)
     for i, g in zip(used, got[len(leaves):]):
         if g is not None: pgrads[i] = g if pgrads[i] is None else pgrads[i] + g
     return list(got[:len(leaves)])
@@ -1847,7 +1994,9 @@ def _xhat(self, bar, x:Tensor) -> Tensor:
 
 @torch.no_grad()
 def _window_sums(self, bar, x:Tensor, g:Tensor, sums:Tensor|None) -> Tensor:
-    "`sums` plus one chunk's per-channel Σ g and Σ g·x̂ (g: the input gradient with the statistics held fixed), in at least float32 as BatchNorm's own backward: an fp16 sum over a window of scaled gradients overflows."
+    "`sums` plus one chunk's per-channel Σ g and Σ g·x̂, in at least float32."
+    # g: the input gradient with the statistics held fixed; at least float32 as BatchNorm's own backward: an fp16 sum
+    # over a window of scaled gradients overflows
     dims, acc = [0] + list(range(2, x.dim())), torch.promote_types(g.dtype, torch.float32)
     g = g.to(acc)
     part = torch.stack([g.sum(dims), (g * self._xhat(bar, x.to(acc))).sum(dims)])
@@ -1855,38 +2004,50 @@ def _window_sums(self, bar, x:Tensor, g:Tensor, sums:Tensor|None) -> Tensor:
 
 @torch.no_grad()
 def _project(self, s:int, bar, fixed:Tensor, sums:Tensor, grads:dict):
-    "BatchNorm's exact backward at `bar`, chunk by chunk: dx = g - (Σ g + x̂ Σ g·x̂) / n over the window (under DDP: over all processes' windows)."
-    if world_size() > 1 and not self.local: dist.all_reduce(sums)  # one collective per layer, as SyncBatchNorm's backward
+    "BatchNorm's exact backward at `bar`, chunk by chunk: dx = g - (Σ g + x̂ Σ g·x̂) / n over the window."
+    # under DDP the window is all processes' windows: one collective per layer, as SyncBatchNorm's backward
+    if world_size() > 1 and not self.local: dist.all_reduce(sums)
     dev, n = sums.device, self.count[bar]
     shape = [1, -1] + [1] * (fixed.dim() - 2)
     s1, s2 = (sums / n).unbind(0)
     for a, b in self.spans[s]:
-        xh = self._xhat(bar, self._chunk(bar.args[0], a, b, dev).to(sums.dtype))  # in the sums' (at least float32) precision
+        # in the sums' (at least float32) precision
+        xh = self._xhat(bar, self._chunk(bar.args[0], a, b, dev).to(sums.dtype))
         g = _to(fixed[a:b], dev)
         dx = (g.to(sums.dtype) - s1.view(shape) - xh * s2.view(shape)).to(g.dtype)
         self._keep(grads, bar.args[0], dx, a, b, add=True)
 
-StagedStep.backward = _backward; StagedStep._grads = _grads; StagedStep._output_grads = _output_grads; StagedStep._check_carried = _check_carried; StagedStep._xhat = _xhat
-StagedStep._window_sums = _window_sums; StagedStep._project = _project
+StagedStep.backward = _backward
+StagedStep._grads = _grads
+StagedStep._output_grads = _output_grads
+StagedStep._check_carried = _check_carried
+StagedStep._xhat = _xhat
+StagedStep._window_sums = _window_sums
+StagedStep._project = _project
 
 # %% ../nbs/02b_staged_exact.ipynb #23d35454
 class _StagedFunction(torch.autograd.Function):
-    "The staged step as one autograd node: its inputs are the window's model inputs and the trainable parameters, whose gradients its backward returns (so each parameter's gradient arrives once per window, as DDP's reducer expects)."
+    "The staged step as one autograd node over the window's model inputs and the trainable parameters."
+    # its backward returns the parameters' gradients, so each parameter's gradient arrives once per window, as DDP's
+    # reducer expects
     @staticmethod
     def forward(ctx, step, chunk, n_x, *inputs):
-        # the parameters themselves, not saved tensors: a saved-tensor hook (`save_on_cpu`, a memory meter) would hand back
-        # new objects, and the backward finds each parameter's gradient by identity
+        # the parameters themselves, not saved tensors: a saved-tensor hook (`save_on_cpu`, a memory meter) would
+        # hand back new objects, and the backward finds each parameter's gradient by identity
         ctx.step, ctx.n_x, ctx.params = step, n_x, inputs[n_x:]
-        leaves, ctx.spec = tree_flatten(step.forward(inputs[:n_x], chunk))  # the output's tensors, each an output of this node
+        # the output's tensors, each an output of this node
+        leaves, ctx.spec = tree_flatten(step.forward(inputs[:n_x], chunk))
         ctx.where = [i for i, v in enumerate(leaves) if isinstance(v, Tensor)]
         ctx.leaves = [None if isinstance(v, Tensor) else v for v in leaves]
-        step.out_spec, step.out_where, step.out_leaves = ctx.spec, ctx.where, ctx.leaves  # to rebuild the output around this node's
+        # to rebuild the output around this node's
+        step.out_spec, step.out_where, step.out_leaves = ctx.spec, ctx.where, ctx.leaves
         return tuple(leaves[i] for i in ctx.where)
     @staticmethod
     def backward(ctx, *grads):
         leaves = list(ctx.leaves)
         for i, g in zip(ctx.where, grads): leaves[i] = g
-        return (None, None, None) + (None,) * ctx.n_x + tuple(ctx.step.backward(tree_unflatten(leaves, ctx.spec), ctx.params))
+        return ((None, None, None) + (None,) * ctx.n_x
+                + tuple(ctx.step.backward(tree_unflatten(leaves, ctx.spec), ctx.params)))
 
 def _rebuilt(ctx_out:tuple, step) -> object:
     "The model's output structure around the tensors the staged node returned."
@@ -1894,56 +2055,58 @@ def _rebuilt(ctx_out:tuple, step) -> object:
     for i, t in zip(step.out_where, ctx_out): leaves[i] = t
     return tree_unflatten(leaves, step.out_spec)
 
-class StagedForward:
-    "A model's `forward` that trains a window as the big batch, staged; the model's own forward when it does not train."
+class StagedForward(ReplacedForward):
+    "A model's `forward` training a window as the big batch, staged; the model's own when not training."
     def __init__(self, model:nn.Module, # a model torch.fx can trace
                  chunk:int, # samples per chunk
-                 store=None, # where values kept between stages live (default: host memory for a model on an accelerator)
-                 autocast=None, # callable returning the autocast context training runs in (a wrapper such as Accelerate's is replaced)
+                 store=None, # where values kept between stages live (default: the host, for a model on an accelerator)
+                 autocast=None, # callable giving training's autocast context (replaces a wrapper such as Accelerate's)
                 ):
         graph = bn_graph(model)
         if isinstance(graph, str): raise ValueError(f"staged exact: {untraceable_reason(model)}")
         dev = next(model.parameters()).device
+        super().__init__(model)  # `own`: a forward set on the instance (Accelerate's autocast wrapper), put back after
         self.model, self.chunk, self.autocast = model, chunk, autocast
-        self.own = model.__dict__.get('forward')  # a forward set on the instance (Accelerate's autocast wrapper): put back on uninstall
-        self.fp32 = _converts_to_fp32(self.own)  # Accelerate's mixed precision returns float32 outputs: so does the staged step
+        # Accelerate's mixed precision returns float32 outputs: so does the staged step
+        self.fp32 = _converts_to_fp32(self.own)
         self.step = StagedStep(model, graph, store if store is not None or not is_accelerator(dev) else 'cpu')
     def __call__(self, *xb, **kwargs):
         if kwargs or not (self.model.training and torch.is_grad_enabled()):
-            return self.own(*xb, **kwargs) if self.own is not None else type(self.model).forward(self.model, *xb, **kwargs)
+            return self.own_forward(*xb, **kwargs)
         params = [p for p in self.model.parameters() if p.requires_grad]
         with self.autocast() if self.autocast is not None else nullcontext():
             out = _rebuilt(_StagedFunction.apply(self.step, self.chunk, len(xb), *xb, *params), self.step)
         return tree_map(_fp32, out) if self.fp32 else out
-    def __reduce__(self):  # a model pickled mid-fit (`torch.save(learn.model)`) keeps its own forward, loadable without this package
+    # a model pickled mid-fit (`torch.save(learn.model)`) keeps its own forward, loadable without this package
+    def __reduce__(self):
         return (getattr, (self.model, 'forward')) if self.own is None else (copy.copy, (self.own,))
 
 def _converts_to_fp32(f) -> bool:
-    "Does the forward `f` set on a model (Accelerate's mixed-precision wrapper, a class or a closure by version) return its outputs in float32?"
+    "Does forward `f`, set on a model, return float32 outputs (Accelerate's mixed-precision wrapper)?"
+    # the wrapper is a class or a closure, by Accelerate version
     g = getattr(f, '__func__', f)
-    return type(g).__name__ == 'ConvertOutputsToFp32' or getattr(g, '__qualname__', '').startswith('convert_outputs_to_fp32')
+    return (type(g).__name__ == 'ConvertOutputsToFp32'
+            or getattr(g, '__qualname__', '').startswith('convert_outputs_to_fp32'))
 
 def _fp32(t): return t.float() if isinstance(t, Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t
 
 def install_staged(model:nn.Module, chunk:int, store=None, autocast=None) -> StagedForward:
-    "Make `model` train each batch as a staged exact step in chunks of `chunk` (until `uninstall_staged`)."
+    "Make `model` train each batch as a staged exact step, chunks of `chunk` (until `uninstall_staged`)."
     uninstall_staged(model)
     model.forward = f = StagedForward(model, chunk, store, autocast)
     return f
 
 def uninstall_staged(model:nn.Module):
-    "The forward `model` had before `install_staged` (its class's, or the one set on the instance before)."
-    f = model.__dict__.get('forward')
-    if not isinstance(f, StagedForward): return
-    if f.own is not None: model.forward = f.own
-    else: del model.__dict__['forward']
+    "Put back the forward `model` had before `install_staged` (its class's, or one set on the instance)."
+    restore_forward(model, StagedForward)
 
 # %% ../nbs/02b_staged_exact.ipynb #71214177
 def _perturbed(xb:tuple) -> tuple:
     "Other samples of the same shapes: float inputs scaled and shifted, others as they are."
     return tuple(t * 1.5 + 0.25 if isinstance(t, Tensor) and t.is_floating_point() else t for t in xb)
 
-def _cat(a:tuple, b:tuple) -> tuple: return tuple(torch.cat([x, y]) if isinstance(x, Tensor) else x for x, y in zip(a, b))
+def _cat(a:tuple, b:tuple) -> tuple:
+    return tuple(torch.cat([x, y]) if isinstance(x, Tensor) else x for x, y in zip(a, b))
 
 def _grown_dim(a:tuple, b:tuple) -> int|None:
     "The dimension (the batch's, wherever a permute put it) that shape `b` doubles of shape `a`, or None."
@@ -1957,43 +2120,56 @@ def _close_values(x:Tensor, y:Tensor) -> bool:
     return bool(((x - y).abs().max() <= tol * x.abs().max().clamp_min(1e-30)).item()) if x.numel() else True
 
 def _mixes(x:Tensor, y:Tensor, random:bool) -> bool:
-    "Does the value `y` (on the batch plus as many other samples) show that the op mixed samples, `x` being its value on the batch? (`random`: it changes from run to run, only its shape says.)"
+    "Does the op's value `y` on the batch plus as many other samples show that it mixed samples?"
+    # `x`: its value on the batch; `random`: the value changes from run to run, only its shape says
     d = _grown_dim(x.shape, y.shape)
     if random: return d is None and x.shape != y.shape
-    if d is None: return x.shape != y.shape or not torch.equal(x, y)  # not per sample: it must not change with other samples
-    return not _close_values(x, y.narrow(d, 0, x.shape[d]))  # per sample: the batch's own samples must keep their values
+    # not per sample: it must not change with other samples
+    if d is None: return x.shape != y.shape or not torch.equal(x, y)
+    # per sample: the batch's own samples must keep their values
+    return not _close_values(x, y.narrow(d, 0, x.shape[d]))
 
 @torch.no_grad()
 def _node_values(step:StagedStep, xb:tuple, stats:dict) -> tuple:
-    "(every node's value on batch `xb`; the nodes whose values are random). Training BatchNorm layers normalize per sample, with the statistics in `stats` (filled from this batch where missing): values keep their scale, and no sample reaches another. Nothing in the model changes."
+    "(every node's value on batch `xb`; the nodes whose values are random); nothing in the model changes."
+    # training BatchNorm layers normalize per sample, with the statistics in `stats` (filled from this batch where
+    # missing): values keep their scale, and no sample reaches another
     env, seen, random, dev = {}, {}, set(), _device(step.model, xb)
     for n in step.nodes:
         state = _rng_state(dev)
-        if n.op == 'call_module' and _is_barrier(m := step.modules[n.target]): env[n] = _fixed_norm(m, step._value(n.args[0], env, xb), stats, n)
+        if n.op == 'call_module' and _is_barrier(m := step.modules[n.target]):
+            env[n] = _fixed_norm(m, step._value(n.args[0], env, xb), stats, n)
         else: env[n] = _plain(step._run_node(n, env, xb))
-        seen[n] = env[n].clone() if isinstance(env[n], Tensor) else env[n]  # as computed: a later in-place op (dropout) changes `env`'s
-        if not _same_state(state, _rng_state(dev)) or 'empty' in str(n.target):  # it drew random numbers, or holds garbage
+        # as computed: a later in-place op (dropout) changes `env`'s
+        seen[n] = env[n].clone() if isinstance(env[n], Tensor) else env[n]
+        # it drew random numbers, or holds garbage
+        if not _same_state(state, _rng_state(dev)) or 'empty' in str(n.target):
             random.add(n)
-            if n.op == 'call_method' and n.target.endswith('_') and isinstance(n.args[0], fx.Node): random.add(n.args[0])  # filled in place
+            if n.op == 'call_method' and n.target.endswith('_') and isinstance(n.args[0], fx.Node):
+                random.add(n.args[0])  # filled in place
         elif any(a in random for a in n.all_input_nodes): random.add(n)
     return seen, random
 
 def _fixed_norm(m:_BatchNorm, x:Tensor, stats:dict, n) -> Tensor:
-    "BatchNorm `m` on `x` with the statistics `stats[n]` (the batch's own the first time): the same affine map for every batch."
+    "BatchNorm `m` on `x` with the statistics `stats[n]` (the batch's own the first time)."
+    # the same affine map for every batch
     if n not in stats:
         dims = [0] + list(range(2, x.dim()))
-        stats[n] = (x.mean(dims), x.var(dims, correction=0)) if x.shape[0] * x[0, 0].numel() > 1 else (x.mean(dims), torch.ones_like(x.mean(dims)))
+        stats[n] = ((x.mean(dims), x.var(dims, correction=0)) if x.shape[0] * x[0, 0].numel() > 1
+                    else (x.mean(dims), torch.ones_like(x.mean(dims))))
     return _after_norm(m, F.batch_norm(x, *stats[n], m.weight, m.bias, False, 0., m.eps))
 
 def samples_mixed(model:nn.Module, # a model torch.fx can trace, in the modes it trains in
                   xb:tuple, # one micro-batch of its inputs
                  ) -> str|None:
-    "The first op outside BatchNorm whose output mixes samples (other samples change the batch's own values), or None."
+    "The first op outside BatchNorm whose output mixes samples, or None."
+    # mixing samples: other samples change the batch's own values
     graph = bn_graph(model)
     if isinstance(graph, str): return None
     step = StagedStep(model, graph)
     xb = tuple(_plain(t) for t in xb)
-    a = xb if xb[0].shape[0] >= 2 else _cat(xb, _perturbed(xb))  # at least 2 samples: a `squeeze()` keeps the batch dimension
+    # at least 2 samples: a `squeeze()` keeps the batch dimension
+    a = xb if xb[0].shape[0] >= 2 else _cat(xb, _perturbed(xb))
     b = _cat(a, _perturbed(a))
     dev = a[0].device
     with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []):
@@ -2008,7 +2184,8 @@ def samples_mixed(model:nn.Module, # a model torch.fx can trace, in the modes it
 
 # %% ../nbs/02b_staged_exact.ipynb #5b1e0c22
 def _check_copy(model:nn.Module, dtype, device) -> nn.Module:
-    "A copy of `model` whose parameters and buffers are cloned straight to `device` in `dtype` (floating ones): never a second copy where the model lives."
+    "A copy of `model`, its parameters and buffers cloned straight to `device`, floating ones in `dtype`."
+    # never a second copy where the model lives
     memo = {}
     for t in itertools.chain(model.parameters(), model.buffers()):
         c = t.detach().to(device, dtype if t.is_floating_point() else t.dtype, copy=True)
@@ -2016,7 +2193,8 @@ def _check_copy(model:nn.Module, dtype, device) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 def _hold_random(model:nn.Module, xb:tuple):
-    "Put the innermost modules whose training forward draws random numbers (dropout, drop-path) in eval mode, found on one no-grad training forward of `model` (the check's copy: its buffers change)."
+    "Put the innermost modules whose training forward draws random numbers in eval mode; returns them."
+    # (dropout, drop-path), found on one no-grad training forward of `model` (the check's copy: its buffers change)
     drew, before, dev = [], {}, _device(model, xb)
     def pre(m, args): before[m] = _rng_state(dev)
     def post(m, args, out):
@@ -2031,7 +2209,8 @@ def _hold_random(model:nn.Module, xb:tuple):
     return inner
 
 def _one_step(model:nn.Module, xb:tuple, chunk:int|None=None) -> tuple:
-    "(output, gradients, buffers) by name after one training step of `model` on `xb` from torch seed 0, plain or staged in chunks of `chunk` (every stage, no collective)."
+    "(output, gradients, buffers) by name after one training step of `model` on `xb` from torch seed 0."
+    # plain, or staged in chunks of `chunk` (every stage, no collective)
     f = None
     if chunk:
         f = install_staged(model, chunk)
@@ -2047,7 +2226,8 @@ def _one_step(model:nn.Module, xb:tuple, chunk:int|None=None) -> tuple:
     for p in model.parameters(): p.grad = None
     return [o.detach() for o in _tensors(out)], grads, {n: b.clone() for n, b in model.named_buffers()}
 
-_check_tol = {torch.float64: (1e-8, 1e-11), torch.float32: (5e-3, 1e-4)}  # (relative, absolute as a fraction of the largest value)
+# (relative, absolute as a fraction of the largest value)
+_check_tol = {torch.float64: (1e-8, 1e-11), torch.float32: (5e-3, 1e-4)}
 
 def _first_diff(ref:dict, got:dict, dtype) -> tuple|None:
     "(name, relative difference) of the first tensor in `got` not within tolerance of `ref`, or None."
@@ -2070,36 +2250,48 @@ def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothi
                   memory:int|None=None, # host bytes the check's copy of the model may take (None: no limit)
                   saved:float=0., # bytes a sample's training forward saves (`Footprint.saved`), to size the copy
                  ) -> tuple:
-    "(why the staged step is not the big batch on `model`, or None; what was checked): one step on a window of 4 of `xb`'s samples, plain and staged in chunks of 2, on a copy in host memory."
+    "(why the staged step is not the big batch on `model`, or None; what was checked)."
+    # one step on a window of 4 of `xb`'s samples, plain and staged in chunks of 2, on a copy in host memory
     dt = _check_dtype(model, memory, saved)
     if dt is None: return None, "not checked: a copy of the model does not fit in host memory"
     x = tuple(_plain(t) for t in xb)
     while x[0].shape[0] < 4: x = _cat(x, _perturbed(x))
     x = tuple(t[:4].to('cpu', dt if t.is_floating_point() else t.dtype) if isinstance(t, Tensor) else t for t in x)
     with random_state_kept(), torch.enable_grad(), torch.autocast('cpu', enabled=False), _no_cuda_autocast():
-        try:  # the copy and its plain step: where they fail (a tensor attribute on the accelerator, a module that does not copy) nothing is known
+        # the copy and its plain step: where they fail (a tensor attribute on the accelerator, a module that does not
+        # copy) nothing is known
+        try:
             work = _check_copy(model, dt, 'cpu')
             for p in work.parameters():
-                if p.numel() > _check_max_numel: p.requires_grad_(False)  # their layers' inputs and outputs are compared, not their gradient
+                # their layers' inputs and outputs are compared, not their gradient
+                if p.numel() > _check_max_numel: p.requires_grad_(False)
             held = _hold_random(work, x)
             bufs = [(b, b.clone()) for b in work.buffers()]
             ref = _one_step(work, x)
-        except Exception as e: return None, f"not checked: a {str(dt).replace('torch.', '')} copy on the CPU does not train ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+        except Exception as e:
+            return None, (f"not checked: a {str(dt).replace('torch.', '')} copy on the CPU does not train "
+                          f"({type(e).__name__}: {' '.join(str(e).split())[:200]})")
         with torch.no_grad():
             for b, v in bufs: b.copy_(v)
         try: got = _one_step(work, x, chunk=2)
-        except Exception as e: return f"the staged step fails on this model ({type(e).__name__}: {' '.join(str(e).split())})", None
-    how = f"{str(dt).replace('torch.', '')}, a window of 4 in chunks of 2{f', {len(held)} random modules held fixed' if held else ''}"
-    out, grad, buf = (_first_diff(r, g, dt) for r, g in ((dict(enumerate(ref[0])), dict(enumerate(got[0]))), (ref[1], got[1]), (ref[2], got[2])))
+        except Exception as e:
+            return f"the staged step fails on this model ({type(e).__name__}: {' '.join(str(e).split())})", None
+    how = (f"{str(dt).replace('torch.', '')}, a window of 4 in chunks of 2"
+           f"{f', {len(held)} random modules held fixed' if held else ''}")
+    out, grad, buf = (_first_diff(r, g, dt) for r, g in ((dict(enumerate(ref[0])), dict(enumerate(got[0]))),
+                                                         (ref[1], got[1]), (ref[2], got[2])))
     if not (out or grad or buf): return None, f"checked on this model: equal to the big batch ({how})"
-    what = '; '.join(s for s in (out and f"output off by {out[1]:.2g}", grad and f"gradient of {grad[0]} off by {grad[1]:.2g}",
+    what = '; '.join(s for s in (out and f"output off by {out[1]:.2g}",
+                                 grad and f"gradient of {grad[0]} off by {grad[1]:.2g}",
                                  buf and f"{buf[0]} off by {buf[1]:.2g}") if s)
     return f"checked on this model, the staged step is not the big batch ({how}): {what}", None
 
-_check_max_numel = 2 ** 22  # parameters larger than this are not differentiated in the check (a VGG classifier's 100M weights)
+# parameters larger than this are not differentiated in the check (a VGG classifier's 100M weights)
+_check_max_numel = 2 ** 22
 
 def _check_dtype(model:nn.Module, memory:int|None, saved:float):
-    "float64 if a float64 copy (weights, two sets of gradients, a window of 4's activations twice) fits `memory`, else float32 if that fits, else None."
+    "float64 if a float64 copy fits `memory`, else float32 if that fits, else None."
+    # the copy: weights, two sets of gradients, a window of 4's activations twice
     n_par, elt = sum(p.numel() for p in model.parameters()), next((p.element_size() for p in model.parameters()), 4)
     for dt in (torch.float64, torch.float32):
         size = torch.finfo(dt).bits // 8
@@ -2121,15 +2313,13 @@ from torch import nn
 # %% ../nbs/02a_exact.ipynb #a31cf6dc
 @contextlib.contextmanager
 def leaves_no_trace(model:nn.Module):
-    "Forwards of `model` inside change nothing: BatchNorm buffers and pending statistics, module modes, random states."
+    "Forwards of `model` inside change nothing: BatchNorm buffers and statistics, modes, random states."
     buffers = [(b, b.clone()) for m in bn_layers(model) for b in m.buffers()]
-    modes = [(m, m.training) for m in model.modules()]
-    with random_state_kept():
+    with random_state_kept(), modes_kept(model):
         try: yield
         finally:
             with torch.no_grad():
                 for b, saved in buffers: b.copy_(saved)
-            for m, mode in modes: m.training = mode
             for m in bn_layers(model, accumulating=True): m.reset_stats()
 
 # %% ../nbs/02a_exact.ipynb #3dad639e
@@ -2138,15 +2328,18 @@ class Footprint:
     "Activation bytes per sample of a model's training forward."
     saved:float   # kept by autograd for the backward: training at batch b holds b x this
     working:float # the largest input + output of a single layer: what running that layer needs
-    blocks:tuple=() # per-sample bytes of each batch tensor autograd saves, one by one (what an offload copies to the host)
+    blocks:tuple=() # per-sample bytes of each batch tensor autograd saves, one by one (what an offload copies)
     fixed:int=0   # bytes of the parameters and buffers autograd saves in one forward (an offload copies them too)
-    def __repr__(self): return f'Footprint(saved={fmt_bytes(self.saved)}/sample, working={fmt_bytes(self.working)}/sample)'
+    def __repr__(self):
+        return f'Footprint(saved={fmt_bytes(self.saved)}/sample, working={fmt_bytes(self.working)}/sample)'
 
     def offloaded(self, window:int, # samples in the batch
-                  pinned:bool=False, # in pinned memory: the caching host allocator rounds each block up to a power of two
+                  pinned:bool=False, # in pinned memory: each block rounded up to a power of two
                  ) -> int:
-        "Host bytes an offload (`save_on_cpu`) of a training forward at batch `window` takes: each saved tensor copied on its own."
-        if not self.blocks: return int(window * self.saved * (2 if pinned else 1))  # sizes unknown: the rounding's bound
+        "Host bytes an offload (`save_on_cpu`) of a training forward at batch `window` takes."
+        # each saved tensor is copied on its own
+        if not self.blocks:
+            return int(window * self.saved * (2 if pinned else 1))  # sizes unknown: the rounding's bound
         sizes = [int(window * b) for b in self.blocks] + ([self.fixed] if self.fixed else [])
         return sum(_pinned_block(n) if pinned else n for n in sizes)
 
@@ -2154,16 +2347,20 @@ def _pinned_block(n:int) -> int: return 1 << max(n - 1, 0).bit_length()  # the p
 
 def measure_footprint(model:nn.Module, # the model (nothing in it changes)
                       *xb, # one micro-batch of model inputs
-                      autocast=None, # callable returning the autocast context training runs in (mixed precision saves half the bytes)
+                      autocast=None, # callable returning the autocast context training runs in
                      ) -> Footprint:
-    "Per-sample bytes saved for the backward and largest layer working set, from one training forward on `xb` (as training runs it: under `autocast`)."
+    "Per-sample bytes saved for the backward and largest layer working set of a training forward on `xb`."
+    # the forward runs as training runs it: under `autocast`
     bs = xb[0].shape[0]
-    if bs < 2: xb, bs = tuple(torch.cat([t, t]) if torch.is_tensor(t) else t for t in xb), 2  # BatchNorm needs 2 values to train
+    # BatchNorm needs 2 values to train
+    if bs < 2: xb, bs = tuple(torch.cat([t, t]) if torch.is_tensor(t) else t for t in xb), 2
     saved, layers = SavedTensorMeter(exclude=model, record=True), LayerMeter(model)
-    with layers, leaves_no_trace(model), torch.enable_grad(), saved, autocast() if autocast is not None else contextlib.nullcontext():
+    with (layers, leaves_no_trace(model), torch.enable_grad(), saved,
+          autocast() if autocast is not None else contextlib.nullcontext()):
         model.train()
         model(*xb)  # the output is dropped at once: the meter's peak is what this forward saved
-    other = {k: n for n, d0, k in saved.packed if d0 != bs}  # saved tensors that do not grow with the batch (a frozen weight's cast)
+    # saved tensors that do not grow with the batch (a frozen weight's cast)
+    other = {k: n for n, d0, k in saved.packed if d0 != bs}
     blocks = tuple(n / bs for n, d0, _ in saved.packed if d0 == bs)
     return Footprint(max(saved.peak - sum(other.values()), 0) / bs, layers.peak / bs, blocks,
                      saved.packed_model + sum(n for n, d0, _ in saved.packed if d0 != bs))
@@ -2182,16 +2379,16 @@ class ExactPlan:
     device_budget:int|None # accelerator bytes it may use (None on CPU)
     host_budget:int       # host bytes it may use
     offload:bool=False    # saved activations in host memory
-    staged:bool=False     # trained stage by stage in chunks (`fastai_accum.staged_exact`): the device holds one chunk of one stage
+    staged:bool=False     # trained stage by stage in chunks (`fastai_accum.staged_exact`): one chunk of one stage
     chunk:int|None=None   # samples per chunk of a staged step (the micro-batch)
     reason:str|None=None  # why a staged step was not chosen
     checked:str|None=None # what the check of the staged step on the model found (`verify_staged`)
     check_time:float=0.   # seconds the check took
     whole:bool=False      # staged in one chunk of the whole window (under DDP: BatchNorm reduced over the processes)
     micro:int|None=None   # samples per micro-batch (of the one measured)
-    accelerator:bool|None=None # the device's memory is apart from the host's (default: a device other than the CPU; `emulated_accelerator`)
+    accelerator:bool|None=None # the device's memory is apart from the host's (default: any device but the CPU)
     frozen:bool=False     # some parameters did not train when measured
-    opt_state:float|None=None # optimizer state per byte of trainable parameters (`optimizer_state`: Adam 2, SGD with momentum 1); None: 1 assumed
+    opt_state:float|None=None # optimizer state per byte of trainable parameters (`optimizer_state`); None: 1 assumed
 
     @property
     def param_needed(self) -> int:
@@ -2203,7 +2400,8 @@ class ExactPlan:
         return self.accelerator if self.accelerator is not None else torch.device(self.device).type != 'cpu'
     @property
     def pinned(self) -> bool:
-        "Does host memory for the device come pinned (page-locked: asynchronous copies, rounded to powers of two)?"
+        "Does host memory for the device come pinned?"
+        # page-locked: asynchronous copies, rounded to powers of two
         return self.on_accelerator and torch.device(self.device).type == 'cuda' and can_pin()
     @property
     def device_needed(self) -> int:
@@ -2227,36 +2425,45 @@ class ExactPlan:
         return int((self.chunk or 1) * (self.footprint.saved + 2 * self.footprint.working) + self.param_needed)
     @property
     def staged_host_needed(self) -> int:
-        "Bytes of the values a staged step keeps between stages (and their gradients), bounded by the saved activations."
+        "Bytes of values (and gradients) a staged step keeps between stages: at most the saved activations."
         return int(self.window * self.footprint.saved)
 
     def describe(self) -> str:
-        "What this plan does and the numbers it rests on; that they were measured with part of the model frozen (a frozen body saves fewer activations: the estimate grows when it is unfrozen)."
+        "What this plan does and the numbers it rests on; whether part of the model was frozen when measured."
+        # a frozen body saves fewer activations: the estimate grows when it is unfrozen
         s = self._what() + ("; measured with part of the model frozen (unfrozen, it saves more)" if self.frozen else '')
-        if self.opt_state is None and self.device_budget is not None: s += "; the optimizer's state assumed 1x the parameters (unknown optimizer)"
+        if self.opt_state is None and self.device_budget is not None:
+            s += "; the optimizer's state assumed 1x the parameters (unknown optimizer)"
         return s
 
     def _what(self) -> str:
         if self.staged and self.whole:
-            return (f"a window of {self.window} samples as one batch per process, each BatchNorm layer normalizing over all "
-                    f"{world_size()} processes' windows (SyncBatchNorm's semantics: 2 collectives per layer), needs {fmt_bytes(self.device_needed)}{self._checked}")
+            return (f"a window of {self.window} samples as one batch per process, each BatchNorm layer normalizing "
+                    f"over all {world_size()} processes' windows (SyncBatchNorm's semantics: 2 collectives per layer), "
+                    f"needs {fmt_bytes(self.device_needed)}{self._checked}")
         if self.staged:
-            return (f"a window of {self.window} samples as one batch would need {fmt_bytes(self.device_needed)} ({self._budget}), so it "
-                    f"trains as one batch stage by stage in chunks of {self.chunk}: about {fmt_bytes(self.staged_device_needed)} on "
-                    f"the device and {fmt_bytes(self.staged_host_needed)} of values kept between stages{self._checked}")
-        if not self.on_accelerator: return f"a window of {self.window} samples as one batch needs {fmt_bytes(self.host_needed)} ({self._budget})"
+            return (f"a window of {self.window} samples as one batch would need {fmt_bytes(self.device_needed)} "
+                    f"({self._budget}), so it trains as one batch stage by stage in chunks of {self.chunk}: about "
+                    f"{fmt_bytes(self.staged_device_needed)} on the device and "
+                    f"{fmt_bytes(self.staged_host_needed)} of values kept between stages{self._checked}")
+        if not self.on_accelerator:
+            return (f"a window of {self.window} samples as one batch needs {fmt_bytes(self.host_needed)} "
+                    f"({self._budget})")
         where = f"in host memory{' (pinned)' if self.pinned else ''}" if self.offload else 'on the accelerator'
         s = (f"a window of {self.window} samples as one batch, saved activations {where}, needs "
-             f"{fmt_bytes(self.device_needed)} of accelerator memory" + (f" (budget {fmt_bytes(self.device_budget)})" if self.device_budget is not None else ''))
-        if self.offload: s += f" and {fmt_bytes(self.host_needed)} of host memory (budget {fmt_bytes(self.host_budget)})"
+             f"{fmt_bytes(self.device_needed)} of accelerator memory"
+             + (f" (budget {fmt_bytes(self.device_budget)})" if self.device_budget is not None else ''))
+        if self.offload:
+            s += f" and {fmt_bytes(self.host_needed)} of host memory (budget {fmt_bytes(self.host_budget)})"
         return s
 
     @property
-    def _checked(self) -> str: return f"; {self.checked} in {self.check_time:.1f} s" if self.checked and self.reason is None else ''
+    def _checked(self) -> str:
+        return f"; {self.checked} in {self.check_time:.1f} s" if self.checked and self.reason is None else ''
 
     @property
     def _budget(self) -> str:
-        "The budget the whole window is held against: the device's when one was given (also on a CPU), else the host's."
+        "The budget the whole window is held against: the device's if given (even on a CPU), else the host's."
         if self.device_budget is not None: return f"device budget {fmt_bytes(self.device_budget)}"
         return f"host budget {fmt_bytes(self.host_budget)}"
 
@@ -2274,8 +2481,8 @@ def plan_exact(model:nn.Module, # the model to train
                window:int, # samples per window
                device_memory:int|None=None, # accelerator bytes it may use (default: 80% of what is free)
                host_memory:int|None=None, # host bytes it may use (default: half of what is available)
-               offload:bool|None=None, # saved activations in host memory (default: only if they do not fit on the accelerator)
-               autocast=None, # callable returning the autocast context training runs in: the footprint is measured under it
+               offload:bool|None=None, # saved activations in host memory (default: if they do not fit on the device)
+               autocast=None, # callable returning the autocast context training runs in (measured under it)
                opt_state:float|None=None, # optimizer state per byte of parameters (`optimizer_state`; None: 1 assumed)
               ) -> ExactPlan:
     "Measure `model` on `xb` and plan training a window of `window` samples as one batch."
@@ -2286,26 +2493,34 @@ def plan_exact(model:nn.Module, # the model to train
     if host_memory is None: host_memory = int(0.5 * host_free)
     params = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     plan = ExactPlan(window, fp, params, str(device), device_memory, host_memory, offload=bool(offload),
-                     accelerator=is_accelerator(device), frozen=any(not p.requires_grad for p in model.parameters()), opt_state=opt_state)
+                     accelerator=is_accelerator(device), frozen=any(not p.requires_grad for p in model.parameters()),
+                     opt_state=opt_state)
     if offload is None and plan.on_accelerator and not plan.fits: plan.offload = True
     return plan
 
-_state_per_param = dict(Adam=2, AdamW=2, Adamax=2, NAdam=2, RAdam=2, Adadelta=2, Adagrad=1, ASGD=2, Rprop=2, LBFGS=2)  # torch's, before a step
-_fastai_stats = dict(average_grad=1, average_sqr_grad=1)  # fastai `Optimizer` callbacks that keep one parameter-sized tensor each
+# torch's, before a step
+_state_per_param = dict(Adam=2, AdamW=2, Adamax=2, NAdam=2, RAdam=2, Adadelta=2, Adagrad=1, ASGD=2, Rprop=2, LBFGS=2)
+# fastai `Optimizer` callbacks that keep one parameter-sized tensor each
+_fastai_stats = dict(average_grad=1, average_sqr_grad=1)
 
 def optimizer_state(opt) -> float|None:
-    "Bytes of `opt`'s state per byte of the parameters it trains: counted once it has stepped, else from its type (torch's or fastai's Adam 2, SGD with momentum 1, fastai's Lookahead +1); None if unknown."
-    inner = getattr(opt, 'opt', None) or getattr(opt, 'optimizer', None)  # fastai's OptimWrapper and Lookahead, Accelerate's wrapper
+    "Bytes of `opt`'s state per byte of the parameters it trains; None if unknown."
+    # counted once it has stepped, else from its type (torch's or fastai's Adam 2, SGD with momentum 1,
+    # fastai's Lookahead +1)
+    # fastai's OptimWrapper and Lookahead, Accelerate's wrapper
+    inner = getattr(opt, 'opt', None) or getattr(opt, 'optimizer', None)
     if opt is None: return None
     extra = 1 if type(opt).__name__ == 'Lookahead' else 0  # its slow weights
     if inner is not None and inner is not opt: return None if (s := optimizer_state(inner)) is None else s + extra
     state = getattr(opt, 'state', None)
     if isinstance(state, dict) and state:
-        held = sum(t.numel() * t.element_size() for st in state.values() if isinstance(st, dict) for t in st.values() if torch.is_tensor(t) and t.dim())
+        held = sum(t.numel() * t.element_size() for st in state.values() if isinstance(st, dict)
+                   for t in st.values() if torch.is_tensor(t) and t.dim())
         params = sum(p.numel() * p.element_size() for p in state if torch.is_tensor(p))
         if held and params: return held / params  # it has stepped (fastai fills flags such as `do_wd` before)
     if hasattr(opt, 'cbs'):  # fastai's Optimizer: one tensor per parameter per statistic it keeps
-        return float(sum(_fastai_stats.get(getattr(c, '__name__', getattr(getattr(c, 'func', None), '__name__', '')), 0) for c in opt.cbs))
+        return float(sum(_fastai_stats.get(getattr(c, '__name__', getattr(getattr(c, 'func', None), '__name__', '')), 0)
+                         for c in opt.cbs))
     name = type(opt).__name__
     if name in ('SGD', 'RMSprop'):
         d = opt.defaults
@@ -2313,14 +2528,17 @@ def optimizer_state(opt) -> float|None:
     return float(_state_per_param[name]) if name in _state_per_param else None
 
 def release_pinned(plan:ExactPlan|None):
-    "Give back the pinned host blocks a fit's offload or staged store left in torch's host cache (kept there for reuse, they stay page-locked)."
+    "Give back the pinned host blocks a fit's offload or staged store left in torch's host cache."
+    # kept there for reuse, they stay page-locked
     if plan is not None and plan.pinned and (plan.offload or plan.staged) and hasattr(torch._C, '_host_emptyCache'):
         torch._C._host_emptyCache()
 
 def saved_on_host(plan:ExactPlan):
-    "The context that keeps saved activations in host memory when `plan` says so (pinned where the build can pin); never around a staged step, which keeps its own values in host memory."
+    "The context that keeps saved activations in host memory when `plan` says so."
+    # pinned where the build can pin; never around a staged step, which keeps its own values in host memory
     if not plan.offload or plan.staged: return contextlib.nullcontext()
-    return torch.autograd.graph.save_on_cpu(pin_memory=plan.on_accelerator)  # a copy of its own in host memory, pinned if it can be
+    # a copy of its own in host memory, pinned if it can be
+    return torch.autograd.graph.save_on_cpu(pin_memory=plan.on_accelerator)
 
 # ======== fastai_accum/ghost.py ========
 # %% ../nbs/02c_ghost.ipynb #d8f4d777
@@ -2331,33 +2549,30 @@ from torch.nn.modules.batchnorm import _BatchNorm
 # %% auto #0
 
 # %% ../nbs/02c_ghost.ipynb #29ef8d97
-class GhostForward:
-    "A BatchNorm layer's `forward` that, in training mode, normalizes each group of `k` consecutive samples with the group's statistics."
+class GhostForward(ReplacedForward):
+    "A BatchNorm layer's `forward` that, training, normalizes each group of `k` consecutive samples on its own."
     def __init__(self, bn:_BatchNorm, # the layer (its own forward runs on each group)
                  k:int, # samples per ghost batch
                 ):
-        self.bn, self.k, self.own = bn, k, bn.__dict__.get('forward')
+        super().__init__(bn)
+        self.bn, self.k = bn, k
+
     def __call__(self, x:Tensor) -> Tensor:
-        run = self.own or (lambda t: type(self.bn).forward(self.bn, t))
-        if not self.bn.training or x.shape[0] <= self.k: return run(x)
-        return torch.cat([run(g) for g in torch.split(x, self.k)])
+        if not self.bn.training or x.shape[0] <= self.k: return self.own_forward(x)
+        return torch.cat([self.own_forward(g) for g in torch.split(x, self.k)])
 
 def install_ghost(model:nn.Module, # the model whose training BatchNorm layers get ghost batches
                   k:int, # samples per ghost batch
                  ) -> list:
-    "Give every BatchNorm layer of `model` a `GhostForward` of `k` samples (until `uninstall_ghost`); the layers."
+    "Give every BatchNorm layer of `model` a `GhostForward` of `k` samples (until `uninstall_ghost`)."
     uninstall_ghost(model)
     layers = bn_layers(model)
     for m in layers: m.forward = GhostForward(m, k)
     return layers
 
 def uninstall_ghost(model:nn.Module):
-    "The forward each BatchNorm layer of `model` had before `install_ghost`."
-    for m in bn_layers(model):
-        f = m.__dict__.get('forward')
-        if not isinstance(f, GhostForward): continue
-        if f.own is not None: m.forward = f.own
-        else: del m.__dict__['forward']
+    "Put back the forward each BatchNorm layer of `model` had before `install_ghost`."
+    for m in bn_layers(model): restore_forward(m, GhostForward)
 
 # %% ../nbs/02c_ghost.ipynb #c88d8b98
 def check_ghost(k, # samples per ghost batch, as the user gave it
@@ -2372,9 +2587,11 @@ def check_ghost(k, # samples per ghost batch, as the user gave it
                          f"{', '.join(str(d) for d in range(1, window + 1) if window % d == 0)})")
     training = [m for m in bn_layers(model) if m.training]
     if k == 1 and any(isinstance(m, nn.BatchNorm1d) for m in training):
-        raise ValueError(f"{name}(bn_batch=1): a BatchNorm1d layer would normalize one value per channel; use bn_batch >= 2")
+        raise ValueError(f"{name}(bn_batch=1): a BatchNorm1d layer would normalize one value per channel; "
+                         "use bn_batch >= 2")
     if any(isinstance(m, AccumulateBatchNorm) for m in training):
-        raise ValueError(f"{name}(bn_batch={k}): the model has layers wrapped by wrap_bn; unwrap them (unwrap_bn) to use ghost batches")
+        raise ValueError(f"{name}(bn_batch={k}): the model has layers wrapped by wrap_bn; unwrap them (unwrap_bn) "
+                         "to use ghost batches")
     return k
 
 # ======== fastai_accum/plan.py ========
@@ -2424,29 +2641,32 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
                  peek, # called without arguments: one training micro-batch's model inputs (only when needed)
                  n_step:int|None=None, # micro-batches per window
                  n_acc:int|None=None, # or: samples per window
-                 device_memory:int|None=None, # device bytes it may use (`plan_exact`; also honoured on CPU)
+                 device_memory:int|None=None, # device bytes it may use (`plan_exact`; honoured on CPU)
                  host_memory:int|None=None, # host bytes it may use
                  offload:bool|None=None, # saved activations in host memory
                  name:str='GradientAccumulation', # the callback, for the error message
-                 verify:bool=True, # check a staged step against the big batch on the model before choosing it (`verify_staged`)
-                 autocast=None, # callable returning the autocast context training runs in (the plan is measured under it)
+                 verify:bool=True, # check a staged step against the big batch before choosing it (`verify_staged`)
+                 autocast=None, # callable returning the autocast context training runs in (measured under it)
                  opt_state:float|None=None, # optimizer state per byte of parameters (`optimizer_state`)
                 ) -> tuple:
-    "(train each window as one batch?, the `ExactPlan` or None; `plan.staged` if stage by stage): see the rule below."
+    "(train each window as one batch?, the `ExactPlan` or None): the rule above."
     if policy not in ('exact', 'staged', 'auto'): return False, None
     if policy == 'auto' and not any(m.training for m in bn_layers(model)): return False, None
     xb = peek()
-    plan = plan_exact(model, xb, n_acc or n_step * xb[0].shape[0], device_memory, host_memory, offload, autocast, opt_state)
+    window = n_acc or n_step * xb[0].shape[0]
+    plan = plan_exact(model, xb, window, device_memory, host_memory, offload, autocast, opt_state)
     plan.chunk = plan.micro = xb[0].shape[0]
-    synced = world_size() > 1 and not _syncs_itself(model)  # DDP with per-process BatchNorm: only a staged step reduces it over the processes
+    synced = world_size() > 1 and not _syncs_itself(model)  # DDP, per-process BatchNorm: a staged step reduces it
     staged_asked = synced or policy == 'staged' or (policy == 'auto' and not auto_picks_exact(plan))
     unfit = _not_staged(model, xb) if staged_asked else None  # why a staged step would not be the big batch
     if policy == 'exact':
         if not plan.fits:
-            raise ExactModeMemoryError(f"{name}(policy='exact'): {plan.describe()}. Lower n_step/n_acc, free memory, set the budget "
-                                       "with device_memory=/host_memory=, or use policy='staged' (memory of one chunk) or 'window'.")
+            raise ExactModeMemoryError(f"{name}(policy='exact'): {plan.describe()}. Lower n_step/n_acc, free memory, "
+                                       "set the budget with device_memory=/host_memory=, or use policy='staged' "
+                                       "(memory of one chunk) or 'window'.")
         if synced and not unfit and verify: unfit = _verified(plan, model, xb)
-        if unfit: raise ExactModeMemoryError(f"{name}(policy='exact') under DDP normalizes over all processes' windows stage by stage, "
+        if unfit: raise ExactModeMemoryError(f"{name}(policy='exact') under DDP normalizes over all processes' windows "
+                                             "stage by stage, "
                                              f"but {unfit} Convert BatchNorm to SyncBatchNorm or use policy='window'.")
         if synced: _whole_staged(plan)
         return True, plan
@@ -2454,8 +2674,9 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
     if staged_asked and plan.reason is None and verify: plan.reason = _verified(plan, model, xb)
     if policy == 'staged':
         if plan.checked is None and plan.reason: raise ExactModeMemoryError(f"{name}(policy='staged'): {plan.reason}")
-        if plan.reason: raise StagedMismatchError(f"{name}(policy='staged'): {plan.reason}. Train with policy='window' (or 'auto', "
-                                                  "which falls back to it), or pass verify=False to train staged anyway.")
+        if plan.reason: raise StagedMismatchError(f"{name}(policy='staged'): {plan.reason}. Train with policy='window' "
+                                                  "(or 'auto', which falls back to it), or pass verify=False to train "
+                                                  "staged anyway.")
         plan.staged, plan.chunk, plan.offload = True, _largest_chunk(plan), False
         return True, plan
     whole, staged, offloaded = _agreed(plan.device, auto_picks_exact(plan) and not unfit, plan.reason is None,
@@ -2475,14 +2696,16 @@ class StagedMismatchError(RuntimeError):
     "The staged step, checked on the user's model, is not the big batch's."
 
 def _verified(plan:ExactPlan, model:nn.Module, xb:tuple) -> str|None:
-    "Why a staged step is not the big batch on `model` (`verify_staged`, within half the host budget), or None; what was checked and its time go in `plan`."
+    "Why a staged step is not the big batch on `model` (`verify_staged`), or None; what was checked goes in `plan`."
+    # the check runs within half the host budget
     t = time.perf_counter()
     why, checked = verify_staged(model, xb, plan.host_budget // 2, plan.footprint.saved)
     plan.checked, plan.check_time = checked or why, time.perf_counter() - t
     return why
 
 def _whole_staged(plan:ExactPlan):
-    "Under DDP the whole window runs as one chunk of a staged step (its BatchNorm reduced over the processes), kept values on the device."
+    "Under DDP: the whole window as one chunk of a staged step, its BatchNorm reduced over the processes."
+    # its kept values stay on the device
     plan.staged, plan.chunk, plan.offload, plan.whole = True, plan.window, False, True
 
 def _syncs_itself(model:nn.Module) -> bool:
@@ -2490,14 +2713,14 @@ def _syncs_itself(model:nn.Module) -> bool:
     return all(isinstance(m, nn.SyncBatchNorm) for m in bn_layers(model) if m.training)
 
 def _largest_chunk(plan:ExactPlan) -> int:
-    "The most samples per chunk the device budget holds, training as at that batch size (at least the micro-batch): fewer, larger kernels."
+    "The most samples per chunk the device budget holds (at least the micro-batch): fewer, larger kernels."
     budget = plan.device_budget if plan.device_budget is not None else plan.host_budget
     per = plan.footprint.saved + 2 * plan.footprint.working
     fit = int((budget - plan.param_needed) // per) if per > 0 else plan.window
     return max(plan.chunk, min(plan.window, fit))
 
 def _not_staged(model:nn.Module, xb:tuple) -> str|None:
-    "Why a staged step would not be the big batch: the model does not trace, or an op combines samples (`samples_mixed`); or None."
+    "Why a staged step would not be the big batch (the model does not trace, an op mixes samples), or None."
     if isinstance(bn_graph(model), str): return untraceable_reason(model)
     mixed = samples_mixed(model, xb)
     return f"a staged step would not be the big batch: {mixed}." if mixed else None
@@ -2505,7 +2728,8 @@ def _not_staged(model:nn.Module, xb:tuple) -> str|None:
 def _staged_memory(plan:ExactPlan) -> str|None:
     "Why the memory budgets do not hold a staged step in chunks of the micro-batch, or None."
     if plan.staged_host_needed > plan.host_budget:
-        return f"its kept values need {fmt_bytes(plan.staged_host_needed)} of host memory (budget {fmt_bytes(plan.host_budget)})"
+        need, budget = fmt_bytes(plan.staged_host_needed), fmt_bytes(plan.host_budget)
+        return f"its kept values need {need} of host memory (budget {budget})"
     budget = plan.device_budget if plan.device_budget is not None else plan.host_budget
     if plan.staged_device_needed > budget:
         return f"one chunk of {plan.chunk} needs {fmt_bytes(plan.staged_device_needed)} (budget {fmt_bytes(budget)})"
@@ -2513,7 +2737,7 @@ def _staged_memory(plan:ExactPlan) -> str|None:
 
 def _agreed(device, # this process's training device (NCCL reduces there)
             *flags:bool) -> list:
-    "Under data parallelism every rank must train the same way: each option only if every rank can take it (one all-reduce)."
+    "Each option only if every rank can take it (one all-reduce): under DDP every rank trains the same way."
     if world_size() == 1: return list(flags)
     t = torch.tensor([float(f) for f in flags], device=collective_device(device))
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
@@ -2580,14 +2804,15 @@ def plan_training(policy:str, # the front end's policy (`check_policy`)
     how = dict(policy=policy, memory=memory, bn_batch=bn_batch, n_bn=len(modes),
                window=f"{n_step} micro-batches" if n_step else f"{n_acc} samples")
     if ghost_micro: return TrainingPlan('ghost micro-batches', **how)
-    if exact: return TrainingPlan('staged exact' if memory.staged else 'exact', layers=None if memory.staged else 'micro', **how)
+    if exact and memory.staged: return TrainingPlan('staged exact', **how)
+    if exact: return TrainingPlan('exact', layers='micro', **how)
     if modes and not any(modes): return TrainingPlan('frozen BatchNorm', **how)
     layers = 'window' if policy == 'auto' else policy
     accumulates = bn_layers(model, accumulating=True) or (wrap and modes)
     return TrainingPlan(layers if accumulates else 'no BatchNorm', layers=layers, **how)
 
 def _ghost_micro(k:int, exact:bool, memory:ExactPlan, model:nn.Module, name:str) -> bool:
-    "Do ghost batches of `k` train micro-batch by micro-batch? (The window does not train whole, and each micro-batch holds whole ghost batches.)"
+    "Do ghost batches of `k` train micro-batch by micro-batch? (Not whole windows, and micro-batches hold whole ones.)"
     k = check_ghost(k, memory.window, model, name)
     if exact and not memory.staged: return False
     if memory.micro % k == 0: return True  # ghost batches never span micro-batches: each trains on its own, exactly
@@ -2637,7 +2862,7 @@ def accumulation_options(kwargs:dict, # options a front end was given (`Accumula
 
 # %% ../nbs/02d_core.ipynb #c0e1a004
 class BatchNormInstaller:
-    "Puts a model's BatchNorm layers in place for a `TrainingPlan`; `release` hands plain layers back."
+    "Puts a model's BatchNorm layers in place for a `TrainingPlan`; `release` hands them back."
     def __init__(self, wrap:bool=True, # wrap plain BatchNorm layers (else only layers the user wrapped accumulate)
                  merge_exact:bool=True, # a whole window under DDP: wrap, so that running statistics merge
                  bn_batch:int|None=None, # samples per ghost batch
@@ -2709,20 +2934,20 @@ class _CorePlan:
         if self._params is not None: return list(self._params())
         return [p for p in self.module.parameters() if p.requires_grad]
     def setup(self, b):
-        "Plan from the BatchNorm layers' modes now and the first micro-batch `b` (or a callable giving it); install it."
+        "Plan from the BatchNorm layers' modes and the first micro-batch `b` (or a callable giving it); install it."
         self.installer.uninstall_forwards(self.module)  # measuring runs the model's own forward
         self._modes = self._bn_modes()
         peek = b if callable(b) else lambda: b
         self.how = plan_training(self.policy, self.module, lambda: tuple(self.inputs(peek())), self.n_step, self.n_acc,
-                                 wrap=self.wrap, bn_batch=self.bn_batch, name=self.name, device_memory=self.device_memory,
-                                 host_memory=self.host_memory, offload=self.offload, verify=self.verify,
+                                 wrap=self.wrap, bn_batch=self.bn_batch, name=self.name, offload=self.offload,
+                                 device_memory=self.device_memory, host_memory=self.host_memory, verify=self.verify,
                                  autocast=self.autocast, opt_state=optimizer_state(self.optimizer))
         self.find_bns()
 
     def _bn_modes(self) -> tuple: return tuple(m.training for m in bn_layers(self.module))
 
     def needs_setup(self) -> bool:
-        "Must `setup` plan (again)? Before the first window, and when other BatchNorm layers train (a freeze, `BnFreeze`)."
+        "Must `setup` plan (again)? Before the first window, and when other BatchNorm layers train (a freeze)."
         return self.how is None or self._bn_modes() != self._modes
 
     def find_bns(self):
@@ -2753,16 +2978,17 @@ class _CorePreflight:
 
     def preflight_table(self, xb:tuple, # one micro-batch's model inputs
                        ):
-        "The pre-flight's table: every BatchNorm layer, its values per channel per micro-batch, its policy, the pre-pass."
+        "The pre-flight's table: every BatchNorm layer, its values per channel, its policy, the pre-pass."
         with warnings.catch_warnings():
-            warnings.simplefilter('ignore')  # a model torch.fx cannot trace: the pre-flight says it once, not as a warning
+            warnings.simplefilter('ignore')  # a model torch.fx cannot trace: the pre-flight says it once
             window = self.n_acc or self.n_step * batch_size(xb)
             return bn_preflight(self.module, *xb, window=window, memory=self.prepass_memory)
 
 _says = {'window': "each micro-batch is normalized with the whole window's statistics (a no-grad pre-pass over the "
                    "window first) and the window's statistics are committed; the backward maps each micro-batch's "
                    "BatchNorm terms to the window (an estimate)",
-         'micro': "each micro-batch is normalized with its own statistics; running statistics are committed once per window",
+         'micro': "each micro-batch is normalized with its own statistics; running statistics are committed once per "
+                  "window",
          'running': "each micro-batch is normalized with the running statistics, updated once per window",
          'frozen': "each micro-batch is normalized with the running statistics, which do not change"}
 
@@ -2774,14 +3000,15 @@ def _summary(t, # `bn_preflight`'s table
     means = " (their backward uses the previous window's means)" if risk and policy == 'window' else ''
     s = (f"GradientAccumulation: policy {policy!r} on {len(t)} BatchNorm layers: {_says.get(policy, policy)}. {risk} "
          f"of them {'sees' if risk == 1 else 'see'} < 32 values per channel per micro-batch{means}")
-    if prepass: s += f"; pre-pass: {prepass}"
+    if prepass:
+        s += f"; pre-pass: {prepass}"
     return s + ". Every layer: `preflight_table()`."
 
 # %% ../nbs/02d_core.ipynb #c0e1a00d
 class _CoreLoop:
     "The window loop: `batches` (part of `Accumulation`)."
     def batches(self, loader):
-        "Iterate `loader` one window ahead: micro-batches, or whole windows. An unfinished `batches` on this model is closed first."
+        "Iterate `loader` one window ahead: micro-batches, or whole windows (an unfinished one is closed first)."
         self.close()
         self.clear()
         self._input_at = None
@@ -2791,7 +3018,7 @@ class _CoreLoop:
         return gen
 
     def close(self):
-        "Close the `batches` generator training this model if one was left unfinished: its window dropped, BatchNorm handed back."
+        "Close an unfinished `batches` on this model: its window dropped, BatchNorm handed back."
         gen = _open.pop(id(self.module), None)
         if gen is not None: gen.close()
 
@@ -2818,7 +3045,7 @@ class _CoreLoop:
 class _CorePlacing:
     "Before the first window, and each micro-batch placed (part of `Accumulation`)."
     def _ready(self, window:list) -> bool:
-        "Before the first window: plan from its first micro-batch (again only if the BatchNorm modes changed); say so if asked."
+        "Before the first window: plan from its first micro-batch (again if the modes changed); say so if asked."
         first = place_batch(window[0], self.device)
         said = self.path
         if self.needs_setup(): self.setup(first)
@@ -2836,7 +3063,7 @@ class _CorePlacing:
 
     @property
     def inputs_on(self):
-        "Where a window's model inputs wait: host memory for a staged step on an accelerator; None: on the device."
+        "Where a window's model inputs wait: host memory for a staged step on an accelerator, else None."
         p = self.plan
         return 'cpu' if self.exact and p.staged and not p.whole and p.on_accelerator else None
 
@@ -2880,13 +3107,14 @@ class _CoreEvents:
         if self.exact: self._enter_offload()
 
     def _before_forward(self, final:bool):
-        "DDP decides in its forward whether the coming backward all-reduces (the flag `no_sync()` sets): once per window."
+        "Let DDP all-reduce the coming backward once per window (the flag `no_sync()` sets, read in its forward)."
         if self.ddp is not None: self.ddp.require_backward_grad_sync = self.sync_each_batch or final
 
     def loss_factor(self, loss:Tensor|None=None, # the micro-batch's loss (recorded for the window's mean)
                    ) -> float:
-        "What the micro-batch's loss is multiplied by before its backward (at the window's end: earlier gradients rescaled)."
-        if self._micro is None: raise RuntimeError("Accumulation: backward() without a micro-batch from batches() (or start_micro)")
+        "The micro-batch's loss weight for its backward (at the window's end earlier gradients are rescaled)."
+        if self._micro is None:
+            raise RuntimeError("Accumulation: backward() without a micro-batch from batches() (or start_micro)")
         self._exit_offload()  # the backward unpacks what the forward saved
         bs, final = self._micro
         if self.exact:  # the window, trained as one batch, is one micro-batch of weight 1
@@ -2906,17 +3134,18 @@ class _CoreEvents:
 class _CoreCommit:
     "The events after a micro-batch's backward (part of `Accumulation`)."
     def end_micro(self) -> bool:
-        "After the micro-batch's backward: at the window's end commit BatchNorm statistics; True if the optimizer steps now."
+        "After the micro-batch's backward: at the window's end commit BatchNorm statistics; True: step now."
         self._exit_offload()  # if no `loss_factor` came (the micro-batch was cancelled)
         self._micro = None
         if not self._ends_window: return False
         self._ends_window = False
-        bad = self.window.nonfinite() if self.local or world_size() == 1 else None  # under DDP the merge's own check decides
+        bad = self.window.nonfinite() if self.local or world_size() == 1 else None  # under DDP: the merge's check
         if bad is None: commit_window(self.bns, merge=not self.local)  # one momentum step with the window's statistics
         else:
             drop_window(self.bns)
             warnings.warn(f"{self.name}: micro-batch {bad} of window {self.steps} has a non-finite loss: the window's "
-                          "BatchNorm running statistics are not updated (the optimizer step is the training loop's to skip)",
+                          "BatchNorm running statistics are not updated (the optimizer step is the training loop's "
+                          "to skip)",
                           RuntimeWarning)
         if self.window.loss is not None: self.losses.append(self.window.loss.item())
         self.steps += 1
@@ -2926,7 +3155,7 @@ class _CoreCommit:
     def backward(self, loss:Tensor, # the micro-batch's loss (mean over its samples, or sum with loss_reduction='sum')
                  **kwargs, # passed on to the backward
                 ) -> bool:
-        "Back-propagate `loss` weighted by samples; True when the window is complete: step the optimizer then."
+        "Back-propagate `loss` weighted by samples; True when the window is complete: step then."
         f = self.loss_factor(loss)
         self._backward(loss * f if f != 1. else loss, **kwargs)
         return self.end_micro()
@@ -2954,36 +3183,40 @@ class _CoreCommit:
         self._micro, self._ends_window = None, False
 
     def __repr__(self):
-        how = 'chosen at the first window' if self.how is None else self.path + (f': {self.plan.describe()}' if self.exact else '')
-        return f'{type(self).__name__}(n_step={self.n_step}, n_acc={self.n_acc}, policy={self.policy!r}, steps={self.steps}; {how})'
+        how = 'chosen at the first window' if self.how is None else self.path
+        if self.exact: how += f': {self.plan.describe()}'
+        size = f'n_step={self.n_step}, n_acc={self.n_acc}'
+        return f'{type(self).__name__}({size}, policy={self.policy!r}, steps={self.steps}; {how})'
 
 # %% ../nbs/02d_core.ipynb #c0e1a007
 class Accumulation(_CorePlan, _CorePreflight, _CoreLoop, _CorePlacing, _CoreEvents, _CoreCommit):
-    "Gradient accumulation with exact BatchNorm for any training loop: `batches` reads windows, `backward` says when to step."
+    "Gradient accumulation with exact BatchNorm for any training loop."
     adapter_args = ['model', 'loss_reduction', 'inputs', 'device', 'autocast', 'params', 'merge_exact', 'name',
                     'preflight', 'optimizer']  # what a front end (fastai's callbacks) fills in itself
     local = False  # this process's window alone (`check_accumulation`): no all-reduce, no merge of statistics
     def __init__(self, model:nn.Module, # the model (or its DDP wrapper); its BatchNorm layers are wrapped in place
                  n_step:int|None=None, # micro-batches per optimizer step
                  n_acc:int|None=None,  # or: samples per optimizer step (the effective batch size)
-                 policy:str='auto',    # 'exact' (each window one batch), 'staged' (the same, stage by stage in chunks: memory of one chunk), a BatchNorm policy (`bn_policies`), or 'auto'
-                 partial:str='step',   # incomplete last window of an epoch: 'step' (scaled exactly) or 'drop' (skipped)
+                 policy:str='auto',    # 'auto', 'exact', 'staged' or a BatchNorm policy (`bn_policies`)
+                 partial:str='step',   # an epoch's incomplete last window: 'step' (scaled exactly) or 'drop'
                  loss_reduction:str='mean', # the loss's reduction: 'mean' (weighted by samples) or 'sum'
-                 inputs=default_inputs, # batch -> tuple of positional model inputs (for the pre-pass and 'exact' planning)
-                 device=None,          # where `batches` puts each batch (default: the model's parameters' device)
-                 autocast=None,        # callable returning the training forward's autocast context, for the pre-pass
+                 inputs=default_inputs, # batch -> tuple of positional model inputs
+                 device=None,          # where `batches` puts each batch (default: the parameters' device)
+                 autocast=None,        # callable returning the training forward's autocast context
                  wrap:bool=True,       # wrap the model's BatchNorm layers as `AccumulateBatchNorm`
-                 prepass_bs:int|None=None, # 'window' policy: samples per chunk of a staged (memory-bounded, exact) pre-pass (default: chosen within `prepass_memory`)
-                 prepass_memory:int|None=None, # 'window' policy: bytes the pre-pass may hold on the device (default: what training holds at the micro-batch)
+                 prepass_bs:int|None=None, # 'window': samples per chunk of a staged pre-pass
+                 prepass_memory:int|None=None, # 'window': bytes the pre-pass may hold on the device
                  sync_each_batch:bool=False, # under DDP, all-reduce gradients after every micro-batch
-                 offload:bool|None=None, device_memory:int|None=None, host_memory:int|None=None, # 'exact' policy: as `plan_exact`
-                 bn_batch:int|None=None, # ghost batches: BatchNorm normalizes each group of this many consecutive samples of the window (the window trains as one batch; default: the whole window)
-                 params=None,          # callable giving the parameters whose gradients accumulate (default: the model's trainable ones)
-                 verify:bool=True,     # before a staged step is chosen, check it against the big batch on a copy of the model (`verify_staged`): 'auto' falls back if it differs, 'staged' raises
-                 merge_exact:bool=True, # 'exact' under DDP: wrap BatchNorm so that running statistics merge across processes (fastai leaves that to `sync_bn`)
-                 name:str|None=None,   # who speaks in error messages and the pre-flight (default: the class name)
-                 preflight:bool=False, # print how training runs (the front ends' pre-flight) when the first window starts
-                 optimizer=None,       # the optimizer, whose state the memory plan counts (`optimizer_state`; default: 1x the parameters assumed)
+                 offload:bool|None=None, # whole windows: saved activations in host memory (`plan_exact`)
+                 device_memory:int|None=None, # device bytes a window may use (`plan_exact`)
+                 host_memory:int|None=None, # host bytes a window may use (`plan_exact`)
+                 bn_batch:int|None=None, # ghost batches: samples BatchNorm normalizes together
+                 params=None,          # callable giving the parameters whose gradients accumulate
+                 verify:bool=True,     # check a staged step against the big batch before choosing it
+                 merge_exact:bool=True, # whole windows under DDP: merge running statistics across processes
+                 name:str|None=None,   # who speaks in errors and the pre-flight (default: the class name)
+                 preflight:bool=False, # print how training runs when the first window starts
+                 optimizer=None,       # the optimizer, whose state the memory plan counts (`optimizer_state`)
                 ):
         args = {k: v for k, v in locals().items() if k not in ('self', 'model', '__class__')}
         given = {k: args.pop(k) for k in self.adapter_args if k in args}
@@ -2991,8 +3224,9 @@ class Accumulation(_CorePlan, _CorePreflight, _CoreLoop, _CorePlacing, _CoreEven
         self._start(model, accumulation_options(args, given['name']), given)
 
     def _start(self, model:nn.Module, options:dict, given:dict):
-        "Keep the checked `options` and what the front end filled in (`given`, the rest defaults); an empty state."
-        defaults = {k: p.default for k, p in inspect.signature(Accumulation).parameters.items() if k in self.adapter_args}
+        "Keep the checked `options` and what the front end filled in (`given`); an empty state."
+        signature = inspect.signature(Accumulation).parameters
+        defaults = {k: p.default for k, p in signature.items() if k in self.adapter_args}
         given = {**defaults, **given}
         self.__dict__.update(options)
         self.loss_reduction, self.inputs, self.autocast = given['loss_reduction'], given['inputs'], given['autocast']
@@ -3011,7 +3245,7 @@ class Accumulation(_CorePlan, _CorePreflight, _CoreLoop, _CorePlacing, _CoreEven
 def _input_elements(inputs, # the core's `inputs`: batch -> model inputs
                     b, # one batch, a tuple or list
                    ) -> set:
-    "Positions of the elements of `b` that the model inputs come from: the elements `inputs` returns, or, for an `inputs` that makes new tensors (`b[0].float() / 255`), the elements it reads (each tried on the 'meta' device)."
+    "Positions of the elements of `b` the model inputs come from (those `inputs` returns, or reads)."
     xs = _tensors(tuple(inputs(b)))
     same = {i for i, o in enumerate(b) if any(o is x for x in xs)}
     if len(same) == len(xs): return same
@@ -3026,8 +3260,9 @@ def _input_elements(inputs, # the core's `inputs`: batch -> model inputs
 # %% ../nbs/02d_core.ipynb #fe1ea718
 class FrontEnd:
     "What a framework's callback on the core shares: options checked once, a core per fit, the window rule, its state."
-    def _take_args(self, n_step:int|None, n_acc:int|None, preflight:bool, kwargs:dict, name:str, whole_windows:bool=True):
-        "Check the window's size and the core's options once (`accumulation_options`); keep them as attributes."
+    def _take_args(self, n_step:int|None, n_acc:int|None, preflight:bool, kwargs:dict, name:str,
+                   whole_windows:bool=True):
+        "Check the window's size and the core's options once (`accumulation_options`); keep them."
         options = accumulation_options(dict(kwargs, n_step=n_step, n_acc=n_acc), name, whole_windows)
         self.preflight, self._name = preflight, name
         self._options = [k for k in options if k not in ('n_step', 'n_acc')]  # the window's size: kept apart
@@ -3035,7 +3270,7 @@ class FrontEnd:
         self.acc, self._final, self._drop, self._announce, self._table = None, False, False, False, None
 
     def _core(self, model:nn.Module, **kwargs) -> Accumulation:
-        "The core for a fit of `model` with the checked options; `kwargs`: what the framework fills in."
+        "The core for a fit of `model`, from the checked options; `kwargs`: what the framework fills in."
         acc = Accumulation.__new__(Accumulation)
         options = {k: getattr(self, k) for k in ('n_step', 'n_acc', *self._options)}
         acc._start(model, options, dict(merge_exact=False, name=self._name, **kwargs))
@@ -3060,8 +3295,9 @@ class FrontEnd:
     def _print_preflight(self, xb:tuple, # one micro-batch's model inputs
                          said:str|None, # how the previous fit trained (`path`), if it was announced
                         ) -> str:
-        "Print how this fit trains (and that it changed, if an earlier fit trained otherwise); returns the path said."
-        if said is not None: print(f"GradientAccumulation: this fit trains otherwise than the one before ({said!r} -> {self.path!r}):")
+        "Print how this fit trains (and that it changed since the last fit said); the path said."
+        if said is not None:
+            print(f"GradientAccumulation: this fit trains otherwise than the one before ({said!r} -> {self.path!r}):")
         print(self.acc.preflight(xb))
         self._table = self.acc.table  # the table behind it, for `preflight_table` after the fit
         return self.path
@@ -3089,21 +3325,26 @@ from fastai.callback.fp16 import MixedPrecision
 
 # %% ../nbs/03_callback.ipynb #c2ce77c4
 class WindowPrefetch(Callback):
-    "Installs `WindowLoader` as `learn.dl` after every other DataLoader wrapper (e.g. fastai's `DistributedDL`), when `ga` reads windows ahead."
+    "Installs `WindowLoader` as `learn.dl` after every other DataLoader wrapper, when `ga` reads windows ahead."
+    # after fastai's `DistributedDL` too, so that the windows are this process's
     order,run_valid = 12,False  # after DistributedTrainer (11)
     def __init__(self, n_step=None, n_acc=None, exact=False, partial='step',
-                 ga=None): # the `GradientAccumulation` whose chosen path (made in its `before_train`, order 6) says whether and how
-        store_attr(); self.loader = None
+                 ga=None): # the `GradientAccumulation` whose plan (made in its `before_train`) says how
+        store_attr()
+        self.loader = None
     def before_train(self):
         acc, on = getattr(self.ga, 'acc', None), None
         if acc is not None:
-            if not (acc.exact or acc.needs_window): self.loader = None; return  # micro-batch by micro-batch: nothing to read ahead
+            if not (acc.exact or acc.needs_window):  # micro-batch by micro-batch: nothing to read ahead
+                self.loader = None
+                return
             self.exact, on = acc.exact, acc.inputs_on
+        n_inp = getattr(self.dls, 'n_inp', 1) if on is not None else 1
         self.learn.dl = self.loader = WindowLoader(self.learn.dl, self.n_step, self.n_acc, self.exact, self.partial,
-                                                   inputs_on=on, n_inp=getattr(self.dls, 'n_inp', 1) if on is not None else 1)
-        if on is not None: self.learn._set_device = self._set_device  # removed with this callback (`GradientAccumulation._release`)
+                                                   inputs_on=on, n_inp=n_inp)
+        if on is not None: self.learn._set_device = self._set_device  # removed by `GradientAccumulation._release`
     def _set_device(self, b):
-        "fastai's `Learner._set_device` (each batch to the model's device), but a staged window's model inputs stay in host memory."
+        "fastai's `Learner._set_device`, but a staged window's model inputs stay in host memory."
         if self.loader is None or self.learn.dl is not self.loader: return Learner._set_device(self.learn, b)
         device = next(self.learn.model.parameters()).device  # where fastai's `_set_device` puts a batch
         return place_batch(b, device, self.loader.inputs_on, range(self.loader.n_inp))
@@ -3115,10 +3356,10 @@ class GradientAccumulation(Callback, FrontEnd):
     order,run_valid = MixedPrecision.order-4,False
 
     def __init__(self,
-                 n_acc:int|None=None,  # samples per optimizer step (the effective batch size), as fastai's `n_acc` (32 if neither is given, as fastai)
+                 n_acc:int|None=None,  # samples per optimizer step (the effective batch size; 32 if neither is given)
                  n_step:int|None=None, # or: micro-batches per optimizer step
-                 preflight:bool=True,  # print how a fit trains (the 'exact' plan, or the BatchNorm table) at its first micro-batch, and again when a later fit trains differently
-                 **kwargs, # the core's options, documented on `Accumulation` (`policy`, `partial`, `wrap`, `offload`, ...)
+                 preflight:bool=True,  # print how a fit trains at its first micro-batch (again when a fit differs)
+                 **kwargs, # the core's options, documented on `Accumulation` (`policy`, `partial`, `wrap`, ...)
                 ):
         if n_step is None and n_acc is None: n_acc = 32  # fastai's default
         self._take_args(n_step, n_acc, preflight, kwargs, 'GradientAccumulation')
@@ -3129,7 +3370,7 @@ class GradientAccumulation(Callback, FrontEnd):
 # %% ../nbs/03_callback.ipynb #3d19dae1
 @patch
 def before_fit(self:GradientAccumulation):
-    "A fit, or `validate`/`get_preds` (fastai runs `before_fit` for them too), starts; inside a fit, a nested one is left alone."
+    "A fit starts (or `validate`/`get_preds`, which run `before_fit` too); a nested one is left alone."
     if self._fitting: self._nested += 1; return
     self._check_alone()
     self._check_batch_size()
@@ -3148,20 +3389,20 @@ def _start_fit(self:GradientAccumulation):
 
 @patch
 def before_train(self:GradientAccumulation):
-    "Each epoch's training starts: the model is in the modes it trains in (`TrainEvalCallback`, `BnFreeze`), in DDP if distributed."
+    "Each epoch's training starts: the model is in the modes it trains in (`BnFreeze` too), in DDP if distributed."
     if not self._fitting: self._start_fit()
     self._t0 = time.perf_counter()
-    self.acc.use_model(self.learn.model)  # fastai's DistributedTrainer wrapped it in DDP (and made SyncBatchNorm) after our before_fit
+    self.acc.use_model(self.learn.model)  # fastai's DistributedTrainer wrapped it in DDP after our before_fit
     if self.acc.needs_setup(): self._choose()
     else: self.acc.find_bns()
 
 @patch
 def _choose(self:GradientAccumulation):
-    "Choose how this fit trains; say so at its first micro-batch if that differs from what was said last (not in `lr_find`)."
+    "Plan how this fit trains; say so at its first micro-batch if that differs from what was said last."
     self.acc.setup(self._peek_batch)  # 'exact' or not (measuring a peeked micro-batch only if it must), wrap BatchNorm
     finding = getattr(self.learn, 'lr_finder', None) is not None
     if finding: self._warn_lr_find()
-    self._announce = self.preflight and not rank_distrib() and self.path != self._said  # `lr_find` too: it says how it trains
+    self._announce = self.preflight and not rank_distrib() and self.path != self._said  # `lr_find` says it too
 
 @patch
 def _peek_batch(self:GradientAccumulation):
@@ -3174,10 +3415,13 @@ def _train_dl(self:GradientAccumulation): return self.dls.train
 @patch
 def _check_alone(self:GradientAccumulation):
     "Two accumulation callbacks on one Learner would each scale and step: refuse before either changes anything."
-    others = [c for c in self.learn.cbs if c is not self and (isinstance(c, GradientAccumulation) or type(c).__name__ == 'GradientAccumulation')]
-    name = lambda c: f"{type(c).__module__.split('.')[0]}'s {type(c).__name__}(n_acc={getattr(c, 'n_acc', None)}, n_step={getattr(c, 'n_step', None)})"
+    ours = lambda c: isinstance(c, GradientAccumulation) or type(c).__name__ == 'GradientAccumulation'
+    others = [c for c in self.learn.cbs if c is not self and ours(c)]
+    size = lambda c: f"n_acc={getattr(c, 'n_acc', None)}, n_step={getattr(c, 'n_step', None)}"
+    name = lambda c: f"{type(c).__module__.split('.')[0]}'s {type(c).__name__}({size(c)})"
     if others: raise ValueError(f"The Learner has {len(others) + 1} gradient accumulation callbacks: {name(self)} and "
-                                f"{', '.join(map(name, others))} (one on the Learner, one passed to fit(cbs=...)?). Keep one.")
+                                f"{', '.join(map(name, others))} (one on the Learner, one passed to fit(cbs=...)?). "
+                                "Keep one.")
 
 @patch
 def _check_batch_size(self:GradientAccumulation):
@@ -3189,12 +3433,14 @@ def _check_batch_size(self:GradientAccumulation):
 @patch
 def _check_epoch(self:GradientAccumulation):
     "Warn when one window holds more than an epoch of the training DataLoader."
-    warning = window_exceeds_epoch(getattr(self.dls, 'train', None) or [], self.n_step, self.n_acc, self.partial, 'GradientAccumulation')
+    train = getattr(self.dls, 'train', None) or []
+    warning = window_exceeds_epoch(train, self.n_step, self.n_acc, self.partial, 'GradientAccumulation')
     if warning: warnings.warn(warning, stacklevel=3)
 
 @patch
 def preflight_table(self:GradientAccumulation):
-    "The full table behind the micro-batch pre-flight: every BatchNorm layer, its values per channel per micro-batch, what its policy does, the pre-pass. The last fit's (before any fit: the layers as they are now)."
+    "The table behind the micro-batch pre-flight: each BatchNorm layer, its values per channel, policy, pre-pass."
+    # the last fit's; before any fit, the layers as they are now
     if self._table is not None: return self._table
     return self._core(self.learn.model, inputs=self._inputs).preflight_table(tuple(self._inputs(self._peek())))
 
@@ -3216,7 +3462,7 @@ _cancels = (CancelBatchException, CancelStepException, CancelBackwardException, 
 
 @patch
 def _release(self:GradientAccumulation):
-    "The fit is over, or broke off: drop any partial window, hand the model back with plain torch BatchNorm layers, remove what the fit added."
+    "The fit is over, or broke off: drop any partial window, hand plain BatchNorm layers back, remove what it added."
     if self.acc is not None: self.acc.release()
     self._final = self._drop = self._fitting = False
     self._nested = 0
@@ -3237,7 +3483,8 @@ def _guard_interrupts(self:GradientAccumulation):
 
 @patch
 def _lengthen_lr_find(self:GradientAccumulation):
-    "Under 'exact' each `lr_find` iteration is a window: give its fit epochs enough for `num_it` windows (it stops at `num_it` anyway)."
+    "Windows trained whole make each `lr_find` iteration a window: give it epochs enough for `num_it` windows."
+    # it stops at `num_it` anyway
     finder = getattr(self.learn, 'lr_finder', None)
     if finder is None or not may_train_whole(self.policy): return
     windows = max(1, len(WindowLoader(self.dls.train, self.n_step, self.n_acc, True, self.partial)))
@@ -3259,7 +3506,7 @@ def _show_preflight(self:GradientAccumulation):
     "Print how this fit trains (and, if an earlier fit trained otherwise, that it changed)."
     self._announce = False
     said = self._print_preflight(self.learn.xb, self._said)
-    if getattr(self.learn, 'lr_finder', None) is None: self._said = said  # `lr_find`'s line does not stand for the fit after it
+    if getattr(self.learn, 'lr_finder', None) is None: self._said = said  # `lr_find`'s line is not the next fit's
 
 # %% ../nbs/03_callback.ipynb #45970d89
 @patch
@@ -3281,7 +3528,8 @@ def before_batch(self:GradientAccumulation):
     self._stepped = False
     if self._announce: self._show_preflight()
     if self.acc.needs_window and self.window.empty: self.acc.start_window(self._window())
-    self._start_micro(find_bs(self.learn.yb), last=self.learn.iter == self.learn.n_iter - 1)  # the window rule; DDP's gradient sync
+    last = self.learn.iter == self.learn.n_iter - 1
+    self._start_micro(find_bs(self.learn.yb), last=last)  # the window rule; DDP's gradient sync
 
 @patch
 def _window(self:GradientAccumulation) -> list:
@@ -3303,12 +3551,13 @@ def after_step(self:GradientAccumulation): self._stepped = True
 
 @patch
 def after_batch(self:GradientAccumulation):
-    "At the window's end commit BatchNorm statistics; if the optimizer did not step there (a cancelled backward), drop the window's gradients."
+    "At the window's end commit BatchNorm statistics; without an optimizer step there, drop the window's gradients."
     if self.acc.end_micro() and not self._stepped: self.acc.drop_grads()
 
 # %% ../nbs/03_callback.ipynb #ac820318
 def _rebuild_expression(args:dict) -> str|None:
-    "A constant expression giving `GradientAccumulation(**args)` where fastai_accum is installed, else a fastai `Callback` (None if an argument is not a literal)."
+    "An expression giving `GradientAccumulation(**args)` with fastai_accum installed, else a plain `Callback`."
+    # None if an argument is not a literal
     try:
         if any(ast.literal_eval(repr(v)) != v for v in args.values()): return None
     except (ValueError, SyntaxError): return None
@@ -3328,7 +3577,8 @@ def _live_args(self:GradientAccumulation) -> dict:
 @patch
 def __reduce_ex__(self:GradientAccumulation, protocol):
     expression = _rebuild_expression(self._live_args())
-    if expression is None: return super(GradientAccumulation, self).__reduce_ex__(protocol)  # by name: needs the package to load
+    if expression is None:  # pickled by name: loading needs the package
+        return super(GradientAccumulation, self).__reduce_ex__(protocol)
     return eval, (expression,), {'learn': self.learn}
 
 # %% ../nbs/03_callback.ipynb #580ee8b7
@@ -3358,4 +3608,4 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'window_full', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'fmt_bytes', 'trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'optimizer_state', 'release_pinned', 'saved_on_host', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'window_full', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'fmt_bytes', 'trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'optimizer_state', 'release_pinned', 'saved_on_host', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']

@@ -11,43 +11,45 @@ __all__ = ['AcceleratedAccumulation']
 
 # %% ../nbs/07a_accelerate.ipynb #d6293cc0
 class AcceleratedAccumulation(Accumulation):
-    "`Accumulation` for an `accelerate.Accelerator`: accelerate's `accumulate` syncs and steps once per window read ahead."
-    def __init__(self, accelerator, # the `Accelerator` (its `gradient_accumulation_steps` is the window in micro-batches)
+    "`Accumulation` for an `accelerate.Accelerator`: its `accumulate` syncs and steps once per window."
+    def __init__(self, accelerator, # the `Accelerator` (`gradient_accumulation_steps`: the window in micro-batches)
                  model, # the prepared model
-                 n_step:int|None=None, # micro-batches per window (default and only value: the accelerator's `gradient_accumulation_steps`)
+                 n_step:int|None=None, # micro-batches per window (default, only value: `gradient_accumulation_steps`)
                  n_acc:int|None=None, # or: samples per window (needs `gradient_accumulation_steps` > 1)
                  **kwargs, # passed to `Accumulation` (policy, partial, inputs, ...)
                 ):
         gas = accelerator.gradient_accumulation_steps
         if n_step is None and n_acc is None: n_step = gas
         if n_acc is None and n_step != gas: raise ValueError(
-            f"AcceleratedAccumulation: n_step={n_step} but Accelerator(gradient_accumulation_steps={gas}); give the same "
-            "number (or leave n_step out): accelerate's accumulate() decides when to sync and step")
+            f"AcceleratedAccumulation: n_step={n_step} but Accelerator(gradient_accumulation_steps={gas}); "
+            "give the same number (or leave n_step out): accelerate's accumulate() decides when to sync and step")
         if n_acc is not None and gas == 1: raise ValueError(
-            "AcceleratedAccumulation(n_acc=...) needs Accelerator(gradient_accumulation_steps > 1) so that accumulate() "
-            "skips gradient sync and optimizer steps inside a window")
+            "AcceleratedAccumulation(n_acc=...) needs Accelerator(gradient_accumulation_steps > 1) "
+            "so that accumulate() skips gradient sync and optimizer steps inside a window")
         kwargs.setdefault('autocast', accelerator.autocast)
         kwargs.setdefault('device', accelerator.device)
         super().__init__(model, n_step, n_acc, **kwargs)
         self.accelerator = accelerator
 
     def batches(self, loader):
-        "As `Accumulation.batches`; accelerate's end-of-DataLoader sync is left to the windows (they read one ahead)."
+        "As `Accumulation.batches`, leaving accelerate's end-of-DataLoader sync to the windows."
         gs = self.accelerator.gradient_state
         kw = gs.plugin_kwargs
-        gs.plugin_kwargs = {**kw, 'sync_with_dataloader': False}  # we read ahead: accelerate's end flag comes a window early
+        # we read ahead: accelerate's end flag comes a window early
+        gs.plugin_kwargs = {**kw, 'sync_with_dataloader': False}
         try: yield from super().batches(loader)
         finally:
             gs.plugin_kwargs = kw
             self.accelerator.step = 0
 
     def _before_forward(self, final:bool):
-        "Set accelerate's counter so that the coming `accumulate()` syncs (and lets the optimizer step) iff `final`."
+        "Set accelerate's counter so the coming `accumulate()` syncs and lets the optimizer step iff `final`."
         gas = self.accelerator.gradient_accumulation_steps
         self.accelerator.step = gas - 1 if final else 0
 
     def _backward(self, loss, **kwargs):
-        "`accelerator.backward` of `loss`, already weighted by samples by `Accumulation.backward` (accelerate's 1/`gradient_accumulation_steps` undone)."
+        "`accelerator.backward` of `loss`, already weighted by samples by `Accumulation.backward`."
+        # accelerate's 1/`gradient_accumulation_steps` is undone below
         gas = self.accelerator.gradient_accumulation_steps
         if gas > 1 and self.accelerator.sync_gradients != self._micro[1]:
             raise RuntimeError("AcceleratedAccumulation: call backward inside `with accelerator.accumulate(model):` "

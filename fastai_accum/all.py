@@ -24,7 +24,7 @@ def fastai_major() -> int|None:
 
 # %% ../nbs/99_all.ipynb #99983a4c
 __all__ = ['GradientAccumulation', 'Accumulation', 'AcceleratedAccumulation',  # front ends
-           'measure_footprint', 'ExactModeMemoryError',  # will the window fit as one batch? the error when it must and cannot
+           'measure_footprint', 'ExactModeMemoryError',  # does the window fit as one batch? the error when it cannot
            'AccumulateBatchNorm', 'wrap_bn', 'unwrap_bn', 'bn_preflight',  # BatchNorm layers
            'set_reproducible', 'reproducible', 'env_fingerprint', 'diff_env',  # reproducibility
            'record_trace', 'compare_traces', 'find_divergence',  # where two runs part
@@ -35,6 +35,6 @@ elif fastai_major() is not None:
     from fastai_accum.callback import GradientAccumulation
     from fastai_accum.bn_tools import precise_bn, PreciseBN, bn_to_groupnorm, bn_to_frozen, frozen_to_bn
     from fastai_accum.check import check_accumulation, check_policies
-    __all__ += ['precise_bn', 'PreciseBN', 'bn_to_groupnorm', 'bn_to_frozen', 'frozen_to_bn',  # BatchNorm around accumulation
+    __all__ += ['precise_bn', 'PreciseBN', 'bn_to_groupnorm', 'bn_to_frozen', 'frozen_to_bn',  # BatchNorm, around
                 'check_accumulation', 'check_policies']  # does accumulation equal the big batch here?
 else: __all__.remove('GradientAccumulation')

@@ -12,7 +12,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules._functions import SyncBatchNorm as sync_batch_norm
 import torch.distributed as dist
 from fastcore.basics import patch
-from .stats import ChannelStats, all_reduce_stats
+from .stats import ChannelStats, all_reduce_stats, momentum_step
 
 # %% auto #0
 __all__ = ['bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm',
@@ -20,7 +20,8 @@ __all__ = ['bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'Acc
            'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats']
 
 # %% ../nbs/01_batchnorm.ipynb #6839b6a1
-bn_policies = ('micro', 'running', 'frozen', 'window') # how a layer normalizes; the front ends' 'auto' chooses among 'exact', 'staged' and 'window'
+# how a layer normalizes; the front ends' 'auto' chooses among 'exact', 'staged' and 'window'
+bn_policies = ('micro', 'running', 'frozen', 'window')
 
 def _forward_is_known(cls) -> bool:
     "True if `cls`'s forward is a torch BatchNorm forward (we re-implement it exactly)."
@@ -32,7 +33,7 @@ def _check_policy(policy):
 
 # %% ../nbs/01_batchnorm.ipynb #111a3b45
 class GradPool:
-    "Per-channel sums of g and g*x_hat over the previous window and the current one, for the window-level backward."
+    "Per-channel sums of g and g*x_hat over the last and current windows, for the window-level backward."
     min_micro = 32 # values per channel in a micro-batch from which its own statistics project the gradient (see below)
     def __init__(self): self.prev, self.cur = None, None
 
@@ -55,11 +56,12 @@ class GradPool:
 
 # %% ../nbs/01_batchnorm.ipynb #4caa50be
 class WindowNormFunction(torch.autograd.Function):
-    "Normalize with fixed window statistics; backward projecting with the previous window's means (`layer.grad_pool`)."
+    "Normalize with fixed window statistics; backward projects with the previous window's means."
     @staticmethod
     def forward(ctx, x, weight, bias, mean, var, layer, pool=None):
         ctx.save_for_backward(x, weight, mean, var)
-        ctx.layer, ctx.pool = layer, pool if pool is not None else layer.grad_pool  # a layer called k times: one pool per call
+        # a layer called k times: one pool per call
+        ctx.layer, ctx.pool = layer, pool if pool is not None else layer.grad_pool
         return F.batch_norm(x, mean, var, weight, bias, False, 0., layer.eps)
 
     @staticmethod
@@ -83,7 +85,8 @@ class WindowNormFunction(torch.autograd.Function):
 
 # %% ../nbs/01_batchnorm.ipynb #50e7f4b8
 def _after_norm(m:nn.Module, x):
-    "The activation/dropout of timm-style norm-act layers (`drop`, `act` children of `m`), which their forward applies after BatchNorm."
+    "timm-style norm-act layer `m`'s activation/dropout (its `drop`, `act` children), applied to `x`."
+    # their forward applies these after BatchNorm
     for name in ('drop', 'act'):
         sub = m._modules.get(name)
         if sub is not None: x = sub(x)
@@ -92,7 +95,9 @@ def _after_norm(m:nn.Module, x):
 class AccumulateBatchNorm(_BatchNorm):
     "BatchNorm whose running statistics are committed once per accumulation window by `update_stats`."
     plain_class = _BatchNorm # the standard class this layer is the accumulating counterpart of
-    count_calls = False # the core counts this layer's calls per micro-batch (it resets `_call` before each): a layer called k times commits k steps
+    # the core counts this layer's calls per micro-batch (it resets `_call` before each): a layer called k times
+    # commits k steps
+    count_calls = False
 
     def __init__(self, *args,
                  policy:str='micro', # how training forwards normalize: one of `bn_policies`
@@ -102,11 +107,14 @@ class AccumulateBatchNorm(_BatchNorm):
 
     def _setup_accumulation(self, policy, layer_name=None):
         self.policy = policy
-        self.pending = ChannelStats()  # a plain attribute, never a buffer: nothing new in state_dict, nothing for DDP to broadcast
-        self.pending_more = []  # a layer called k times per forward ('window' policy): the window statistics of calls 2..k
+        # a plain attribute, never a buffer: nothing new in state_dict, nothing for DDP to broadcast
+        self.pending = ChannelStats()
+        # a layer called k times per forward ('window' policy): the window statistics of calls 2..k
+        self.pending_more = []
         self.layer_name = layer_name or type(self).__name__
         self._clear_window_state()
-        self.grad_pool, self._more_pools = GradPool(), []  # window-level backward statistics ('window' policy), per call
+        # window-level backward statistics ('window' policy), per call
+        self.grad_pool, self._more_pools = GradPool(), []
 
     def _clear_window_state(self):
         self.window_stats = None  # (mean, biased var) of this window's input, set by the pre-passes ('window' policy)
@@ -167,7 +175,8 @@ def _normalize_micro(self:AccumulateBatchNorm, x):
         "samples (drop_last=True on the DataLoader avoids a 1-sample last batch) or policy='running'.")
     group = self._sync_group(x)
     if group is not None:  # SyncBatchNorm across processes: normalize with all ranks' micro-batches, pool ours
-        out = sync_batch_norm.apply(x, self.weight, self.bias, None, None, self.eps, 0., group, dist.get_world_size(group))
+        out = sync_batch_norm.apply(x, self.weight, self.bias, None, None, self.eps, 0., group,
+                                    dist.get_world_size(group))
         self._pending_call().add(x)  # local moments: update_stats merges the ranks exactly (one extra pass over x)
         return out
     scratch = torch.zeros(2, self.num_features, device=x.device, dtype=self.running_mean.dtype)
@@ -178,13 +187,16 @@ def _normalize_micro(self:AccumulateBatchNorm, x):
     return out
 
 def _nth(items:list, i:int, make):
-    "`items[i]`, made with `make()` (and those before it) if the list is shorter: per-call state of a layer called several times."
+    "`items[i]`, made with `make()` (and those before it) if the list is shorter."
+    # per-call state of a layer called several times
     while len(items) <= i: items.append(make())
     return items[i]
 
 @patch
 def _pending_call(self:AccumulateBatchNorm) -> ChannelStats:
-    "The pending statistics of this call of the layer: the k-th call of a micro-batch's forward pools with the k-th calls of the window's others (calls are counted only where the core starts each micro-batch: `count_calls`)."
+    "The pending statistics of this call of the layer."
+    # the k-th call of a micro-batch's forward pools with the k-th calls of the window's others (calls are counted
+    # only where the core starts each micro-batch: `count_calls`)
     if not self.count_calls: return self.pending
     i, self._call = self._call, self._call + 1
     return self.pending if i == 0 else _nth(self.pending_more, i - 1, ChannelStats)
@@ -225,7 +237,8 @@ def _normalize_window(self:AccumulateBatchNorm, x):
 
 @patch
 def _next_call(self:AccumulateBatchNorm) -> tuple:
-    "(index of this call in the forward, the window statistics of every call): a layer called k times per forward cycles through k."
+    "(index of this call in the forward, the window statistics of every call)"
+    # a layer called k times per forward cycles through k
     calls = self.window_calls or [self.window_stats]
     i, self._call = self._call % len(calls), self._call + 1
     return i, calls
@@ -237,7 +250,7 @@ def _pool(self:AccumulateBatchNorm, i:int) -> GradPool:
 
 @patch
 def _renormalize(self:AccumulateBatchNorm, x, mean, var):
-    "Window normalization as Batch Renorm: micro-batch BN with r, d (constants) mapping it onto the window's statistics."
+    "Window normalization as Batch Renorm: micro-batch BN, constants r, d mapping it onto the window's."
     dims = [0] + list(range(2, x.dim()))
     with torch.no_grad():
         acc = torch.promote_types(x.dtype, torch.float32)  # at least float32, float64 stays float64
@@ -256,11 +269,13 @@ def _begin_prepass(self:AccumulateBatchNorm,
                    sync:bool=False, # merge each call's statistics across the processes of `group` before normalizing
                    group=None):
     self._prepass, self._prepass_sync, self._prepass_group = mode, sync, group
-    self._prepass_stats, self._chunk_stats, self._call = [], ChannelStats(), 0  # one `ChannelStats` per call of the layer
+    # `_prepass_stats`: one `ChannelStats` per call of the layer
+    self._prepass_stats, self._chunk_stats, self._call = [], ChannelStats(), 0
 
 @patch
 def _call_stats(self:AccumulateBatchNorm) -> ChannelStats:
-    "The pre-pass statistics of this call of the layer (the k-th call of a forward: the k-th); the next call gets the next."
+    "The pre-pass statistics of this call of the layer; the next call gets the next."
+    # the k-th call of a forward gets the k-th
     i, self._call = self._call, self._call + 1
     return _nth(self._prepass_stats, i, ChannelStats)
 
@@ -272,7 +287,8 @@ def _observe_prepass(self:AccumulateBatchNorm, x:Tensor):
 @patch
 @torch.no_grad()
 def _close_prepass(self:AccumulateBatchNorm, st:ChannelStats|None=None):
-    "This call has seen its whole window (`st`, default: the observed chunks): fix the statistics it normalizes with."
+    "This call has seen its whole window `st`: fix the statistics it normalizes with."
+    # `st` defaults to the observed chunks
     if st is None: st, self._chunk_stats = self._chunk_stats, ChannelStats()
     if self._prepass_sync:  # one small collective per layer call per window
         all_reduce_stats([st], [self.num_features], self._prepass_group, self.running_mean.device)
@@ -287,8 +303,10 @@ def _end_prepass(self:AccumulateBatchNorm):
     dt = self.running_mean.dtype
     self.window_calls = [(st.mean.to(dt), st.biased_var.to(dt)) for st in calls]
     self.window_stats = self.window_calls[0]
-    for st in calls: st.merged = self._prepass_sync  # already every process's window: the commit must not merge it again
-    self.pending, self.pending_more = calls[0], calls[1:]  # the pre-pass's statistics are the window's: update_stats commits them
+    # already every process's window: the commit must not merge it again
+    for st in calls: st.merged = self._prepass_sync
+    # the pre-pass's statistics are the window's: update_stats commits them
+    self.pending, self.pending_more = calls[0], calls[1:]
 
 @patch
 @torch.no_grad()
@@ -313,7 +331,8 @@ def _normalize_prepass(self:AccumulateBatchNorm, x):
 @patch
 @torch.no_grad()
 def update_stats(self:AccumulateBatchNorm):
-    "Commit the pending window to the running statistics: one momentum step per call of the layer in a forward, as BN on the whole window would."
+    "Commit the pending window to the running statistics, as BN on the whole window would."
+    # one momentum step per call of the layer in a forward
     calls, self.pending_more = [self.pending] + self.pending_more, []
     self.window_stats = self.window_calls = None  # a window's statistics never serve the next window
     for pool in [self.grad_pool] + self._more_pools: pool.roll()
@@ -330,13 +349,10 @@ def _commit(self:AccumulateBatchNorm, st:ChannelStats):
                          "Accumulate at least 2 samples per window.")
     if not bool(torch.isfinite(st.mean).all() & torch.isfinite(st.m2).all()):
         st.reset()
-        warnings.warn(f"{self.layer_name}: the window's statistics are not finite (a NaN or inf in its input): its running "
-                      "statistics are not updated for this window", RuntimeWarning)
+        warnings.warn(f"{self.layer_name}: the window's statistics are not finite (a NaN or inf in its input): "
+                      "its running statistics are not updated for this window", RuntimeWarning)
         return
-    self.num_batches_tracked.add_(1)
-    f = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-    for buf, new in ((self.running_mean, st.mean), (self.running_var, st.var)):
-        buf.copy_(buf.to(new.dtype) * (1 - f) + new.to(buf.device) * f)
+    momentum_step(self, st.mean, st.var)
     st.reset()
 
 @patch
@@ -349,7 +365,7 @@ def reset_stats(self:AccumulateBatchNorm):
 
 # %% ../nbs/01_batchnorm.ipynb #0755c075
 def bn_layers(model:nn.Module, accumulating:bool=False) -> list:
-    "All BatchNorm layers of `model` (only `AccumulateBatchNorm` ones if `accumulating`), in module order."
+    "All BatchNorm layers of `model` (only `AccumulateBatchNorm`s if `accumulating`), in module order."
     cls = AccumulateBatchNorm if accumulating else _BatchNorm
     return [m for m in model.modules() if isinstance(m, cls)]
 
@@ -359,19 +375,21 @@ def _has_stats(m) -> bool:
 
 # %% ../nbs/01_batchnorm.ipynb #62dd26b4
 def wrap_bn(model:nn.Module, # any model; its BatchNorm layers are changed in place
-            policy:str='micro', # how training forwards normalize, one of `bn_policies` (also set on already-wrapped layers)
+            policy:str='micro', # one of `bn_policies`: how training forwards normalize (also on already-wrapped layers)
            ) -> int:
-    "Make every BatchNorm layer of `model` an `AccumulateBatchNorm`, in place; returns how many it newly wrapped."
+    "Make every BatchNorm layer of `model` an `AccumulateBatchNorm`, in place; returns how many are new."
     _check_policy(policy)
     n_bn, n_new = 0, 0
     for name, m in model.named_modules():
         if not isinstance(m, _BatchNorm): continue
         n_bn += 1
-        if isinstance(m, AccumulateBatchNorm): m.policy = policy; continue
+        if isinstance(m, AccumulateBatchNorm):
+            m.policy = policy
+            continue
         cls = type(m)
         if not _forward_is_known(cls) and 'act' not in m._modules:
-            warnings.warn(f"wrap_bn: left {name or 'model'} ({cls.__name__}) unwrapped: it overrides forward() in a way "
-                          "fastai_accum does not know; its statistics will update per micro-batch.")
+            warnings.warn(f"wrap_bn: left {name or 'model'} ({cls.__name__}) unwrapped: it overrides forward() "
+                          "in a way fastai_accum does not know; its statistics will update per micro-batch.")
             continue
         # Same object, new class: parameters, buffers, hooks, device, dtype and state_dict keys all stay as they are
         m.__class__ = accumulating_class(cls)
@@ -381,23 +399,23 @@ def wrap_bn(model:nn.Module, # any model; its BatchNorm layers are changed in pl
     return n_new
 
 _accumulation_state = ('_policy', 'pending', 'pending_more', 'layer_name', 'grad_pool', '_more_pools', 'window_stats',
-                       'window_calls', '_prepass', '_prepass_stats', '_chunk_stats', '_call', '_prepass_sync', '_prepass_group',
-                       'count_calls')  # what `_setup_accumulation` adds to a layer
+                       'window_calls', '_prepass', '_prepass_stats', '_chunk_stats', '_call', '_prepass_sync',
+                       '_prepass_group', 'count_calls')  # what `_setup_accumulation` adds to a layer
 
 def unwrap_layer(m:AccumulateBatchNorm):
-    "Turn the accumulating layer `m` back into its plain BatchNorm class, in place, leaving nothing of ours on it."
+    "Make accumulating layer `m` its plain BatchNorm class again, in place, leaving none of our state."
     m.__class__ = m.plain_class
     for attr in _accumulation_state: m.__dict__.pop(attr, None)
 
 def unwrap_bn(model:nn.Module) -> int:
-    "Turn every `AccumulateBatchNorm` of `model` back into its plain BatchNorm class, in place; returns how many."
+    "Turn every `AccumulateBatchNorm` of `model` back into its plain class, in place; returns how many."
     layers = bn_layers(model, accumulating=True)
     for m in layers: unwrap_layer(m)
     return len(layers)
 
 # %% ../nbs/01_batchnorm.ipynb #fc758225
 def update_bn_stats(model:nn.Module) -> int:
-    "Call `update_stats` on every `AccumulateBatchNorm` of `model`; returns how many had a pending window."
+    "Call `update_stats` on each `AccumulateBatchNorm` of `model`; returns how many had a pending window."
     layers = [m for m in bn_layers(model, accumulating=True) if m.pending.count]
     for m in layers: m.update_stats()
     return len(layers)

@@ -26,7 +26,8 @@ __all__ = ['precise_bn', 'PreciseBN', 'bn_to_groupnorm', 'FrozenBatchNorm', 'bn_
 
 # %% ../nbs/04_bn_tools.ipynb #fe613d68
 def _source(learn_or_model, dl, n_inp) -> tuple:
-    "(model, dl, n_inp): the model, the batches to pool over (default: a Learner's training data), model inputs per batch."
+    "(model, dl, n_inp): the model, the batches to pool over and the model inputs per batch."
+    # `dl` defaults to a Learner's training data
     learn, model = learner_and_model(learn_or_model)
     if dl is None:
         if learn is None: raise ValueError("precise_bn: pass `dl`, the batches to compute the statistics on.")
@@ -36,23 +37,27 @@ def _source(learn_or_model, dl, n_inp) -> tuple:
 
 @contextmanager
 def _pooling(model:nn.Module, layers:list, train_mode:bool):
-    "Inside, `layers` normalize with batch statistics (buffers untouched), their inputs pooled into the `ChannelStats` yielded."
+    "Inside, `layers` use batch statistics and pool their inputs into the yielded `ChannelStats`."
     stats = {m: ChannelStats() for m in layers}
     tracking = {m: m.track_running_stats for m in layers}
     hooks = [m.register_forward_pre_hook(lambda m, args: stats[m].add(args[0])) for m in layers]
     try:
         with modes_kept(model):
             model.train(train_mode)
-            for m in bn_layers(model):  # the others normalize with their running stats, and are not changed in train mode
+            # the others normalize with their running stats, and are not changed in train mode
+            for m in bn_layers(model):
                 if m not in stats and _has_stats(m): m.eval()
-            for m in layers: m.train(); m.track_running_stats = False # batch statistics, buffers untouched
+            for m in layers: # batch statistics, buffers untouched
+                m.train()
+                m.track_running_stats = False
             yield stats
     finally:
         for h in hooks: h.remove()
         for m, t in tracking.items(): m.track_running_stats = t
 
 def _feed(model:nn.Module, dl, n_batches:int|None, n_inp:int, show_progress:bool, parent) -> int:
-    "Run at most `n_batches` batches of `dl` through `model` (on its device), with a progress bar if asked; returns how many ran."
+    "Run at most `n_batches` batches of `dl` through `model` (on its device); returns how many ran."
+    # with a progress bar if `show_progress`
     param = next(itertools.chain(model.parameters(), model.buffers()), None)
     device = param.device if param is not None else None
     total = len(dl) if hasattr(dl, '__len__') else None
@@ -67,10 +72,12 @@ def _feed(model:nn.Module, dl, n_batches:int|None, n_inp:int, show_progress:bool
     return seen
 
 def _set_running_stats(stats:dict, seen:int) -> int:
-    "Overwrite each layer's running mean and variance with its pooled `ChannelStats`; returns how many layers got them."
+    "Set each layer's running mean and variance to its pooled `ChannelStats`; returns how many got them."
     n_done, unfed = 0, 0
     for m, st in stats.items():
-        if st.count < 2: unfed += 1; continue
+        if st.count < 2:
+            unfed += 1
+            continue
         m.running_mean.copy_(st.mean.to(m.running_mean))
         m.running_var.copy_(st.var.to(m.running_var))
         n_done += 1
@@ -90,11 +97,13 @@ def precise_bn(learn_or_model:Learner|nn.Module, # a fastai `Learner` (its `mode
                show_progress:bool=True, # show a fastprogress bar
                parent=None, # a fastprogress master bar to nest the bar in
               ) -> int:
-    "Set BN running statistics to the exact pooled mean and unbiased variance of their inputs over `n_batches` batches."
+    "Set BN running statistics to the exact statistics of their inputs over `n_batches` batches."
+    # exact: the pooled mean and unbiased variance of the inputs (`ChannelStats`)
     model, dl, n_inp = _source(learn_or_model, dl, n_inp)
     if layers is None: layers = [m for m in bn_layers(model) if _has_stats(m)]
     if not layers:
-        warnings.warn(f"precise_bn: {type(model).__name__} has no BatchNorm layer with running statistics; nothing to do.")
+        warnings.warn(f"precise_bn: {type(model).__name__} has no BatchNorm layer with running statistics; "
+                      "nothing to do.")
         return 0
     with _pooling(model, layers, train_mode) as stats:
         seen = _feed(model, dl, n_batches, n_inp, show_progress, parent)
@@ -107,13 +116,14 @@ def precise_bn(learn_or_model:Learner|nn.Module, # a fastai `Learner` (its `mode
 @patch
 @delegates(precise_bn, but=['learn_or_model'])
 def precise_bn(self:Learner, dl=None, n_batches:int|None=200, **kwargs) -> int:
-    "Recompute the BatchNorm population statistics of `self.model` with `precise_bn` (default: on `dls.train`)."
+    "Recompute `self.model`'s BatchNorm population statistics with `precise_bn` (default on `dls.train`)."
     return precise_bn(self, dl=dl, n_batches=n_batches, **kwargs)
 
 # %% ../nbs/04_bn_tools.ipynb #3e189c4e
 class PreciseBN(Callback):
     "Recompute BatchNorm statistics with `precise_bn` at the end of `fit`, or before each validation."
-    order = 55 # after the gradient-accumulation callback's last commit and `Recorder`, before `ProgressCallback` closes its bar
+    # after the gradient-accumulation callback's last commit and `Recorder`, before `ProgressCallback` closes its bar
+    order = 55
 
     def __init__(self,
                  n_batches:int|None=200, # batches of `dl` to pool over
@@ -121,9 +131,11 @@ class PreciseBN(Callback):
                  every_epoch:bool=False, # run before every validation, so the metrics use precise statistics
                  **kwargs, # passed to `precise_bn` (`layers`, `train_mode`, ...)
                 ):
-        store_attr('n_batches,every_epoch,kwargs'); self.stats_dl = dl # not `self.dl`: that is the Learner's current one
+        store_attr('n_batches,every_epoch,kwargs')
+        self.stats_dl = dl # not `self.dl`: that is the Learner's current one
 
-    def before_fit(self): self.in_fit = False  # `validate`/`get_preds` fire before_fit/after_fit too, never before_train
+    # `validate`/`get_preds` fire before_fit/after_fit too, never before_train
+    def before_fit(self): self.in_fit = False
     def before_train(self): self.in_fit = True
     def before_validate(self):
         if self.every_epoch and self.in_fit: self._run()
@@ -143,7 +155,8 @@ def _convertible(name, m) -> bool:
     return False
 
 def _replace_bn(model:nn.Module, convert, what:str) -> int:
-    "Replace each convertible `_BatchNorm` `m` in `model` by `convert(name, m)` (unless it returns `None`), in place."
+    "Replace each convertible `_BatchNorm` `m` in `model` by `convert(name, m)`, in place."
+    # a `None` from `convert` leaves `m` where it is
     if isinstance(model, _BatchNorm):
         raise ValueError(f"{what}: the model is itself a BatchNorm layer and cannot be replaced in place; "
                          "pass a container holding it (e.g. `nn.Sequential(bn)`).")
@@ -155,7 +168,10 @@ def _replace_bn(model:nn.Module, convert, what:str) -> int:
             if isinstance(child, _BatchNorm):
                 found += 1
                 new = convert(full, child) if _convertible(full, child) else None
-                if new is not None: new.train(child.training); setattr(parent, name, new); n += 1
+                if new is not None:
+                    new.train(child.training)
+                    setattr(parent, name, new)
+                    n += 1
             else: _walk(child, f'{full}.')
     _walk(model, '')
     if not found: warnings.warn(f"{what}: {type(model).__name__} has no BatchNorm layer; nothing converted.")
@@ -171,18 +187,19 @@ def bn_to_groupnorm(model:nn.Module, # changed in place
                     groups_1d:int|None=None, # groups for `BatchNorm1d` layers (`1`: LayerNorm-like); default `groups`
                     eps:float|None=None, # GroupNorm epsilon; default: each BN layer's own `eps`
                    ) -> int:
-    "Replace every BatchNorm layer of `model` by a `nn.GroupNorm` with the same affine weights, in place; returns how many."
+    "Replace every BatchNorm layer of `model` by a `nn.GroupNorm` with the same affine weights, in place."
     def convert(name, bn):
         g = groups_1d if groups_1d is not None and isinstance(bn, nn.BatchNorm1d) else groups
         c = bn.num_features
-        gn = nn.GroupNorm(_divisor_at_most(c, g), c, eps=bn.eps if eps is None else eps, affine=bn.affine, device='meta')
+        gn = nn.GroupNorm(_divisor_at_most(c, g), c, eps=bn.eps if eps is None else eps, affine=bn.affine,
+                          device='meta')
         if bn.affine: gn.weight, gn.bias = bn.weight, bn.bias
         return gn
     return _replace_bn(model, convert, 'bn_to_groupnorm')
 
 # %% ../nbs/04_bn_tools.ipynb #f46f94d9
 class FrozenBatchNorm(nn.Module):
-    "BatchNorm that always normalizes with its running statistics, which never change; the affine part can still train."
+    "BatchNorm that normalizes with fixed running statistics; its affine part can still train."
     _version = 2 # state_dict version of BatchNorm's buffers
 
     def __init__(self,
@@ -195,8 +212,11 @@ class FrozenBatchNorm(nn.Module):
         super().__init__()
         store_attr('num_features,eps,momentum,affine,bn_class')
         fk = dict(device=device, dtype=dtype)
-        if affine: self.weight, self.bias = nn.Parameter(torch.ones(num_features, **fk)), nn.Parameter(torch.zeros(num_features, **fk))
-        else: self.register_parameter('weight', None); self.register_parameter('bias', None)
+        if affine: self.weight, self.bias = (nn.Parameter(torch.ones(num_features, **fk)),
+                                             nn.Parameter(torch.zeros(num_features, **fk)))
+        else:
+            self.register_parameter('weight', None)
+            self.register_parameter('bias', None)
         self.register_buffer('running_mean', torch.zeros(num_features, **fk))
         self.register_buffer('running_var', torch.ones(num_features, **fk))
         self.register_buffer('num_batches_tracked', torch.tensor(0, dtype=torch.long, device=device))
@@ -217,7 +237,8 @@ class FrozenBatchNorm(nn.Module):
             f.weight, f.bias = bn.weight, bn.bias
             if not train_affine:
                 f.affine_requires_grad = (bn.weight.requires_grad, bn.bias.requires_grad)
-                bn.weight.requires_grad_(False); bn.bias.requires_grad_(False)
+                bn.weight.requires_grad_(False)
+                bn.bias.requires_grad_(False)
         f.running_mean, f.running_var = bn.running_mean, bn.running_var
         f.num_batches_tracked = bn.num_batches_tracked
         return f.train(bn.training)
@@ -228,15 +249,19 @@ class FrozenBatchNorm(nn.Module):
         if self.affine:
             bn.weight, bn.bias = self.weight, self.bias
             if self.affine_requires_grad is not None:
-                self.weight.requires_grad_(self.affine_requires_grad[0]); self.bias.requires_grad_(self.affine_requires_grad[1])
-        bn.running_mean, bn.running_var, bn.num_batches_tracked = self.running_mean, self.running_var, self.num_batches_tracked
+                self.weight.requires_grad_(self.affine_requires_grad[0])
+                self.bias.requires_grad_(self.affine_requires_grad[1])
+        bn.running_mean, bn.running_var, bn.num_batches_tracked = (self.running_mean, self.running_var,
+                                                                   self.num_batches_tracked)
         return bn.train(self.training)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
+                              missing_keys, unexpected_keys, error_msgs):
         # checkpoints without `num_batches_tracked` (torchvision's FrozenBatchNorm2d, BN before torch 0.4.1) load too
         key = prefix + 'num_batches_tracked'
         if key not in state_dict: state_dict[key] = self.num_batches_tracked.clone()
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)
 
     def extra_repr(self): return f'{self.num_features}, eps={self.eps}, affine={self.affine}'
 
@@ -244,17 +269,19 @@ class FrozenBatchNorm(nn.Module):
 def bn_to_frozen(model:nn.Module, # changed in place
                  train_affine:bool=True, # keep the affine parameters trainable; `False`: freeze them too
                 ) -> int:
-    "Replace every BatchNorm layer of `model` by a `FrozenBatchNorm` sharing its tensors, in place; returns how many."
+    "Replace every BatchNorm layer of `model` by a `FrozenBatchNorm` sharing its tensors, in place."
     def convert(name, bn):
         if _has_stats(bn): return FrozenBatchNorm.from_bn(bn, train_affine)
         warnings.warn(f"bn_to_frozen: left {name}: it has no running statistics (track_running_stats=False).")
     return _replace_bn(model, convert, 'bn_to_frozen')
 
 def frozen_to_bn(model:nn.Module) -> int:
-    "Turn every `FrozenBatchNorm` of `model` back into its BatchNorm class, sharing its tensors, in place; returns how many."
+    "Turn each `FrozenBatchNorm` of `model` back into its BatchNorm class, sharing its tensors, in place."
     n = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, FrozenBatchNorm): setattr(parent, name, child.to_bn()); n += 1
+            if isinstance(child, FrozenBatchNorm):
+                setattr(parent, name, child.to_bn())
+                n += 1
     if not n: warnings.warn(f"frozen_to_bn: {type(model).__name__} has no FrozenBatchNorm layer.")
     return n

@@ -18,7 +18,8 @@ __all__ = ['GradientAccumulationV1', 'mnist_v1']
 
 # %% ../nbs/03a_callback_v1.ipynb #731e4d2a
 def _active_callback(learn, cls_name:str, attr:str):
-    "The instance of fastai v1 callback class `cls_name` this fit runs (`learn.callbacks`, or `learn.<attr>` if in `callback_fns`)."
+    "The instance of fastai v1 callback class `cls_name` this fit runs, or `None`."
+    # found in `learn.callbacks`, or as `learn.<attr>` if the class is in `callback_fns`
     for cb in getattr(learn, 'callbacks', []):
         if type(cb).__name__ == cls_name: return cb
     for f in getattr(learn, 'callback_fns', []):
@@ -26,7 +27,7 @@ def _active_callback(learn, cls_name:str, attr:str):
     return None
 
 def _uses_callback(learn, cls_name:str) -> bool:
-    "Does this fit run a fastai v1 callback of class `cls_name` (in `learn.callbacks` or `learn.callback_fns`)?"
+    "Does this fit run a fastai v1 callback of class `cls_name`, in `learn.callbacks` or `callback_fns`?"
     fns = [getattr(f, 'func', f) for f in getattr(learn, 'callback_fns', [])]
     return any(getattr(c, '__name__', type(c).__name__) == cls_name for c in [*getattr(learn, 'callbacks', []), *fns])
 
@@ -36,7 +37,8 @@ def _inputs_v1(b) -> list:
 
 @torch.no_grad()
 def _add_model_grads(mp):
-    "Add the model's (half) gradients to `mp`'s fp32 master gradients and clear them (v1 `MixedPrecision`, flat or not)."
+    "Add the model's (half) gradients to `mp`'s fp32 master gradients and clear them."
+    # `mp`: v1's `MixedPrecision`, with flat masters or not
     for model_group, master_group in zip(mp.model_params, mp.master_params):
         if not master_group: continue
         if mp.flat_master:
@@ -44,7 +46,8 @@ def _add_model_grads(mp):
             g = parameters_to_vector([p.grad.float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
                                       for p in model_group])
             pairs = [(master_group[0], g)]
-        else: pairs = [(m, p.grad.to(torch.float32, copy=True)) for p, m in zip(model_group, master_group) if p.grad is not None]
+        else: pairs = [(m, p.grad.to(torch.float32, copy=True)) for p, m in zip(model_group, master_group)
+                       if p.grad is not None]
         for m, g in pairs:
             if m.grad is None: m.grad = g
             else: m.grad.add_(g)
@@ -53,14 +56,14 @@ def _add_model_grads(mp):
 
 # %% ../nbs/03a_callback_v1.ipynb #4622f4db
 class GradientAccumulationV1(FrontEnd):
-    "fastai v1 callback (use through `callback_fns`): accumulate gradients over windows with exact BatchNorm statistics."
+    "fastai v1 callback (use via `callback_fns`): gradient accumulation with exact BatchNorm statistics."
     _order = -25  # before fastai v1's MixUp (-20), Recorder (-10), and MixedPrecision (999)
 
     def __init__(self, learn,
                  n_step:int|None=None, # micro-batches per optimizer step
                  n_acc:int|None=None,  # or: samples per optimizer step (the effective batch size)
-                 preflight:bool=True,  # print the pre-flight (the 'exact' plan, or the BatchNorm table) at the first micro-batch
-                 **kwargs, # the core's options, documented on `Accumulation` (`policy`, `partial`, `wrap`, `offload`, ...)
+                 preflight:bool=True,  # print the pre-flight ('exact' plan or BatchNorm table) at the first micro-batch
+                 **kwargs, # the core's options, see `Accumulation` (`policy`, `partial`, `wrap`, `offload`, ...)
                 ):
         self._take_args(n_step, n_acc, preflight, kwargs, 'GradientAccumulationV1')
         self.learn, self.mp, self.loader, self._patched = learn, None, None, []
@@ -76,31 +79,39 @@ class GradientAccumulationV1(FrontEnd):
         clip = _active_callback(learn, 'GradientClipping', 'gradient_clipping')
         if self.mp is not None and clip is not None and clip.clip:
             raise ValueError(f"GradientAccumulationV1: clip_grad(clip={clip.clip}) with to_fp16() would clip the last "
-                             "micro-batch's half-precision gradients, not the window's: pass the clip to to_fp16(clip=...)")
-        self.acc = self._core(learn.model, loss_reduction=loss_reduction(learn.loss_func), inputs=_inputs_v1, params=self._params,
-                              optimizer=getattr(learn, 'opt', None))
+                             "micro-batch's half-precision gradients, not the window's: "
+                             "pass the clip to to_fp16(clip=...)")
+        self.acc = self._core(learn.model, loss_reduction=loss_reduction(learn.loss_func), inputs=_inputs_v1,
+                              params=self._params, optimizer=getattr(learn, 'opt', None))
         self._choose()
         self._clear()
         self._patch(self.mp, self._mp_backward_end)
         self._patch(clip, self._clip_backward_end)
-        if self.acc.needs_window or self.exact:  # read each window ahead (restored in on_train_end, which v1 runs however the fit ends)
-            self.loader = learn.data.train_dl = WindowLoader(self._train_dl(), self.n_step, self.n_acc, self.exact, self.partial,
-                                                             inputs_on=self.acc.inputs_on)  # v1 batches: (xb, yb)
+        # read each window ahead (restored in on_train_end, which v1 runs however the fit ends)
+        if self.acc.needs_window or self.exact:
+            # v1 batches: (xb, yb)
+            self.loader = learn.data.train_dl = WindowLoader(self._train_dl(), self.n_step, self.n_acc, self.exact,
+                                                             self.partial, inputs_on=self.acc.inputs_on)
 
     def _choose(self):
-        "Choose how this fit trains, from the modes it trains in: v1 calls `model.train()` at each epoch, then `BnFreeze` (if used) puts BatchNorm layers without trainable parameters in eval mode."
+        "Choose how this fit trains, from the modes it trains in."
+        # the modes: v1 calls `model.train()` at each epoch, then `BnFreeze` (if used) puts BatchNorm layers without
+        # trainable parameters in eval mode
         model, learn = self.learn.model, self.learn
         with modes_kept(model):
             model.train()
             if _uses_callback(learn, 'BnFreeze'):
                 from fastai.torch_core import set_bn_eval  # fastai v1's, as its BnFreeze calls it
                 set_bn_eval(model)
-            self.acc.setup(self._peek)  # 'exact' or not (measuring a peeked micro-batch only if it must), wrap BatchNorm
-        said = getattr(learn, '_gradient_accumulation_said', None)  # the callback is built anew for each fit: kept on the learner
+            # 'exact' or not (measuring a peeked micro-batch only if it must), wrap BatchNorm
+            self.acc.setup(self._peek)
+        # the callback is built anew for each fit: kept on the learner
+        said = getattr(learn, '_gradient_accumulation_said', None)
         self._announce = self.preflight and self.acc.path not in ('no BatchNorm', said)
 
     def _train_dl(self):
-        "The training DataLoader under any `WindowLoader` (one is left behind by a fit that failed before it started)."
+        "The training DataLoader under any `WindowLoader`."
+        # a `WindowLoader` is left behind by a fit that failed before it started
         dl = self.learn.data.train_dl
         while isinstance(dl, WindowLoader): dl = dl.dl
         return dl
@@ -121,10 +132,13 @@ class GradientAccumulationV1(FrontEnd):
         if self._announce:
             self._announce = False
             xb = list(last_input) if isinstance(last_input, (list, tuple)) else [last_input]
-            self.learn._gradient_accumulation_said = self._print_preflight(xb, getattr(self.learn, '_gradient_accumulation_said', None))
+            self.learn._gradient_accumulation_said = self._print_preflight(
+                xb, getattr(self.learn, '_gradient_accumulation_said', None))
         if self.acc.needs_window and self.window.empty:
-            self.acc.start_window([(last_input, last_target)] + (self.loader.window[1:] if self.loader is not None else []))
-        self._start_micro(batch_size(last_target), last=num_batch == len(self.learn.data.train_dl) - 1)  # the window rule
+            self.acc.start_window([(last_input, last_target)]
+                                  + (self.loader.window[1:] if self.loader is not None else []))
+        # the window rule
+        self._start_micro(batch_size(last_target), last=num_batch == len(self.learn.data.train_dl) - 1)
 
     def on_backward_begin(self, last_loss, train=True, **kwargs):
         if not train: return
@@ -137,8 +151,10 @@ class GradientAccumulationV1(FrontEnd):
         if not self._final: return {'skip_step': True, 'skip_zero': True}
 
     def _mp_backward_end(self, mp, skip_step=False, **kwargs):
-        "v1 `MixedPrecision.on_backward_end` under accumulation: add to the master gradients; unscale, check, clip once per window."
-        if self.window.n_micro == 1: self._clear_master()  # a window starts from no gradient (flat masters start uninitialised)
+        "v1 `MixedPrecision.on_backward_end` under accumulation: add to the master gradients."
+        # then unscale, check and clip once per window
+        # a window starts from no gradient (flat masters start uninitialised)
+        if self.window.n_micro == 1: self._clear_master()
         _add_model_grads(mp)
         if skip_step: return
         masters = [p for group in mp.master_params for p in group]
@@ -170,7 +186,8 @@ class GradientAccumulationV1(FrontEnd):
     def on_train_end(self, **kwargs):
         self._clear()
         if self.acc is not None: self.acc.release()  # plain torch BatchNorm layers between fits
-        if self.loader is not None and self.learn.data.train_dl is self.loader: self.learn.data.train_dl = self.loader.dl
+        if self.loader is not None and self.learn.data.train_dl is self.loader:
+            self.learn.data.train_dl = self.loader.dl
         for cb in self._patched: cb.__dict__.pop('on_backward_end', None)
         self.loader, self._patched = None, []
 
@@ -179,13 +196,14 @@ class GradientAccumulationV1(FrontEnd):
             for p in group: p.grad = None
 
     def _clear(self):
-        "Drop any partial window: accumulated gradients (the model's and, under `to_fp16`, the masters') and pending statistics."
+        "Drop any partial window: its accumulated gradients and pending statistics."
+        # gradients: the model's and, under `to_fp16`, the masters'
         if self.acc is not None and not self.window.empty:
             for p in self.learn.model.parameters(): p.grad = None
         super()._clear()
 
 # %% ../nbs/03a_callback_v1.ipynb #01ee3691
-def mnist_v1(path=None, # an MNIST_SAMPLE-style folder (`None`: fastai's MNIST_SAMPLE if on disk, else the offline stand-in)
+def mnist_v1(path=None, # an MNIST_SAMPLE-style folder (`None`: fastai's MNIST_SAMPLE if on disk, else the stand-in)
              n_step:int|None=32, # micro-batches per optimizer step (`None`: no accumulation, batches of `micro_bs`)
              micro_bs:int=2, # samples per micro-batch
              epochs:int=3, # epochs of `fit_one_cycle`
@@ -193,7 +211,8 @@ def mnist_v1(path=None, # an MNIST_SAMPLE-style folder (`None`: fastai's MNIST_S
              seed:int=0, # seed of the model's init and the data order
              **kwargs, # passed to `GradientAccumulationV1` (`policy`, `prepass_bs`, ...)
             ):
-    "fastai v1: `create_cnn(resnet18, pretrained=False)` with `GradientAccumulation` through `callback_fns`; returns the `Learner`."
+    "fastai v1 MNIST demo: `create_cnn(resnet18, pretrained=False)` with `GradientAccumulation`."
+    # `GradientAccumulation` goes through `callback_fns`; returns the `Learner`
     import random, numpy as np
     try: from fastai.vision import ImageDataBunch, create_cnn, models, accuracy, URLs
     except ImportError as e:
@@ -203,9 +222,12 @@ def mnist_v1(path=None, # an MNIST_SAMPLE-style folder (`None`: fastai's MNIST_S
         stand_in = Path(os.environ.get('FASTAI_ACCUM_DATA') or Path.home()/'.fastai'/'data')/'mnist_sample_digits'
         path = real if real.exists() else stand_in
         if not path.exists():
-            raise FileNotFoundError(f"No MNIST_SAMPLE at {real} and no offline stand-in at {stand_in}: download {URLs.MNIST_SAMPLE} "
-                                    "or write the stand-in with `fastai_accum.lab.demo.mnist_sample_path()` (fastai v2)")
-    random.seed(seed); np.random.seed(seed); torch.manual_seed(seed)
+            raise FileNotFoundError(f"No MNIST_SAMPLE at {real} and no offline stand-in at {stand_in}: "
+                                    f"download {URLs.MNIST_SAMPLE} or write the stand-in with "
+                                    "`fastai_accum.lab.demo.mnist_sample_path()` (fastai v2)")
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
     data = ImageDataBunch.from_folder(path, bs=micro_bs, ds_tfms=None, num_workers=0)
     fns = [functools.partial(GradientAccumulationV1, n_step=n_step, **kwargs)] if n_step else []
     learn = create_cnn(data, models.resnet18, pretrained=False, metrics=accuracy, callback_fns=fns)

@@ -40,15 +40,20 @@ _linear_node = re.compile(r'(Add|Sub|Neg|Sum|Mean|View|UnsafeView|Reshape|Alias|
                           r'ToCopy|AsStrided|(Adaptive)?AvgPool[123]d)Backward\d*')
 
 def _uses_inputs(fn) -> bool:
-    "Whether the backward of node `fn` may use its forward values (False for sums, views and other value-free ops)."
+    "Whether the backward of node `fn` may use its forward values."
+    # False for sums, views and other value-free ops (`_linear_node`)
     return not _linear_node.fullmatch(type(fn).__name__)
 
 def _bn_flow(root, bn_inputs:dict|None=None) -> tuple[dict, dict]:
-    "Flags (`bn_forward`, `bn_backward`) per parameter (by `id`) under `root`, a loss's `grad_fn`; `bn_forward` per BN module of `bn_inputs` ({module: its input})."
+    "(params, layers): the BatchNorm flags under `root`, a loss's `grad_fn`."
+    # params: (`bn_forward`, `bn_backward`) per parameter (by `id`); layers: `bn_forward` per BN module of `bn_inputs`
+    # ({module: its input})
     kids, parents, order, stack = {}, {}, [], [(root, False)]
     while stack:  # iterative post-order walk: deep graphs exceed Python's recursion limit
         fn, done = stack.pop()
-        if done: order.append(fn); continue
+        if done:
+            order.append(fn)
+            continue
         if fn in kids: continue
         kids[fn] = [(i, k) for i, (k, _) in enumerate(fn.next_functions) if k is not None]
         stack.append((fn, True))
@@ -57,7 +62,8 @@ def _bn_flow(root, bn_inputs:dict|None=None) -> tuple[dict, dict]:
             if k not in kids: stack.append((k, False))
     dep = {}  # the node's forward inputs depend on a BatchNorm's output
     for fn in order: dep[fn] = any(_is_bn_node(k) or dep[k] for _, k in kids[fn])
-    up, thr = {root: False}, {root: False}  # gradient arriving at the node: uses BN-normalized values / went through BN statistics
+    # gradient arriving at the node: uses BN-normalized values / went through BN statistics
+    up, thr = {root: False}, {root: False}
     for fn in reversed(order):
         out_up = up.get(fn, False) or _is_bn_node(fn) or (dep[fn] and _uses_inputs(fn))
         for i, k in kids[fn]:
@@ -71,7 +77,8 @@ def _bn_flow(root, bn_inputs:dict|None=None) -> tuple[dict, dict]:
     return params, layers
 
 # %% ../nbs/06_check.ipynb #a6714df5
-from .divergence import _ROOT, _owner  # how per-module tables name the model itself, as the divergence finder does
+# how per-module tables name the model itself, as the divergence finder does
+from .divergence import _ROOT, _owner
 _STAT_KINDS = ('running_mean', 'running_var', 'num_batches_tracked')
 
 def _fmt(v) -> str:
@@ -139,7 +146,8 @@ class AccumulationReport:
         verdict = 'matches' if self.ok else 'differs'
         head = (f"accumulation {verdict}: {self.n_samples} samples in {self.n_step} micro-batches, policy "
                 f"{self.policy!r}, {self.dtype}: max rel diff {self.max_rel_diff:.3g} (tol {self.tol:g})")
-        if self.max_rel_diff_bn_eval is not None: head += f", {self.max_rel_diff_bn_eval:.3g} with BatchNorm in eval mode"
+        if self.max_rel_diff_bn_eval is not None:
+            head += f", {self.max_rel_diff_bn_eval:.3g} with BatchNorm in eval mode"
         grad = f'whole gradient: rel err {self.grad_rel_err:.3g}, cosine {self.grad_cosine:.6f}'
         return [head, f'diagnosis: {self.diagnosis}', grad] + [f'note: {n}' for n in self.notes]
 
@@ -152,13 +160,15 @@ class AccumulationReport:
                            ['Modules that differ most:', _md_table(self.top())])
 
 # %% ../nbs/06_check.ipynb #c7a1e0b2
-check_policies = ('auto',) + bn_policies + ('exact', 'naive') # what `check_accumulation` can run: the callback's 'auto' and 'exact', BatchNorm policies, fastai's plain accumulation
+# what `check_accumulation` can run: the callback's 'auto' and 'exact', BatchNorm policies, fastai's plain
+# accumulation
+check_policies = ('auto',) + bn_policies + ('exact', 'naive')
 
 def resolve_auto(model:nn.Module, # the model, BatchNorm layers in the mode training will use
                  xb:tuple, # one micro-batch of its inputs (measured; nothing changes)
                  window:int, # samples per window
                 ) -> tuple:
-    "(policy, why): what `GradientAccumulation(policy='auto')` trains `model` with, as its `before_fit` decides."
+    "(policy, why): the policy `GradientAccumulation(policy='auto')`'s `before_fit` picks for `model`."
     how = plan_training('auto', model, lambda: xb, n_acc=window)  # the callback's own decision
     if how.memory is None: return 'window', "policy 'auto' is 'window': no BatchNorm in training mode"
     if how.exact: return 'exact', f"policy 'auto' is 'exact' here, as in GradientAccumulation: {how.memory.describe()}"
@@ -166,7 +176,7 @@ def resolve_auto(model:nn.Module, # the model, BatchNorm layers in the mode trai
 
 # %% ../nbs/06_check.ipynb #1d10b993
 def _dropouts(model:nn.Module) -> list:
-    "(name, module) of every dropout-like module: `nn.Dropout*`, fastai's `RNNDropout`, drop-path / stochastic depth."
+    "(name, module) of each dropout-like module: `nn.Dropout*`, `RNNDropout`, drop-path/stochastic depth."
     keys = ('dropout', 'droppath', 'stochasticdepth')
     return [(n or _ROOT, m) for n, m in model.named_modules()
             if isinstance(m, _DropoutNd) or any(k in type(m).__name__.lower() for k in keys)]
@@ -174,20 +184,23 @@ def _dropouts(model:nn.Module) -> list:
 def _split(batch:tuple, n_step:int) -> list:
     "`batch` split along its first dimension into `n_step` micro-batches (sizes differ by at most one)."
     bs = batch[0].shape[0]
-    if bs < n_step: raise ValueError(f"check_accumulation: the batch has {bs} samples, fewer than n_step={n_step} micro-batches")
+    if bs < n_step: raise ValueError(f"check_accumulation: the batch has {bs} samples, "
+                                     f"fewer than n_step={n_step} micro-batches")
     parts = [t.tensor_split(n_step) for t in batch]
     return [tuple(p[i] for p in parts) for i in range(n_step)]
 
 def _first_window(dl, n_step:int) -> tuple:
-    "The first `n_step` batches of `dl` concatenated: one training window, whose micro-batches are the DataLoader's."
+    "The first `n_step` batches of `dl` joined: one training window of the DataLoader's micro-batches."
     batches = peek_batches(dl, n_step)  # what `dl` and every random generator give afterwards is unchanged
-    if len(batches) < n_step: raise ValueError(f"check_accumulation: the training DataLoader has {len(batches)} batches, "
-                                               f"fewer than n_step={n_step}; pass `batch`")
+    if len(batches) < n_step:
+        raise ValueError(f"check_accumulation: the training DataLoader has {len(batches)} batches, "
+                         f"fewer than n_step={n_step}; pass `batch`")
     return cat_batches(batches)
 
 # %% ../nbs/06_check.ipynb #52ba3497
 def _from_learner(learn_or_model, loss_func, n_step, policy, prepass_bs) -> tuple:
-    "The arguments not given, from a Learner and its `GradientAccumulation`: (learn, model, loss_func, n_step, policy, ...)."
+    "The arguments not given, from a Learner and its `GradientAccumulation`."
+    # returns (learn, model, loss_func, n_step, policy, prepass_bs)
     learn, model = learner_and_model(learn_or_model)
     cb = next((c for c in learn.cbs if isinstance(c, GradientAccumulation)), None) if learn is not None else None
     if loss_func is None:
@@ -203,19 +216,22 @@ def _check_args(n_step, policy):
     if n_step is None: raise ValueError("check_accumulation: pass `n_step`, the micro-batches to split the batch into")
     if isinstance(n_step, bool) or not isinstance(n_step, int) or n_step < 1:
         raise ValueError(f"check_accumulation: n_step must be a positive integer, got {n_step!r}")
-    if policy not in check_policies: raise ValueError(f"Unknown BatchNorm policy {policy!r}; choose one of {check_policies}")
+    if policy not in check_policies:
+        raise ValueError(f"Unknown BatchNorm policy {policy!r}; choose one of {check_policies}")
 
 def _tensor_tuple(b, n:int|None=None) -> bool:
     "Is `b` a tuple (or list) of tensors: at least 2, or exactly `n`?"
-    return isinstance(b, (tuple, list)) and (len(b) >= 2 if n is None else len(b) == n) and all(isinstance(t, Tensor) for t in b)
+    return (isinstance(b, (tuple, list)) and (len(b) >= 2 if n is None else len(b) == n)
+            and all(isinstance(t, Tensor) for t in b))
 
 def _the_batch(learn, batch, n_step:int) -> tuple:
     "`batch`, or by default a Learner's first training window."
     if batch is None:
         if learn is None: raise ValueError("check_accumulation: pass `batch`, a tuple (inputs..., targets...)")
         batch = _first_window(learn.dls.train, n_step)
-    if not _tensor_tuple(batch): raise TypeError("check_accumulation: `batch` must be a tuple of tensors (inputs..., targets...), "
-                                            "as `learn.dls.one_batch()` returns")
+    if not _tensor_tuple(batch):
+        raise TypeError("check_accumulation: `batch` must be a tuple of tensors (inputs..., targets...), "
+                        "as `learn.dls.one_batch()` returns")
     return batch
 
 def _cast_batch(batch:tuple, device, dtype) -> tuple:
@@ -252,11 +268,14 @@ class _Setup:
 
 def _resolve(learn_or_model, batch=None, n_step=None, loss_func=None, policy=None, dtype=torch.float64, seed=0,
              dropout=False, n_inp=None, prepass_bs=None, loss_weight_fn=None, previous=None) -> _Setup:
-    "Step 1: the arguments checked and completed (from a Learner and its callback); 'auto' resolved as the callback would."
-    learn, model, loss_func, n_step, policy, prepass_bs = _from_learner(learn_or_model, loss_func, n_step, policy, prepass_bs)
+    "Step 1: the arguments checked and completed; 'auto' resolved as the callback would."
+    # completed from a Learner and its callback
+    learn, model, loss_func, n_step, policy, prepass_bs = _from_learner(learn_or_model, loss_func, n_step, policy,
+                                                                        prepass_bs)
     _check_args(n_step, policy)
     batch = _the_batch(learn, batch, n_step)
-    if n_inp is None: n_inp = len(split_batch(batch, getattr(learn.dls, 'n_inp', None) if learn is not None else None)[0])
+    if n_inp is None:
+        n_inp = len(split_batch(batch, getattr(learn.dls, 'n_inp', None) if learn is not None else None)[0])
     p0 = next(model.parameters(), None)
     if p0 is None: raise ValueError("check_accumulation: the model has no parameters")
     dt = dtype or p0.dtype
@@ -275,7 +294,8 @@ def _resolve(learn_or_model, batch=None, n_step=None, loss_func=None, policy=Non
                   loss_weight_fn, notes)
 
 def _fit_path(learn) -> tuple|None:
-    "(policy, why): how the last fit with the Learner's `GradientAccumulation` trained ('auto' resolved there), or None before any fit."
+    "(policy, why): how the Learner's `GradientAccumulation` trained in the last fit (None before any)."
+    # 'auto' as that fit resolved it
     cb = next((c for c in learn.cbs if isinstance(c, GradientAccumulation)), None) if learn is not None else None
     acc = getattr(cb, 'acc', None)
     if acc is None or acc.exact is None: return None
@@ -283,7 +303,8 @@ def _fit_path(learn) -> tuple|None:
     return policy, f"policy 'auto' is {policy!r} here: the last fit trained on {acc.path!r}"
 
 def _train_mode_auto(model:nn.Module, xb:tuple, window:int) -> tuple:
-    "`resolve_auto` with the model in training mode, as a fit trains it (a fit or `validate` leaves it in eval mode)."
+    "`resolve_auto` with the model in training mode, as a fit trains it."
+    # a fit or `validate` leaves the model in eval mode
     with modes_kept(model):
         model.train()
         return resolve_auto(model, xb, window)
@@ -298,7 +319,8 @@ def _seeded(seed:int, device):
         yield
 
 def _copy(model:nn.Module, dtype, dropout:bool, bn_eval:bool) -> nn.Module:
-    "A training-mode deep copy of `model` in `dtype`, without gradients; dropout and/or BatchNorm in eval mode if asked."
+    "A training-mode deep copy of `model` in `dtype`, without gradients."
+    # dropout (unless `dropout`) and BatchNorm (if `bn_eval`) in eval mode
     m = copy.deepcopy(model)
     if dtype is not None: m.to(dtype)
     m.train()
@@ -310,14 +332,17 @@ def _copy(model:nn.Module, dtype, dropout:bool, bn_eval:bool) -> nn.Module:
     return m
 
 def _loss_in(loss_func, dtype):
-    "`loss_func`, or for a fastai `BaseLoss` in float64 the same computation without its cast of the predictions to float32."
-    if dtype != torch.float64 or not isinstance(loss_func, BaseLoss) or type(loss_func).__call__ is not BaseLoss.__call__:
+    "`loss_func`, or for a fastai `BaseLoss` in float64 the same computation without its float32 cast."
+    # `BaseLoss` casts the predictions to float32
+    if (dtype != torch.float64 or not isinstance(loss_func, BaseLoss)
+            or type(loss_func).__call__ is not BaseLoss.__call__):
         return loss_func
     lf = loss_func
     def call(inp, targ, **kwargs):  # BaseLoss.__call__, but `TensorBase(x)` would turn float64 into float32
         inp, targ = (x.transpose(lf.axis, -1).contiguous().as_subclass(TensorBase) if isinstance(x, Tensor) else x
                      for x in (inp, targ))
-        if lf.floatify and targ.dtype != torch.float16: targ = targ.to(inp.dtype if inp.is_floating_point() else torch.float32)
+        if lf.floatify and targ.dtype != torch.float16:
+            targ = targ.to(inp.dtype if inp.is_floating_point() else torch.float32)
         if targ.dtype in (torch.int8, torch.int16, torch.int32): targ = targ.long()
         if lf.flatten: inp = inp.view(-1, inp.shape[-1]) if lf.is_2d else inp.view(-1)
         return lf.func(inp, targ.view(-1) if lf.flatten else targ, **kwargs)
@@ -329,22 +354,25 @@ def _grads(model:nn.Module) -> dict:
 
 def _stats(model:nn.Module) -> dict:
     names = {m: n or _ROOT for n, m in model.named_modules()}
-    return {names[m]: (m.running_mean.detach().clone(), m.running_var.detach().clone(), int(m.num_batches_tracked), m.eps)
+    return {names[m]: (m.running_mean.detach().clone(), m.running_var.detach().clone(), int(m.num_batches_tracked),
+                       m.eps)
             for m in bn_layers(model) if _has_stats(m)}
 
 # %% ../nbs/06_check.ipynb #58be241b
 def _bn_flags(model, loss, inputs:dict) -> tuple:
-    "({parameter name: (bn_forward, bn_backward)}, {BatchNorm module name: bn_forward}) from the graph of `loss`."
+    "({param name: (bn_forward, bn_backward)}, {BatchNorm module name: bn_forward}) from `loss`'s graph."
     params, layers = _bn_flow(loss.grad_fn, inputs) if loss.grad_fn is not None else ({}, {})
     names = {m: n or _ROOT for n, m in model.named_modules()}
     return ({n: params.get(id(p), (False, False)) for n, p in model.named_parameters()},
             {names[m]: v for m, v in layers.items()})
 
 def _run_full(model, s:_Setup, analyse:bool=False) -> tuple:
-    "(b): one forward/backward of the whole batch (plain BatchNorm); returns its loss, the loss's dtype, the flags if `analyse`."
+    "(b): one forward/backward of the whole batch (plain BatchNorm)."
+    # returns its loss, the loss's dtype, and the flags if `analyse`
     unwrap_bn(model)
     inputs = {}
-    hooks = [m.register_forward_pre_hook(lambda m, a: inputs.__setitem__(m, a[0])) for m in bn_layers(model)] if analyse else []
+    hooks = ([m.register_forward_pre_hook(lambda m, a: inputs.__setitem__(m, a[0])) for m in bn_layers(model)]
+             if analyse else [])
     try:
         with _seeded(s.seed, s.device): loss = s.call_loss(model(*s.batch[:s.n_inp]), *s.batch[s.n_inp:])
     finally:
@@ -354,30 +382,38 @@ def _run_full(model, s:_Setup, analyse:bool=False) -> tuple:
     return loss.detach().double().item(), loss.dtype, flow
 
 def _prepare(model, policy, quiet=False):
-    "Set up the BatchNorm layers of `model` (a copy) for `policy`: plain for 'naive', one batch per window for 'exact'."
-    if policy == 'naive': unwrap_bn(model); return  # plain BatchNorm on each micro-batch, statistics updated by each
+    "Set up the BatchNorm layers of `model` (a copy) for `policy`."
+    # plain for 'naive', one batch per window for 'exact'
+    if policy == 'naive':  # plain BatchNorm on each micro-batch, statistics updated by each
+        unwrap_bn(model)
+        return
     if bn_layers(model):  # (a model without BatchNorm needs no wrapping, and no warning that there is nothing to wrap)
         with warnings.catch_warnings():
             if quiet: warnings.simplefilter('ignore')  # said once, by the first run
-            wrap_bn(model, 'micro' if policy == 'exact' else policy)  # 'exact': the callback's layers normalize the one batch
+            # 'exact': the callback's layers normalize the one batch
+            wrap_bn(model, 'micro' if policy == 'exact' else policy)
     for m in bn_layers(model, accumulating=True): m.grad_pool.reset()  # a fit's first window, from scratch
 
 # %% ../nbs/06_check.ipynb #83c7772f
 class _CopyAccumulation(Accumulation):
-    "The core on the check's copy of the model, its BatchNorm layers as `_prepare` set them; the copy's window is this process's alone (no all-reduce, no merge)."
+    "The core on the check's copy of the model, its BatchNorm layers as `_prepare` set them."
+    # the copy's window is this process's alone (no all-reduce, no merge)
     local = True
     def __init__(self, model:nn.Module, # the copy, prepared for the policy (`_prepare`)
                  n_step:int, # micro-batches in the window
                  s:_Setup):
-        policy = 'micro' if s.policy in ('exact', 'naive') else s.policy  # 'exact': one micro-batch, the window; 'naive': plain BatchNorm
-        super().__init__(model, n_step, policy=policy, loss_reduction=s.reduction, inputs=lambda b: b[:s.n_inp], wrap=False,
-                         prepass_bs=s.prepass_bs, name='check_accumulation')
+        # 'exact': one micro-batch, the window; 'naive': plain BatchNorm
+        policy = 'micro' if s.policy in ('exact', 'naive') else s.policy
+        super().__init__(model, n_step, policy=policy, loss_reduction=s.reduction, inputs=lambda b: b[:s.n_inp],
+                         wrap=False, prepass_bs=s.prepass_bs, name='check_accumulation')
         self.setup(None)  # a BatchNorm policy measures no micro-batch; collects the layers `_prepare` wrapped
 
 def _accumulate(acc:_CopyAccumulation, micro:list, s:_Setup) -> float:
-    "Train one window of `micro` through the core without stepping, as the callback trains it, statistics committed; returns the weighted loss."
+    "Train one window of `micro` through the core, as the callback trains it, without stepping."
+    # statistics committed; returns the weighted loss
     acc.clear()  # no pending statistics from the model copied
-    parts = [cat_batches(micro)] if s.policy == 'exact' else micro  # 'exact': the window as one batch, as the callback trains it
+    # 'exact': the window as one batch, as the callback trains it
+    parts = [cat_batches(micro)] if s.policy == 'exact' else micro
     with _seeded(s.seed, s.device): acc.start_window(parts)  # the 'window' policy's pre-pass
     objective = 0.
     with _seeded(s.seed, s.device):
@@ -386,7 +422,8 @@ def _accumulate(acc:_CopyAccumulation, micro:list, s:_Setup) -> float:
             final, _ = acc.ends(bs, last=i == len(parts) - 1)
             acc.start_micro(bs, final)
             loss = s.call_loss(acc.model(*mb[:s.n_inp]), *mb[s.n_inp:])
-            w = acc.loss_factor(loss)  # the callback's weight; at the window's end times the correction, earlier gradients rescaled
+            # the callback's weight; at the window's end times the correction, earlier gradients rescaled
+            w = acc.loss_factor(loss)
             c = acc.window.grad_correction if final else 1.  # that correction (this process's window alone)
             if s.loss_weight_fn is not None: w = s.loss_weight_fn(bs, acc.window) * c
             (loss * w).backward()
@@ -395,10 +432,12 @@ def _accumulate(acc:_CopyAccumulation, micro:list, s:_Setup) -> float:
     return objective
 
 def _run_window(model, s:_Setup, quiet:bool=False) -> float:
-    "(a): one accumulated window over `s.micro` under `s.policy`, after the `previous` window if given; returns the weighted loss."
+    "(a): one accumulated window over `s.micro` under `s.policy`; returns the weighted loss."
+    # after the `previous` window if given
     _prepare(model, s.policy, quiet)
     acc = _CopyAccumulation(model, 1 if s.policy == 'exact' else s.n_step, s)
-    if s.previous is not None:  # as a fit past its first window: the previous window's backward terms pooled, nothing else kept
+    # as a fit past its first window: the previous window's backward terms pooled, nothing else kept
+    if s.previous is not None:
         with leaves_no_trace(model): _accumulate(acc, s.previous, s)
         for p in model.parameters(): p.grad = None
     return _accumulate(acc, s.micro, s)
@@ -406,21 +445,25 @@ def _run_window(model, s:_Setup, quiet:bool=False) -> float:
 @dataclass
 class _Run:
     "What one run gives: its loss, gradients and BatchNorm running statistics."
-    loss:float; grads:dict; stats:dict
+    loss:float
+    grads:dict
+    stats:dict
     loss_dtype:torch.dtype|None=None # dtype the loss function returned (big-batch run)
     flow:tuple|None=None # the BatchNorm flags of `_bn_flags` (big-batch run, BatchNorm in training mode)
 
 def _run_pair(s:_Setup, bn_eval:bool=False) -> tuple:
-    "Step 2: (a) the accumulated window and (b) the big batch, each on its own copy of the model; (c) with `bn_eval`."
+    "Step 2: (a) the accumulated window, (b) the big batch, each on its own model copy; (c) if `bn_eval`."
     a = _copy(s.model, s.dtype, s.dropout, bn_eval)
-    acc = _Run(_run_window(a, s, quiet=bn_eval), _grads(a), _stats(a)); del a
+    acc = _Run(_run_window(a, s, quiet=bn_eval), _grads(a), _stats(a))
+    del a
     b = _copy(s.model, s.dtype, s.dropout, bn_eval)
     loss, ldt, flow = _run_full(b, s, analyse=not bn_eval)
     return acc, _Run(loss, _grads(b), _stats(b), ldt, flow)
 
 # %% ../nbs/06_check.ipynb #fc02ba7a
 def _grad_diff(a:Tensor|None, b:Tensor|None, floor:float) -> tuple:
-    "Difference of gradient `a` (accumulated) from `b` (big batch), relative to the larger of max|a|, max|b| and `floor`."
+    "Difference of gradient `a` (accumulated) from `b` (big batch): (ref_max, abs_diff, rel_diff)."
+    # relative to the larger of max|a|, max|b| and `floor`
     if a is None and b is None: return 0., 0., 0.
     if a is None: a = torch.zeros_like(b)
     if b is None: b = torch.zeros_like(a)
@@ -432,8 +475,10 @@ def _grad_diff(a:Tensor|None, b:Tensor|None, floor:float) -> tuple:
 def _whole_grad(ga:dict, gb:dict) -> tuple:
     "(|a - b| / |b|, cosine(a, b)) over all the gradients together (L2, float64)."
     pairs = [(a, b) for n, b in gb.items() if (a := ga.get(n)) is not None or b is not None]
-    va = torch.cat([(a if a is not None else torch.zeros_like(b)).double().flatten().cpu() for a, b in pairs] or [torch.zeros(1)])
-    vb = torch.cat([(b if b is not None else torch.zeros_like(a)).double().flatten().cpu() for a, b in pairs] or [torch.zeros(1)])
+    va = torch.cat([(a if a is not None else torch.zeros_like(b)).double().flatten().cpu() for a, b in pairs]
+                   or [torch.zeros(1)])
+    vb = torch.cat([(b if b is not None else torch.zeros_like(a)).double().flatten().cpu() for a, b in pairs]
+                   or [torch.zeros(1)])
     nb, na = vb.norm().item(), va.norm().item()
     err = (va - vb).norm().item() / nb if nb else (0. if na == 0 else math.inf)
     cos = (va @ vb).item() / (na * nb) if na and nb else float(na == nb)
@@ -446,7 +491,7 @@ def _layer_grads(ga:dict, gb:dict, owner) -> dict:
     return {m: _whole_grad({n: ga.get(n) for n in ns}, {n: gb[n] for n in ns}) for m, ns in groups.items()}
 
 def _stat_diffs(a:tuple, b:tuple) -> list:
-    "Rows (kind, ref_max, abs_diff, rel_diff) comparing the BatchNorm statistics `a` (accumulated) with `b` (big batch)."
+    "Rows (kind, ref_max, abs_diff, rel_diff) comparing BN statistics `a` (accumulated), `b` (big batch)."
     (ma, va, na, eps), (mb, vb, nb, _) = a, b
     ma, va, mb, vb = ma.double(), va.double(), mb.double(), vb.double()
     res = []
@@ -462,12 +507,13 @@ def _row(name, module, layer, kind, numel, ref, d, rel, fwd, bwd) -> dict:
                 rel_diff_bn_eval=math.nan, bn_forward=fwd, bn_backward=bwd)
 
 def _grad_floor(grads:dict, dt) -> float:
-    "√ε of `dt` times the largest gradient element: the smallest magnitude a gradient difference is divided by."
+    "√ε of `dt` times the largest gradient element, the floor of a gradient difference's denominator."
     gmax = max([g.abs().max().item() for g in grads.values() if g is not None and g.numel()] or [0.])
     return math.sqrt(torch.finfo(dt).eps) * gmax
 
 def _loss_diff(acc:_Run, big:_Run, n_step:int) -> tuple:
-    "(abs diff, rel diff) of the losses, less what the loss's own dtype rounds away (a float32 loss in a float64 check)."
+    "(abs diff, rel diff) of the losses, less what the loss's own dtype rounds away."
+    # e.g. a float32 loss in a float64 check
     obj, loss, ldt = acc.loss, big.loss, big.loss_dtype
     slack = (n_step + 2) * torch.finfo(ldt).eps * max(abs(obj), abs(loss)) if ldt.is_floating_point else 0.
     d = max(abs(obj - loss) - slack, 0.)
@@ -491,7 +537,8 @@ def _compare(s:_Setup, acc:_Run, big:_Run) -> pd.DataFrame:
     return pd.DataFrame(_grad_rows(s, acc, big, types) + _stat_rows(acc, big, types) + [loss])
 
 def _add_bn_eval(s:_Setup, rows:pd.DataFrame) -> float:
-    "(c): both runs again with every BatchNorm in eval mode; fills `rows.rel_diff_bn_eval` (gradients, loss), returns its max."
+    "(c): both runs with every BatchNorm in eval mode; fills `rows.rel_diff_bn_eval`, returns its max."
+    # `rel_diff_bn_eval` is filled for the gradients and the loss
     acc, big = _run_pair(s, bn_eval=True)
     floor = _grad_floor(big.grads, s.dt)
     ev = {n: _grad_diff(acc.grads.get(n), g, floor)[2] for n, g in big.grads.items()}
@@ -510,39 +557,45 @@ def _where(df:pd.DataFrame, col:str='rel_diff') -> str:
 def _first3(names:list) -> str: return f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
 
 def _suspects(rows:pd.DataFrame, tol:float, has_bn:bool, dropout_on:list) -> str:
-    "What the diagnosis adds when BatchNorm does not explain a difference: a wrongly weighted loss, active dropout."
+    "Suspects when BatchNorm does not explain a difference: a wrongly weighted loss, active dropout."
     loss, col = rows[rows.kind == 'loss'], 'rel_diff_bn_eval' if has_bn else 'rel_diff'
-    msg = (f" The window's weighted loss differs from the big batch's loss (rel diff {loss[col].max():.3g}): the micro-batch "
-           "losses are weighted wrongly (a loss with reduction='sum' needs weight 1, a mean needs bs/total).") if (
+    msg = (f" The window's weighted loss differs from the big batch's loss (rel diff {loss[col].max():.3g}): "
+           "the micro-batch losses are weighted wrongly (a loss with reduction='sum' needs weight 1, "
+           "a mean needs bs/total).") if (
            len(loss) and loss[col].max() > tol) else ''
-    return msg + (f" Dropout is active in {len(dropout_on)} module(s) ({_first3(dropout_on)}): its masks differ between a "
-                  "batch and its micro-batches; pass dropout=False to run it in eval mode." if dropout_on else '')
+    return msg + (f" Dropout is active in {len(dropout_on)} module(s) ({_first3(dropout_on)}): "
+                  "its masks differ between a batch and its micro-batches; "
+                  "pass dropout=False to run it in eval mode." if dropout_on else '')
 
 def _not_bn(rows:pd.DataFrame, tol:float, has_bn:bool, dropout_on:list) -> str|None:
-    "The diagnosis if BatchNorm cannot explain the differences: the model has none, or they persist with it frozen."
+    "The diagnosis if BatchNorm cannot explain the differences, else None."
+    # BatchNorm cannot explain them if the model has none, or if they persist with it frozen
     grads = rows[rows.kind.isin(('grad', 'loss'))]
     worst = rows[rows.kind == 'grad'] if (rows.kind == 'grad').any() else grads
     why = f"; {_other_causes}.{_suspects(rows, tol, has_bn, dropout_on)}"
     if not has_bn:
-        return f"not explained by BatchNorm (the model has no BatchNorm layer): the gradients differ, most in {_where(worst)}{why}"
+        return (f"not explained by BatchNorm (the model has no BatchNorm layer): the gradients differ, "
+                f"most in {_where(worst)}{why}")
     ev = grads.rel_diff_bn_eval.max()
-    if ev > tol: return (f"not explained by BatchNorm: differences persist with every BatchNorm in eval mode in both runs "
-                         f"(max {ev:.3g}, most in {_where(worst, 'rel_diff_bn_eval')}){why}")
+    if ev > tol: return (f"not explained by BatchNorm: differences persist with every BatchNorm in eval mode "
+                         f"in both runs (max {ev:.3g}, most in {_where(worst, 'rel_diff_bn_eval')}){why}")
 
 def _uncommitted(rows:pd.DataFrame, policy:str, tol:float) -> str|None:
-    "The diagnosis if a BatchNorm whose input passes through no other BatchNorm has statistics that differ: they must match."
+    "The diagnosis if a BatchNorm whose input passes no other BatchNorm has differing statistics."
+    # those statistics must match
     if policy in ('frozen', 'naive'): return None
     stats = rows[rows.kind.isin(_STAT_KINDS)]
     first = stats[(stats.bn_forward == False) & (stats.rel_diff > tol)]
     if not len(first): return None
     return (f"the gradients are explained by BatchNorm (they match with BatchNorm in eval mode: max "
             f"{rows[rows.kind.isin(('grad', 'loss'))].rel_diff_bn_eval.max():.3g}), but the running statistics of "
-            f"{_where(first)} differ although its input passes through no other BatchNorm: its window statistics were not "
-            "committed exactly once (is it wrapped? wrap_bn leaves BatchNorm subclasses with their own forward unwrapped, "
-            "and those update per micro-batch).")
+            f"{_where(first)} differ although its input passes through no other BatchNorm: "
+            "its window statistics were not committed exactly once (is it wrapped? wrap_bn leaves BatchNorm "
+            "subclasses with their own forward unwrapped, and those update per micro-batch).")
 
 # %% ../nbs/06_check.ipynb #ea971009
-_bn_causes = {'micro': 'BatchNorm micro-batch normalization', 'window': "BatchNorm (the window policy's approximate backward)",
+_bn_causes = {'micro': 'BatchNorm micro-batch normalization',
+              'window': "BatchNorm (the window policy's approximate backward)",
               'naive': 'BatchNorm micro-batch normalization (naive accumulation)',
               'exact': "BatchNorm, although 'exact' trains the window as one batch (rounding?)"}
 
@@ -552,9 +605,11 @@ def _micro_text(g:pd.DataFrame, policy:str, micro_bs:int, n_big:int) -> str:
     msg = (f" Under 'micro' each micro-batch of {micro_bs} samples is normalized with its own statistics instead of "
            f"those of all {n_big}, so every activation after the first BatchNorm differs, and so does every "
            "gradient that uses one or flows through BatchNorm statistics")
-    msg += f"; the {len(free)} parameters whose gradient does neither match (max {free.rel_diff.max():.3g})." if len(free) else '.'
+    msg += (f"; the {len(free)} parameters whose gradient does neither match (max {free.rel_diff.max():.3g})."
+            if len(free) else '.')
     if policy == 'naive': msg += (" Naive accumulation also updates the running statistics once per micro-batch "
-                                  f"({n_big // max(micro_bs, 1)} momentum steps per window), so they differ from the first BatchNorm on.")
+                                  f"({n_big // max(micro_bs, 1)} momentum steps per window), "
+                                  "so they differ from the first BatchNorm on.")
     return msg + " policy='window' normalizes the forward with the window's statistics instead."
 
 def _window_text(g:pd.DataFrame, tol:float, micro_bs:int) -> str:
@@ -565,7 +620,8 @@ def _window_text(g:pd.DataFrame, tol:float, micro_bs:int) -> str:
             (f" (exact here: the parameters whose gradient does not flow back through BatchNorm statistics match, "
              f"max {v:.3g});" if v <= tol else
              f" (parameters whose gradient does not flow back through BatchNorm statistics still differ by {v:.3g}: "
-             "the window's statistics are not the big batch's: randomness in the forward (dropout) or a BatchNorm the pre-pass did not reach, see the notes);") +
+             "the window's statistics are not the big batch's: randomness in the forward (dropout) "
+             "or a BatchNorm the pre-pass did not reach, see the notes);") +
             f" the gradient through each BatchNorm's statistics is projected with each micro-batch's own "
             f"statistics (micro-batches of {micro_bs}; layers with fewer than 32 values per channel use the previous "
             "window's means), so the parameters before a BatchNorm differ.")
@@ -578,14 +634,16 @@ def _stats_text(stats:pd.DataFrame, policy:str, tol:float) -> str:
             "another BatchNorm (they see differently normalized inputs).")
 
 def _bn_explained(rows:pd.DataFrame, policy:str, tol:float, micro_bs:int, n_big:int) -> str:
-    "The diagnosis when BatchNorm explains the differences: how `policy` normalizes, where the differences are."
+    "The diagnosis when BatchNorm explains the differences: how `policy` normalizes, where they are."
     grads, g = rows[rows.kind.isin(('grad', 'loss'))], rows[rows.kind == 'grad']
-    msg = (f"explained by {_bn_causes.get(policy, 'BatchNorm normalizing with running statistics')}: with every BatchNorm "
-           f"in eval mode in both runs the differences vanish (max {grads.rel_diff_bn_eval.max():.3g} <= tol {tol:g}); "
+    msg = (f"explained by {_bn_causes.get(policy, 'BatchNorm normalizing with running statistics')}: "
+           f"with every BatchNorm in eval mode in both runs the differences vanish "
+           f"(max {grads.rel_diff_bn_eval.max():.3g} <= tol {tol:g}); "
            f"largest difference in {_where(grads)}.")
     if policy in ('micro', 'naive'): msg += _micro_text(g, policy, micro_bs, n_big)
     elif policy == 'window': msg += _window_text(g, tol, micro_bs)
-    elif policy != 'exact': msg += f" Under {policy!r} training forwards normalize with the running statistics, not the batch's."
+    elif policy != 'exact':
+        msg += f" Under {policy!r} training forwards normalize with the running statistics, not the batch's."
     return msg + _stats_text(rows[rows.kind.isin(_STAT_KINDS)], policy, tol)
 
 def _diagnose(rows:pd.DataFrame, policy:str, tol:float, has_bn:bool, dropout_on:list, micro_bs:int, n_big:int) -> tuple:
@@ -593,9 +651,11 @@ def _diagnose(rows:pd.DataFrame, policy:str, tol:float, has_bn:bool, dropout_on:
     mx = rows.rel_diff.max()
     if mx <= tol:
         return 'none', (f"the accumulated window matches the big batch (max rel diff {mx:.3g} <= tol {tol:g}): "
-                        + ("gradients, loss and BatchNorm running statistics agree." if has_bn else "gradients and loss agree."))
+                        + ("gradients, loss and BatchNorm running statistics agree." if has_bn
+                           else "gradients and loss agree."))
     if has_bn and rows.rel_diff_bn_eval.isna().all():
-        return 'unexplained', (f"the accumulated window differs from the big batch (max rel diff {mx:.3g} > tol {tol:g}); "
+        return 'unexplained', (f"the accumulated window differs from the big batch "
+                               f"(max rel diff {mx:.3g} > tol {tol:g}); "
                                "not attributed (explain=False skips the run with BatchNorm in eval mode).")
     other = _not_bn(rows, tol, has_bn, dropout_on) or _uncommitted(rows, policy, tol)
     if other: return 'other', other
@@ -603,9 +663,10 @@ def _diagnose(rows:pd.DataFrame, policy:str, tol:float, has_bn:bool, dropout_on:
 
 # %% ../nbs/06_check.ipynb #8cfbe264
 def _layer_notes(model:nn.Module) -> list:
-    "Notes on BatchNorm layers the check cannot treat as the others: unwrappable ones, ones without running statistics."
+    "Notes on BatchNorm layers the check cannot treat like others: unwrappable, or without running stats."
     notes = []
-    unwrapped = [n for n, m in model.named_modules() if isinstance(m, _BatchNorm) and not isinstance(m, AccumulateBatchNorm)
+    unwrapped = [n for n, m in model.named_modules()
+                 if isinstance(m, _BatchNorm) and not isinstance(m, AccumulateBatchNorm)
                  and not _forward_is_known(type(m)) and 'act' not in m._modules]
     if unwrapped: notes.append(f"wrap_bn cannot wrap {len(unwrapped)} BatchNorm layer(s) with their own forward "
                                f"({', '.join(unwrapped[:3])}): they update their statistics per micro-batch")
@@ -615,42 +676,45 @@ def _layer_notes(model:nn.Module) -> list:
     return notes
 
 def _notes(s:_Setup, loss_dtype) -> list:
-    "The report's notes: how 'auto' resolved, dropout, BatchNorm layers it cannot treat, the pre-passes, the loss's dtype."
+    "Report notes: how 'auto' resolved, dropout, BatchNorm layers not treated, pre-passes, loss dtype."
     notes, drops = list(s.notes), s.drops
     if drops and not s.dropout: notes.append(f"{len(drops)} dropout-like module(s) ran in eval mode in every run "
                                              f"({_first3(drops)}); dropout=True keeps them active")
     notes += _layer_notes(s.model)
-    if s.policy == 'window': notes.append("'window' policy: the window pre-pass ran before the accumulated forwards, as in "
-                                          "GradientAccumulation; " + ("the backward's pooled window terms start empty, as in a fit's first window"
-                                          if s.previous is None else "the backward's pooled window terms are those of `previous`, "
-                                          "accumulated first with the same weights (in a fit: one step earlier's)"))
-    if loss_dtype != s.dt: notes.append(f"the loss returns {str(loss_dtype).replace('torch.', '')}: loss differences below "
-                                        "its rounding count as zero")
+    if s.policy == 'window':
+        notes.append("'window' policy: the window pre-pass ran before the accumulated forwards, as in "
+                     "GradientAccumulation; "
+                     + ("the backward's pooled window terms start empty, as in a fit's first window"
+                        if s.previous is None else "the backward's pooled window terms are those of `previous`, "
+                        "accumulated first with the same weights (in a fit: one step earlier's)"))
+    if loss_dtype != s.dt: notes.append(f"the loss returns {str(loss_dtype).replace('torch.', '')}: "
+                                        "loss differences below its rounding count as zero")
     return notes
 
 # %% ../nbs/06_check.ipynb #6355f5b4
-def check_accumulation(learn_or_model:Learner|nn.Module, # a fastai `Learner` (its `model` and `loss_func`) or a plain model
-                       batch:tuple|list|None=None, # (inputs..., targets...), as `learn.dls.one_batch()`; default: a Learner's first training window
-                       n_step:int|None=None, # micro-batches to split `batch` into; default: from the Learner's `GradientAccumulation`
+def check_accumulation(learn_or_model:Learner|nn.Module, # a `Learner` (its `model` and `loss_func`) or a plain model
+                       batch:tuple|list|None=None, # (inputs..., targets...); default: a Learner's first training window
+                       n_step:int|None=None, # micro-batches to split `batch` into (default: the callback's `n_step`)
                        loss_func=None, # the loss (required for a plain model); default: `learn.loss_func`
-                       policy:str|None=None, # one of `check_policies`; default: the Learner's `GradientAccumulation` policy, else 'micro'
+                       policy:str|None=None, # one of `check_policies`; default: the callback's policy, else 'micro'
                        tol:float=1e-6, # largest relative difference that counts as a match
                        dtype:torch.dtype|None=torch.float64, # run the copies in this dtype (`None`: the model's own)
                        seed:int=0, # torch seed every run starts from (the caller's random state is restored)
                        dropout:bool=False, # keep dropout-like modules in training mode (their masks cannot match)
-                       n_inp:int|None=None, # model inputs at the start of `batch`; default: `dls.n_inp`, else all but the last
+                       n_inp:int|None=None, # model inputs leading `batch`; default: `dls.n_inp`, else all but the last
                        prepass_bs:int|None=None, # 'window' policy: samples per pre-pass forward
-                       loss_weight_fn=None, # `f(bs, window) -> weight` replacing each micro-batch's loss weight (to test this check)
-                       previous:tuple|list|None=None, # the window before `batch`: accumulated first (then forgotten but for the backward's pooled terms), as in a fit past its first window
-                       explain:bool=True, # also run both with BatchNorm in eval mode, to attribute differences (False: half the cost)
+                       loss_weight_fn=None, # `f(bs, window) -> weight` for each micro-batch's loss (to test this check)
+                       previous:tuple|list|None=None, # the window before `batch`, accumulated first (as in a fit)
+                       explain:bool=True, # also run both with BatchNorm in eval mode, to attribute differences
                       ) -> AccumulationReport:
-    "Compare one accumulated window of `n_step` micro-batches with `batch` as one big batch, from copies of the model."
+    "Compare accumulating `n_step` micro-batches of `batch` with `batch` as one batch, on model copies."
     s = _resolve(learn_or_model, batch, n_step, loss_func, policy, dtype, seed, dropout, n_inp, prepass_bs,
-                 loss_weight_fn, previous)                         # 1. resolve the arguments
-    acc, big = _run_pair(s)                                        # 2. run (a) the accumulated window, (b) the big batch
-    rows = _compare(s, acc, big)                                   # 3. compare them ...
+                 loss_weight_fn, previous)                       # 1. resolve the arguments
+    acc, big = _run_pair(s)                                      # 2. run (a) the accumulated window, (b) the big batch
+    rows = _compare(s, acc, big)                                 # 3. compare them ...
     ev_max = _add_bn_eval(s, rows) if s.has_bn and explain else None  # ... and (c), both with BatchNorm frozen
-    cause, diagnosis = _diagnose(rows, s.policy, tol, s.has_bn, s.drops if dropout else [], s.micro_bs, s.n_samples)  # 4.
+    cause, diagnosis = _diagnose(rows, s.policy, tol, s.has_bn, s.drops if dropout else [], s.micro_bs,
+                                 s.n_samples)                    # 4.
     return AccumulationReport(rows, s.policy, s.n_step, s.n_samples, tol, str(s.dt).replace('torch.', ''),
                               float(rows.rel_diff.max()), ev_max, *_whole_grad(acc.grads, big.grads), cause, diagnosis,
                               s.drops, _layer_grads(acc.grads, big.grads, _owner), _notes(s, big.loss_dtype))
@@ -659,7 +723,7 @@ def check_accumulation(learn_or_model:Learner|nn.Module, # a fastai `Learner` (i
 @patch
 @delegates(check_accumulation, but=['learn_or_model', 'batch', 'n_step'])
 def check_accumulation(self:Learner,
-                       batch:tuple|None=None, # (inputs..., targets...); default: the first `n_step` batches of `self.dls.train`
+                       batch:tuple|None=None, # (inputs..., targets...); default: first `n_step` batches of `dls.train`
                        n_step:int|None=None, # micro-batches; default: from the `GradientAccumulation` callback
                        **kwargs) -> AccumulationReport:
     "Does accumulating `n_step` micro-batches of `batch` match it as one batch? See `check_accumulation`."
@@ -668,14 +732,15 @@ def check_accumulation(self:Learner,
 # %% ../nbs/06_check.ipynb #d3e5a002
 @dataclass
 class GradientScreen:
-    "What `gradient_screen` measured: one window's gradient per policy against the big batch's, at points of a big-batch run."
+    "What `gradient_screen` measured: one window's gradient per policy against the big batch's."
     reports:dict # {(step, policy): AccumulationReport}
     n_step:int   # micro-batches per window
     window:int   # samples per window
 
     @property
     def table(self) -> pd.DataFrame:
-        "One row per (step, policy): the policy run ('auto' resolved), whole-gradient cosine and L2 relative error, the worst module's cosine."
+        "One row per (step, policy): the policy run ('auto' resolved), whole-gradient cosine, L2 rel error."
+        # also the worst module's cosine, and how many modules are below 0.9
         rows = []
         for (step, pol), r in self.reports.items():
             lay = r.layers.dropna(subset=['grad_cosine'])
@@ -689,7 +754,8 @@ class GradientScreen:
 
     def cosines(self) -> pd.DataFrame:
         "Whole-gradient cosine, policies by steps."
-        return self.table.pivot(index='policy', columns='step', values='cosine').loc[list(dict.fromkeys(p for _, p in self.reports))]
+        return (self.table.pivot(index='policy', columns='step', values='cosine')
+                .loc[list(dict.fromkeys(p for _, p in self.reports))])
 
     def layers(self, step:int, policy:str) -> pd.DataFrame:
         "Per-module agreement at `step` under `policy` (`AccumulationReport.layers`), worst cosine first."
@@ -700,32 +766,36 @@ class GradientScreen:
 
 # %% ../nbs/06_check.ipynb #d3e5a003
 def _batches(data):
-    "Endless iterator over the batches of `data` (a list of batches or a DataLoader), restarting it when exhausted."
+    "Endless iterator over the batches of `data` (a list or a DataLoader), restarting it when exhausted."
     while True:
         n = 0
-        for b in data: n += 1; yield tuple(b)
+        for b in data:
+            n += 1
+            yield tuple(b)
         if not n: raise ValueError("gradient_screen: `batches` is empty")
 
 def gradient_screen(model:nn.Module, # the model at its starting point (copied: nothing in it changes)
-                    batches, # window-sized batches (inputs..., targets...): a list or a DataLoader, read in order (cycled)
+                    batches, # window-sized batches (inputs..., targets...): a list or DataLoader, read in order, cycled
                     n_step:int, # micro-batches each window is split into
                     loss_func, # the loss
                     policies=('naive', 'micro', 'window', 'exact'), # accumulation policies compared (`check_policies`)
-                    at=(0, 50), # measure after these many big-batch optimizer steps (0: the starting point, a fit's first window)
-                    opt_func=torch.optim.AdamW, # optimizer of the big-batch training between measurements: `opt_func(params, lr=lr)`
+                    at=(0, 50), # measure after these many big-batch steps (0: the starting point, a fit's first window)
+                    opt_func=torch.optim.AdamW, # optimizer of the big-batch training: `opt_func(params, lr=lr)`
                     lr:float=1e-3, # its learning rate
-                    dtype:torch.dtype|None=None, # dtype of the measurements (`None`: the model's own); training runs in the model's
+                    dtype:torch.dtype|None=None, # dtype of the measurements (`None`: the model's own)
                     progress:bool=True, # show a progress bar over training steps and measurements
-                    **kwargs, # more `check_accumulation` arguments: `seed`, `n_inp`, `prepass_bs`, `loss_weight_fn`, `explain`...
+                    **kwargs, # more `check_accumulation` arguments (`seed`, `n_inp`, `prepass_bs`, `explain`, ...)
                    ) -> GradientScreen:
-    "Train a copy of `model` with big batches; at each step of `at`, compare the next window's accumulated gradient per policy with its big-batch gradient."
+    "Train a copy of `model` on big batches, comparing accumulated and big-batch gradients at steps `at`."
+    # at each step of `at`: the next window's accumulated gradient per policy against its big-batch gradient
     bad = [p for p in policies if p not in check_policies]
     if bad: raise ValueError(f"gradient_screen: unknown policies {bad}; choose from {check_policies}")
     at = sorted(set(at))
     if not at or at[0] < 0: raise ValueError(f"gradient_screen: `at` needs steps >= 0, got {at!r}")
     kwargs.setdefault('explain', False)
     m = copy.deepcopy(model)
-    unwrap_bn(m); m.train()  # big-batch training: plain BatchNorm
+    unwrap_bn(m)  # big-batch training: plain BatchNorm
+    m.train()
     opt = opt_func([p for p in m.parameters() if p.requires_grad], lr=lr)
     data, reports, prev, n_inp = _batches(batches), {}, None, kwargs.get('n_inp')
     todo = [('train', k) for k in range(at[-1])] + [('check', k, p) for k in at for p in policies]

@@ -26,11 +26,13 @@ def collective_device(device=None, # this process's training device
 
 # %% ../nbs/03b_distributed.ipynb #ddb13c1c
 def fix_distributed_dl():
-    "Make fastai's `DistributedDL` broadcast its indices on a device the process group's backend supports (gloo: CPU)."
+    "Make fastai's `DistributedDL` broadcast indices on a device the process group's backend supports."
+    # gloo: the CPU
     from fastai.distributed import DistributedDL
     if getattr(DistributedDL._broadcast, '_fastai_accum', False): return
     def _broadcast(self, t, rank):
-        t = torch.tensor(t, dtype=torch.long, device=collective_device(getattr(self, 'device', None)))  # NCCL: this process's GPU
+        # NCCL: this process's GPU
+        t = torch.tensor(t, dtype=torch.long, device=collective_device(getattr(self, 'device', None)))
         dist.broadcast(t, rank)
         return t.cpu().tolist()
     _broadcast._fastai_accum = True

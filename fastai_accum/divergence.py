@@ -24,7 +24,7 @@ _SAMPLE = 4096
 
 def summarize(t:Tensor, # any tensor
              ) -> dict:
-    "A few-KB stand-in for a big tensor: shape, dtype, SHA-1 of its bytes, float64 sum/min/max and a fixed sample."
+    "A few-KB stand-in for a big tensor: shape, dtype, SHA-1, float64 sum/min/max and a fixed sample."
     t = t.detach()
     flat = t.reshape(-1)
     cpu = flat.cpu().contiguous()
@@ -66,7 +66,7 @@ def compare_values(a, # a stored value: a tensor, or a `summarize` dict
                    atol:float=0., # absolute tolerance
                    rtol:float=0., # relative tolerance, to the largest magnitude in `a`
                   ) -> tuple:
-    "`(differs, max_abs, max_rel, note)` for two recorded values; `note` explains shape changes and estimates."
+    "`(differs, max_abs, max_rel, note)` for two recorded values, `note` on shape changes and estimates."
     sa, sb = (tuple(v.shape) if isinstance(v, Tensor) else tuple(v['shape']) for v in (a, b))
     da, db = (str(v.dtype) if isinstance(v, Tensor) else v['dtype'] for v in (a, b))
     if sa != sb or da != db: return True, math.nan, math.nan, f'shape/dtype differ: {list(sa)} {da} vs {list(sb)} {db}'
@@ -109,8 +109,10 @@ class _TraceRecorder:
         self.handles, self.active = [], False
 
     def begin_step(self, step:int):
-        self.step, self.calls, self.seen, self.stack, self.produced, self.infos = step, defaultdict(int), defaultdict(int), [], {}, []
-        self.inputs = {}  # id -> (tensor, version) of inputs recorded already (the batch reaches the model and its first layer)
+        self.step, self.calls, self.seen, self.stack, self.produced, self.infos = (
+            step, defaultdict(int), defaultdict(int), [], {}, [])
+        # id -> (tensor, version) of inputs recorded already (the batch reaches the model and its first layer)
+        self.inputs = {}
         self.active = True
 
     def end_step(self):
@@ -120,14 +122,16 @@ class _TraceRecorder:
 
     def add(self, direction, kind, label, value, blame, index=0):
         key = f'{self.step}/{direction}/{kind}/{label}/{index}'
-        n = self.seen[key]; self.seen[key] += 1
+        n = self.seen[key]
+        self.seen[key] += 1
         if n: key += f'#{n}'
         self.records.append(dict(key=key, step=self.step, direction=direction, kind=kind, label=label, index=index,
                                  blame=blame, value=_snapshot(value, self.full_numel)))
 
     def record_state(self, direction='init'):
         "Record every parameter (and for `init` every float buffer)."
-        for n, p in self.model.named_parameters(): self.add(direction, 'param', n, p, _owner(n) if direction == 'init' else '<optimizer>')
+        for n, p in self.model.named_parameters():
+            self.add(direction, 'param', n, p, _owner(n) if direction == 'init' else '<optimizer>')
         if direction == 'init':
             for n, b in self.model.named_buffers():
                 if b.is_floating_point(): self.add(direction, 'buffer', n, b, _owner(n))
@@ -140,12 +144,15 @@ class _TraceRecorder:
 
     def _pre(self, name, module, args, kwargs):
         if not self.active: return
-        k = self.calls[name]; self.calls[name] += 1
+        k = self.calls[name]
+        self.calls[name] += 1
         label = name if k == 0 else f'{name}#{k}'
         caller = self.stack[-1] if self.stack else '<data>'
         for i, t in enumerate(_tensors((args, kwargs))):
             info = self._producer(t)
-            if info is not None: info['consumers'].append(label); continue
+            if info is not None:
+                info['consumers'].append(label)
+                continue
             seen = self.inputs.get(id(t))
             if seen is not None and seen[0] is t and seen[1] == getattr(t, '_version', 0): continue
             self.inputs[id(t)] = (t, getattr(t, '_version', 0))
@@ -162,14 +169,17 @@ class _TraceRecorder:
                 info['returned_by'], info['caller'] = label, caller
                 continue
             self.add('forward', 'output', label, t, label, i)
-            info = dict(t=t, version=getattr(t, '_version', 0), label=label, index=i, consumers=[], returned_by=label, caller=caller)
-            self.produced[id(t)] = info; self.infos.append(info)
+            info = dict(t=t, version=getattr(t, '_version', 0), label=label, index=i, consumers=[], returned_by=label,
+                        caller=caller)
+            self.produced[id(t)] = info
+            self.infos.append(info)
             if t.requires_grad:
                 try: t.register_hook(partial(self._grad_out, info))
                 except RuntimeError: pass
 
     def _blame(self, info) -> str:
-        "Whose backward computed the gradient w.r.t. `info`'s tensor: its innermost consumers, else the code around it."
+        "Whose backward computed the gradient w.r.t. `info`'s tensor."
+        # its innermost consumers, else the code around it
         cs = list(dict.fromkeys(info['consumers']))
         inner = [c for c in cs if not any(_is_ancestor(c, d) for d in cs)]
         if inner: return inner[0]
@@ -184,14 +194,15 @@ class _TraceRecorder:
 
 # %% ../nbs/05a_divergence.ipynb #b9af60b6
 class Trace:
-    "One recorded run: records in the order they happened, module types, settings and environment fingerprint."
+    "One recorded run: its records in order, module types, settings and environment fingerprint."
     format = 'fastai_accum.trace/1'
     def __init__(self, records:list, modules:dict, env:dict, meta:dict):
         self.records, self.modules, self.env, self.meta = records, modules, env, meta
 
     def save(self, fname) -> Path:
         "Write the trace with `torch.save`."
-        torch.save(dict(format=self.format, records=self.records, modules=self.modules, env=self.env, meta=self.meta), fname)
+        torch.save(dict(format=self.format, records=self.records, modules=self.modules, env=self.env, meta=self.meta),
+                   fname)
         return Path(fname)
 
     @classmethod
@@ -208,17 +219,22 @@ class Trace:
 
 # %% ../nbs/05a_divergence.ipynb #60abd7a5
 def _trace_callback(rec, fixed_batch, n_steps):
-    "The callback that drives a `Learner` run (its class is built here: fastai is imported only once a `Learner` is used)."
+    "The callback that drives a `Learner` run."
+    # its class is built here: fastai is imported only once a `Learner` is used
     from fastai.callback.core import Callback, CancelValidException
     class _TraceCallback(Callback):
-        "Feeds the same batch `n_steps` times in one epoch, skips validation, marks where each step starts and ends."
-        order = -100 # first: callbacks that wrap `learn.dl` in `before_train` (prefetching accumulation) wrap our batches
-        def __init__(self, rec, fixed_batch, n_steps): self.rec, self.fixed_batch, self.n_steps = rec, fixed_batch, n_steps
+        "Feeds the same batch `n_steps` times in an epoch, skips validation, marks each step's start and end."
+        # first: callbacks that wrap `learn.dl` in `before_train` (prefetching accumulation) wrap our batches
+        order = -100
+        def __init__(self, rec, fixed_batch, n_steps):
+            self.rec, self.fixed_batch, self.n_steps = rec, fixed_batch, n_steps
         def before_train(self): self.learn.dl = [self.fixed_batch] * self.n_steps
         def before_batch(self): self.rec.begin_step(self.iter)
         def after_loss(self): self.rec.add_loss(self.learn.loss_grad)
         def after_batch(self):
-            if self.rec.active: self.rec.record_state('optimizer'); self.rec.end_step()
+            if self.rec.active:
+                self.rec.record_state('optimizer')
+                self.rec.end_step()
         def before_validate(self): raise CancelValidException
     return _TraceCallback(rec, fixed_batch, n_steps)
 
@@ -245,7 +261,7 @@ def _run_learner(learn, batch, n_steps, rec):
     return _name(learn.opt_func)
 
 def _first_batch(learn):
-    "The first batch of `learn`'s training DataLoader, read without moving its shuffle or any random generator."
+    "The first batch of `learn`'s training DataLoader, read without moving its shuffle or any RNG."
     return peek_batches(learn.dls.train)[0]
 
 def _run_plain(model, batch, loss_func, opt, n_steps, n_inp, rec):
@@ -297,7 +313,7 @@ def record_trace(model,            # a fastai `Learner` or an `nn.Module`
                  fname=None,       # if given, save the trace there (`torch.save`)
                  full_numel:int=2**16, # tensors up to this size are kept whole, bigger ones as a `summarize` summary
                 ) -> Trace:
-    "Run `n_steps` training steps on `batch` with hooks on every module and parameter; return (and save) the trace."
+    "Run `n_steps` training steps on `batch` with hooks on every module and parameter; return the trace."
     learn, net = learner_and_model(model)
     if learn is not None and batch is None: batch = _first_batch(learn)
     if learn is None and batch is None: raise ValueError('record_trace: pass a batch for a plain model')
@@ -323,7 +339,8 @@ def record_trace(model,            # a fastai `Learner` or an `nn.Module`
 
 # %% ../nbs/05a_divergence.ipynb #7a39d900
 _ATOMIC = ('Upsample', 'Interpolat', 'Embedding', 'AdaptiveAvgPool', 'AdaptiveMaxPool', 'AvgPool3d', 'MaxPool3d',
-           'FractionalMaxPool', 'ReflectionPad', 'ReplicationPad', 'CTCLoss', 'NLLLoss', 'CrossEntropy', 'Scatter', 'Index')
+           'FractionalMaxPool', 'ReflectionPad', 'ReplicationPad', 'CTCLoss', 'NLLLoss', 'CrossEntropy', 'Scatter',
+           'Index')
 _RANDOM = ('Dropout', 'DropPath', 'StochasticDepth', 'Noise', 'RReLU')
 
 # (direction, module, module types, advice): the first rule whose fields all match applies; None matches anything, and
@@ -369,7 +386,7 @@ _ADVICE = (
 _DETERMINISTIC_FLAGS = (('deterministic_algorithms', True), ('cudnn_deterministic', True), ('cudnn_benchmark', False))
 
 def _matches(rule:tuple, direction:str, module:str, module_type:str) -> bool:
-    "Does `rule`, a row of `_ADVICE`, apply to a divergence in `direction` at `module` of class `module_type`?"
+    "Does `_ADVICE` row `rule` apply to a divergence in `direction` at `module` of class `module_type`?"
     d, m, types, _ = rule
     return (d in (None, direction) and m in (None, module)
             and (types is None or any(s in module_type for s in types)))
@@ -449,7 +466,8 @@ def _describe(r:dict) -> str:
 def _as_trace(t) -> Trace: return t if isinstance(t, Trace) else Trace.load(t)
 
 def _first_difference(a:Trace, b:Trace, atol:float, rtol:float) -> tuple:
-    "`(first, n_differing, n_records)`: the first differing record of `a` (else one only `b` has) with its comparison."
+    "`(first, n_differing, n_records)`: `first` is the first differing record with its comparison."
+    # first in `a`'s order, else the first record only `b` has
     rb = {r['key']: r for r in b.records}
     first, n_diff = None, 0
     for r in a.records:
@@ -470,7 +488,7 @@ def compare_traces(a,              # a `Trace` or the file `record_trace` saved 
                    atol:float=0.,  # absolute tolerance (default: bitwise)
                    rtol:float=0.,  # relative tolerance
                   ) -> Divergence:
-    "The first record, in the order of run `a`, where traces `a` and `b` differ: module, direction, step, size, advice."
+    "Where traces `a` and `b` first differ, in run `a`'s order: module, direction, step, size, advice."
     a, b = _as_trace(a), _as_trace(b)
     env_diff = diff_env(a.env, b.env)
     if env_diff:
@@ -484,7 +502,8 @@ def compare_traces(a,              # a `Trace` or the file `record_trace` saved 
     mtype = a.modules.get(mod, b.modules.get(mod, '?'))
     advice = divergence_advice(r['direction'], mod, mtype, a.env)
     if note.startswith('shape'): advice = ('The runs saw tensors of different shapes (another batch size or model); '
-                                           'a micro-batch run cannot be compared tensor by tensor with a full-batch run. ') + advice
+                                           'a micro-batch run cannot be compared tensor by tensor '
+                                           'with a full-batch run. ') + advice
     if env_diff: advice = (f"The environments differ ({', '.join(env_diff)}): bitwise equality across versions, "
                            'hardware or thread counts is not expected; compare with `atol`/`rtol`. ') + advice
     return Divergence(True, mod, mtype, r['direction'], r['step'], ma, mr, _describe(r), advice, n, n_diff,
@@ -502,7 +521,7 @@ def find_divergence(model,            # a fastai `Learner` or an `nn.Module`
                     rtol:float=0.,    # relative tolerance
                     full_numel:int=2**16, # tensors up to this size are compared whole, bigger ones by summary
                    ) -> Divergence:
-    "Run the same training steps twice (same weights, seed and batch) and report where the runs first differ."
+    "Run the same training steps twice (same weights, seed and batch); report where they first differ."
     if learner_and_model(model)[0] is not None and batch is None: batch = _first_batch(model)
     kw = dict(batch=batch, loss_func=loss_func, opt=opt, n_steps=n_steps, seed=seed, n_inp=n_inp, full_numel=full_numel)
     return compare_traces(record_trace(model, **kw), record_trace(model, **kw), atol, rtol)

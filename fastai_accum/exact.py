@@ -13,7 +13,7 @@ from .meters import SavedTensorMeter, LayerMeter, fmt_bytes
 from .staged_exact import _device
 from .batchnorm import bn_layers
 from .distributed import world_size
-from .helpers import random_state_kept, is_accelerator, can_pin
+from .helpers import random_state_kept, modes_kept, is_accelerator, can_pin
 
 # %% auto #0
 __all__ = ['leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact',
@@ -22,15 +22,13 @@ __all__ = ['leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemory
 # %% ../nbs/02a_exact.ipynb #a31cf6dc
 @contextlib.contextmanager
 def leaves_no_trace(model:nn.Module):
-    "Forwards of `model` inside change nothing: BatchNorm buffers and pending statistics, module modes, random states."
+    "Forwards of `model` inside change nothing: BatchNorm buffers and statistics, modes, random states."
     buffers = [(b, b.clone()) for m in bn_layers(model) for b in m.buffers()]
-    modes = [(m, m.training) for m in model.modules()]
-    with random_state_kept():
+    with random_state_kept(), modes_kept(model):
         try: yield
         finally:
             with torch.no_grad():
                 for b, saved in buffers: b.copy_(saved)
-            for m, mode in modes: m.training = mode
             for m in bn_layers(model, accumulating=True): m.reset_stats()
 
 # %% ../nbs/02a_exact.ipynb #3dad639e
@@ -39,15 +37,18 @@ class Footprint:
     "Activation bytes per sample of a model's training forward."
     saved:float   # kept by autograd for the backward: training at batch b holds b x this
     working:float # the largest input + output of a single layer: what running that layer needs
-    blocks:tuple=() # per-sample bytes of each batch tensor autograd saves, one by one (what an offload copies to the host)
+    blocks:tuple=() # per-sample bytes of each batch tensor autograd saves, one by one (what an offload copies)
     fixed:int=0   # bytes of the parameters and buffers autograd saves in one forward (an offload copies them too)
-    def __repr__(self): return f'Footprint(saved={fmt_bytes(self.saved)}/sample, working={fmt_bytes(self.working)}/sample)'
+    def __repr__(self):
+        return f'Footprint(saved={fmt_bytes(self.saved)}/sample, working={fmt_bytes(self.working)}/sample)'
 
     def offloaded(self, window:int, # samples in the batch
-                  pinned:bool=False, # in pinned memory: the caching host allocator rounds each block up to a power of two
+                  pinned:bool=False, # in pinned memory: each block rounded up to a power of two
                  ) -> int:
-        "Host bytes an offload (`save_on_cpu`) of a training forward at batch `window` takes: each saved tensor copied on its own."
-        if not self.blocks: return int(window * self.saved * (2 if pinned else 1))  # sizes unknown: the rounding's bound
+        "Host bytes an offload (`save_on_cpu`) of a training forward at batch `window` takes."
+        # each saved tensor is copied on its own
+        if not self.blocks:
+            return int(window * self.saved * (2 if pinned else 1))  # sizes unknown: the rounding's bound
         sizes = [int(window * b) for b in self.blocks] + ([self.fixed] if self.fixed else [])
         return sum(_pinned_block(n) if pinned else n for n in sizes)
 
@@ -55,16 +56,20 @@ def _pinned_block(n:int) -> int: return 1 << max(n - 1, 0).bit_length()  # the p
 
 def measure_footprint(model:nn.Module, # the model (nothing in it changes)
                       *xb, # one micro-batch of model inputs
-                      autocast=None, # callable returning the autocast context training runs in (mixed precision saves half the bytes)
+                      autocast=None, # callable returning the autocast context training runs in
                      ) -> Footprint:
-    "Per-sample bytes saved for the backward and largest layer working set, from one training forward on `xb` (as training runs it: under `autocast`)."
+    "Per-sample bytes saved for the backward and largest layer working set of a training forward on `xb`."
+    # the forward runs as training runs it: under `autocast`
     bs = xb[0].shape[0]
-    if bs < 2: xb, bs = tuple(torch.cat([t, t]) if torch.is_tensor(t) else t for t in xb), 2  # BatchNorm needs 2 values to train
+    # BatchNorm needs 2 values to train
+    if bs < 2: xb, bs = tuple(torch.cat([t, t]) if torch.is_tensor(t) else t for t in xb), 2
     saved, layers = SavedTensorMeter(exclude=model, record=True), LayerMeter(model)
-    with layers, leaves_no_trace(model), torch.enable_grad(), saved, autocast() if autocast is not None else contextlib.nullcontext():
+    with (layers, leaves_no_trace(model), torch.enable_grad(), saved,
+          autocast() if autocast is not None else contextlib.nullcontext()):
         model.train()
         model(*xb)  # the output is dropped at once: the meter's peak is what this forward saved
-    other = {k: n for n, d0, k in saved.packed if d0 != bs}  # saved tensors that do not grow with the batch (a frozen weight's cast)
+    # saved tensors that do not grow with the batch (a frozen weight's cast)
+    other = {k: n for n, d0, k in saved.packed if d0 != bs}
     blocks = tuple(n / bs for n, d0, _ in saved.packed if d0 == bs)
     return Footprint(max(saved.peak - sum(other.values()), 0) / bs, layers.peak / bs, blocks,
                      saved.packed_model + sum(n for n, d0, _ in saved.packed if d0 != bs))
@@ -83,16 +88,16 @@ class ExactPlan:
     device_budget:int|None # accelerator bytes it may use (None on CPU)
     host_budget:int       # host bytes it may use
     offload:bool=False    # saved activations in host memory
-    staged:bool=False     # trained stage by stage in chunks (`fastai_accum.staged_exact`): the device holds one chunk of one stage
+    staged:bool=False     # trained stage by stage in chunks (`fastai_accum.staged_exact`): one chunk of one stage
     chunk:int|None=None   # samples per chunk of a staged step (the micro-batch)
     reason:str|None=None  # why a staged step was not chosen
     checked:str|None=None # what the check of the staged step on the model found (`verify_staged`)
     check_time:float=0.   # seconds the check took
     whole:bool=False      # staged in one chunk of the whole window (under DDP: BatchNorm reduced over the processes)
     micro:int|None=None   # samples per micro-batch (of the one measured)
-    accelerator:bool|None=None # the device's memory is apart from the host's (default: a device other than the CPU; `emulated_accelerator`)
+    accelerator:bool|None=None # the device's memory is apart from the host's (default: any device but the CPU)
     frozen:bool=False     # some parameters did not train when measured
-    opt_state:float|None=None # optimizer state per byte of trainable parameters (`optimizer_state`: Adam 2, SGD with momentum 1); None: 1 assumed
+    opt_state:float|None=None # optimizer state per byte of trainable parameters (`optimizer_state`); None: 1 assumed
 
     @property
     def param_needed(self) -> int:
@@ -104,7 +109,8 @@ class ExactPlan:
         return self.accelerator if self.accelerator is not None else torch.device(self.device).type != 'cpu'
     @property
     def pinned(self) -> bool:
-        "Does host memory for the device come pinned (page-locked: asynchronous copies, rounded to powers of two)?"
+        "Does host memory for the device come pinned?"
+        # page-locked: asynchronous copies, rounded to powers of two
         return self.on_accelerator and torch.device(self.device).type == 'cuda' and can_pin()
     @property
     def device_needed(self) -> int:
@@ -128,36 +134,45 @@ class ExactPlan:
         return int((self.chunk or 1) * (self.footprint.saved + 2 * self.footprint.working) + self.param_needed)
     @property
     def staged_host_needed(self) -> int:
-        "Bytes of the values a staged step keeps between stages (and their gradients), bounded by the saved activations."
+        "Bytes of values (and gradients) a staged step keeps between stages: at most the saved activations."
         return int(self.window * self.footprint.saved)
 
     def describe(self) -> str:
-        "What this plan does and the numbers it rests on; that they were measured with part of the model frozen (a frozen body saves fewer activations: the estimate grows when it is unfrozen)."
+        "What this plan does and the numbers it rests on; whether part of the model was frozen when measured."
+        # a frozen body saves fewer activations: the estimate grows when it is unfrozen
         s = self._what() + ("; measured with part of the model frozen (unfrozen, it saves more)" if self.frozen else '')
-        if self.opt_state is None and self.device_budget is not None: s += "; the optimizer's state assumed 1x the parameters (unknown optimizer)"
+        if self.opt_state is None and self.device_budget is not None:
+            s += "; the optimizer's state assumed 1x the parameters (unknown optimizer)"
         return s
 
     def _what(self) -> str:
         if self.staged and self.whole:
-            return (f"a window of {self.window} samples as one batch per process, each BatchNorm layer normalizing over all "
-                    f"{world_size()} processes' windows (SyncBatchNorm's semantics: 2 collectives per layer), needs {fmt_bytes(self.device_needed)}{self._checked}")
+            return (f"a window of {self.window} samples as one batch per process, each BatchNorm layer normalizing "
+                    f"over all {world_size()} processes' windows (SyncBatchNorm's semantics: 2 collectives per layer), "
+                    f"needs {fmt_bytes(self.device_needed)}{self._checked}")
         if self.staged:
-            return (f"a window of {self.window} samples as one batch would need {fmt_bytes(self.device_needed)} ({self._budget}), so it "
-                    f"trains as one batch stage by stage in chunks of {self.chunk}: about {fmt_bytes(self.staged_device_needed)} on "
-                    f"the device and {fmt_bytes(self.staged_host_needed)} of values kept between stages{self._checked}")
-        if not self.on_accelerator: return f"a window of {self.window} samples as one batch needs {fmt_bytes(self.host_needed)} ({self._budget})"
+            return (f"a window of {self.window} samples as one batch would need {fmt_bytes(self.device_needed)} "
+                    f"({self._budget}), so it trains as one batch stage by stage in chunks of {self.chunk}: about "
+                    f"{fmt_bytes(self.staged_device_needed)} on the device and "
+                    f"{fmt_bytes(self.staged_host_needed)} of values kept between stages{self._checked}")
+        if not self.on_accelerator:
+            return (f"a window of {self.window} samples as one batch needs {fmt_bytes(self.host_needed)} "
+                    f"({self._budget})")
         where = f"in host memory{' (pinned)' if self.pinned else ''}" if self.offload else 'on the accelerator'
         s = (f"a window of {self.window} samples as one batch, saved activations {where}, needs "
-             f"{fmt_bytes(self.device_needed)} of accelerator memory" + (f" (budget {fmt_bytes(self.device_budget)})" if self.device_budget is not None else ''))
-        if self.offload: s += f" and {fmt_bytes(self.host_needed)} of host memory (budget {fmt_bytes(self.host_budget)})"
+             f"{fmt_bytes(self.device_needed)} of accelerator memory"
+             + (f" (budget {fmt_bytes(self.device_budget)})" if self.device_budget is not None else ''))
+        if self.offload:
+            s += f" and {fmt_bytes(self.host_needed)} of host memory (budget {fmt_bytes(self.host_budget)})"
         return s
 
     @property
-    def _checked(self) -> str: return f"; {self.checked} in {self.check_time:.1f} s" if self.checked and self.reason is None else ''
+    def _checked(self) -> str:
+        return f"; {self.checked} in {self.check_time:.1f} s" if self.checked and self.reason is None else ''
 
     @property
     def _budget(self) -> str:
-        "The budget the whole window is held against: the device's when one was given (also on a CPU), else the host's."
+        "The budget the whole window is held against: the device's if given (even on a CPU), else the host's."
         if self.device_budget is not None: return f"device budget {fmt_bytes(self.device_budget)}"
         return f"host budget {fmt_bytes(self.host_budget)}"
 
@@ -175,8 +190,8 @@ def plan_exact(model:nn.Module, # the model to train
                window:int, # samples per window
                device_memory:int|None=None, # accelerator bytes it may use (default: 80% of what is free)
                host_memory:int|None=None, # host bytes it may use (default: half of what is available)
-               offload:bool|None=None, # saved activations in host memory (default: only if they do not fit on the accelerator)
-               autocast=None, # callable returning the autocast context training runs in: the footprint is measured under it
+               offload:bool|None=None, # saved activations in host memory (default: if they do not fit on the device)
+               autocast=None, # callable returning the autocast context training runs in (measured under it)
                opt_state:float|None=None, # optimizer state per byte of parameters (`optimizer_state`; None: 1 assumed)
               ) -> ExactPlan:
     "Measure `model` on `xb` and plan training a window of `window` samples as one batch."
@@ -187,26 +202,34 @@ def plan_exact(model:nn.Module, # the model to train
     if host_memory is None: host_memory = int(0.5 * host_free)
     params = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     plan = ExactPlan(window, fp, params, str(device), device_memory, host_memory, offload=bool(offload),
-                     accelerator=is_accelerator(device), frozen=any(not p.requires_grad for p in model.parameters()), opt_state=opt_state)
+                     accelerator=is_accelerator(device), frozen=any(not p.requires_grad for p in model.parameters()),
+                     opt_state=opt_state)
     if offload is None and plan.on_accelerator and not plan.fits: plan.offload = True
     return plan
 
-_state_per_param = dict(Adam=2, AdamW=2, Adamax=2, NAdam=2, RAdam=2, Adadelta=2, Adagrad=1, ASGD=2, Rprop=2, LBFGS=2)  # torch's, before a step
-_fastai_stats = dict(average_grad=1, average_sqr_grad=1)  # fastai `Optimizer` callbacks that keep one parameter-sized tensor each
+# torch's, before a step
+_state_per_param = dict(Adam=2, AdamW=2, Adamax=2, NAdam=2, RAdam=2, Adadelta=2, Adagrad=1, ASGD=2, Rprop=2, LBFGS=2)
+# fastai `Optimizer` callbacks that keep one parameter-sized tensor each
+_fastai_stats = dict(average_grad=1, average_sqr_grad=1)
 
 def optimizer_state(opt) -> float|None:
-    "Bytes of `opt`'s state per byte of the parameters it trains: counted once it has stepped, else from its type (torch's or fastai's Adam 2, SGD with momentum 1, fastai's Lookahead +1); None if unknown."
-    inner = getattr(opt, 'opt', None) or getattr(opt, 'optimizer', None)  # fastai's OptimWrapper and Lookahead, Accelerate's wrapper
+    "Bytes of `opt`'s state per byte of the parameters it trains; None if unknown."
+    # counted once it has stepped, else from its type (torch's or fastai's Adam 2, SGD with momentum 1,
+    # fastai's Lookahead +1)
+    # fastai's OptimWrapper and Lookahead, Accelerate's wrapper
+    inner = getattr(opt, 'opt', None) or getattr(opt, 'optimizer', None)
     if opt is None: return None
     extra = 1 if type(opt).__name__ == 'Lookahead' else 0  # its slow weights
     if inner is not None and inner is not opt: return None if (s := optimizer_state(inner)) is None else s + extra
     state = getattr(opt, 'state', None)
     if isinstance(state, dict) and state:
-        held = sum(t.numel() * t.element_size() for st in state.values() if isinstance(st, dict) for t in st.values() if torch.is_tensor(t) and t.dim())
+        held = sum(t.numel() * t.element_size() for st in state.values() if isinstance(st, dict)
+                   for t in st.values() if torch.is_tensor(t) and t.dim())
         params = sum(p.numel() * p.element_size() for p in state if torch.is_tensor(p))
         if held and params: return held / params  # it has stepped (fastai fills flags such as `do_wd` before)
     if hasattr(opt, 'cbs'):  # fastai's Optimizer: one tensor per parameter per statistic it keeps
-        return float(sum(_fastai_stats.get(getattr(c, '__name__', getattr(getattr(c, 'func', None), '__name__', '')), 0) for c in opt.cbs))
+        return float(sum(_fastai_stats.get(getattr(c, '__name__', getattr(getattr(c, 'func', None), '__name__', '')), 0)
+                         for c in opt.cbs))
     name = type(opt).__name__
     if name in ('SGD', 'RMSprop'):
         d = opt.defaults
@@ -214,11 +237,14 @@ def optimizer_state(opt) -> float|None:
     return float(_state_per_param[name]) if name in _state_per_param else None
 
 def release_pinned(plan:ExactPlan|None):
-    "Give back the pinned host blocks a fit's offload or staged store left in torch's host cache (kept there for reuse, they stay page-locked)."
+    "Give back the pinned host blocks a fit's offload or staged store left in torch's host cache."
+    # kept there for reuse, they stay page-locked
     if plan is not None and plan.pinned and (plan.offload or plan.staged) and hasattr(torch._C, '_host_emptyCache'):
         torch._C._host_emptyCache()
 
 def saved_on_host(plan:ExactPlan):
-    "The context that keeps saved activations in host memory when `plan` says so (pinned where the build can pin); never around a staged step, which keeps its own values in host memory."
+    "The context that keeps saved activations in host memory when `plan` says so."
+    # pinned where the build can pin; never around a staged step, which keeps its own values in host memory
     if not plan.offload or plan.staged: return contextlib.nullcontext()
-    return torch.autograd.graph.save_on_cpu(pin_memory=plan.on_accelerator)  # a copy of its own in host memory, pinned if it can be
+    # a copy of its own in host memory, pinned if it can be
+    return torch.autograd.graph.save_on_cpu(pin_memory=plan.on_accelerator)

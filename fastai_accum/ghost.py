@@ -10,38 +10,36 @@ from torch import nn, Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 from .batchnorm import bn_layers, AccumulateBatchNorm
 from .window import _check_count
+from .helpers import ReplacedForward, restore_forward
 
 # %% auto #0
 __all__ = ['GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost']
 
 # %% ../nbs/02c_ghost.ipynb #29ef8d97
-class GhostForward:
-    "A BatchNorm layer's `forward` that, in training mode, normalizes each group of `k` consecutive samples with the group's statistics."
+class GhostForward(ReplacedForward):
+    "A BatchNorm layer's `forward` that, training, normalizes each group of `k` consecutive samples on its own."
     def __init__(self, bn:_BatchNorm, # the layer (its own forward runs on each group)
                  k:int, # samples per ghost batch
                 ):
-        self.bn, self.k, self.own = bn, k, bn.__dict__.get('forward')
+        super().__init__(bn)
+        self.bn, self.k = bn, k
+
     def __call__(self, x:Tensor) -> Tensor:
-        run = self.own or (lambda t: type(self.bn).forward(self.bn, t))
-        if not self.bn.training or x.shape[0] <= self.k: return run(x)
-        return torch.cat([run(g) for g in torch.split(x, self.k)])
+        if not self.bn.training or x.shape[0] <= self.k: return self.own_forward(x)
+        return torch.cat([self.own_forward(g) for g in torch.split(x, self.k)])
 
 def install_ghost(model:nn.Module, # the model whose training BatchNorm layers get ghost batches
                   k:int, # samples per ghost batch
                  ) -> list:
-    "Give every BatchNorm layer of `model` a `GhostForward` of `k` samples (until `uninstall_ghost`); the layers."
+    "Give every BatchNorm layer of `model` a `GhostForward` of `k` samples (until `uninstall_ghost`)."
     uninstall_ghost(model)
     layers = bn_layers(model)
     for m in layers: m.forward = GhostForward(m, k)
     return layers
 
 def uninstall_ghost(model:nn.Module):
-    "The forward each BatchNorm layer of `model` had before `install_ghost`."
-    for m in bn_layers(model):
-        f = m.__dict__.get('forward')
-        if not isinstance(f, GhostForward): continue
-        if f.own is not None: m.forward = f.own
-        else: del m.__dict__['forward']
+    "Put back the forward each BatchNorm layer of `model` had before `install_ghost`."
+    for m in bn_layers(model): restore_forward(m, GhostForward)
 
 # %% ../nbs/02c_ghost.ipynb #c88d8b98
 def check_ghost(k, # samples per ghost batch, as the user gave it
@@ -56,7 +54,9 @@ def check_ghost(k, # samples per ghost batch, as the user gave it
                          f"{', '.join(str(d) for d in range(1, window + 1) if window % d == 0)})")
     training = [m for m in bn_layers(model) if m.training]
     if k == 1 and any(isinstance(m, nn.BatchNorm1d) for m in training):
-        raise ValueError(f"{name}(bn_batch=1): a BatchNorm1d layer would normalize one value per channel; use bn_batch >= 2")
+        raise ValueError(f"{name}(bn_batch=1): a BatchNorm1d layer would normalize one value per channel; "
+                         "use bn_batch >= 2")
     if any(isinstance(m, AccumulateBatchNorm) for m in training):
-        raise ValueError(f"{name}(bn_batch={k}): the model has layers wrapped by wrap_bn; unwrap them (unwrap_bn) to use ghost batches")
+        raise ValueError(f"{name}(bn_batch={k}): the model has layers wrapped by wrap_bn; unwrap them (unwrap_bn) "
+                         "to use ghost batches")
     return k

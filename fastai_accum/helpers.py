@@ -12,8 +12,9 @@ from torch import nn, Tensor
 from torch.fx.node import map_aggregate
 
 # %% auto #0
-__all__ = ['place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'split_batch',
-           'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches']
+__all__ = ['place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept',
+           'ReplacedForward', 'restore_forward', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept',
+           'peek_batches']
 
 # %% ../nbs/00_helpers.ipynb #5f390a10
 def _batch_like(b, items:list):
@@ -21,7 +22,8 @@ def _batch_like(b, items:list):
     return type(b)(*items) if hasattr(b, '_fields') else type(b)(items)
 
 def _to(v, device):
-    "`v`'s tensors (in tuples, lists, dicts, kept as they are) on `device`: asynchronous onto an accelerator, synchronous back to the host (a read must see the data)."
+    "`v`'s tensors (in tuples, lists, dicts, kept as they are) on `device`."
+    # asynchronous onto an accelerator, synchronous back to the host (a read must see the data)
     if device is None: return v
     if isinstance(v, Tensor): return v.to(device, non_blocking=torch.device(device).type != 'cpu')
     if isinstance(v, (list, tuple)): return _batch_like(v, [_to(o, device) for o in v])
@@ -42,13 +44,13 @@ class _Emulated: on = False  # inside `emulated_accelerator`
 
 @contextmanager
 def emulated_accelerator():
-    "Inside, the CPU counts as an accelerator with memory of its own: the planner, the core and the staged step take the branches a GPU takes."
+    "Inside, the CPU counts as an accelerator with memory of its own: every path takes the branches a GPU takes."
     before, _Emulated.on = _Emulated.on, True
     try: yield
     finally: _Emulated.on = before
 
 def is_accelerator(device) -> bool:
-    "Is `device` (a `torch.device` or its name) a memory apart from the host's: an accelerator, or the CPU inside `emulated_accelerator`?"
+    "Is `device` a memory apart from the host's: an accelerator, or the CPU inside `emulated_accelerator`?"
     return torch.device(device).type != 'cpu' or _Emulated.on
 
 _pinnable = []
@@ -81,9 +83,29 @@ def modes_kept(model:nn.Module):
     finally:
         for m, t in modes.items(): m.training = t
 
+# %% ../nbs/00_helpers.ipynb #f1a2b3c1
+class ReplacedForward:
+    "A forward set on a module instance in place of its own, which `own_forward` still calls."
+    def __init__(self, module:nn.Module):
+        self.module, self.own = module, module.__dict__.get('forward')  # `own`: one set on the instance, or None
+
+    def own_forward(self, *args, **kwargs):
+        "The forward this one replaced: the instance's own, else the class's."
+        if self.own is not None: return self.own(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+def restore_forward(module:nn.Module, # a module whose forward a `kind` may have replaced
+                    kind:type, # the `ReplacedForward` subclass to undo
+                   ):
+    "Put back the forward `module` had before a `kind` replaced it (nothing if none did)."
+    f = module.__dict__.get('forward')
+    if not isinstance(f, kind): return
+    if f.own is not None: module.forward = f.own
+    else: del module.__dict__['forward']
+
 # %% ../nbs/00_helpers.ipynb #03bca2e2
 def split_batch(b, # a batch: a tensor, or a tuple/list of its elements
-                n_inp:int|None=None, # elements that are model inputs (default: all but the last; a lone element is an input)
+                n_inp:int|None=None, # elements that are model inputs (default: all but the last, or a lone one)
                ) -> tuple:
     "(model inputs, targets) of batch `b`, each a tuple."
     if isinstance(b, Tensor): return (b,), ()

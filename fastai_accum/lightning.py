@@ -28,13 +28,14 @@ class _Lookahead:
 
 # %% ../nbs/07b_lightning.ipynb #56c4a98b
 class BatchNormAccumulation(FrontEnd, pl.Callback):
-    "Samples-weighted gradients and exact BatchNorm statistics (window policy) for `Trainer(accumulate_grad_batches=n)`."
-    def __init__(self, policy:str='window', # BatchNorm policy (`bn_policies`): 'window' pre-passes each window; 'auto' = 'window'
+    "Samples-weighted gradients and exact BatchNorm statistics for `Trainer(accumulate_grad_batches=n)`."
+    # and, by default, the window policy
+    def __init__(self, policy:str='window', # BatchNorm policy (`bn_policies`): 'window' pre-passes each window
                  wrap:bool=True, # wrap the LightningModule's BatchNorm layers as `AccumulateBatchNorm` in `setup`
-                 inputs=default_inputs, # batch -> tuple of positional inputs of the LightningModule's forward (the pre-pass)
+                 inputs=default_inputs, # batch -> tuple of positional inputs of the LightningModule's forward
                  loss_reduction:str='mean', # the loss's reduction: 'mean' (weighted by samples) or 'sum'
-                 prepass_bs:int|None=None, # 'window' policy: samples per chunk of a staged (memory-bounded, exact) pre-pass (default: chosen within `prepass_memory`)
-                 prepass_memory:int|None=None, # 'window' policy: bytes the pre-pass may hold on the device (default: what training holds at the micro-batch)
+                 prepass_bs:int|None=None, # samples per chunk of a staged pre-pass (default: fit to `prepass_memory`)
+                 prepass_memory:int|None=None, # device bytes the pre-pass may hold (default: training's)
                 ):
         options = dict(policy=policy, wrap=wrap, prepass_bs=prepass_bs, prepass_memory=prepass_memory)
         self._take_args(1, None, False, options, 'BatchNormAccumulation', whole_windows=False)  # 1: a stand-in window
@@ -43,33 +44,42 @@ class BatchNormAccumulation(FrontEnd, pl.Callback):
         self.inputs, self.loss_reduction = inputs, loss_reduction
 
     def setup(self, trainer, pl_module, stage):
-        "A fit starts: build the core for it and wrap BatchNorm, before the strategy moves the LightningModule or wraps it in DDP."
+        "A fit starts: build the core for it and wrap BatchNorm."
+        # before the strategy moves the LightningModule or wraps it in DDP
         if stage != 'fit': return
         self.n_step = trainer.accumulate_grad_batches
-        self.acc = self._core(pl_module, inputs=self.inputs, loss_reduction=self.loss_reduction, device=trainer.strategy.root_device,
-                              autocast=lambda: trainer.precision_plugin.forward_context())  # the pre-pass runs as training's forward
+        # `autocast`: the pre-pass runs as training's forward
+        self.acc = self._core(pl_module, inputs=self.inputs, loss_reduction=self.loss_reduction,
+                              device=trainer.strategy.root_device,
+                              autocast=lambda: trainer.precision_plugin.forward_context())
         self.acc.setup(None)  # Lightning's policies never measure a micro-batch (no 'exact' planning): none is needed
 
     def teardown(self, trainer, pl_module, stage):
-        "After fitting, the LightningModule holds plain torch BatchNorm layers again (those this callback wrapped)."
+        "After fitting, the LightningModule holds plain torch BatchNorm layers again (those wrapped here)."
         if stage == 'fit' and self.acc is not None: self.acc.release()
 
     def on_train_start(self, trainer, pl_module):
-        if not pl_module.automatic_optimization: raise RuntimeError("BatchNormAccumulation needs automatic optimization")
+        if not pl_module.automatic_optimization:
+            raise RuntimeError("BatchNormAccumulation needs automatic optimization")
 
     def on_train_epoch_start(self, trainer, pl_module):
         self._clear()
-        if self.acc.needs_setup(): self.acc.setup(None)  # other BatchNorm layers train than when it chose (frozen, eval mode)
+        # other BatchNorm layers train than when it chose (frozen, eval mode)
+        if self.acc.needs_setup(): self.acc.setup(None)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         left = trainer.num_training_batches - batch_idx
-        last = left <= 1 or getattr(trainer.fit_loop.epoch_loop.batch_progress, 'is_last_batch', False)  # as Lightning's `_should_accumulate`
+        # as Lightning's `_should_accumulate`
+        last = left <= 1 or getattr(trainer.fit_loop.epoch_loop.batch_progress, 'is_last_batch', False)
         if self.acc.needs_window and self.window.empty:
-            self.acc.start_window([batch] + self._coming(trainer, pl_module, min(self.n_step, left) - 1))  # the pre-pass
-        self._start_micro(batch_size(batch), last)  # the core's window rule, which is Lightning's: every n-th batch and the epoch's last
+            # the pre-pass
+            self.acc.start_window([batch] + self._coming(trainer, pl_module, min(self.n_step, left) - 1))
+        # the core's window rule, which is Lightning's: every n-th batch and the epoch's last
+        self._start_micro(batch_size(batch), last)
 
     def _coming(self, trainer, pl_module, k:int) -> list:
-        "The next `k` training batches, on the device as `training_step` will get them, read ahead from Lightning's fetcher."
+        "The next `k` training batches, on the device as `training_step` will get them."
+        # read ahead from Lightning's fetcher
         if k <= 0: return []
         fetcher = trainer.fit_loop._data_fetcher
         if not isinstance(fetcher.iterator, _Lookahead): fetcher.iterator = _Lookahead(fetcher.iterator)
@@ -83,10 +93,12 @@ class BatchNormAccumulation(FrontEnd, pl.Callback):
 
     def on_before_backward(self, trainer, pl_module, loss):
         n = self.n_step  # Lightning divided the loss by n
-        f = self.acc.loss_factor(loss.detach() * n) * n  # at the window's end also the correction (earlier gradients rescaled)
+        # at the window's end also the correction (earlier gradients rescaled)
+        f = self.acc.loss_factor(loss.detach() * n) * n
         if f != 1.: loss.register_hook(lambda g: g * f)  # = backward of loss * f, whatever the precision plugin does
 
-    def on_after_backward(self, trainer, pl_module): self.acc.end_micro()  # at the window's end: commit BatchNorm statistics
+    def on_after_backward(self, trainer, pl_module):
+        self.acc.end_micro()  # at the window's end: commit BatchNorm statistics
 
     def on_train_end(self, trainer, pl_module): self._clear()
     def on_exception(self, trainer, pl_module, exception): self._clear()

@@ -17,7 +17,7 @@ def _nbytes(v) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(v))
 
 class ByteMeter:
-    "Bytes of the distinct storages of the values `hold` registered and `drop` did not release yet; tracks the peak."
+    "Bytes of the distinct storages `hold` registered and `drop` did not release yet; tracks the peak."
     def __init__(self): self.refs, self.live, self.peak = {}, 0, 0
     def _key(self, t): return (t.untyped_storage().data_ptr(), str(t.device))
     def hold(self, v):
@@ -38,7 +38,8 @@ class ByteMeter:
 
 # %% ../nbs/00_meters.ipynb #e5b48933
 class _Saved:
-    "A saved tensor (detached: a saved output must not hold its own graph, or graph and tensor form a cycle gc cannot see)."
+    "A saved tensor, detached."
+    # detached: a saved output must not hold its own graph, or graph and tensor form a cycle gc cannot see
     __slots__ = ('t', 'key', 'meter')
     def __init__(self, t, key, meter): self.t, self.key, self.meter = t.detach(), key, meter
     def __del__(self): self.meter._release(self.key)
@@ -58,7 +59,7 @@ def _cast_of(t:torch.Tensor, keys:set) -> bool:
     return False
 
 class SavedTensorMeter:
-    "Live and peak bytes of the distinct storages autograd holds for backward, counted via saved-tensor hooks; `packed`: (bytes, first dimension, storage) of each tensor saved, one by one (what `save_on_cpu` copies); `packed_model`: the bytes of `exclude`'s tensors and their casts (autocast's weight copies), not counted as live."
+    "Live and peak bytes of the distinct storages autograd saves for backward, via saved-tensor hooks."
     def __init__(self, exclude:nn.Module|None=None, # a model whose parameters and buffers are not counted
                  record:bool=False, # keep `packed` (one entry per saved tensor: for a single forward, not a long run)
                 ):
@@ -98,7 +99,8 @@ class SavedTensorMeter:
 
     def __enter__(self):
         ts = [] if self.exclude is None else list(self.exclude.parameters()) + list(self.exclude.buffers())
-        self._skip = {_storage_key(t)[0] for t in ts if not isinstance(t, nn.parameter.UninitializedTensorMixin)}  # a lazy module's: none yet
+        self._skip = {_storage_key(t)[0] for t in ts
+                      if not isinstance(t, nn.parameter.UninitializedTensorMixin)}  # a lazy module's: none yet
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
@@ -107,11 +109,13 @@ class SavedTensorMeter:
 
 # %% ../nbs/00_meters.ipynb #fa4cb647
 class LayerMeter:
-    "Largest input + output bytes of one leaf module over the forwards run inside (`peak`): the working set of the biggest layer."
+    "Largest input + output bytes of one leaf module over the forwards run inside (`peak`)."
+    # `peak` is the working set of the biggest layer
     def __init__(self, model:nn.Module): self.model, self.peak, self._hooks = model, 0, []
     def _hook(self, m, inp, out): self.peak = max(self.peak, _nbytes(inp) + _nbytes(out))
     def __enter__(self):
-        self._hooks = [m.register_forward_hook(self._hook) for m in self.model.modules() if next(m.children(), None) is None]
+        self._hooks = [m.register_forward_hook(self._hook) for m in self.model.modules()
+                       if next(m.children(), None) is None]
         return self
     def __exit__(self, *exc):
         for h in self._hooks: h.remove()

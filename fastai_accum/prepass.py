@@ -20,12 +20,16 @@ __all__ = ['PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'b
 
 # %% ../nbs/01a_prepass.ipynb #b7202dc1
 def _chunks(xbs:list, chunk:int|None) -> list:
-    "Regroup micro-batch inputs (tuples of tensors) into concatenated chunks of at most `chunk` samples (None: one)."
+    "Regroup micro-batch inputs (tuples of tensors) into concatenated chunks of at most `chunk` samples."
+    # `chunk` None: one chunk
     if chunk is None: chunk = sum(xb[0].shape[0] for xb in xbs)
     out, cur, n = [], [], 0
     for xb in xbs:
-        if cur and n + xb[0].shape[0] > chunk: out.append(cur); cur, n = [], 0
-        cur.append(xb); n += xb[0].shape[0]
+        if cur and n + xb[0].shape[0] > chunk:
+            out.append(cur)
+            cur, n = [], 0
+        cur.append(xb)
+        n += xb[0].shape[0]
     if cur: out.append(cur)
     return [tuple(torch.cat(ts) for ts in zip(*c)) if len(c) > 1 else c[0] for c in out]
 
@@ -37,12 +41,12 @@ _plans = weakref.WeakKeyDictionary()   # model -> {(input shapes, dtype, memory)
 _last_run = weakref.WeakKeyDictionary() # model -> what the last `window_prepasses` did
 
 def _saved_bytes(model, xb) -> int:
-    "Bytes autograd saves for backward in one forward of `xb` (distinct storages, parameters and buffers excluded)."
+    "Bytes autograd saves in one forward of `xb` (distinct storages, parameters and buffers excluded)."
     with torch.enable_grad(), SavedTensorMeter(exclude=model) as meter: model(*xb)  # the output is dropped at once
     return meter.peak
 
 class PrepassPlan:
-    "How `window_prepasses` runs a model's pre-pass within a memory budget, from one micro-batch's measured sizes."
+    "How `window_prepasses` runs a model's pre-pass within a memory budget, measured on one micro-batch."
     def __init__(self, model, xb, memory=None):
         self.bs = xb[0].shape[0]
         self.graph = bn_graph(model)
@@ -79,13 +83,14 @@ class PrepassPlan:
     def __repr__(self): return f'{type(self).__name__}({self.describe()})'
 
 def _largest_activation(model, xb) -> int:
-    "Largest leaf-module input + output in one forward: a lower bound on what a forward holds (untraceable models)."
+    "Largest leaf-module input + output in one forward: a lower bound on what a forward holds."
+    # for models torch.fx cannot trace
     with LayerMeter(model) as layers: model(*xb)
     return layers.peak
 
 def prepass_plan(model:nn.Module, # a model with `AccumulateBatchNorm` layers
                  xb:tuple, # one micro-batch of model inputs (sizes are measured on it)
-                 memory:int|None=None, # bytes the pre-pass may hold on the device (default: what training holds at this micro-batch)
+                 memory:int|None=None, # device bytes the pre-pass may hold (default: training's, at this micro-batch)
                 ) -> PrepassPlan:
     "The pre-pass plan of `model` for micro-batches shaped like `xb` (measured once, then cached)."
     key = (tuple((tuple(t.shape[1:]), t.dtype, str(t.device)) for t in xb if isinstance(t, Tensor)), memory,
@@ -95,7 +100,7 @@ def prepass_plan(model:nn.Module, # a model with `AccumulateBatchNorm` layers
     return plans[key]
 
 def prepass_info(model:nn.Module) -> dict|None:
-    "What the last `window_prepasses` on `model` did: mode, chunk, samples, and measured bytes when it was metered."
+    "What the last `window_prepasses` on `model` did: mode, chunk, samples, bytes (when metered)."
     return _last_run.get(model)
 
 # %% ../nbs/01a_prepass.ipynb #713d978c
@@ -104,11 +109,11 @@ def window_prepasses(model:nn.Module, # a model with `AccumulateBatchNorm` layer
                      xbs:list, # the window's micro-batch inputs, each a tuple of model inputs
                      chunk:int|None=None, # samples per chunk of a staged pre-pass (default: chosen within `memory`)
                      group=None, # under data parallelism: the process group whose windows make one (default: the world)
-                     memory:int|None=None, # bytes the pre-pass may hold on the device (default: what training holds at the micro-batch)
-                     store=None, # where a staged pre-pass keeps values across BatchNorm layers (default: 'cpu' for an accelerator)
+                     memory:int|None=None, # device bytes the pre-pass may hold (default: training's at the micro-batch)
+                     store=None, # where a staged pre-pass keeps values across BN layers (default 'cpu' on accelerators)
                      meter:bool=False, # count the activation bytes of the run (`prepass_info`)
                     ) -> int:
-    "One exact no-grad pre-pass that gives every 'window' layer its window statistics; returns how many layers."
+    "One exact no-grad pre-pass giving each 'window' layer its window statistics; returns their count."
     layers = [m for m in bn_layers(model, accumulating=True) if _window_layer(m) and m.training]
     if not layers or not xbs: return 0
     sync = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
@@ -142,7 +147,8 @@ def _prepass_mode(model, layers, xbs, chunk, memory) -> tuple:
     return mode, chunk, sg
 
 def _run_prepass(model, xbs, mode, chunk, sg, store, meter, info):
-    "The pre-pass forward(s): the whole window at once, or staged over chunks; the activation bytes into `info` if `meter`."
+    "The pre-pass forward(s): the whole window at once, or staged over chunks."
+    # with `meter`, the activation bytes go into `info`
     if mode == 'whole':
         xb = _chunks(xbs, None)[0]
         if meter: info['device_bytes'] = _metered_forward(model, xb)
@@ -154,7 +160,8 @@ def _run_prepass(model, xbs, mode, chunk, sg, store, meter, info):
     if meter: info.update(device_bytes=dm.peak, stored_bytes=hm.peak)
 
 def _metered_forward(model, xb) -> int:
-    "Run `model(*xb)`; the peak activation bytes of the forward (traced: from the graph's liveness; else leaf modules)."
+    "Run `model(*xb)`; the peak activation bytes of the forward."
+    # traced: from the graph's liveness; else from the leaf modules
     graph = bn_graph(model)
     if isinstance(graph, str): return _largest_activation(model, xb)
     bm = ByteMeter()
@@ -163,9 +170,10 @@ def _metered_forward(model, xb) -> int:
 
 # %% ../nbs/01a_prepass.ipynb #e0cc0a8b
 def _treatment(m, n:int, training:bool=True) -> tuple[str, str]:
-    "(forward, backward) of layer `m` for a micro-batch with `n` values per channel, when it is in training mode or not."
+    "(forward, backward) of layer `m` at `n` values per channel per micro-batch, in training mode or not."
     if not training: return 'running stats (frozen: eval mode)', 'none through the stats'
-    if not isinstance(m, AccumulateBatchNorm): return f'micro-batch stats ({n} values), stats updated per micro-batch', 'micro-batch'
+    if not isinstance(m, AccumulateBatchNorm):
+        return f'micro-batch stats ({n} values), stats updated per micro-batch', 'micro-batch'
     if m.policy == 'micro': return f'micro-batch stats ({n} values)', 'micro-batch'
     if m.policy in ('running', 'frozen'): return 'running stats', 'none through the stats'
     return 'window stats', 'micro-batch, mapped to the window' if n >= GradPool.min_micro else "previous window's means"
@@ -175,7 +183,8 @@ def bn_preflight(model:nn.Module, # the model (its state is not changed: the for
                  window:int|None=None, # samples per window, to name the pre-pass mode chosen for it ('window' policy)
                  memory:int|None=None, # the pre-pass's memory cap in bytes, as given to `window_prepasses`
                 ):
-    "A table of the model's BatchNorm layers: values per channel per micro-batch, risk, what the policy does, and how the pre-pass runs."
+    "A table of the model's BatchNorm layers: values per channel per micro-batch, risk, policy, pre-pass."
+    # per layer: what its policy does (forward, backward) and how the pre-pass runs
     plan = prepass_plan(model, xb, memory) if any(_window_layer(m) and m.training for m in bn_layers(model)) else None
     prepass = plan.describe(window) if plan is not None else '-'
     names = {mod: name for name, mod in model.named_modules()}
@@ -190,15 +199,16 @@ def bn_preflight(model:nn.Module, # the model (its state is not changed: the for
                          prepass=prepass if _window_layer(mod) and modes[mod] else '-'))
     for mod in bn_layers(model): hooks.append(mod.register_forward_pre_hook(hook))
     try:
-        model.eval()  # shapes are all we need: eval mode touches no statistics
-        with torch.no_grad(): model(*xb)
+        with modes_kept(model), torch.no_grad():
+            model.eval()  # shapes are all we need: eval mode touches no statistics
+            model(*xb)
     finally:
         for h in hooks: h.remove()
-        for mod, mode in modes.items(): mod.training = mode
     return PreflightTable(rows)
 
 class PreflightTable(pd.DataFrame):
-    "`bn_preflight`'s table: a DataFrame that prints in full, every column and row (a DataFrame's own print cuts a wide table to '...')."
+    "`bn_preflight`'s table: a DataFrame that prints in full, every column and row."
+    # a DataFrame's own print cuts a wide table to '...'
     _metadata = []
     @property
     def _constructor(self): return PreflightTable

@@ -57,7 +57,7 @@ def diff_env(a:dict, # a fingerprint from `env_fingerprint`
 
 # %% ../nbs/05_repro.ipynb #444112d5
 def _dataloaders(dls) -> list:
-    "The DataLoaders in `dls`: a `Learner`, `DataLoaders`, one `DataLoader` (fastai or PyTorch) or a list of them."
+    "The DataLoaders in `dls`: a `Learner`, `DataLoaders`, a fastai or PyTorch `DataLoader`, or a list."
     if dls is None: return []
     if hasattr(dls, 'dls') and hasattr(dls, 'model'): dls = dls.dls
     if hasattr(dls, 'loaders'): return list(dls.loaders)
@@ -152,15 +152,18 @@ def _save_state(dls=None) -> dict:
         if _is_fastai_dl(dl): dl_states.append((dl, copy.deepcopy(dl.rng), dl.fake_l.__dict__.get('generator')))
         else: dl_states.append((dl, dl.generator, getattr(dl.sampler, 'generator', None)))
     return dict(rng=rng_states(), cudnn=(torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark),
-                det=(torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
+                det=(torch.are_deterministic_algorithms_enabled(),
+                     torch.is_deterministic_algorithms_warn_only_enabled()),
                 cublas=os.environ.get('CUBLAS_WORKSPACE_CONFIG'), dls=dl_states)
 
 def _restore_state(s:dict): # what `_save_state` returned
     "Put back what `_save_state` saved."
     restore_rng_states(s['rng'])
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = s['cudnn']
-    if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != s['det']:
-        torch.use_deterministic_algorithms(s['det'][0], warn_only=s['det'][1])  # (the first call imports inductor: ~2 s)
+    if (torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled()) != s['det']:
+        # (the first call imports inductor: ~2 s)
+        torch.use_deterministic_algorithms(s['det'][0], warn_only=s['det'][1])
     if s['cublas'] is None: os.environ.pop('CUBLAS_WORKSPACE_CONFIG', None)
     else: os.environ['CUBLAS_WORKSPACE_CONFIG'] = s['cublas']
     for dl, a, b in s['dls']:
@@ -178,7 +181,8 @@ def reproducible(seed:int=42,       # as in `set_reproducible`
                  warn_only:bool=False, # as in `set_reproducible`
                  dls=None,          # as in `set_reproducible`; their generators come back on exit too
                 ):
-    "`set_reproducible` for the duration of a `with` block, which yields its report; RNG states and flags come back on exit."
+    "`set_reproducible` for the duration of a `with` block, which yields its report."
+    # RNG states and flags come back on exit
     state = _save_state(dls)
     try: yield set_reproducible(seed, warn_only, dls)
     finally: _restore_state(state)

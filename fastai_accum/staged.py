@@ -29,14 +29,14 @@ class _LeafTracer(fx.Tracer):
 def trace_model(model:nn.Module, # the model to trace (not changed)
                 is_leaf, # `is_leaf(module) -> bool`: modules to keep as single nodes (e.g. BatchNorm layers)
                ) -> fx.Graph:
-    "The data flow of `model` as a torch.fx graph in which every `is_leaf` module is one `call_module` node."
+    "The data flow of `model` as a torch.fx graph where every `is_leaf` module is one `call_module` node."
     return _LeafTracer(is_leaf).trace(model)
 
 # %% ../nbs/00a_staged.ipynb #b7c1d2e1
 _traces = weakref.WeakKeyDictionary()  # model -> torch.fx graph with every BatchNorm a leaf, or why tracing failed
 
 def bn_graph(model:nn.Module) -> fx.Graph|str:
-    "`model` traced by torch.fx with every BatchNorm layer a leaf (cached per model), or why it cannot be."
+    "`model` traced by torch.fx with every BatchNorm a leaf (cached per model), or why it cannot be."
     if model not in _traces:
         try: _traces[model] = trace_model(model, lambda m: isinstance(m, _BatchNorm))
         except Exception as e:
@@ -49,7 +49,8 @@ def _one_line(e:BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())}".rstrip(': ')
 
 def untraceable_reason(model:nn.Module) -> str|None:
-    "Why the staged pre-pass cannot run on `model` (torch.fx could not trace it), in one line; None if it can (or was never asked)."
+    "Why the staged pre-pass cannot run on `model` (torch.fx could not trace it), in one line, or None."
+    # None if it can (or was never asked)
     why = _traces.get(model)
     if not isinstance(why, str): return None
     return (f"torch.fx cannot trace {type(model).__name__} ({why}); its pre-pass runs the whole window in one forward: "
@@ -57,11 +58,11 @@ def untraceable_reason(model:nn.Module) -> str|None:
 
 # %% ../nbs/00a_staged.ipynb #d0e418b2
 class StagedGraph:
-    "A traced model cut at its barrier nodes, to run a window of samples chunk by chunk, one stage at a time."
+    "A traced model cut at its barrier nodes, to run a window chunk by chunk, one stage at a time."
     def __init__(self,
                  model:nn.Module, # the traced model (its modules are called, not copied)
                  graph:fx.Graph,  # `trace_model(model, ...)`, every barrier module a leaf
-                 is_barrier, # `is_barrier(module) -> bool`: modules that must see the whole window's input before any output
+                 is_barrier, # `is_barrier(module) -> bool`: modules needing the whole window's input before output
                 ):
         self.model, self.graph = model, graph
         self.modules = dict(model.named_modules())
@@ -72,7 +73,9 @@ class StagedGraph:
         needed, stack = set(), list(bar)
         while stack:
             n = stack.pop()
-            if n not in needed: needed.add(n); stack.extend(n.all_input_nodes)
+            if n not in needed:
+                needed.add(n)
+                stack.extend(n.all_input_nodes)
         self.nodes = [n for n in nodes if n in needed and n.op not in ('placeholder', 'get_attr')]
         pos = {n: i for i, n in enumerate(self.nodes)}
         self.barriers = [pos[n] for n in bar]
@@ -102,11 +105,11 @@ class StagedGraph:
             chunks:list, # the window's inputs, chunk by chunk: each a tuple of model inputs
             observe, # `observe(module, x)`: one chunk of a barrier's input (all chunks, in order, before `close`)
             close, # `close(module)`: the barrier has seen its whole window; it runs on the chunks after this
-            store=None, # device for the values that live across a barrier (e.g. 'cpu' for a CUDA model); None: left in place
-            meter:ByteMeter|None=None, # counts the activations a stage holds on the device (values kept across barriers excepted)
+            store=None, # device for values living across a barrier (e.g. 'cpu' for a CUDA model); None: left in place
+            meter:ByteMeter|None=None, # counts a stage's activations on the device (not values kept across barriers)
             stored:ByteMeter|None=None, # counts the values kept across barriers (in `store`)
            ):
-        "Compute every node once per sample; each barrier `observe`s all chunks of its input and `close`s before it runs."
+        "Run every node once per sample; a barrier `observe`s every chunk of its input, `close`s, then runs."
         kept = [dict() for _ in chunks]  # per chunk: values a later stage needs
         ends = self.barriers + [len(self.nodes)]
         start = 0
@@ -144,7 +147,7 @@ class StagedGraph:
                 xb:tuple, # one batch of model inputs
                 meter:ByteMeter|None=None, # counts the activations held, freed after their last use
                ):
-        "A plain forward through the nodes (up to the last barrier), as the model's own forward would run them."
+        "A plain forward through the nodes (up to the last barrier), as the model's own forward runs them."
         env = {}
         for i, n in enumerate(self.nodes):
             env[n] = v = self._run_node(n, env, xb)
@@ -157,7 +160,8 @@ class StagedGraph:
     def measure(self,
                 xb:tuple, # one batch of model inputs
                ) -> tuple[int, int]:
-        "Peak activation bytes of a plain forward of `xb` and of `xb` run as one staged chunk, in the model's current mode (eval mode changes no state)."
+        "Peak activation bytes of a plain forward of `xb` and of `xb` run as one staged chunk."
+        # in the model's current mode (eval mode changes no state)
         whole, stage = ByteMeter(), ByteMeter()
         self.forward(xb, whole)
         self.run([xb], lambda m, x: None, lambda m: None, meter=stage)

@@ -16,10 +16,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.fx.node import map_aggregate
 from torch.utils._pytree import tree_flatten, tree_unflatten, tree_map
 from .meters import _nbytes
-from .stats import ChannelStats, all_reduce_stats
+from .stats import ChannelStats, all_reduce_stats, momentum_step
 from .distributed import world_size
 from .staged import StagedGraph, bn_graph, untraceable_reason
-from .helpers import _to, _tensors, random_state_kept, is_accelerator, can_pin
+from .helpers import _to, _tensors, random_state_kept, is_accelerator, can_pin, ReplacedForward, restore_forward
 from .batchnorm import _after_norm
 
 # %% auto #0
@@ -27,11 +27,13 @@ __all__ = ['StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 
 
 # %% ../nbs/02b_staged_exact.ipynb #47a3cd82
 def _is_barrier(m) -> bool:
-    "A BatchNorm layer that normalizes with batch statistics (training, or without running statistics): it couples samples."
+    "A BatchNorm layer that normalizes with batch statistics (training, or without running statistics)."
+    # it couples samples
     return isinstance(m, _BatchNorm) and (m.training or m.running_mean is None)
 
 def _plain(t):
-    "`t` as a plain `Tensor` (a subclass such as fastai's `TensorImage` would make every op dispatch through it)."
+    "`t` as a plain `Tensor`."
+    # a subclass such as fastai's `TensorImage` would make every op dispatch through it
     return t.as_subclass(Tensor) if isinstance(t, Tensor) and type(t) is not Tensor else t
 
 def _rng_state(dev):
@@ -41,19 +43,22 @@ def _set_rng_state(state, dev):
     torch.set_rng_state(state[0])
     if state[1] is not None: torch.cuda.set_rng_state(state[1], dev)
 
-def _same_state(a, b) -> bool: return all(x is y or (x is not None and y is not None and torch.equal(x, y)) for x, y in zip(a, b))
+def _same_state(a, b) -> bool:
+    return all(x is y or (x is not None and y is not None and torch.equal(x, y)) for x, y in zip(a, b))
 
 # %% ../nbs/02b_staged_exact.ipynb #b87c84e1
 class StagedStep(StagedGraph):
-    "The big batch's forward and backward over a window, stage by stage (a stage ends at a training BatchNorm layer) and chunk by chunk."
-    grow = True  # stages that bring in fewer bytes per sample run in larger chunks (False: every stage in chunks of `chunk`)
+    "The big batch's forward and backward over a window, stage by stage and chunk by chunk."
+    # a stage ends at a training BatchNorm layer
+    # stages that bring in fewer bytes per sample run in larger chunks (False: every stage in chunks of `chunk`)
+    grow = True
     local = False  # this process's window alone: no collective under DDP (the check on the user's model)
     _said_random = False  # the warning that chunked stages drew random numbers was given
     pin = False  # the host store is pinned (a model on CUDA, kept values in host memory)
     def __init__(self,
                  model:nn.Module, # the model (called through its modules; nothing is copied)
                  graph:fx.Graph, # its torch.fx graph with every BatchNorm layer a leaf (`bn_graph`)
-                 store=None, # device for the values kept between stages and their gradients (None: where they are computed)
+                 store=None, # device for the values kept between stages and their gradients (None: where computed)
                 ):
         self.model, self.graph, self.store = model, graph, store
         self.modules = dict(model.named_modules())
@@ -78,16 +83,22 @@ class StagedStep(StagedGraph):
         outs = set(self.output.all_input_nodes)
         self.stage_in = [[n for n in owner if n in reads[s]] for s in range(len(self.stages))]
         self.stage_out = [[self.nodes[i] for i in idx if owner[self.nodes[i]] == s and
-                           (self.nodes[i] in outs or any(self.nodes[i] in r for r in reads[s + 1:]))] for s, idx in enumerate(self.stages)]
+                           (self.nodes[i] in outs or any(self.nodes[i] in r for r in reads[s + 1:]))]
+                          for s, idx in enumerate(self.stages)]
         self.stage_params = [_params_of(self, [self.nodes[i] for i in idx]) for idx in self.stages]
         opens = [self.nodes[idx[0]] for idx in self.stages[1:]] + [None]  # the barrier that ends each stage
-        self.reads_input = [any(n.op == 'placeholder' for n in self.stage_in[s]) or (b is not None and b.args[0].op == 'placeholder')
+        self.reads_input = [any(n.op == 'placeholder' for n in self.stage_in[s])
+                            or (b is not None and b.args[0].op == 'placeholder')
                             for s, b in enumerate(opens)]  # only these stages copy the window's inputs to the device
-        self.sizes = {}  # nodes holding the batch's size: 'int' (`x.size(0)`, `len(x)`) or 'shape' (`x.shape`, batch first)
+        # nodes holding the batch's size: 'int' (`x.size(0)`, `len(x)`) or 'shape' (`x.shape`, batch first)
+        self.sizes = {}
         for n in self.nodes: _size_kind(n, self.sizes)
 
 def _recomputing(self, s:int, owner:dict) -> list:
-    "Stage `s`'s node indices, with the nodes of earlier stages it reads that are computed from parameters and constants alone (`w = self.scale.exp()`) computed again after its BatchNorm: their gradients then reach the parameters from every stage that uses them."
+    "Stage `s`'s node indices, plus the parameter-only nodes of earlier stages it reads, recomputed."
+    # the nodes of earlier stages it reads that are computed from parameters and constants alone
+    # (`w = self.scale.exp()`) are computed again after its BatchNorm: their gradients then reach the parameters from
+    # every stage that uses them
     pos = {n: i for i, n in enumerate(self.nodes)}
     own, need = self.stages[s], set()
     stack = [a for i in own for a in self.nodes[i].all_input_nodes if owner.get(a, s) < s and a not in self.from_input]
@@ -101,7 +112,8 @@ def _recomputing(self, s:int, owner:dict) -> list:
 StagedStep._recomputing = _recomputing
 
 def _size_kind(n, sizes:dict):
-    "Note in `sizes` whether node `n` holds the batch's size: `x.size(0)`, `len(x)` ('int'), `x.shape`, `x.size()` or a slice of them from the front ('shape')."
+    "Note in `sizes` whether node `n` holds the batch's size: 'int' or 'shape'."
+    # 'int': `x.size(0)`, `len(x)`; 'shape': `x.shape`, `x.size()` or a slice of them from the front
     f, args = n.target, n.args
     if n.op == 'call_method' and f == 'size':
         dim = args[1] if len(args) > 1 else n.kwargs.get('dim')
@@ -110,12 +122,13 @@ def _size_kind(n, sizes:dict):
     elif n.op == 'call_function' and f is len: kind = 'int'
     elif n.op == 'call_function' and f is operator.getitem and sizes.get(args[0]) == 'shape':
         i = args[1]
-        kind = 'int' if i == 0 else 'shape' if isinstance(i, slice) and i.start in (None, 0) and i.step in (None, 1) else None
+        kind = ('int' if i == 0 else 'shape' if isinstance(i, slice) and i.start in (None, 0) and i.step in (None, 1)
+                else None)
     else: kind = None
     if kind: sizes[n] = kind
 
 def _params_of(self, nodes:list) -> list:
-    "The parameters `nodes` use: those of the modules they call and the parameters they read (`get_attr`), once each."
+    "The parameters `nodes` use, once each: their modules' and those they read (`get_attr`)."
     found = {}
     for n in nodes:
         if n.op == 'call_module': found.update((id(p), p) for p in self.modules[n.target].parameters())
@@ -125,11 +138,14 @@ def _params_of(self, nodes:list) -> list:
 
 # %% ../nbs/02b_staged_exact.ipynb #97042fc2
 def _run_stage(self, s:int, env:dict, xb:tuple, grad:bool):
-    "Run stage `s` of one chunk on `env`; the BatchNorm that opens it normalizes with the window's statistics (one fused op; its input a leaf of its own if `grad`, returned)."
+    "Run stage `s` of one chunk on `env`; the BatchNorm opening it normalizes with window statistics."
+    # that BatchNorm is one fused op; its input is a leaf of its own if `grad`, returned
     leaf = None
     for i in self.stages[s]:
         n = self.nodes[i]
-        if i != self.stages[s][0] or s == 0: env[n] = _plain(self._run_node(n, env, xb)); continue
+        if i != self.stages[s][0] or s == 0:
+            env[n] = _plain(self._run_node(n, env, xb))
+            continue
         m = self.modules[n.target]
         x = self._value(n.args[0], env, xb)
         if grad: x = leaf = x.detach().requires_grad_(True)  # its gradient: BatchNorm's with the statistics held fixed
@@ -138,16 +154,19 @@ def _run_stage(self, s:int, env:dict, xb:tuple, grad:bool):
     return leaf
 
 def _xb(self, a:int, b:int, dev, grad:bool=False, s:int|None=None) -> tuple:
-    "Samples a:b of the window's inputs (which may wait in host memory) on `dev`; for a backward, a chunk of their own; none for a stage `s` that does not read them."
+    "Samples a:b of the window's inputs (which may wait in host memory) on `dev`."
+    # for a backward, a chunk of their own; none for a stage `s` that does not read them
     if s is not None and not self.reads_input[s]: return ()
-    return tuple((t[a:b].clone() if grad and t.device == dev else _to(t[a:b], dev)) if isinstance(t, Tensor) else t for t in self.xb)
+    return tuple((t[a:b].clone() if grad and t.device == dev else _to(t[a:b], dev)) if isinstance(t, Tensor) else t
+                 for t in self.xb)
 
 def _chunk(self, n, a:int, b:int, dev) -> Tensor:
     "Samples a:b of node `n`'s value (kept between stages, or a model input) on `dev`."
     return self._value(n, {}, self._xb(a, b, dev)) if n.op == 'placeholder' else _to(self.kept[n][a:b], dev)
 
 def _stage_inputs(self, s:int, a:int, b:int, dev, grad:bool=False) -> dict:
-    "Samples a:b of the values stage `s` reads from earlier stages, on `dev` (leaves that collect gradients if `grad`)."
+    "Samples a:b of the values stage `s` reads from earlier stages, on `dev`."
+    # leaves that collect gradients if `grad`
     env = {}
     for n in self.stage_in[s]:
         if n.op == 'placeholder': continue
@@ -157,13 +176,15 @@ def _stage_inputs(self, s:int, a:int, b:int, dev, grad:bool=False) -> dict:
     return env
 
 def _kept_chunk(self, key, a:int, b:int, dev, grad:bool) -> Tensor:
-    "Samples a:b of the kept tensor `key` on `dev`; for a backward, a leaf of its own that collects its gradient."
+    "Samples a:b of the kept tensor `key` on `dev`; for a backward, a leaf collecting its gradient."
     v = _to(self.kept[key][a:b], dev)
-    if grad and v.device == self.kept[key].device: v = v.clone()  # a chunk of its own, as on an accelerator: the store stays out of the graph
+    # a chunk of its own, as on an accelerator: the store stays out of the graph
+    if grad and v.device == self.kept[key].device: v = v.clone()
     return v.detach().requires_grad_(v.is_floating_point()) if grad else v
 
 def _struct(self, n, a:int, b:int, tensor) -> object:
-    "Node `n`'s container value (a tuple, list or dict holding batch tensors) for samples a:b, its batch tensors from `tensor((n, i))`."
+    "Node `n`'s container value (a tuple, list or dict holding batch tensors) for samples a:b."
+    # its batch tensors from `tensor((n, i))`
     spec, idx = self.structs[n]
     leaves = list(self._carried(n, a, b))
     for i in idx: leaves[i] = tensor((n, i))
@@ -174,20 +195,23 @@ def _keys(self, n) -> list:
     return [(n, i) for i in self.structs[n][1]] if n in self.structs else [n]
 
 def _struct_keys(self, n, v) -> list:
-    "[(key, tensor)] of the batch tensors in node `n`'s value `v`: (`n`, v) for a tensor, ((`n`, i), leaf) for a container's."
+    "[(key, tensor)] of the batch tensors in node `n`'s value `v`."
+    # (`n`, v) for a tensor, ((`n`, i), leaf) for a container's
     if n not in self.structs: return [(n, v)] if isinstance(v, Tensor) else []
     leaves, _ = tree_flatten(v)
     return [((n, i), leaves[i]) for i in self.structs[n][1]]
 
 def _keep(self, d:dict, n, v:Tensor, a:int, b:int, add:bool=False):
     "Samples a:b of node `n`'s value (or, `add`, gradient) into the window-sized `d[n]`, in `store`."
-    if n not in d: d[n] = (torch.zeros if add else torch.empty)((self.W,) + v.shape[1:], dtype=v.dtype, device=self.store or v.device,
-                                                               pin_memory=self.pin)
+    if n not in d: d[n] = (torch.zeros if add else torch.empty)((self.W,) + v.shape[1:], dtype=v.dtype,
+                                                               device=self.store or v.device, pin_memory=self.pin)
     if add: d[n][a:b] += _to(v, d[n].device)  # read on the host: a synchronous copy
-    else: d[n][a:b].copy_(v, non_blocking=self.pin)  # into pinned memory, read back only by copies queued after this one
+    else: d[n][a:b].copy_(v, non_blocking=self.pin)  # into pinned memory, read back only by copies queued after it
 
 def _hold(self, n, v, a:int, b:int):
-    "Keep node `n`'s value of samples a:b for later stages: a tensor of the batch window-sized in `store`; any other value (`torch.Size`, an int, a tuple, None, a constant tensor) as it is, per chunk."
+    "Keep node `n`'s value of samples a:b for later stages."
+    # a tensor of the batch window-sized in `store`; any other value (`torch.Size`, an int, a tuple, None, a constant
+    # tensor) as it is, per chunk
     if self._batched(n, v, a, b): return self._keep(self.kept, n, v, a, b)
     if isinstance(v, (list, tuple, dict)):  # a container of batch tensors (a namedtuple of outputs, a list of features)
         leaves, spec = tree_flatten(v)
@@ -199,11 +223,11 @@ def _hold(self, n, v, a:int, b:int):
     self.carried.setdefault(n, {})[a, b] = v
 
 def _batched(self, n, v, a:int, b:int) -> bool:
-    "Is `v`, a value of node `n` on samples a:b, a tensor of the batch (computed from the inputs, one row per sample)?"
+    "Is `v`, node `n`'s value on samples a:b, a batch tensor: from the inputs, one row per sample?"
     return isinstance(v, Tensor) and n in self.from_input and v.dim() > 0 and v.shape[0] == b - a
 
 def _carried(self, n, a:int, b:int):
-    "Node `n`'s value that is not a batch tensor, for samples a:b: that chunk's, or the one every chunk gave."
+    "Node `n`'s non-batch-tensor value for samples a:b: that chunk's, or the one every chunk gave."
     vals = self.carried[n]
     if (a, b) in vals: return vals[a, b]
     first = next(iter(vals.values()))
@@ -211,15 +235,18 @@ def _carried(self, n, a:int, b:int):
     if kind == 'int': return b - a
     if kind == 'shape': return type(first)((b - a,) + tuple(first[1:]))
     if all(_same(v, first) for v in vals.values()): return first
-    forms = [_form(v, e - s) for (s, e), v in vals.items()]  # values that differ only by multiples of their chunk's size (`x.size(0) * 5`)
+    # values that differ only by multiples of their chunk's size (`x.size(0) * 5`)
+    forms = [_form(v, e - s) for (s, e), v in vals.items()]
     if all(_same(f, forms[0]) for f in forms): return _filled(forms[0], b - a)
-    raise RuntimeError(f"staged exact: {n.name} (a {type(first).__name__}) differs from chunk to chunk and is read by a stage chunked otherwise")
+    raise RuntimeError(f"staged exact: {n.name} (a {type(first).__name__}) differs from chunk to chunk "
+                       "and is read by a stage chunked otherwise")
 
 class _Sized(int):
     "Where a value held `k` times its chunk's size."
 
 def _form(v, n:int):
-    "`v` with every int that is a multiple k of the chunk size `n` (in tuples, lists, `torch.Size`) marked as `_Sized(k)`."
+    "`v` with every int that is a multiple k of the chunk size `n` marked as `_Sized(k)`."
+    # ints in tuples, lists and `torch.Size` too
     if isinstance(v, int) and not isinstance(v, bool): return _Sized(v // n) if n and v % n == 0 else v
     if isinstance(v, (tuple, list)): return (type(v), tuple(_form(x, n) for x in v))
     return v
@@ -227,7 +254,8 @@ def _form(v, n:int):
 def _filled(form, n:int):
     "The value of `form` (`_form`) for a chunk of `n` samples."
     if isinstance(form, _Sized): return int(form) * n
-    if isinstance(form, tuple) and len(form) == 2 and isinstance(form[0], type): return form[0](_filled(x, n) for x in form[1])
+    if isinstance(form, tuple) and len(form) == 2 and isinstance(form[0], type):
+        return form[0](_filled(x, n) for x in form[1])
     return form
 
 def _same(u, v) -> bool:
@@ -236,19 +264,30 @@ def _same(u, v) -> bool:
     try: return bool(u == v)
     except Exception: return False
 
-StagedStep._run_stage = _run_stage; StagedStep._xb = _xb; StagedStep._chunk = _chunk; StagedStep._stage_inputs = _stage_inputs; StagedStep._keep = _keep
-StagedStep._hold = _hold; StagedStep._carried = _carried; StagedStep._batched = _batched; StagedStep._kept_chunk = _kept_chunk
-StagedStep._struct = _struct; StagedStep._struct_keys = _struct_keys; StagedStep._keys = _keys
+StagedStep._run_stage = _run_stage
+StagedStep._xb = _xb
+StagedStep._chunk = _chunk
+StagedStep._stage_inputs = _stage_inputs
+StagedStep._keep = _keep
+StagedStep._hold = _hold
+StagedStep._carried = _carried
+StagedStep._batched = _batched
+StagedStep._kept_chunk = _kept_chunk
+StagedStep._struct = _struct
+StagedStep._struct_keys = _struct_keys
+StagedStep._keys = _keys
 
 # %% ../nbs/02b_staged_exact.ipynb #b06b8998
 def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
             chunk:int, # samples per chunk
            ) -> Tensor:
-    "The model's output for the window, computed stage by stage without a graph; BatchNorm running statistics committed once."
+    "The model's output for the window, computed stage by stage without a graph."
+    # BatchNorm running statistics committed once
     self._plan()
     self.xb = tuple(_plain(t) for t in xb)
     self.W, dev = self.xb[0].shape[0], _device(self.model, self.xb)
-    self.pin = self.store is not None and torch.device(self.store).type == 'cpu' and dev.type != 'cpu' and can_pin()  # a pinned host store
+    # a pinned host store
+    self.pin = self.store is not None and torch.device(self.store).type == 'cpu' and dev.type != 'cpu' and can_pin()
     self.autocast = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
     self.kept, self.carried, self.structs, self.rng, self.stats, self.count, self.spans = {}, {}, {}, {}, {}, {}, []
     self.random_chunked = []  # stages that drew random numbers chunk by chunk
@@ -256,7 +295,8 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
     for s in range(len(self.stages)):
         per = sum(self._kept_bytes(n) if n in self.kept or n in self.carried else per_input * self.W
                   for n in self.stage_in[s]) / self.W  # bytes a sample brings in
-        c = min(self.W, max(chunk, int(chunk * per_input // max(per, 1)) if self.grow else chunk))  # as many bytes in as a micro-batch's input
+        # as many bytes in as a micro-batch's input
+        c = min(self.W, max(chunk, int(chunk * per_input // max(per, 1)) if self.grow else chunk))
         self.spans.append([(a, min(a + c, self.W)) for a in range(0, self.W, c)])
         self._stage_forward(s, dev)
     if self.random_chunked: self._say_random()
@@ -268,7 +308,8 @@ def _kept_bytes(self, n) -> int:
     return sum(_nbytes(self.kept[n, i]) for i in self.structs[n][1]) if n in self.structs else 0
 
 def _stage_forward(self, s:int, dev):
-    "Run stage `s` over the window chunk by chunk, without a graph; keep what later stages (and the output) read. The last stage reruns in one chunk if it draws random numbers (dropout): its masks are then the big batch's."
+    "Run stage `s` over the window chunk by chunk, no graph; keep what later stages and the output read."
+    # the last stage reruns in one chunk if it draws random numbers (dropout): its masks are then the big batch's
     bar = self.nodes[self.stages[s + 1][0]] if s + 1 < len(self.stages) else None
     st = ChannelStats()
     for a, b in self.spans[s]:
@@ -289,18 +330,21 @@ def _say_random(self):
     "Warn once that some stages drew their random numbers (dropout masks) chunk by chunk."
     if self._said_random: return
     self._said_random = True
-    where = ', '.join(f"after {self.nodes[self.stages[s][0]].target}" if s else "before the first BatchNorm" for s in self.random_chunked)
-    warnings.warn(f"staged exact: random ops (dropout, drop-path) in chunked stages ({where}) draw their masks chunk by chunk: "
-                  "equal in distribution to the big batch's, not in value. Everything else is the big batch's step.", stacklevel=2)
+    where = ', '.join(f"after {self.nodes[self.stages[s][0]].target}" if s else "before the first BatchNorm"
+                      for s in self.random_chunked)
+    warnings.warn(f"staged exact: random ops (dropout, drop-path) in chunked stages ({where}) "
+                  "draw their masks chunk by chunk: equal in distribution to the big batch's, not in value. "
+                  "Everything else is the big batch's step.", stacklevel=2)
 
 def _device(model:nn.Module, xb:tuple) -> torch.device:
-    "Where `model` computes: its parameters' (or buffers') device; the inputs' for a model without either."
+    "Where `model` computes: its parameters' (or buffers') device, else the inputs'."
     t = next(iter(model.parameters()), None)
     if t is None: t = next(iter(model.buffers()), None)
     return t.device if t is not None else next(x for x in xb if isinstance(x, Tensor)).device
 
 def _output(self, dev):
-    "The window's output, as the model returns it (a tensor, or a dict, tuple or list of them: torchvision's segmentation models), on `dev`."
+    "The window's output on `dev`, as the model returns it (a tensor, or a dict, tuple or list of them)."
+    # a dict, tuple or list: torchvision's segmentation models
     def value(n):
         if not isinstance(n, fx.Node): return n
         if n in self.kept: return _to(self.kept[n], dev)
@@ -310,38 +354,43 @@ def _output(self, dev):
     return _plain_containers(map_aggregate(self.output.args[0], value))
 
 def _plain_containers(o):
-    "`o` with torch.fx's immutable dicts and lists turned into plain ones, as the model's own forward returns them."
+    "`o` with torch.fx's immutable dicts and lists made plain, as the model's own forward returns them."
     if isinstance(o, dict): return {k: _plain_containers(v) for k, v in o.items()}
-    if isinstance(o, tuple) and hasattr(o, '_fields'): return type(o)(*(_plain_containers(v) for v in o))  # a namedtuple
+    if isinstance(o, tuple) and hasattr(o, '_fields'):  # a namedtuple
+        return type(o)(*(_plain_containers(v) for v in o))
     if isinstance(o, (list, tuple)): return (list if isinstance(o, list) else tuple)(_plain_containers(v) for v in o)
     return o
 
 @torch.no_grad()
 def _close(self, bar, st:ChannelStats):
-    "Barrier node `bar` has seen its window (under DDP: the union of the processes' windows, one collective): fix the statistics it normalizes with, commit its module's running statistics as BatchNorm on that batch does (once per call of the module)."
+    "Barrier node `bar` has seen its window: fix its statistics, commit its module's running statistics."
+    # its window: under DDP the union of the processes' windows (one collective); the statistics are those it normalizes
+    # with, and the running statistics are committed as BatchNorm on that batch does (once per call of the module)
     m = self.modules[bar.target]
     if world_size() > 1 and not self.local: all_reduce_stats([st], [m.num_features])
-    if st.count < 2: raise ValueError(f"Expected more than 1 value per channel when training, got {st.count} in the window "
-                                      f"at {bar.target} ({type(m).__name__}): a 1-sample window has no batch statistics")
+    if st.count < 2:
+        raise ValueError(f"Expected more than 1 value per channel when training, got {st.count} in the window "
+                         f"at {bar.target} ({type(m).__name__}): a 1-sample window has no batch statistics")
     dt = m.weight.dtype if m.weight is not None else st.mean.dtype
     mean, var = st.mean.to(dt), st.biased_var.to(dt)
     self.stats[bar], self.count[bar] = (mean, var, torch.rsqrt(var + m.eps)), st.count
     if not (m.training and m.track_running_stats): return
     if not bool(torch.isfinite(st.mean).all() & torch.isfinite(st.m2).all()):
-        warnings.warn(f"staged exact: {bar.target}'s window statistics are not finite (a NaN or inf in its input): its running "
-                      "statistics are not updated for this window", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"staged exact: {bar.target}'s window statistics are not finite (a NaN or inf in its input): "
+                      "its running statistics are not updated for this window", RuntimeWarning, stacklevel=3)
         return
-    m.num_batches_tracked.add_(1)
-    f = 1.0 / float(m.num_batches_tracked) if m.momentum is None else m.momentum
-    m.running_mean.mul_(1 - f).add_(mean.to(m.running_mean.dtype) * f)
-    m.running_var.mul_(1 - f).add_(st.var.to(m.running_var.dtype) * f)
+    momentum_step(m, st.mean, st.var)
 
-StagedStep.forward = _forward; StagedStep._output = _output; StagedStep._close = _close
-StagedStep._stage_forward = _stage_forward; StagedStep._say_random = _say_random; StagedStep._kept_bytes = _kept_bytes
+StagedStep.forward = _forward
+StagedStep._output = _output
+StagedStep._close = _close
+StagedStep._stage_forward = _stage_forward
+StagedStep._say_random = _say_random
+StagedStep._kept_bytes = _kept_bytes
 
 # %% ../nbs/02b_staged_exact.ipynb #1494d3bf
-def _backward(self, grad, # the gradient of the loss with respect to the window's output (shaped as the output: a tensor, a dict of them, ...)
-              params:list|None=None, # parameters whose gradients to return (default: every trainable one, added to its `.grad`)
+def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shaped as the output: a tensor, a dict, ...)
+              params:list|None=None, # parameters to return gradients of (default: all trainable, added to `.grad`)
              ) -> list:
     "Back-propagate through the window: the big batch's gradient of each of `params`."
     own = params is None
@@ -353,17 +402,22 @@ def _backward(self, grad, # the gradient of the loss with respect to the window'
     for s in reversed(range(len(self.stages))):
         bar = self.nodes[self.stages[s][0]] if s > 0 else None
         outs = [n for n in self.stage_out[s] if any(k in grads for k in self._keys(n))]
-        fixed, sums = {}, None  # the barrier's input gradient with its statistics held fixed (window-sized, in `store`); Σ g, Σ g·x̂
-        used = [index[id(p)] for p in self.stage_params[s] if id(p) in index]  # autograd asked only for this stage's parameters
+        # the barrier's input gradient with its statistics held fixed (window-sized, in `store`); Σ g, Σ g·x̂
+        fixed, sums = {}, None
+        # autograd asked only for this stage's parameters
+        used = [index[id(p)] for p in self.stage_params[s] if id(p) in index]
         for a, b in self.spans[s]:
             env = self._stage_inputs(s, a, b, dev, grad=True)
             with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []), torch.enable_grad(), autocast:
                 _set_rng_state(self.rng[s, a], dev)
                 leaf = self._run_stage(s, env, self._xb(a, b, dev, grad=True, s=s), grad=True)
             self._check_carried(s, env)
-            pairs = [(t, _to(grads[k][a:b], dev)) for n in outs for k, t in self._struct_keys(n, env[n]) if k in grads and t.requires_grad]
-            leaves = [(k, t) for n in self.stage_in[s] if n in env for k, t in self._struct_keys(n, env[n]) if t.requires_grad]
-            got = self._grads(pairs, [t for _, t in leaves] + ([leaf] if leaf is not None else []), params, pgrads, used)
+            pairs = [(t, _to(grads[k][a:b], dev)) for n in outs for k, t in self._struct_keys(n, env[n])
+                     if k in grads and t.requires_grad]
+            leaves = [(k, t) for n in self.stage_in[s] if n in env for k, t in self._struct_keys(n, env[n])
+                      if t.requires_grad]
+            got = self._grads(pairs, [t for _, t in leaves] + ([leaf] if leaf is not None else []), params, pgrads,
+                              used)
             for (k, _), g in zip(leaves, got):
                 if g is not None: self._keep(grads, k, g, a, b, add=True)
             if bar is not None:
@@ -379,18 +433,20 @@ def _backward(self, grad, # the gradient of the loss with respect to the window'
     return pgrads
 
 def _check_carried(self, s:int, env:dict):
-    "A value carried as it is (not a batch tensor) that needs a gradient cannot pass one back across a stage: refuse."
+    "A carried value (not a batch tensor) needing a gradient cannot pass one back across a stage: refuse."
     for n in self.stage_out[s]:
         if n not in self.carried: continue
         kept = set(self.structs[n][1]) if n in self.structs else set()
         leaves, _ = tree_flatten(env[n])
         if any(isinstance(t, Tensor) and t.requires_grad and i not in kept for i, t in enumerate(leaves)):
-            raise RuntimeError(f"staged exact: {n.name}, a tensor computed from parameters alone, is read across a BatchNorm "
-                               "layer: its gradient cannot be carried back")
+            raise RuntimeError(f"staged exact: {n.name}, a tensor computed from parameters alone, is read across "
+                               "a BatchNorm layer: its gradient cannot be carried back")
 
 def _output_grads(self, grad) -> dict:
-    "{output node: its window's gradient}, from `grad` shaped as the model's output (a node returned twice: summed)."
-    keys = map_aggregate(self.output.args[0], lambda n: self._struct(n, 0, self.W, _Key) if n in self.structs else _Key(n))
+    "{output node: its window's gradient}, from `grad` shaped as the model's output."
+    # a node returned twice: its gradients summed
+    keys = map_aggregate(self.output.args[0],
+                         lambda n: self._struct(n, 0, self.W, _Key) if n in self.structs else _Key(n))
     keys, _ = tree_flatten(_plain_containers(keys))
     gs, _ = tree_flatten(grad)
     grads = {}
@@ -399,13 +455,15 @@ def _output_grads(self, grad) -> dict:
     return grads
 
 class _Key:
-    "A key of `grads` (a node, or (node, i) for a container's i-th tensor), kept whole where pytree flattens."
+    "A key of `grads` (a node, or (node, i) for a container's i-th tensor), whole where pytree flattens."
     def __init__(self, key): self.key = key
 
 def _grads(self, pairs:list, leaves:list, params:list, pgrads:list, used:list) -> list:
-    "Gradients of `leaves` from one chunk's stage (None where unused); those of `params[i]` for `i` in `used` added to `pgrads` (no `.grad` is touched)."
+    "Gradients of `leaves` from one chunk's stage (None where unused)."
+    # those of `params[i]` for `i` in `used` are added to `pgrads` (no `.grad` is touched)
     if not pairs or not (leaves or used): return [None] * len(leaves)
-    got = torch.autograd.grad([t for t, _ in pairs], leaves + [params[i] for i in used], [g for _, g in pairs], allow_unused=True)
+    got = torch.autograd.grad([t for t, _ in pairs], leaves + [params[i] for i in used], [g for _, g in pairs],
+                              allow_unused=True)
     for i, g in zip(used, got[len(leaves):]):
         if g is not None: pgrads[i] = g if pgrads[i] is None else pgrads[i] + g
     return list(got[:len(leaves)])
@@ -418,7 +476,9 @@ def _xhat(self, bar, x:Tensor) -> Tensor:
 
 @torch.no_grad()
 def _window_sums(self, bar, x:Tensor, g:Tensor, sums:Tensor|None) -> Tensor:
-    "`sums` plus one chunk's per-channel Σ g and Σ g·x̂ (g: the input gradient with the statistics held fixed), in at least float32 as BatchNorm's own backward: an fp16 sum over a window of scaled gradients overflows."
+    "`sums` plus one chunk's per-channel Σ g and Σ g·x̂, in at least float32."
+    # g: the input gradient with the statistics held fixed; at least float32 as BatchNorm's own backward: an fp16 sum
+    # over a window of scaled gradients overflows
     dims, acc = [0] + list(range(2, x.dim())), torch.promote_types(g.dtype, torch.float32)
     g = g.to(acc)
     part = torch.stack([g.sum(dims), (g * self._xhat(bar, x.to(acc))).sum(dims)])
@@ -426,38 +486,50 @@ def _window_sums(self, bar, x:Tensor, g:Tensor, sums:Tensor|None) -> Tensor:
 
 @torch.no_grad()
 def _project(self, s:int, bar, fixed:Tensor, sums:Tensor, grads:dict):
-    "BatchNorm's exact backward at `bar`, chunk by chunk: dx = g - (Σ g + x̂ Σ g·x̂) / n over the window (under DDP: over all processes' windows)."
-    if world_size() > 1 and not self.local: dist.all_reduce(sums)  # one collective per layer, as SyncBatchNorm's backward
+    "BatchNorm's exact backward at `bar`, chunk by chunk: dx = g - (Σ g + x̂ Σ g·x̂) / n over the window."
+    # under DDP the window is all processes' windows: one collective per layer, as SyncBatchNorm's backward
+    if world_size() > 1 and not self.local: dist.all_reduce(sums)
     dev, n = sums.device, self.count[bar]
     shape = [1, -1] + [1] * (fixed.dim() - 2)
     s1, s2 = (sums / n).unbind(0)
     for a, b in self.spans[s]:
-        xh = self._xhat(bar, self._chunk(bar.args[0], a, b, dev).to(sums.dtype))  # in the sums' (at least float32) precision
+        # in the sums' (at least float32) precision
+        xh = self._xhat(bar, self._chunk(bar.args[0], a, b, dev).to(sums.dtype))
         g = _to(fixed[a:b], dev)
         dx = (g.to(sums.dtype) - s1.view(shape) - xh * s2.view(shape)).to(g.dtype)
         self._keep(grads, bar.args[0], dx, a, b, add=True)
 
-StagedStep.backward = _backward; StagedStep._grads = _grads; StagedStep._output_grads = _output_grads; StagedStep._check_carried = _check_carried; StagedStep._xhat = _xhat
-StagedStep._window_sums = _window_sums; StagedStep._project = _project
+StagedStep.backward = _backward
+StagedStep._grads = _grads
+StagedStep._output_grads = _output_grads
+StagedStep._check_carried = _check_carried
+StagedStep._xhat = _xhat
+StagedStep._window_sums = _window_sums
+StagedStep._project = _project
 
 # %% ../nbs/02b_staged_exact.ipynb #23d35454
 class _StagedFunction(torch.autograd.Function):
-    "The staged step as one autograd node: its inputs are the window's model inputs and the trainable parameters, whose gradients its backward returns (so each parameter's gradient arrives once per window, as DDP's reducer expects)."
+    "The staged step as one autograd node over the window's model inputs and the trainable parameters."
+    # its backward returns the parameters' gradients, so each parameter's gradient arrives once per window, as DDP's
+    # reducer expects
     @staticmethod
     def forward(ctx, step, chunk, n_x, *inputs):
-        # the parameters themselves, not saved tensors: a saved-tensor hook (`save_on_cpu`, a memory meter) would hand back
-        # new objects, and the backward finds each parameter's gradient by identity
+        # the parameters themselves, not saved tensors: a saved-tensor hook (`save_on_cpu`, a memory meter) would
+        # hand back new objects, and the backward finds each parameter's gradient by identity
         ctx.step, ctx.n_x, ctx.params = step, n_x, inputs[n_x:]
-        leaves, ctx.spec = tree_flatten(step.forward(inputs[:n_x], chunk))  # the output's tensors, each an output of this node
+        # the output's tensors, each an output of this node
+        leaves, ctx.spec = tree_flatten(step.forward(inputs[:n_x], chunk))
         ctx.where = [i for i, v in enumerate(leaves) if isinstance(v, Tensor)]
         ctx.leaves = [None if isinstance(v, Tensor) else v for v in leaves]
-        step.out_spec, step.out_where, step.out_leaves = ctx.spec, ctx.where, ctx.leaves  # to rebuild the output around this node's
+        # to rebuild the output around this node's
+        step.out_spec, step.out_where, step.out_leaves = ctx.spec, ctx.where, ctx.leaves
         return tuple(leaves[i] for i in ctx.where)
     @staticmethod
     def backward(ctx, *grads):
         leaves = list(ctx.leaves)
         for i, g in zip(ctx.where, grads): leaves[i] = g
-        return (None, None, None) + (None,) * ctx.n_x + tuple(ctx.step.backward(tree_unflatten(leaves, ctx.spec), ctx.params))
+        return ((None, None, None) + (None,) * ctx.n_x
+                + tuple(ctx.step.backward(tree_unflatten(leaves, ctx.spec), ctx.params)))
 
 def _rebuilt(ctx_out:tuple, step) -> object:
     "The model's output structure around the tensors the staged node returned."
@@ -465,56 +537,58 @@ def _rebuilt(ctx_out:tuple, step) -> object:
     for i, t in zip(step.out_where, ctx_out): leaves[i] = t
     return tree_unflatten(leaves, step.out_spec)
 
-class StagedForward:
-    "A model's `forward` that trains a window as the big batch, staged; the model's own forward when it does not train."
+class StagedForward(ReplacedForward):
+    "A model's `forward` training a window as the big batch, staged; the model's own when not training."
     def __init__(self, model:nn.Module, # a model torch.fx can trace
                  chunk:int, # samples per chunk
-                 store=None, # where values kept between stages live (default: host memory for a model on an accelerator)
-                 autocast=None, # callable returning the autocast context training runs in (a wrapper such as Accelerate's is replaced)
+                 store=None, # where values kept between stages live (default: the host, for a model on an accelerator)
+                 autocast=None, # callable giving training's autocast context (replaces a wrapper such as Accelerate's)
                 ):
         graph = bn_graph(model)
         if isinstance(graph, str): raise ValueError(f"staged exact: {untraceable_reason(model)}")
         dev = next(model.parameters()).device
+        super().__init__(model)  # `own`: a forward set on the instance (Accelerate's autocast wrapper), put back after
         self.model, self.chunk, self.autocast = model, chunk, autocast
-        self.own = model.__dict__.get('forward')  # a forward set on the instance (Accelerate's autocast wrapper): put back on uninstall
-        self.fp32 = _converts_to_fp32(self.own)  # Accelerate's mixed precision returns float32 outputs: so does the staged step
+        # Accelerate's mixed precision returns float32 outputs: so does the staged step
+        self.fp32 = _converts_to_fp32(self.own)
         self.step = StagedStep(model, graph, store if store is not None or not is_accelerator(dev) else 'cpu')
     def __call__(self, *xb, **kwargs):
         if kwargs or not (self.model.training and torch.is_grad_enabled()):
-            return self.own(*xb, **kwargs) if self.own is not None else type(self.model).forward(self.model, *xb, **kwargs)
+            return self.own_forward(*xb, **kwargs)
         params = [p for p in self.model.parameters() if p.requires_grad]
         with self.autocast() if self.autocast is not None else nullcontext():
             out = _rebuilt(_StagedFunction.apply(self.step, self.chunk, len(xb), *xb, *params), self.step)
         return tree_map(_fp32, out) if self.fp32 else out
-    def __reduce__(self):  # a model pickled mid-fit (`torch.save(learn.model)`) keeps its own forward, loadable without this package
+    # a model pickled mid-fit (`torch.save(learn.model)`) keeps its own forward, loadable without this package
+    def __reduce__(self):
         return (getattr, (self.model, 'forward')) if self.own is None else (copy.copy, (self.own,))
 
 def _converts_to_fp32(f) -> bool:
-    "Does the forward `f` set on a model (Accelerate's mixed-precision wrapper, a class or a closure by version) return its outputs in float32?"
+    "Does forward `f`, set on a model, return float32 outputs (Accelerate's mixed-precision wrapper)?"
+    # the wrapper is a class or a closure, by Accelerate version
     g = getattr(f, '__func__', f)
-    return type(g).__name__ == 'ConvertOutputsToFp32' or getattr(g, '__qualname__', '').startswith('convert_outputs_to_fp32')
+    return (type(g).__name__ == 'ConvertOutputsToFp32'
+            or getattr(g, '__qualname__', '').startswith('convert_outputs_to_fp32'))
 
 def _fp32(t): return t.float() if isinstance(t, Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t
 
 def install_staged(model:nn.Module, chunk:int, store=None, autocast=None) -> StagedForward:
-    "Make `model` train each batch as a staged exact step in chunks of `chunk` (until `uninstall_staged`)."
+    "Make `model` train each batch as a staged exact step, chunks of `chunk` (until `uninstall_staged`)."
     uninstall_staged(model)
     model.forward = f = StagedForward(model, chunk, store, autocast)
     return f
 
 def uninstall_staged(model:nn.Module):
-    "The forward `model` had before `install_staged` (its class's, or the one set on the instance before)."
-    f = model.__dict__.get('forward')
-    if not isinstance(f, StagedForward): return
-    if f.own is not None: model.forward = f.own
-    else: del model.__dict__['forward']
+    "Put back the forward `model` had before `install_staged` (its class's, or one set on the instance)."
+    restore_forward(model, StagedForward)
 
 # %% ../nbs/02b_staged_exact.ipynb #71214177
 def _perturbed(xb:tuple) -> tuple:
     "Other samples of the same shapes: float inputs scaled and shifted, others as they are."
     return tuple(t * 1.5 + 0.25 if isinstance(t, Tensor) and t.is_floating_point() else t for t in xb)
 
-def _cat(a:tuple, b:tuple) -> tuple: return tuple(torch.cat([x, y]) if isinstance(x, Tensor) else x for x, y in zip(a, b))
+def _cat(a:tuple, b:tuple) -> tuple:
+    return tuple(torch.cat([x, y]) if isinstance(x, Tensor) else x for x, y in zip(a, b))
 
 def _grown_dim(a:tuple, b:tuple) -> int|None:
     "The dimension (the batch's, wherever a permute put it) that shape `b` doubles of shape `a`, or None."
@@ -528,43 +602,56 @@ def _close_values(x:Tensor, y:Tensor) -> bool:
     return bool(((x - y).abs().max() <= tol * x.abs().max().clamp_min(1e-30)).item()) if x.numel() else True
 
 def _mixes(x:Tensor, y:Tensor, random:bool) -> bool:
-    "Does the value `y` (on the batch plus as many other samples) show that the op mixed samples, `x` being its value on the batch? (`random`: it changes from run to run, only its shape says.)"
+    "Does the op's value `y` on the batch plus as many other samples show that it mixed samples?"
+    # `x`: its value on the batch; `random`: the value changes from run to run, only its shape says
     d = _grown_dim(x.shape, y.shape)
     if random: return d is None and x.shape != y.shape
-    if d is None: return x.shape != y.shape or not torch.equal(x, y)  # not per sample: it must not change with other samples
-    return not _close_values(x, y.narrow(d, 0, x.shape[d]))  # per sample: the batch's own samples must keep their values
+    # not per sample: it must not change with other samples
+    if d is None: return x.shape != y.shape or not torch.equal(x, y)
+    # per sample: the batch's own samples must keep their values
+    return not _close_values(x, y.narrow(d, 0, x.shape[d]))
 
 @torch.no_grad()
 def _node_values(step:StagedStep, xb:tuple, stats:dict) -> tuple:
-    "(every node's value on batch `xb`; the nodes whose values are random). Training BatchNorm layers normalize per sample, with the statistics in `stats` (filled from this batch where missing): values keep their scale, and no sample reaches another. Nothing in the model changes."
+    "(every node's value on batch `xb`; the nodes whose values are random); nothing in the model changes."
+    # training BatchNorm layers normalize per sample, with the statistics in `stats` (filled from this batch where
+    # missing): values keep their scale, and no sample reaches another
     env, seen, random, dev = {}, {}, set(), _device(step.model, xb)
     for n in step.nodes:
         state = _rng_state(dev)
-        if n.op == 'call_module' and _is_barrier(m := step.modules[n.target]): env[n] = _fixed_norm(m, step._value(n.args[0], env, xb), stats, n)
+        if n.op == 'call_module' and _is_barrier(m := step.modules[n.target]):
+            env[n] = _fixed_norm(m, step._value(n.args[0], env, xb), stats, n)
         else: env[n] = _plain(step._run_node(n, env, xb))
-        seen[n] = env[n].clone() if isinstance(env[n], Tensor) else env[n]  # as computed: a later in-place op (dropout) changes `env`'s
-        if not _same_state(state, _rng_state(dev)) or 'empty' in str(n.target):  # it drew random numbers, or holds garbage
+        # as computed: a later in-place op (dropout) changes `env`'s
+        seen[n] = env[n].clone() if isinstance(env[n], Tensor) else env[n]
+        # it drew random numbers, or holds garbage
+        if not _same_state(state, _rng_state(dev)) or 'empty' in str(n.target):
             random.add(n)
-            if n.op == 'call_method' and n.target.endswith('_') and isinstance(n.args[0], fx.Node): random.add(n.args[0])  # filled in place
+            if n.op == 'call_method' and n.target.endswith('_') and isinstance(n.args[0], fx.Node):
+                random.add(n.args[0])  # filled in place
         elif any(a in random for a in n.all_input_nodes): random.add(n)
     return seen, random
 
 def _fixed_norm(m:_BatchNorm, x:Tensor, stats:dict, n) -> Tensor:
-    "BatchNorm `m` on `x` with the statistics `stats[n]` (the batch's own the first time): the same affine map for every batch."
+    "BatchNorm `m` on `x` with the statistics `stats[n]` (the batch's own the first time)."
+    # the same affine map for every batch
     if n not in stats:
         dims = [0] + list(range(2, x.dim()))
-        stats[n] = (x.mean(dims), x.var(dims, correction=0)) if x.shape[0] * x[0, 0].numel() > 1 else (x.mean(dims), torch.ones_like(x.mean(dims)))
+        stats[n] = ((x.mean(dims), x.var(dims, correction=0)) if x.shape[0] * x[0, 0].numel() > 1
+                    else (x.mean(dims), torch.ones_like(x.mean(dims))))
     return _after_norm(m, F.batch_norm(x, *stats[n], m.weight, m.bias, False, 0., m.eps))
 
 def samples_mixed(model:nn.Module, # a model torch.fx can trace, in the modes it trains in
                   xb:tuple, # one micro-batch of its inputs
                  ) -> str|None:
-    "The first op outside BatchNorm whose output mixes samples (other samples change the batch's own values), or None."
+    "The first op outside BatchNorm whose output mixes samples, or None."
+    # mixing samples: other samples change the batch's own values
     graph = bn_graph(model)
     if isinstance(graph, str): return None
     step = StagedStep(model, graph)
     xb = tuple(_plain(t) for t in xb)
-    a = xb if xb[0].shape[0] >= 2 else _cat(xb, _perturbed(xb))  # at least 2 samples: a `squeeze()` keeps the batch dimension
+    # at least 2 samples: a `squeeze()` keeps the batch dimension
+    a = xb if xb[0].shape[0] >= 2 else _cat(xb, _perturbed(xb))
     b = _cat(a, _perturbed(a))
     dev = a[0].device
     with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []):
@@ -579,7 +666,8 @@ def samples_mixed(model:nn.Module, # a model torch.fx can trace, in the modes it
 
 # %% ../nbs/02b_staged_exact.ipynb #5b1e0c22
 def _check_copy(model:nn.Module, dtype, device) -> nn.Module:
-    "A copy of `model` whose parameters and buffers are cloned straight to `device` in `dtype` (floating ones): never a second copy where the model lives."
+    "A copy of `model`, its parameters and buffers cloned straight to `device`, floating ones in `dtype`."
+    # never a second copy where the model lives
     memo = {}
     for t in itertools.chain(model.parameters(), model.buffers()):
         c = t.detach().to(device, dtype if t.is_floating_point() else t.dtype, copy=True)
@@ -587,7 +675,8 @@ def _check_copy(model:nn.Module, dtype, device) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 def _hold_random(model:nn.Module, xb:tuple):
-    "Put the innermost modules whose training forward draws random numbers (dropout, drop-path) in eval mode, found on one no-grad training forward of `model` (the check's copy: its buffers change)."
+    "Put the innermost modules whose training forward draws random numbers in eval mode; returns them."
+    # (dropout, drop-path), found on one no-grad training forward of `model` (the check's copy: its buffers change)
     drew, before, dev = [], {}, _device(model, xb)
     def pre(m, args): before[m] = _rng_state(dev)
     def post(m, args, out):
@@ -602,7 +691,8 @@ def _hold_random(model:nn.Module, xb:tuple):
     return inner
 
 def _one_step(model:nn.Module, xb:tuple, chunk:int|None=None) -> tuple:
-    "(output, gradients, buffers) by name after one training step of `model` on `xb` from torch seed 0, plain or staged in chunks of `chunk` (every stage, no collective)."
+    "(output, gradients, buffers) by name after one training step of `model` on `xb` from torch seed 0."
+    # plain, or staged in chunks of `chunk` (every stage, no collective)
     f = None
     if chunk:
         f = install_staged(model, chunk)
@@ -618,7 +708,8 @@ def _one_step(model:nn.Module, xb:tuple, chunk:int|None=None) -> tuple:
     for p in model.parameters(): p.grad = None
     return [o.detach() for o in _tensors(out)], grads, {n: b.clone() for n, b in model.named_buffers()}
 
-_check_tol = {torch.float64: (1e-8, 1e-11), torch.float32: (5e-3, 1e-4)}  # (relative, absolute as a fraction of the largest value)
+# (relative, absolute as a fraction of the largest value)
+_check_tol = {torch.float64: (1e-8, 1e-11), torch.float32: (5e-3, 1e-4)}
 
 def _first_diff(ref:dict, got:dict, dtype) -> tuple|None:
     "(name, relative difference) of the first tensor in `got` not within tolerance of `ref`, or None."
@@ -641,36 +732,48 @@ def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothi
                   memory:int|None=None, # host bytes the check's copy of the model may take (None: no limit)
                   saved:float=0., # bytes a sample's training forward saves (`Footprint.saved`), to size the copy
                  ) -> tuple:
-    "(why the staged step is not the big batch on `model`, or None; what was checked): one step on a window of 4 of `xb`'s samples, plain and staged in chunks of 2, on a copy in host memory."
+    "(why the staged step is not the big batch on `model`, or None; what was checked)."
+    # one step on a window of 4 of `xb`'s samples, plain and staged in chunks of 2, on a copy in host memory
     dt = _check_dtype(model, memory, saved)
     if dt is None: return None, "not checked: a copy of the model does not fit in host memory"
     x = tuple(_plain(t) for t in xb)
     while x[0].shape[0] < 4: x = _cat(x, _perturbed(x))
     x = tuple(t[:4].to('cpu', dt if t.is_floating_point() else t.dtype) if isinstance(t, Tensor) else t for t in x)
     with random_state_kept(), torch.enable_grad(), torch.autocast('cpu', enabled=False), _no_cuda_autocast():
-        try:  # the copy and its plain step: where they fail (a tensor attribute on the accelerator, a module that does not copy) nothing is known
+        # the copy and its plain step: where they fail (a tensor attribute on the accelerator, a module that does not
+        # copy) nothing is known
+        try:
             work = _check_copy(model, dt, 'cpu')
             for p in work.parameters():
-                if p.numel() > _check_max_numel: p.requires_grad_(False)  # their layers' inputs and outputs are compared, not their gradient
+                # their layers' inputs and outputs are compared, not their gradient
+                if p.numel() > _check_max_numel: p.requires_grad_(False)
             held = _hold_random(work, x)
             bufs = [(b, b.clone()) for b in work.buffers()]
             ref = _one_step(work, x)
-        except Exception as e: return None, f"not checked: a {str(dt).replace('torch.', '')} copy on the CPU does not train ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+        except Exception as e:
+            return None, (f"not checked: a {str(dt).replace('torch.', '')} copy on the CPU does not train "
+                          f"({type(e).__name__}: {' '.join(str(e).split())[:200]})")
         with torch.no_grad():
             for b, v in bufs: b.copy_(v)
         try: got = _one_step(work, x, chunk=2)
-        except Exception as e: return f"the staged step fails on this model ({type(e).__name__}: {' '.join(str(e).split())})", None
-    how = f"{str(dt).replace('torch.', '')}, a window of 4 in chunks of 2{f', {len(held)} random modules held fixed' if held else ''}"
-    out, grad, buf = (_first_diff(r, g, dt) for r, g in ((dict(enumerate(ref[0])), dict(enumerate(got[0]))), (ref[1], got[1]), (ref[2], got[2])))
+        except Exception as e:
+            return f"the staged step fails on this model ({type(e).__name__}: {' '.join(str(e).split())})", None
+    how = (f"{str(dt).replace('torch.', '')}, a window of 4 in chunks of 2"
+           f"{f', {len(held)} random modules held fixed' if held else ''}")
+    out, grad, buf = (_first_diff(r, g, dt) for r, g in ((dict(enumerate(ref[0])), dict(enumerate(got[0]))),
+                                                         (ref[1], got[1]), (ref[2], got[2])))
     if not (out or grad or buf): return None, f"checked on this model: equal to the big batch ({how})"
-    what = '; '.join(s for s in (out and f"output off by {out[1]:.2g}", grad and f"gradient of {grad[0]} off by {grad[1]:.2g}",
+    what = '; '.join(s for s in (out and f"output off by {out[1]:.2g}",
+                                 grad and f"gradient of {grad[0]} off by {grad[1]:.2g}",
                                  buf and f"{buf[0]} off by {buf[1]:.2g}") if s)
     return f"checked on this model, the staged step is not the big batch ({how}): {what}", None
 
-_check_max_numel = 2 ** 22  # parameters larger than this are not differentiated in the check (a VGG classifier's 100M weights)
+# parameters larger than this are not differentiated in the check (a VGG classifier's 100M weights)
+_check_max_numel = 2 ** 22
 
 def _check_dtype(model:nn.Module, memory:int|None, saved:float):
-    "float64 if a float64 copy (weights, two sets of gradients, a window of 4's activations twice) fits `memory`, else float32 if that fits, else None."
+    "float64 if a float64 copy fits `memory`, else float32 if that fits, else None."
+    # the copy: weights, two sets of gradients, a window of 4's activations twice
     n_par, elt = sum(p.numel() for p in model.parameters()), next((p.element_size() for p in model.parameters()), 4)
     for dt in (torch.float64, torch.float32):
         size = torch.finfo(dt).bits // 8

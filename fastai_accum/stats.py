@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 # %% auto #0
-__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats']
+__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step']
 
 # %% ../nbs/00_stats.ipynb #bef7dfc0
 def stats_dtype(device) -> torch.dtype:
@@ -30,7 +30,7 @@ def merge_moments(counts:Tensor, # (k,) elements per channel in each part
 
 # %% ../nbs/00_stats.ipynb #a2a45d59
 class ChannelStats:
-    "Exact running count, mean and M2 per channel over any number of batches; cheap to feed, merged lazily."
+    "Exact running count, mean and M2 per channel of any number of batches; cheap to feed, merged lazily."
     max_parts = 16 # parts buffered before they are folded into the totals (bounds memory if nobody reads the stats)
 
     def __init__(self): self.reset()
@@ -56,13 +56,15 @@ class ChannelStats:
     def add(self,
             x:Tensor, # a batch with channels on dimension 1, any float dtype
            ):
-        "Add the per-channel statistics of `x` (extra passes over `x`; use `add_moments` when they come for free)."
+        "Add the per-channel statistics of `x`, computed with extra passes over it."
+        # use `add_moments` instead when the moments come for free
         x = x.detach().to(torch.promote_types(x.dtype, torch.float32))
         n = x.numel() // x.shape[1]
         if n == 0: return
         dims, shape = [d for d in range(x.dim()) if d != 1], [1, -1] + [1] * (x.dim() - 2)
         mean = x.mean(dims)
-        d = x - mean.view(shape)  # two passes: on a CPU 4-14x faster than `torch.var_mean` over dims (0, 2, 3), as accurate
+        # two passes: on a CPU 4-14x faster than `torch.var_mean` over dims (0, 2, 3), as accurate
+        d = x - mean.view(shape)
         self.add_moments(n, mean, (d * d).sum(dims) / max(n - 1, 1))
 
     def _fold(self):
@@ -87,12 +89,14 @@ class ChannelStats:
     @property
     def mean(self) -> Tensor|None:
         "Per-channel mean (float64), `None` before any data."
-        self._fold(); return self._mean
+        self._fold()
+        return self._mean
 
     @property
     def m2(self) -> Tensor|None:
         "Per-channel sum of squared deviations from the mean (float64)."
-        self._fold(); return self._m2
+        self._fold()
+        return self._m2
 
     @property
     def var(self) -> Tensor|None:
@@ -119,13 +123,14 @@ def all_reduce_stats(stats:list, # `ChannelStats` to merge across processes, the
                      group=None, # process group (default: the whole world)
                      device=None, # device for the collective (CUDA for NCCL); default: where the stats live, else CPU
                     ) -> list:
-    "Replace each entry of `stats` by the exact merge of that entry over all processes of `group`; one all-gather."
+    "Replace each entry of `stats` by its exact merge over all processes of `group`, in one all-gather."
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1: return stats
     if device is None: device = next((s.mean.device for s in stats if s.count), torch.device('cpu'))
     dt = stats_dtype(device)
     rows = []
     for s, c in zip(stats, num_channels):
-        if s.count: rows += [torch.tensor([float(s.count)], dtype=dt, device=device), s.mean.to(device, dt), s.m2.to(device, dt)]
+        if s.count: rows += [torch.tensor([float(s.count)], dtype=dt, device=device),
+                             s.mean.to(device, dt), s.m2.to(device, dt)]
         else: rows.append(torch.zeros(1 + 2*c, dtype=dt, device=device))
     flat = torch.cat(rows)
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
@@ -142,3 +147,15 @@ def all_reduce_stats(stats:list, # `ChannelStats` to merge across processes, the
         s._count, s._mean, s._m2 = int(n.item()), mean, m2
         s.merged = True
     return stats
+
+# %% ../nbs/00_stats.ipynb #e5f6a7b1
+@torch.no_grad()
+def momentum_step(bn, # a BatchNorm layer that tracks running statistics
+                  mean:Tensor, # the batch's mean per channel
+                  var:Tensor, # the batch's unbiased variance per channel
+                 ):
+    "One momentum step of `bn`'s running statistics toward a batch's `mean` and `var`."
+    bn.num_batches_tracked.add_(1)
+    f = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+    for buf, new in ((bn.running_mean, mean), (bn.running_var, var)):
+        buf.copy_(buf.to(new.dtype) * (1 - f) + new.to(buf.device) * f)

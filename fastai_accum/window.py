@@ -19,7 +19,8 @@ __all__ = ['window_full', 'AccumulationWindow', 'validate_window_args', 'loss_re
 
 # %% ../nbs/02_window.ipynb #6b430344
 def _check_count(name, value) -> int|None:
-    "`value` as a plain `int` (numpy integers too), or None; a bool, a float, a string or a count below 1 is refused, naming `name`."
+    "`value` as a plain `int` (numpy integers too), or None; anything else is refused, naming `name`."
+    # refused: a bool, a float, a string or a count below 1
     if value is None: return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -34,7 +35,7 @@ def window_full(n_step:int|None, n_acc:int|None, # the window's size: micro-batc
     return n_micro >= n_step if n_step is not None else n_seen >= n_acc
 
 class AccumulationWindow:
-    "Counts the micro-batches of a window, gives each its loss weight and the gradient correction at the step."
+    "Counts a window's micro-batches, gives each its loss weight and the gradient correction at the step."
     def __init__(self,
                  n_step:int|None=None, # micro-batches per optimizer step
                  n_acc:int|None=None,  # or: samples per optimizer step (the effective batch size)
@@ -62,7 +63,8 @@ class AccumulationWindow:
             raise ValueError(f"The micro-batch has {bs} samples, more than the effective batch n_acc={self.n_acc}: "
                              "lower the DataLoader's bs or raise n_acc")
         if self.ref is None: self.ref = self.n_acc if self.n_acc is not None else self.n_step * bs
-        self.n_micro += 1; self.n_seen += bs
+        self.n_micro += 1
+        self.n_seen += bs
         if loss is not None:
             self.loss_sum = self.loss_sum + loss.detach().float() * bs
             self.micro_losses.append(loss.detach())
@@ -93,12 +95,12 @@ class AccumulationWindow:
 
     @property
     def grad_correction(self) -> float:
-        "Factor for the accumulated gradients so they equal the mean over the `n_seen` samples actually in the window."
+        "Factor making the accumulated gradients the mean over the `n_seen` samples actually in the window."
         if self.loss_reduction == 'sum' or self.empty or self.n_seen == self.ref: return 1.
         return self.ref / self.n_seen
 
     def correction(self, group=None, device=None) -> float:
-        "`grad_correction` across processes: the factor that makes DDP's average of local gradients the global mean."
+        "`grad_correction` across processes: makes DDP's average of local gradients the global mean."
         world = world_size(group)
         if world == 1: return self.grad_correction
         if self.loss_reduction == 'sum': return float(world)  # DDP averages; a sum-reduced big batch sums
@@ -108,11 +110,12 @@ class AccumulationWindow:
 
     @property
     def loss(self) -> Tensor|None:
-        "Mean loss over the window's samples (what one big batch would report), `None` if nothing was recorded."
+        "Mean loss over the window's samples (what one big batch would report); `None` if none was recorded."
         return None if self.empty or not torch.is_tensor(self.loss_sum) else self.loss_sum / self.n_seen
 
     def nonfinite(self) -> int|None:
-        "The first micro-batch (from 0) whose loss is NaN or infinite, or None (one check of the window's loss, then a search)."
+        "The first micro-batch (from 0) whose loss is NaN or infinite, or None."
+        # one check of the window's loss, then a search
         if not torch.is_tensor(self.loss_sum) or bool(torch.isfinite(self.loss_sum).all()): return None
         return next((i for i, l in enumerate(self.micro_losses) if not bool(torch.isfinite(l).all())), None)
 
@@ -126,7 +129,8 @@ def validate_window_args(n_step, n_acc, partial):
 
 # %% ../nbs/02_window.ipynb #8472b5a9
 def loss_reduction(loss_func) -> str:
-    "The reduction of a torch, fastai or fastai v1 loss: 'sum' if it sums, else 'mean' (also when it does not say)."
+    "The reduction of a torch, fastai or fastai v1 loss: 'sum' if it sums, else 'mean'."
+    # 'mean' also when the loss does not say
     for f in (loss_func, getattr(loss_func, 'func', None)):
         r = getattr(f, 'reduction', None)
         if r is not None: return 'sum' if r == 'sum' else 'mean'
@@ -146,11 +150,15 @@ def commit_window(bns:list, # `AccumulateBatchNorm` layers
                   group=None, # process group whose pending statistics are merged first (default: the world)
                   merge:bool=True, # merge across processes first (False: this process's statistics alone)
                  ):
-    "Commit the pending statistics of every layer in `bns` (one momentum step each), merged across processes first."
+    "Commit the pending statistics of every layer in `bns`, merged across processes first."
+    # one momentum step each
     if not bns: return
-    local = [(st, bn) for bn in bns for st in [bn.pending] + bn.pending_more if not st.merged]  # the window policy's pre-pass statistics are merged already
-    if merge and world_size(group) > 1 and local:  # one all-gather for all layers; every process then commits identical statistics
-        all_reduce_stats([st for st, _ in local], [bn.num_features for _, bn in local], group, local[0][1].running_mean.device)
+    # the window policy's pre-pass statistics are merged already
+    local = [(st, bn) for bn in bns for st in [bn.pending] + bn.pending_more if not st.merged]
+    # one all-gather for all layers; every process then commits identical statistics
+    if merge and world_size(group) > 1 and local:
+        all_reduce_stats([st for st, _ in local], [bn.num_features for _, bn in local], group,
+                         local[0][1].running_mean.device)
     for bn in bns: bn.update_stats()
 
 def drop_window(bns:list):
@@ -159,7 +167,8 @@ def drop_window(bns:list):
 
 # %% ../nbs/02_window.ipynb #9dde4a43
 def batch_size(b) -> int:
-    "Samples in batch `b`: the first dimension of its first item, looking inside tuples, lists and dicts (as fastai's `find_bs`)."
+    "Samples in batch `b`: the first dimension of its first item, looking inside tuples, lists and dicts."
+    # as fastai's `find_bs`
     while not hasattr(b, 'shape'):
         if isinstance(b, dict): b = next(iter(b.values()))
         elif isinstance(b, (list, tuple)) and b: b = b[0]
@@ -174,7 +183,8 @@ def cat_batches(batches:list, # micro-batches, each a tuple (or list) of tensors
     batches = [tuple(b) for b in batches]
     if len(batches) == 1: return batches[0]
     sizes = {len(b) for b in batches}
-    if len(sizes) > 1: raise ValueError(f"cat_batches: micro-batches hold different numbers of elements {sorted(sizes)}")
+    if len(sizes) > 1:
+        raise ValueError(f"cat_batches: micro-batches hold different numbers of elements {sorted(sizes)}")
     out = []
     for i, parts in enumerate(zip(*batches)):
         bad = next((p for p in parts if not torch.is_tensor(p)), None)
@@ -185,15 +195,17 @@ def cat_batches(batches:list, # micro-batches, each a tuple (or list) of tensors
 
 # %% ../nbs/02_window.ipynb #6e8baaad
 def _micro_per_window(n_step:int|None, n_acc:int|None, bs:int|None) -> int:
-    "Micro-batches per window: `n_step`, or as many micro-batches of `bs` as reach `n_acc` samples (rounded up, as `WindowLoader` reads them)."
+    "Micro-batches per window: `n_step`, or as many micro-batches of `bs` as reach `n_acc` samples."
+    # rounded up, as `WindowLoader` reads them
     return n_step or max(1, math.ceil(n_acc / max(1, bs or 1)))
 
-def window_exceeds_epoch(loader, # the training loader (a fastai or PyTorch DataLoader, or any sized iterable of batches)
+def window_exceeds_epoch(loader, # the training loader (fastai or PyTorch DataLoader, or any sized iterable of batches)
                          n_step:int|None, n_acc:int|None, # the window
                          partial:str='step', # what happens to the incomplete window at the epoch's end
                          name:str='Accumulation', # who speaks
                         ) -> str|None:
-    "A warning when one window holds more than an epoch of `loader` (every epoch is one incomplete window, or none with partial='drop'); None otherwise or when the loader's size is unknown."
+    "A warning if one window holds more than an epoch of `loader`, else None (also for an unknown size)."
+    # in that case every epoch is one incomplete window (or none with partial='drop')
     try: n_batches = len(loader)
     except TypeError: return None
     bs = getattr(loader, 'bs', None) or getattr(loader, 'batch_size', None)
@@ -202,7 +214,8 @@ def window_exceeds_epoch(loader, # the training loader (a fastai or PyTorch Data
     if n_acc is not None and (n or n_batches * (bs or 1)) >= n_acc: return None
     what = f"n_step={n_step} micro-batches" if n_step is not None else f"n_acc={n_acc} samples"
     epoch = f"{n} samples in {n_batches} micro-batches" if n is not None else f"{n_batches} micro-batches"
-    then = "no optimizer step at all (partial='drop' drops it)" if partial == 'drop' else "one optimizer step per epoch, on that part"
+    then = ("no optimizer step at all (partial='drop' drops it)" if partial == 'drop'
+            else "one optimizer step per epoch, on that part")
     return f"{name}: one window ({what}) is more than an epoch ({epoch}): each epoch is part of one window, {then}"
 
 class WindowLoader:
@@ -212,7 +225,7 @@ class WindowLoader:
                  n_acc:int|None=None, # or: samples per window
                  exact:bool=False, # yield each window as one concatenated batch (the 'exact' policy)
                  partial:str='step', # with `exact`: 'drop' leaves out an incomplete last window
-                 inputs_on=None, # a device for each micro-batch's model inputs as it is read (a staged step's: host memory), or None
+                 inputs_on=None, # a device for each micro-batch's model inputs as it is read, or None
                  n_inp:int=1, # with `inputs_on`: elements of a batch that are model inputs
                 ):
         self.dl, self.n_step, self.n_acc, self.exact, self.partial, self.window = dl, n_step, n_acc, exact, partial, []
