@@ -13,16 +13,16 @@ Contents (line: module: classes), dependencies first:
       187: distributed: -
       222: helpers: ReplacedForward
       363: window: AccumulationWindow, WindowLoader
-      618: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
-     1036: meters: ByteMeter, SavedTensorMeter, LayerMeter
-     1160: staged: StagedGraph
-     1325: prepass: PrepassPlan, PreflightTable
-     1532: staged_exact: StagedStep, StagedForward
-     2304: exact: Footprint, ExactModeMemoryError, ExactPlan
-     2543: ghost: GhostForward
-     2597: plan: StagedMismatchError, TrainingPlan
-     2824: core: BatchNormInstaller, Accumulation, FrontEnd
-     3316: callback: WindowPrefetch, GradientAccumulation
+      621: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
+     1039: meters: ByteMeter, SavedTensorMeter, LayerMeter
+     1163: staged: StagedGraph
+     1328: prepass: PrepassPlan, PreflightTable
+     1535: staged_exact: StagedStep, StagedForward
+     2307: exact: Footprint, ExactModeMemoryError, ExactPlan
+     2546: ghost: GhostForward
+     2600: plan: StagedMismatchError, TrainingPlan
+     2827: core: BatchNormInstaller, Accumulation, FrontEnd
+     3322: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -393,12 +393,6 @@ class AccumulationWindow:
                  n_acc:int|None=None,  # or: samples per optimizer step (the effective batch size)
                  loss_reduction:str='mean', # the loss's reduction: 'mean' (weighted by samples) or 'sum' (not weighted)
                 ):
-        n_step, n_acc = _check_count('n_step', n_step), _check_count('n_acc', n_acc)
-        if (n_step is None) == (n_acc is None):
-            raise ValueError(f"Give exactly one of n_step (micro-batches per step) and n_acc (samples per step); "
-                             f"got n_step={n_step!r}, n_acc={n_acc!r}")
-        if loss_reduction not in ('mean', 'sum'):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self.n_step, self.n_acc, self.loss_reduction = n_step, n_acc, loss_reduction
         self.reset()
 
@@ -474,10 +468,19 @@ class AccumulationWindow:
     def __repr__(self): return f'{type(self).__name__}(n_micro={self.n_micro}, n_seen={self.n_seen}, full={self.full})'
 
 # %% ../nbs/02_window.ipynb #516f34cd
-def validate_window_args(n_step, n_acc, partial):
-    "Check the window's size and `partial`, which every front end shares, at its construction."
-    AccumulationWindow(n_step, n_acc)
+def validate_window_args(n_step, n_acc, # the window's size: micro-batches, or samples (exactly one)
+                         partial:str='step', # an epoch's incomplete last window: 'step' or 'drop'
+                         loss_reduction:str='mean', # the loss's reduction: 'mean' or 'sum'
+                        ) -> tuple:
+    "Check what every front end's window shares, once, at its construction; (n_step, n_acc) as plain ints."
+    n_step, n_acc = _check_count('n_step', n_step), _check_count('n_acc', n_acc)
+    if (n_step is None) == (n_acc is None):
+        raise ValueError(f"Give exactly one of n_step (micro-batches per step) and n_acc (samples per step); "
+                         f"got n_step={n_step!r}, n_acc={n_acc!r}")
+    if loss_reduction not in ('mean', 'sum'):
+        raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
     if partial not in ('step', 'drop'): raise ValueError(f"partial must be 'step' or 'drop', got {partial!r}")
+    return n_step, n_acc
 
 # %% ../nbs/02_window.ipynb #8472b5a9
 def loss_reduction(loss_func) -> str:
@@ -2839,7 +2842,7 @@ def default_inputs(b) -> tuple:
 _open = weakref.WeakValueDictionary()  # id(model) -> the `batches` generator training it: the next `batches` closes it
 
 # %% ../nbs/02d_core.ipynb #c0e1a002
-_counts = ('n_step', 'n_acc', 'prepass_bs', 'bn_batch')
+_counts = ('prepass_bs', 'bn_batch')
 
 def option_defaults() -> dict:
     "The core's options a front end passes on, with their defaults (`Accumulation`'s signature)."
@@ -2849,6 +2852,7 @@ def option_defaults() -> dict:
 def accumulation_options(kwargs:dict, # options a front end was given (`Accumulation`'s, but those it fills in itself)
                          name:str, # the front end, named in errors
                          whole_windows:bool=True, # can the front end train a window as one batch? (`check_policy`)
+                         loss_reduction:str='mean', # the loss's reduction (a front end reads it from the loss itself)
                         ) -> dict:
     "The core's options: the defaults updated by `kwargs`, checked."
     options = option_defaults()
@@ -2856,7 +2860,8 @@ def accumulation_options(kwargs:dict, # options a front end was given (`Accumula
     if bad: raise TypeError(f"{name}() got an unexpected keyword argument {bad[0]!r}")
     options.update(kwargs)
     options.update({k: _check_count(k, options[k]) for k in _counts})  # plain ints (numpy integers too)
-    validate_window_args(options['n_step'], options['n_acc'], options['partial'])
+    size = validate_window_args(options['n_step'], options['n_acc'], options['partial'], loss_reduction)
+    options['n_step'], options['n_acc'] = size
     options['policy'] = check_policy(options['policy'], name, options['bn_batch'], whole_windows)
     return options
 
@@ -3221,7 +3226,8 @@ class Accumulation(_CorePlan, _CorePreflight, _CoreLoop, _CorePlacing, _CoreEven
         args = {k: v for k, v in locals().items() if k not in ('self', 'model', '__class__')}
         given = {k: args.pop(k) for k in self.adapter_args if k in args}
         given['name'] = name or type(self).__name__
-        self._start(model, accumulation_options(args, given['name']), given)
+        options = accumulation_options(args, given['name'], loss_reduction=given.get('loss_reduction', 'mean'))
+        self._start(model, options, given)
 
     def _start(self, model:nn.Module, options:dict, given:dict):
         "Keep the checked `options` and what the front end filled in (`given`); an empty state."

@@ -32,7 +32,7 @@ def default_inputs(b) -> tuple:
 _open = weakref.WeakValueDictionary()  # id(model) -> the `batches` generator training it: the next `batches` closes it
 
 # %% ../nbs/02d_core.ipynb #c0e1a002
-_counts = ('n_step', 'n_acc', 'prepass_bs', 'bn_batch')
+_counts = ('prepass_bs', 'bn_batch')
 
 def option_defaults() -> dict:
     "The core's options a front end passes on, with their defaults (`Accumulation`'s signature)."
@@ -42,6 +42,7 @@ def option_defaults() -> dict:
 def accumulation_options(kwargs:dict, # options a front end was given (`Accumulation`'s, but those it fills in itself)
                          name:str, # the front end, named in errors
                          whole_windows:bool=True, # can the front end train a window as one batch? (`check_policy`)
+                         loss_reduction:str='mean', # the loss's reduction (a front end reads it from the loss itself)
                         ) -> dict:
     "The core's options: the defaults updated by `kwargs`, checked."
     options = option_defaults()
@@ -49,7 +50,8 @@ def accumulation_options(kwargs:dict, # options a front end was given (`Accumula
     if bad: raise TypeError(f"{name}() got an unexpected keyword argument {bad[0]!r}")
     options.update(kwargs)
     options.update({k: _check_count(k, options[k]) for k in _counts})  # plain ints (numpy integers too)
-    validate_window_args(options['n_step'], options['n_acc'], options['partial'])
+    size = validate_window_args(options['n_step'], options['n_acc'], options['partial'], loss_reduction)
+    options['n_step'], options['n_acc'] = size
     options['policy'] = check_policy(options['policy'], name, options['bn_batch'], whole_windows)
     return options
 
@@ -414,7 +416,8 @@ class Accumulation(_CorePlan, _CorePreflight, _CoreLoop, _CorePlacing, _CoreEven
         args = {k: v for k, v in locals().items() if k not in ('self', 'model', '__class__')}
         given = {k: args.pop(k) for k in self.adapter_args if k in args}
         given['name'] = name or type(self).__name__
-        self._start(model, accumulation_options(args, given['name']), given)
+        options = accumulation_options(args, given['name'], loss_reduction=given.get('loss_reduction', 'mean'))
+        self._start(model, options, given)
 
     def _start(self, model:nn.Module, options:dict, given:dict):
         "Keep the checked `options` and what the front end filled in (`given`); an empty state."

@@ -41,12 +41,6 @@ class AccumulationWindow:
                  n_acc:int|None=None,  # or: samples per optimizer step (the effective batch size)
                  loss_reduction:str='mean', # the loss's reduction: 'mean' (weighted by samples) or 'sum' (not weighted)
                 ):
-        n_step, n_acc = _check_count('n_step', n_step), _check_count('n_acc', n_acc)
-        if (n_step is None) == (n_acc is None):
-            raise ValueError(f"Give exactly one of n_step (micro-batches per step) and n_acc (samples per step); "
-                             f"got n_step={n_step!r}, n_acc={n_acc!r}")
-        if loss_reduction not in ('mean', 'sum'):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self.n_step, self.n_acc, self.loss_reduction = n_step, n_acc, loss_reduction
         self.reset()
 
@@ -122,10 +116,19 @@ class AccumulationWindow:
     def __repr__(self): return f'{type(self).__name__}(n_micro={self.n_micro}, n_seen={self.n_seen}, full={self.full})'
 
 # %% ../nbs/02_window.ipynb #516f34cd
-def validate_window_args(n_step, n_acc, partial):
-    "Check the window's size and `partial`, which every front end shares, at its construction."
-    AccumulationWindow(n_step, n_acc)
+def validate_window_args(n_step, n_acc, # the window's size: micro-batches, or samples (exactly one)
+                         partial:str='step', # an epoch's incomplete last window: 'step' or 'drop'
+                         loss_reduction:str='mean', # the loss's reduction: 'mean' or 'sum'
+                        ) -> tuple:
+    "Check what every front end's window shares, once, at its construction; (n_step, n_acc) as plain ints."
+    n_step, n_acc = _check_count('n_step', n_step), _check_count('n_acc', n_acc)
+    if (n_step is None) == (n_acc is None):
+        raise ValueError(f"Give exactly one of n_step (micro-batches per step) and n_acc (samples per step); "
+                         f"got n_step={n_step!r}, n_acc={n_acc!r}")
+    if loss_reduction not in ('mean', 'sum'):
+        raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
     if partial not in ('step', 'drop'): raise ValueError(f"partial must be 'step' or 'drop', got {partial!r}")
+    return n_step, n_acc
 
 # %% ../nbs/02_window.ipynb #8472b5a9
 def loss_reduction(loss_func) -> str:
