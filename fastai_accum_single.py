@@ -16,13 +16,13 @@ Contents (line: module: classes), dependencies first:
       621: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
      1039: meters: ByteMeter, SavedTensorMeter, LayerMeter
      1163: staged: StagedGraph
-     1328: prepass: PrepassPlan, PreflightTable
-     1535: staged_exact: StagedStep, StagedForward
-     2307: exact: Footprint, ExactModeMemoryError, ExactPlan
-     2546: ghost: GhostForward
-     2600: plan: StagedMismatchError, TrainingPlan
-     2827: core: BatchNormInstaller, Accumulation, FrontEnd
-     3322: callback: WindowPrefetch, GradientAccumulation
+     1462: prepass: PrepassPlan, PreflightTable
+     1669: staged_exact: StagedStep, StagedForward
+     2460: exact: Footprint, ExactModeMemoryError, ExactPlan
+     2701: ghost: GhostForward
+     2755: plan: StagedMismatchError, TrainingPlan
+     2984: core: BatchNormInstaller, Accumulation, FrontEnd
+     3480: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -1166,7 +1166,10 @@ import warnings, weakref
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch import nn, fx
+from torch import Tensor
 from torch.fx.node import map_aggregate
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_unflatten
 
 # %% auto #0
 
@@ -1324,6 +1327,137 @@ def _get_attr(model, target:str):
     obj = model
     for a in target.split('.'): obj = getattr(obj, a)
     return obj
+
+# %% ../nbs/00a_staged.ipynb #a7e1c001
+_aten = torch.ops.aten
+_aten_graphs = weakref.WeakKeyDictionary()  # model -> {input signature: aten-level graph, or why not}
+
+def _signature(xb:tuple) -> tuple:
+    "What an aten-level graph is specialised to: every input's shape but the batch's, its dtype and device."
+    return tuple((tuple(t.shape[1:]), t.dtype, t.device.type) if isinstance(t, Tensor) else repr(t) for t in xb)
+
+def _plain_tensor(t): return t.as_subclass(Tensor) if isinstance(t, Tensor) and type(t) is not Tensor else t
+
+def _trace_aten(model:nn.Module, xb:tuple):
+    "(make_fx graph of `model` on `xb`, names of its parameters and buffers, modules returning a tensor subclass)."
+    params = dict(model.named_parameters(remove_duplicate=False))
+    bufs = {n: b.clone() for n, b in model.named_buffers(remove_duplicate=False)}  # the trace's BatchNorm updates
+    seen, last, swapped = [], [], []
+    for name, m in model.named_modules():  # fastai's ToTensorBase makes a tensor subclass, which a trace cannot follow
+        if type(m).__name__ == 'ToTensorBase':
+            swapped.append((m, m.__dict__.get('forward')))
+            m.forward = (lambda name: lambda x, *a, **k: seen.append((x, name)) or x)(name)
+    def run(p, b, *x):
+        out = torch.func.functional_call(model, {**p, **b}, x)
+        last.append(out)
+        return out
+    dev = next(iter(params.values())).device.type if params else 'cpu'
+    try:
+        with random_state_kept(), torch.autocast(dev, enabled=False), torch.no_grad():
+            gm = make_fx(run, tracing_mode='real', pre_dispatch=True)(params, bufs, *map(_plain_tensor, xb))
+    finally:
+        for m, own in swapped:
+            if own is None: del m.__dict__['forward']
+            else: m.forward = own
+    ends = [name for t, name in seen if last and t is last[0]]
+    if len(ends) != len(seen): raise ValueError("a ToTensorBase module inside the model (not at its end)")
+    return gm, list(params) + list(bufs), ends
+
+# %% ../nbs/00a_staged.ipynb #a7e1c002
+def _is_view(n:fx.Node) -> bool:
+    "Does node `n` return a view of its input (not an in-place op's alias)?"
+    t = n.target
+    if not isinstance(t, torch._ops.OpOverload) or t._schema.name.endswith('_'): return False
+    return any(r.alias_info is not None for r in t._schema.returns)
+
+def _in_place(n:fx.Node):
+    "The out-of-place form of `n`'s aten op if `n` writes its first argument in place, else None."
+    t = n.target
+    if n.op != 'call_function' or not isinstance(t, torch._ops.OpOverload): return None
+    args = t._schema.arguments
+    if not (t._schema.name.endswith('_') and args and args[0].alias_info is not None and args[0].alias_info.is_write):
+        return None
+    base = getattr(_aten, t._schema.name.split('::')[1][:-1], None)
+    return getattr(base, t._overloadname, None) if base is not None else None
+
+def _bn_owners(model:nn.Module) -> dict:
+    "Parameter and buffer names of every BatchNorm layer of `model` -> the layer's name."
+    return {f'{name}.{k}' if name else k: name for name, m in model.named_modules() if isinstance(m, _BatchNorm)
+            for k in ('weight', 'bias', 'running_mean', 'running_var', 'num_batches_tracked')}
+
+def _staged_form(gm, names:list, ends:list, owners:dict) -> fx.Graph:
+    "`gm`'s aten graph as the staged step runs it: inputs, `get_attr` weights, BatchNorm as `call_module`, no in-place."
+    g, env, current, root = fx.Graph(), {}, {}, {}
+    look = lambda a: current.get(root.get(a, a), env[a])  # a tensor written in place: its latest value
+    holds = {}
+    for i, n in enumerate(n for n in gm.graph.nodes if n.op == 'placeholder'):
+        if i < len(names): holds[n] = names[i]
+        env[n] = g.get_attr(names[i]) if i < len(names) else g.placeholder(f'x{i - len(names)}')
+    for n in gm.graph.nodes:
+        if n.op in ('placeholder', 'output'): continue
+        if n.op != 'call_function': raise ValueError(f"an aten graph node {n.op} {n.target}")
+        if n.target is _aten.batch_norm.default:
+            layers = {owners.get(holds.get(a)) for a in n.args[1:5] if isinstance(a, fx.Node)} - {None}
+            if len(layers) != 1: raise ValueError(f"a batch_norm of no BatchNorm layer ({n.name})")
+            env[n] = g.call_module(layers.pop(), (look(n.args[0]),))
+            continue
+        op = _in_place(n)
+        if op is None:
+            env[n] = g.node_copy(n, look)
+            continue
+        r = root.get(n.args[0], n.args[0])
+        if holds.get(r, '').endswith('num_batches_tracked') and not n.users: continue  # the layer counts its own steps
+        if r.op != 'call_function' or _is_view(r): raise ValueError(f"an in-place {n.target} on {r.name}")
+        env[n] = current[r] = g.call_function(op, fx.node.map_arg(n.args, look), fx.node.map_arg(n.kwargs, look))
+        root[n] = r
+    out = next(n for n in gm.graph.nodes if n.op == 'output')
+    res = tree_unflatten(list(fx.node.map_arg(out.args[0], look)), gm.graph._codegen.pytree_info.out_spec)
+    for name in ends: res = g.call_module(name, (res,))
+    g.output(res)
+    return g
+
+# %% ../nbs/00a_staged.ipynb #a7e1c003
+def _same_graph(a:fx.Graph, b:fx.Graph) -> str|None:
+    "Where graphs `a` and `b` (traced at two batch sizes) differ, or None."
+    na, nb = list(a.nodes), list(b.nodes)
+    if len(na) != len(nb): return f"{len(na)} vs {len(nb)} nodes"
+    pos = {n: i for i, n in enumerate(na)} | {n: i for i, n in enumerate(nb)}
+    key = lambda n: (n.op, str(n.target), repr(fx.node.map_arg((n.args, n.kwargs), lambda x: pos[x])))
+    return next((f"{x.op} {x.target} ({x.name})" for x, y in zip(na, nb) if key(x) != key(y)), None)
+
+def aten_graph(model:nn.Module, # a model in the modes it trains in (nothing in it changes)
+               xb:tuple, # one micro-batch of its inputs
+              ) -> fx.Graph|str:
+    "`model`'s aten-level graph for inputs like `xb`, as the staged step runs it (cached), or why it cannot be."
+    cache = _aten_graphs.setdefault(model, {})
+    key = _signature(xb)
+    if key in cache: return cache[key]
+    try:
+        n = xb[0].shape[0]
+        grown = tuple(torch.cat([t, t[:1]]) if isinstance(t, Tensor) else t for t in xb)  # one more sample
+        (gm, names, ends), (gm2, _, _) = _trace_aten(model, xb), _trace_aten(model, grown)
+        differs = _same_graph(gm.graph, gm2.graph)
+        if differs: raise ValueError(f"its graph depends on the batch size ({n} vs {n + 1} samples differ at {differs})")
+        if sum(1 for p in gm.graph.nodes if p.op == 'placeholder') != len(names) + len(xb):
+            raise ValueError("an input is not a tensor or a plain value")
+        cache[key] = _staged_form(gm, names, ends, _bn_owners(model))
+    except Exception as e: cache[key] = _one_line(e)
+    return cache[key]
+
+def staged_graph(model:nn.Module, # the model, in the modes it trains in
+                 xb:tuple|None=None, # one micro-batch of its inputs (needed by the second tracer)
+                ) -> fx.Graph|str:
+    "The graph a staged step runs on `model`: torch.fx's (`bn_graph`), else the aten-level one, or why neither."
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')  # torch.fx's failure is said below, with the second tracer's
+        g = bn_graph(model)
+    if not isinstance(g, str): return g
+    found = _aten_graphs.get(model, {})
+    if xb is None:  # the graph traced when the plan was made (the inputs it was traced for)
+        return next((v for v in reversed(found.values()) if not isinstance(v, str)), g)
+    a = aten_graph(model, xb)
+    if not isinstance(a, str): return a
+    return f"neither torch.fx ({g}) nor an aten-level trace ({a}) can trace {type(model).__name__}"
 
 # ======== fastai_accum/prepass.py ========
 # %% ../nbs/01a_prepass.ipynb #4f791310
@@ -1601,6 +1735,9 @@ class StagedStep(StagedGraph):
         for s in range(1, len(self.stages)): self.stages[s] = self._recomputing(s, owner)
         members = [{self.nodes[i] for i in idx} for idx in self.stages]
         reads = [{a for u in mem for a in u.all_input_nodes if a in owner and a not in mem} for mem in members]
+        for s, idx in enumerate(self.stages[1:]):  # the BatchNorm ending stage s takes its statistics there
+            x = self.nodes[idx[0]].args[0]  # its input may come from an earlier stage (a U-Net's skip connection)
+            if isinstance(x, fx.Node) and x in owner and x not in members[s]: reads[s].add(x)
         outs = set(self.output.all_input_nodes)
         self.stage_in = [[n for n in owner if n in reads[s]] for s in range(len(self.stages))]
         self.stage_out = [[self.nodes[i] for i in idx if owner[self.nodes[i]] == s and
@@ -2060,22 +2197,37 @@ def _rebuilt(ctx_out:tuple, step) -> object:
 
 class StagedForward(ReplacedForward):
     "A model's `forward` training a window as the big batch, staged; the model's own when not training."
-    def __init__(self, model:nn.Module, # a model torch.fx can trace
+    def __init__(self, model:nn.Module, # a model torch.fx or the second tracer can trace (`staged_graph`)
                  chunk:int, # samples per chunk
                  store=None, # where values kept between stages live (default: the host, for a model on an accelerator)
                  autocast=None, # callable giving training's autocast context (replaces a wrapper such as Accelerate's)
                 ):
-        graph = bn_graph(model)
-        if isinstance(graph, str): raise ValueError(f"staged exact: {untraceable_reason(model)}")
-        dev = next(model.parameters()).device
         super().__init__(model)  # `own`: a forward set on the instance (Accelerate's autocast wrapper), put back after
         self.model, self.chunk, self.autocast = model, chunk, autocast
         # Accelerate's mixed precision returns float32 outputs: so does the staged step
         self.fp32 = _converts_to_fp32(self.own)
-        self.step = StagedStep(model, graph, store if store is not None or not is_accelerator(dev) else 'cpu')
+        dev = next(model.parameters()).device
+        self.store = store if store is not None or not is_accelerator(dev) else 'cpu'
+        graph = staged_graph(model)  # torch.fx's; else the aten-level graph traced when the plan was made, if any
+        self.by_fx = not isinstance(bn_graph(model), str)
+        if self.by_fx: self.step = StagedStep(model, graph, self.store)
+        else: self.step, self.steps = None, {}  # aten-level: a step per input signature, made at its first window
+
+    def step_for(self, xb:tuple) -> StagedStep:
+        "The staged step for inputs like `xb`: torch.fx's one, or the aten-level graph's for their signature."
+        if self.by_fx: return self.step
+        key = _signature(xb)
+        if key not in self.steps:
+            graph = aten_graph(self.model, xb)
+            if isinstance(graph, str): raise ValueError(f"staged exact: {staged_graph(self.model, xb)}")
+            self.steps[key] = StagedStep(self.model, graph, self.store)
+        self.step = self.steps[key]
+        return self.step
+
     def __call__(self, *xb, **kwargs):
         if kwargs or not (self.model.training and torch.is_grad_enabled()):
             return self.own_forward(*xb, **kwargs)
+        self.step_for(xb)
         params = [p for p in self.model.parameters() if p.requires_grad]
         with self.autocast() if self.autocast is not None else nullcontext():
             out = _rebuilt(_StagedFunction.apply(self.step, self.chunk, len(xb), *xb, *params), self.step)
@@ -2162,12 +2314,12 @@ def _fixed_norm(m:_BatchNorm, x:Tensor, stats:dict, n) -> Tensor:
                     else (x.mean(dims), torch.ones_like(x.mean(dims))))
     return _after_norm(m, F.batch_norm(x, *stats[n], m.weight, m.bias, False, 0., m.eps))
 
-def samples_mixed(model:nn.Module, # a model torch.fx can trace, in the modes it trains in
+def samples_mixed(model:nn.Module, # a model a tracer handles (`staged_graph`), in the modes it trains in
                   xb:tuple, # one micro-batch of its inputs
                  ) -> str|None:
     "The first op outside BatchNorm whose output mixes samples, or None."
     # mixing samples: other samples change the batch's own values
-    graph = bn_graph(model)
+    graph = staged_graph(model, xb)
     if isinstance(graph, str): return None
     step = StagedStep(model, graph)
     xb = tuple(_plain(t) for t in xb)
@@ -2217,6 +2369,7 @@ def _one_step(model:nn.Module, xb:tuple, chunk:int|None=None) -> tuple:
     f = None
     if chunk:
         f = install_staged(model, chunk)
+        f.step_for(xb)  # an aten-level graph's step is made for its inputs
         f.step.grow, f.step.local = False, True
     try:
         torch.manual_seed(0)
@@ -2388,6 +2541,7 @@ class ExactPlan:
     checked:str|None=None # what the check of the staged step on the model found (`verify_staged`)
     check_time:float=0.   # seconds the check took
     whole:bool=False      # staged in one chunk of the whole window (under DDP: BatchNorm reduced over the processes)
+    traced:str|None=None  # a staged step's graph, when not torch.fx's: 'aten' (the second tracer)
     micro:int|None=None   # samples per micro-batch (of the one measured)
     accelerator:bool|None=None # the device's memory is apart from the host's (default: any device but the CPU)
     frozen:bool=False     # some parameters did not train when measured
@@ -2462,7 +2616,8 @@ class ExactPlan:
 
     @property
     def _checked(self) -> str:
-        return f"; {self.checked} in {self.check_time:.1f} s" if self.checked and self.reason is None else ''
+        by = "; staged over an aten-level trace (torch.fx cannot trace the model)" if self.traced == 'aten' else ''
+        return (f"; {self.checked} in {self.check_time:.1f} s" if self.checked and self.reason is None else '') + by
 
     @property
     def _budget(self) -> str:
@@ -2661,7 +2816,7 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
     plan.chunk = plan.micro = xb[0].shape[0]
     synced = world_size() > 1 and not _syncs_itself(model)  # DDP, per-process BatchNorm: a staged step reduces it
     staged_asked = synced or policy == 'staged' or (policy == 'auto' and not auto_picks_exact(plan))
-    unfit = _not_staged(model, xb) if staged_asked else None  # why a staged step would not be the big batch
+    unfit = _not_staged(plan, model, xb) if staged_asked else None  # why a staged step would not be the big batch
     if policy == 'exact':
         if not plan.fits:
             raise ExactModeMemoryError(f"{name}(policy='exact'): {plan.describe()}. Lower n_step/n_acc, free memory, "
@@ -2722,9 +2877,11 @@ def _largest_chunk(plan:ExactPlan) -> int:
     fit = int((budget - plan.param_needed) // per) if per > 0 else plan.window
     return max(plan.chunk, min(plan.window, fit))
 
-def _not_staged(model:nn.Module, xb:tuple) -> str|None:
+def _not_staged(plan:ExactPlan, model:nn.Module, xb:tuple) -> str|None:
     "Why a staged step would not be the big batch (the model does not trace, an op mixes samples), or None."
-    if isinstance(bn_graph(model), str): return untraceable_reason(model)
+    graph = staged_graph(model, xb)  # torch.fx's, else the second tracer's (`nbs/00a_staged`)
+    if isinstance(graph, str): return graph
+    if graph is not bn_graph(model): plan.traced = 'aten'
     mixed = samples_mixed(model, xb)
     return f"a staged step would not be the big batch: {mixed}." if mixed else None
 
@@ -2978,7 +3135,8 @@ class _CorePreflight:
         lines = [head] if head else []
         lines.append(_summary(self.table, self.bns[0].policy))
         why = untraceable_reason(self.module) if self.needs_window else None
-        if why and not any(why in l for l in lines): lines.append(f"GradientAccumulation: {why}")  # said once
+        fx_why = why and why[why.index('(') + 1:why.index(');')]  # torch.fx's own words
+        if why and not any(fx_why in l for l in lines): lines.append(f"GradientAccumulation: {why}")  # said once
         return '\n'.join(lines)
 
     def preflight_table(self, xb:tuple, # one micro-batch's model inputs
@@ -3614,4 +3772,4 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'window_full', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'fmt_bytes', 'trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'optimizer_state', 'release_pinned', 'saved_on_host', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'window_full', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'fmt_bytes', 'trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'staged_graph', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'optimizer_state', 'release_pinned', 'saved_on_host', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']

@@ -168,7 +168,8 @@ class _CorePreflight:
         lines = [head] if head else []
         lines.append(_summary(self.table, self.bns[0].policy))
         why = untraceable_reason(self.module) if self.needs_window else None
-        if why and not any(why in l for l in lines): lines.append(f"GradientAccumulation: {why}")  # said once
+        fx_why = why and why[why.index('(') + 1:why.index(');')]  # torch.fx's own words
+        if why and not any(fx_why in l for l in lines): lines.append(f"GradientAccumulation: {why}")  # said once
         return '\n'.join(lines)
 
     def preflight_table(self, xb:tuple, # one micro-batch's model inputs

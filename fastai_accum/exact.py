@@ -94,6 +94,7 @@ class ExactPlan:
     checked:str|None=None # what the check of the staged step on the model found (`verify_staged`)
     check_time:float=0.   # seconds the check took
     whole:bool=False      # staged in one chunk of the whole window (under DDP: BatchNorm reduced over the processes)
+    traced:str|None=None  # a staged step's graph, when not torch.fx's: 'aten' (the second tracer)
     micro:int|None=None   # samples per micro-batch (of the one measured)
     accelerator:bool|None=None # the device's memory is apart from the host's (default: any device but the CPU)
     frozen:bool=False     # some parameters did not train when measured
@@ -168,7 +169,8 @@ class ExactPlan:
 
     @property
     def _checked(self) -> str:
-        return f"; {self.checked} in {self.check_time:.1f} s" if self.checked and self.reason is None else ''
+        by = "; staged over an aten-level trace (torch.fx cannot trace the model)" if self.traced == 'aten' else ''
+        return (f"; {self.checked} in {self.check_time:.1f} s" if self.checked and self.reason is None else '') + by
 
     @property
     def _budget(self) -> str:

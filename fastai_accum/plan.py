@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from .meters import fmt_bytes
 from .batchnorm import bn_layers, bn_policies, _check_policy
-from .staged import bn_graph, untraceable_reason
+from .staged import staged_graph, bn_graph
 from .staged_exact import samples_mixed, verify_staged
 from .distributed import world_size, collective_device
 from .exact import ExactPlan, ExactModeMemoryError, plan_exact
@@ -77,7 +77,7 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
     plan.chunk = plan.micro = xb[0].shape[0]
     synced = world_size() > 1 and not _syncs_itself(model)  # DDP, per-process BatchNorm: a staged step reduces it
     staged_asked = synced or policy == 'staged' or (policy == 'auto' and not auto_picks_exact(plan))
-    unfit = _not_staged(model, xb) if staged_asked else None  # why a staged step would not be the big batch
+    unfit = _not_staged(plan, model, xb) if staged_asked else None  # why a staged step would not be the big batch
     if policy == 'exact':
         if not plan.fits:
             raise ExactModeMemoryError(f"{name}(policy='exact'): {plan.describe()}. Lower n_step/n_acc, free memory, "
@@ -138,9 +138,11 @@ def _largest_chunk(plan:ExactPlan) -> int:
     fit = int((budget - plan.param_needed) // per) if per > 0 else plan.window
     return max(plan.chunk, min(plan.window, fit))
 
-def _not_staged(model:nn.Module, xb:tuple) -> str|None:
+def _not_staged(plan:ExactPlan, model:nn.Module, xb:tuple) -> str|None:
     "Why a staged step would not be the big batch (the model does not trace, an op mixes samples), or None."
-    if isinstance(bn_graph(model), str): return untraceable_reason(model)
+    graph = staged_graph(model, xb)  # torch.fx's, else the second tracer's (`nbs/00a_staged`)
+    if isinstance(graph, str): return graph
+    if graph is not bn_graph(model): plan.traced = 'aten'
     mixed = samples_mixed(model, xb)
     return f"a staged step would not be the big batch: {mixed}." if mixed else None
 

@@ -10,12 +10,15 @@ import warnings, weakref
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch import nn, fx
+from torch import Tensor
 from torch.fx.node import map_aggregate
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_unflatten
 from .meters import ByteMeter, _tensors
-from .helpers import _to
+from .helpers import _to, random_state_kept
 
 # %% auto #0
-__all__ = ['trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph']
+__all__ = ['trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'staged_graph']
 
 # %% ../nbs/00a_staged.ipynb #19635f33
 class _LeafTracer(fx.Tracer):
@@ -171,3 +174,134 @@ def _get_attr(model, target:str):
     obj = model
     for a in target.split('.'): obj = getattr(obj, a)
     return obj
+
+# %% ../nbs/00a_staged.ipynb #a7e1c001
+_aten = torch.ops.aten
+_aten_graphs = weakref.WeakKeyDictionary()  # model -> {input signature: aten-level graph, or why not}
+
+def _signature(xb:tuple) -> tuple:
+    "What an aten-level graph is specialised to: every input's shape but the batch's, its dtype and device."
+    return tuple((tuple(t.shape[1:]), t.dtype, t.device.type) if isinstance(t, Tensor) else repr(t) for t in xb)
+
+def _plain_tensor(t): return t.as_subclass(Tensor) if isinstance(t, Tensor) and type(t) is not Tensor else t
+
+def _trace_aten(model:nn.Module, xb:tuple):
+    "(make_fx graph of `model` on `xb`, names of its parameters and buffers, modules returning a tensor subclass)."
+    params = dict(model.named_parameters(remove_duplicate=False))
+    bufs = {n: b.clone() for n, b in model.named_buffers(remove_duplicate=False)}  # the trace's BatchNorm updates
+    seen, last, swapped = [], [], []
+    for name, m in model.named_modules():  # fastai's ToTensorBase makes a tensor subclass, which a trace cannot follow
+        if type(m).__name__ == 'ToTensorBase':
+            swapped.append((m, m.__dict__.get('forward')))
+            m.forward = (lambda name: lambda x, *a, **k: seen.append((x, name)) or x)(name)
+    def run(p, b, *x):
+        out = torch.func.functional_call(model, {**p, **b}, x)
+        last.append(out)
+        return out
+    dev = next(iter(params.values())).device.type if params else 'cpu'
+    try:
+        with random_state_kept(), torch.autocast(dev, enabled=False), torch.no_grad():
+            gm = make_fx(run, tracing_mode='real', pre_dispatch=True)(params, bufs, *map(_plain_tensor, xb))
+    finally:
+        for m, own in swapped:
+            if own is None: del m.__dict__['forward']
+            else: m.forward = own
+    ends = [name for t, name in seen if last and t is last[0]]
+    if len(ends) != len(seen): raise ValueError("a ToTensorBase module inside the model (not at its end)")
+    return gm, list(params) + list(bufs), ends
+
+# %% ../nbs/00a_staged.ipynb #a7e1c002
+def _is_view(n:fx.Node) -> bool:
+    "Does node `n` return a view of its input (not an in-place op's alias)?"
+    t = n.target
+    if not isinstance(t, torch._ops.OpOverload) or t._schema.name.endswith('_'): return False
+    return any(r.alias_info is not None for r in t._schema.returns)
+
+def _in_place(n:fx.Node):
+    "The out-of-place form of `n`'s aten op if `n` writes its first argument in place, else None."
+    t = n.target
+    if n.op != 'call_function' or not isinstance(t, torch._ops.OpOverload): return None
+    args = t._schema.arguments
+    if not (t._schema.name.endswith('_') and args and args[0].alias_info is not None and args[0].alias_info.is_write):
+        return None
+    base = getattr(_aten, t._schema.name.split('::')[1][:-1], None)
+    return getattr(base, t._overloadname, None) if base is not None else None
+
+def _bn_owners(model:nn.Module) -> dict:
+    "Parameter and buffer names of every BatchNorm layer of `model` -> the layer's name."
+    return {f'{name}.{k}' if name else k: name for name, m in model.named_modules() if isinstance(m, _BatchNorm)
+            for k in ('weight', 'bias', 'running_mean', 'running_var', 'num_batches_tracked')}
+
+def _staged_form(gm, names:list, ends:list, owners:dict) -> fx.Graph:
+    "`gm`'s aten graph as the staged step runs it: inputs, `get_attr` weights, BatchNorm as `call_module`, no in-place."
+    g, env, current, root = fx.Graph(), {}, {}, {}
+    look = lambda a: current.get(root.get(a, a), env[a])  # a tensor written in place: its latest value
+    holds = {}
+    for i, n in enumerate(n for n in gm.graph.nodes if n.op == 'placeholder'):
+        if i < len(names): holds[n] = names[i]
+        env[n] = g.get_attr(names[i]) if i < len(names) else g.placeholder(f'x{i - len(names)}')
+    for n in gm.graph.nodes:
+        if n.op in ('placeholder', 'output'): continue
+        if n.op != 'call_function': raise ValueError(f"an aten graph node {n.op} {n.target}")
+        if n.target is _aten.batch_norm.default:
+            layers = {owners.get(holds.get(a)) for a in n.args[1:5] if isinstance(a, fx.Node)} - {None}
+            if len(layers) != 1: raise ValueError(f"a batch_norm of no BatchNorm layer ({n.name})")
+            env[n] = g.call_module(layers.pop(), (look(n.args[0]),))
+            continue
+        op = _in_place(n)
+        if op is None:
+            env[n] = g.node_copy(n, look)
+            continue
+        r = root.get(n.args[0], n.args[0])
+        if holds.get(r, '').endswith('num_batches_tracked') and not n.users: continue  # the layer counts its own steps
+        if r.op != 'call_function' or _is_view(r): raise ValueError(f"an in-place {n.target} on {r.name}")
+        env[n] = current[r] = g.call_function(op, fx.node.map_arg(n.args, look), fx.node.map_arg(n.kwargs, look))
+        root[n] = r
+    out = next(n for n in gm.graph.nodes if n.op == 'output')
+    res = tree_unflatten(list(fx.node.map_arg(out.args[0], look)), gm.graph._codegen.pytree_info.out_spec)
+    for name in ends: res = g.call_module(name, (res,))
+    g.output(res)
+    return g
+
+# %% ../nbs/00a_staged.ipynb #a7e1c003
+def _same_graph(a:fx.Graph, b:fx.Graph) -> str|None:
+    "Where graphs `a` and `b` (traced at two batch sizes) differ, or None."
+    na, nb = list(a.nodes), list(b.nodes)
+    if len(na) != len(nb): return f"{len(na)} vs {len(nb)} nodes"
+    pos = {n: i for i, n in enumerate(na)} | {n: i for i, n in enumerate(nb)}
+    key = lambda n: (n.op, str(n.target), repr(fx.node.map_arg((n.args, n.kwargs), lambda x: pos[x])))
+    return next((f"{x.op} {x.target} ({x.name})" for x, y in zip(na, nb) if key(x) != key(y)), None)
+
+def aten_graph(model:nn.Module, # a model in the modes it trains in (nothing in it changes)
+               xb:tuple, # one micro-batch of its inputs
+              ) -> fx.Graph|str:
+    "`model`'s aten-level graph for inputs like `xb`, as the staged step runs it (cached), or why it cannot be."
+    cache = _aten_graphs.setdefault(model, {})
+    key = _signature(xb)
+    if key in cache: return cache[key]
+    try:
+        n = xb[0].shape[0]
+        grown = tuple(torch.cat([t, t[:1]]) if isinstance(t, Tensor) else t for t in xb)  # one more sample
+        (gm, names, ends), (gm2, _, _) = _trace_aten(model, xb), _trace_aten(model, grown)
+        differs = _same_graph(gm.graph, gm2.graph)
+        if differs: raise ValueError(f"its graph depends on the batch size ({n} vs {n + 1} samples differ at {differs})")
+        if sum(1 for p in gm.graph.nodes if p.op == 'placeholder') != len(names) + len(xb):
+            raise ValueError("an input is not a tensor or a plain value")
+        cache[key] = _staged_form(gm, names, ends, _bn_owners(model))
+    except Exception as e: cache[key] = _one_line(e)
+    return cache[key]
+
+def staged_graph(model:nn.Module, # the model, in the modes it trains in
+                 xb:tuple|None=None, # one micro-batch of its inputs (needed by the second tracer)
+                ) -> fx.Graph|str:
+    "The graph a staged step runs on `model`: torch.fx's (`bn_graph`), else the aten-level one, or why neither."
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')  # torch.fx's failure is said below, with the second tracer's
+        g = bn_graph(model)
+    if not isinstance(g, str): return g
+    found = _aten_graphs.get(model, {})
+    if xb is None:  # the graph traced when the plan was made (the inputs it was traced for)
+        return next((v for v in reversed(found.values()) if not isinstance(v, str)), g)
+    a = aten_graph(model, xb)
+    if not isinstance(a, str): return a
+    return f"neither torch.fx ({g}) nor an aten-level trace ({a}) can trace {type(model).__name__}"

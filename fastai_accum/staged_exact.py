@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, tree_map
 from .meters import _nbytes
 from .stats import ChannelStats, all_reduce_stats, momentum_step
 from .distributed import world_size
-from .staged import StagedGraph, bn_graph, untraceable_reason
+from .staged import StagedGraph, bn_graph, untraceable_reason, staged_graph, aten_graph, _signature
 from .helpers import _to, _tensors, random_state_kept, is_accelerator, can_pin, ReplacedForward, restore_forward
 from .batchnorm import _after_norm
 
@@ -80,6 +80,9 @@ class StagedStep(StagedGraph):
         for s in range(1, len(self.stages)): self.stages[s] = self._recomputing(s, owner)
         members = [{self.nodes[i] for i in idx} for idx in self.stages]
         reads = [{a for u in mem for a in u.all_input_nodes if a in owner and a not in mem} for mem in members]
+        for s, idx in enumerate(self.stages[1:]):  # the BatchNorm ending stage s takes its statistics there
+            x = self.nodes[idx[0]].args[0]  # its input may come from an earlier stage (a U-Net's skip connection)
+            if isinstance(x, fx.Node) and x in owner and x not in members[s]: reads[s].add(x)
         outs = set(self.output.all_input_nodes)
         self.stage_in = [[n for n in owner if n in reads[s]] for s in range(len(self.stages))]
         self.stage_out = [[self.nodes[i] for i in idx if owner[self.nodes[i]] == s and
@@ -539,22 +542,37 @@ def _rebuilt(ctx_out:tuple, step) -> object:
 
 class StagedForward(ReplacedForward):
     "A model's `forward` training a window as the big batch, staged; the model's own when not training."
-    def __init__(self, model:nn.Module, # a model torch.fx can trace
+    def __init__(self, model:nn.Module, # a model torch.fx or the second tracer can trace (`staged_graph`)
                  chunk:int, # samples per chunk
                  store=None, # where values kept between stages live (default: the host, for a model on an accelerator)
                  autocast=None, # callable giving training's autocast context (replaces a wrapper such as Accelerate's)
                 ):
-        graph = bn_graph(model)
-        if isinstance(graph, str): raise ValueError(f"staged exact: {untraceable_reason(model)}")
-        dev = next(model.parameters()).device
         super().__init__(model)  # `own`: a forward set on the instance (Accelerate's autocast wrapper), put back after
         self.model, self.chunk, self.autocast = model, chunk, autocast
         # Accelerate's mixed precision returns float32 outputs: so does the staged step
         self.fp32 = _converts_to_fp32(self.own)
-        self.step = StagedStep(model, graph, store if store is not None or not is_accelerator(dev) else 'cpu')
+        dev = next(model.parameters()).device
+        self.store = store if store is not None or not is_accelerator(dev) else 'cpu'
+        graph = staged_graph(model)  # torch.fx's; else the aten-level graph traced when the plan was made, if any
+        self.by_fx = not isinstance(bn_graph(model), str)
+        if self.by_fx: self.step = StagedStep(model, graph, self.store)
+        else: self.step, self.steps = None, {}  # aten-level: a step per input signature, made at its first window
+
+    def step_for(self, xb:tuple) -> StagedStep:
+        "The staged step for inputs like `xb`: torch.fx's one, or the aten-level graph's for their signature."
+        if self.by_fx: return self.step
+        key = _signature(xb)
+        if key not in self.steps:
+            graph = aten_graph(self.model, xb)
+            if isinstance(graph, str): raise ValueError(f"staged exact: {staged_graph(self.model, xb)}")
+            self.steps[key] = StagedStep(self.model, graph, self.store)
+        self.step = self.steps[key]
+        return self.step
+
     def __call__(self, *xb, **kwargs):
         if kwargs or not (self.model.training and torch.is_grad_enabled()):
             return self.own_forward(*xb, **kwargs)
+        self.step_for(xb)
         params = [p for p in self.model.parameters() if p.requires_grad]
         with self.autocast() if self.autocast is not None else nullcontext():
             out = _rebuilt(_StagedFunction.apply(self.step, self.chunk, len(xb), *xb, *params), self.step)
@@ -641,12 +659,12 @@ def _fixed_norm(m:_BatchNorm, x:Tensor, stats:dict, n) -> Tensor:
                     else (x.mean(dims), torch.ones_like(x.mean(dims))))
     return _after_norm(m, F.batch_norm(x, *stats[n], m.weight, m.bias, False, 0., m.eps))
 
-def samples_mixed(model:nn.Module, # a model torch.fx can trace, in the modes it trains in
+def samples_mixed(model:nn.Module, # a model a tracer handles (`staged_graph`), in the modes it trains in
                   xb:tuple, # one micro-batch of its inputs
                  ) -> str|None:
     "The first op outside BatchNorm whose output mixes samples, or None."
     # mixing samples: other samples change the batch's own values
-    graph = bn_graph(model)
+    graph = staged_graph(model, xb)
     if isinstance(graph, str): return None
     step = StagedStep(model, graph)
     xb = tuple(_plain(t) for t in xb)
@@ -696,6 +714,7 @@ def _one_step(model:nn.Module, xb:tuple, chunk:int|None=None) -> tuple:
     f = None
     if chunk:
         f = install_staged(model, chunk)
+        f.step_for(xb)  # an aten-level graph's step is made for its inputs
         f.step.grow, f.step.local = False, True
     try:
         torch.manual_seed(0)

@@ -63,7 +63,8 @@ def add_gradient_args(p):
     p.add_argument('--lr', type=float, default=1e-3)
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--float64', action='store_true', help='measure in float64 (training stays float32)')
-    p.add_argument('--layers', type=int, default=0, help='also print the N modules with the lowest cosine per (model, step, policy)')
+    p.add_argument('--layers', type=int, default=0,
+                   help='also print the N modules with the lowest cosine per (model, step, policy)')
     p.add_argument('--csv', default=None, help='write the table to this file')
 
 def gradient_main(args) -> int:

@@ -14,7 +14,8 @@ __all__ = ['commands', 'command', 'main']
 commands = {}
 
 def command(name:str, help:str):
-    "Register `f(args)` as sub-command `name`; decorate a function that takes an `argparse.ArgumentParser`."
+    "Register sub-command `name`: decorates `add_args`, which takes an `argparse.ArgumentParser`."
+    # `add_args(parser)` adds the arguments and calls `parser.set_defaults(run=fn)`, `fn(args)` the sub-command
     def _reg(add_args):
         commands[name] = (help, add_args)
         return add_args
@@ -36,16 +37,20 @@ def _bench_args(p):
     sub = p.add_subparsers(dest='bench', metavar='BENCH', required=True)
     from fastai_accum.lab.bench_accuracy import add_accuracy_args, accuracy_main
     a = sub.add_parser('accuracy', help='train the benchmark models under every BatchNorm setting; table and plot')
-    add_accuracy_args(a); a.set_defaults(run=accuracy_main)
+    add_accuracy_args(a)
+    a.set_defaults(run=accuracy_main)
     try: from fastai_accum.lab.bench_speed import add_speed_args, speed_main
     except ImportError: pass
     else:
         sp = sub.add_parser('speed', help='per-micro-batch overhead, memory and all-reduces per window')
-        add_speed_args(sp); sp.set_defaults(run=speed_main)
+        add_speed_args(sp)
+        sp.set_defaults(run=speed_main)
     try: from fastai_accum.lab.bench_gradient import add_gradient_args, gradient_main
     except ImportError: return
-    g = sub.add_parser('gradient', help="one window's gradient per policy against the big batch's (cosine, rel err, per layer), during a big-batch run")
-    add_gradient_args(g); g.set_defaults(run=gradient_main)
+    g = sub.add_parser('gradient', help="one window's gradient per policy against the big batch's "
+                                        "(cosine, rel err, per layer), during a big-batch run")
+    add_gradient_args(g)
+    g.set_defaults(run=gradient_main)
 
 def _load_commands():
     "Import the modules that register sub-commands (they need fastai, so only when the CLI runs)."
@@ -60,11 +65,14 @@ def main(argv:list|None=None) -> int:
     _load_commands()
     p = _parser()
     args = p.parse_args(argv)
-    if args.command is None: p.print_help(); return 0
+    if args.command is None:
+        p.print_help()
+        return 0
     return args.run(args) or 0
 
 # %% ../../nbs/09_cli.ipynb #6a2b3c4d
-@command('build-single-file', help='Write the copy-paste file: the fastai v2 callback and everything it imports, in one file')
+@command('build-single-file',
+         help='Write the copy-paste file: the fastai v2 callback and everything it imports, in one file')
 def _single_file_args(p):
     p.add_argument('dest', nargs='?', default='fastai_accum_single.py', help='where to write it (default: %(default)s)')
     def run(args):

