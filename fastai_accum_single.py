@@ -18,11 +18,11 @@ Contents (line: module: classes), dependencies first:
      1163: staged: StagedGraph
      1462: prepass: PrepassPlan, PreflightTable
      1669: staged_exact: StagedStep, StagedForward
-     2460: exact: Footprint, ExactModeMemoryError, ExactPlan
-     2701: ghost: GhostForward
-     2755: plan: StagedMismatchError, TrainingPlan
-     2984: core: BatchNormInstaller, Accumulation, FrontEnd
-     3480: callback: WindowPrefetch, GradientAccumulation
+     2473: exact: Footprint, ExactModeMemoryError, ExactPlan
+     2714: ghost: GhostForward
+     2768: plan: StagedMismatchError, TrainingPlan
+     2997: core: BatchNormInstaller, Accumulation, FrontEnd
+     3493: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -2345,7 +2345,20 @@ def _check_copy(model:nn.Module, dtype, device) -> nn.Module:
     for t in itertools.chain(model.parameters(), model.buffers()):
         c = t.detach().to(device, dtype if t.is_floating_point() else t.dtype, copy=True)
         memo[id(t)] = nn.Parameter(c, t.requires_grad) if isinstance(t, nn.Parameter) else c
-    return copy.deepcopy(model, memo)
+    with _activations_detached(): return copy.deepcopy(model, memo)
+
+@contextlib.contextmanager
+def _activations_detached():
+    "Inside, `copy.deepcopy` copies a tensor autograd made (an activation a hook keeps) detached."
+    # torch refuses to deep-copy a non-leaf tensor; fastai's DynamicUnet keeps its encoder's outputs in hooks
+    own = Tensor.__deepcopy__
+    def deepcopy(self, memo):
+        if self.is_leaf: return own(self, memo)
+        memo[id(self)] = c = self.detach().clone()
+        return c
+    Tensor.__deepcopy__ = deepcopy
+    try: yield
+    finally: Tensor.__deepcopy__ = own
 
 def _hold_random(model:nn.Module, xb:tuple):
     "Put the innermost modules whose training forward draws random numbers in eval mode; returns them."
@@ -2809,7 +2822,7 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
                 ) -> tuple:
     "(train each window as one batch?, the `ExactPlan` or None): the rule above."
     if policy not in ('exact', 'staged', 'auto'): return False, None
-    if policy == 'auto' and not any(m.training for m in bn_layers(model)): return False, None
+    if not any(m.training for m in bn_layers(model)): return False, None  # no BatchNorm trains: plain is exact
     xb = peek()
     window = n_acc or n_step * xb[0].shape[0]
     plan = plan_exact(model, xb, window, device_memory, host_memory, offload, autocast, opt_state)
@@ -2967,7 +2980,7 @@ def plan_training(policy:str, # the front end's policy (`check_policy`)
     if exact and memory.staged: return TrainingPlan('staged exact', **how)
     if exact: return TrainingPlan('exact', layers='micro', **how)
     if modes and not any(modes): return TrainingPlan('frozen BatchNorm', **how)
-    layers = 'window' if policy == 'auto' else policy
+    layers = policy if policy in bn_policies else 'window'  # 'auto' (and a whole-window policy with nothing to do)
     accumulates = bn_layers(model, accumulating=True) or (wrap and modes)
     return TrainingPlan(layers if accumulates else 'no BatchNorm', layers=layers, **how)
 

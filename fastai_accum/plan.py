@@ -70,7 +70,7 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
                 ) -> tuple:
     "(train each window as one batch?, the `ExactPlan` or None): the rule above."
     if policy not in ('exact', 'staged', 'auto'): return False, None
-    if policy == 'auto' and not any(m.training for m in bn_layers(model)): return False, None
+    if not any(m.training for m in bn_layers(model)): return False, None  # no BatchNorm trains: plain is exact
     xb = peek()
     window = n_acc or n_step * xb[0].shape[0]
     plan = plan_exact(model, xb, window, device_memory, host_memory, offload, autocast, opt_state)
@@ -228,7 +228,7 @@ def plan_training(policy:str, # the front end's policy (`check_policy`)
     if exact and memory.staged: return TrainingPlan('staged exact', **how)
     if exact: return TrainingPlan('exact', layers='micro', **how)
     if modes and not any(modes): return TrainingPlan('frozen BatchNorm', **how)
-    layers = 'window' if policy == 'auto' else policy
+    layers = policy if policy in bn_policies else 'window'  # 'auto' (and a whole-window policy with nothing to do)
     accumulates = bn_layers(model, accumulating=True) or (wrap and modes)
     return TrainingPlan(layers if accumulates else 'no BatchNorm', layers=layers, **how)
 

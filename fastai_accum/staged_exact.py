@@ -690,7 +690,20 @@ def _check_copy(model:nn.Module, dtype, device) -> nn.Module:
     for t in itertools.chain(model.parameters(), model.buffers()):
         c = t.detach().to(device, dtype if t.is_floating_point() else t.dtype, copy=True)
         memo[id(t)] = nn.Parameter(c, t.requires_grad) if isinstance(t, nn.Parameter) else c
-    return copy.deepcopy(model, memo)
+    with _activations_detached(): return copy.deepcopy(model, memo)
+
+@contextlib.contextmanager
+def _activations_detached():
+    "Inside, `copy.deepcopy` copies a tensor autograd made (an activation a hook keeps) detached."
+    # torch refuses to deep-copy a non-leaf tensor; fastai's DynamicUnet keeps its encoder's outputs in hooks
+    own = Tensor.__deepcopy__
+    def deepcopy(self, memo):
+        if self.is_leaf: return own(self, memo)
+        memo[id(self)] = c = self.detach().clone()
+        return c
+    Tensor.__deepcopy__ = deepcopy
+    try: yield
+    finally: Tensor.__deepcopy__ = own
 
 def _hold_random(model:nn.Module, xb:tuple):
     "Put the innermost modules whose training forward draws random numbers in eval mode; returns them."

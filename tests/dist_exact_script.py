@@ -3,7 +3,8 @@
 Exact modes under DDP (CPU, gloo, fastai's `distrib_ctx`, plain BatchNorm layers): micro-batches of 2 in windows of 4.
 MODE 'exact' (`policy='exact'`: the whole window), 'auto' (the default; the window fits), 'staged' (`policy='staged'`
 with a device budget of one chunk of 2 samples) must all train as one process on the union of both ranks' windows;
-MODE 'auto_disagree' gives rank 1 too little memory for either exact mode: both ranks must then train with window BN.
+MODE 'staged_aten' is 'staged' on the same net behind a size branch that torch.fx cannot trace (the second tracer's
+graph trains it); MODE 'auto_disagree' gives rank 1 too little memory for either exact mode: both ranks must then train with window BN.
 Each rank saves its parameters, BatchNorm buffers, the gradient all-reduces (DDP comm hook) and the collectives each
 training window ran (all-gathers and all-reduces, gradient buckets included).
 """
@@ -37,10 +38,17 @@ class CountCollectives(Callback):
 
 x, y = data(image=True)
 dls = DataLoaders(DataLoader(TensorDataset(x.double(), y.double()), bs=2), DataLoader(TensorDataset(x[:8].double(), y[:8].double()), bs=2))
+class SizeGate(torch.nn.Module):
+    "`net` behind a branch on a size: torch.fx cannot trace it, the aten-level trace takes it as it falls."
+    def __init__(self, net): super().__init__(); self.net = net
+    def forward(self, x):
+        y = self.net(x)
+        return y if y.shape[-1] > 0 else -y
+
 torch.manual_seed(0)
-learn = Learner(dls, bn_net().double(), loss_func=MSELossFlat(), opt_func=SGD)
+learn = Learner(dls, (SizeGate(bn_net()) if mode == 'staged_aten' else bn_net()).double(), loss_func=MSELossFlat(), opt_func=SGD)
 rank = int(os.environ['RANK'])
-if mode == 'staged':  # a device budget that holds one chunk of 2 samples, not the window of 4
+if mode in ('staged', 'staged_aten'):  # a device budget that holds one chunk of 2 samples, not the window of 4
     fp = measure_footprint(learn.model, x[:2].double())
     params = sum(p.numel() * p.element_size() for p in learn.model.parameters())
     ga = GradientAccumulation(n_step=4, policy='staged', preflight=False, device_memory=int(2 * params + 2 * (fp.saved + 2 * fp.working)))  # weights and gradients: SGD without momentum keeps no state
@@ -51,7 +59,8 @@ with learn.distrib_ctx(cpu=True, sync_bn=False):
     with learn.no_bar(), learn.no_logging(): learn.fit(2, lr=0.05, cbs=[counter, collectives, ga])
 torch.save(dict(allreduces=counter.calls, params=[p.detach() for p in learn.model.parameters()],
                 buffers=[b.detach() for b in learn.model.buffers()], exact=ga.exact, path=ga.path,
-                chunk=ga.plan.chunk if ga.plan is not None else None, collectives=collectives.per_window),
+                chunk=ga.plan.chunk if ga.plan is not None else None, collectives=collectives.per_window,
+                traced=ga.plan.traced if ga.plan is not None else None),
            f"{outdir}/rank{os.environ['RANK']}.pt")
 dist.barrier()
 dist.destroy_process_group()

@@ -162,14 +162,15 @@ def _union_reference():
     with ref.no_bar(), ref.no_logging(): ref.fit(2, lr=0.05)
     return ref.model
 
-@pytest.mark.parametrize('mode', ['exact', 'auto', 'staged'])
+@pytest.mark.parametrize('mode', ['exact', 'auto', 'staged', 'staged_aten'])
 def test_exact_modes_under_ddp_equal_one_process_on_the_union(mode, tmp_path):
     """2 ranks (gloo), plain BatchNorm, micro 2 x 4: whole-window ('exact', and 'auto' where it fits) and staged exact train
     as one process on the union of the ranks' windows (SyncBatchNorm's semantics), float64; ranks bitwise equal. Per window:
     one gradient all-reduce, and per BatchNorm layer one all-gather (its statistics) and one all-reduce (its two backward sums)."""
     r0, r1 = _launch(mode, tmp_path/mode)
     assert r0['exact'] and r0['path'] == r1['path'] == 'staged exact'
-    assert r0['chunk'] == (2 if mode == 'staged' else 8)
+    assert r0['chunk'] == (2 if mode.startswith('staged') else 8)
+    assert r0['traced'] == r1['traced'] == ('aten' if mode == 'staged_aten' else None)  # the second tracer's graph
     ref = _union_reference()
     for p0, p1, pr in zip(r0['params'], r1['params'], ref.parameters()):
         assert torch.equal(p0, p1)

@@ -1,5 +1,5 @@
 "The path a fit trains on is decided in one place, `fastai_accum/plan.py`, and every reader takes it from there."
-import ast, pathlib
+import ast, copy, pathlib
 import pytest, torch
 from torch import nn
 import fastai_accum
@@ -85,3 +85,19 @@ def test_the_core_notebook_reads_in_cells_of_at_most_60_lines():
     nb = json.loads((PKG.parent/'nbs'/'02d_core.ipynb').read_text())
     long = {c['id']: n for c in nb['cells'] if c['cell_type'] == 'code' and (n := len(''.join(c['source']).splitlines())) > 60}
     assert not long, long
+
+@pytest.mark.parametrize('policy', ['staged', 'exact'])
+def test_a_whole_window_policy_on_a_model_without_batchnorm_trains_plainly(policy):
+    "Nothing to be exact about (no BatchNorm trains): plain accumulation is the big batch's step, without a staged step's cost."
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 1)).double()
+    big = copy.deepcopy(model)
+    data = [(torch.randn(2, 3, 8, 8, dtype=torch.float64), torch.randn(2, 1, dtype=torch.float64)) for _ in range(4)]
+    acc = Accumulation(model, n_step=4, policy=policy)
+    for xb, yb in acc.batches(data):
+        assert 'forward' not in vars(model)  # no staged step installed
+        acc.backward(nn.functional.mse_loss(model(xb), yb))
+    x, y = (torch.cat(t) for t in zip(*data))
+    nn.functional.mse_loss(big(x), y).backward()
+    assert acc.path == 'no BatchNorm' and acc.steps == 1
+    for p, q in zip(model.parameters(), big.parameters()): assert (p.grad - q.grad).abs().max() <= 1e-12 * q.grad.abs().max()

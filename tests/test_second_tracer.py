@@ -125,3 +125,40 @@ def test_a_batchnorm_on_a_feature_from_an_earlier_stage_trains_as_the_big_batch(
     from test_exact_or_says_so import train_both
     diff, acc = train_both(SkipBN, policy)
     assert acc.path == 'staged exact' and diff < 1e-9
+
+def test_the_check_copies_a_unet_whose_hooks_hold_activations():
+    "After a training forward DynamicUnet's hooks keep tensors autograd made; the check's copy still runs (was 'not checked')."
+    from fastai_accum.staged_exact import verify_staged
+    m = DynamicUnet(create_body(resnet18(), pretrained=False), 3, (32, 32)).train()
+    x = torch.randn(2, 3, 32, 32)
+    m(x).sum().backward()
+    why, checked = verify_staged(m, (x,))
+    assert why is None and checked.startswith('checked on this model: equal to the big batch'), (why, checked)
+
+class SizeGateNet(nn.Module):
+    "A small BatchNorm CNN behind a branch on a size: torch.fx cannot trace it, the aten-level trace can."
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                                  nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True))
+        self.head = nn.Linear(8, 5)
+    def forward(self, x):
+        y = self.body(x)
+        if y.shape[-1] > 4: y = F.avg_pool2d(y, 2)
+        return self.head(y.mean((2, 3)))
+
+def test_mixed_precision_runs_the_aten_graph_under_the_training_autocast():
+    "The graph is traced without autocast and run under training's: bf16 kernels, a step close to the whole window's."
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3, 8, 8), torch.randn(8, 5)
+    big = SizeGateNet().train(); ours = copy.deepcopy(big)
+    with torch.autocast('cpu', dtype=torch.bfloat16): F.mse_loss(big(x).float(), y).backward()
+    acc = Accumulation(ours, n_step=4, policy='staged', autocast=lambda: torch.autocast('cpu', dtype=torch.bfloat16))
+    dtypes = []
+    for xb, yb in acc.batches([(x[i:i + 2], y[i:i + 2]) for i in range(0, 8, 2)]):
+        with torch.autocast('cpu', dtype=torch.bfloat16): out = ours(xb)
+        dtypes.append(out.dtype)
+        acc.backward(F.mse_loss(out.float(), yb))
+    assert acc.path == 'staged exact' and acc.plan.traced == 'aten' and dtypes == [torch.bfloat16]
+    g1 = torch.cat([p.grad.flatten() for p in ours.parameters()]); g0 = torch.cat([p.grad.flatten() for p in big.parameters()])
+    assert F.cosine_similarity(g0, g1, dim=0) > 0.999 and rel(g1, g0) < 5e-2

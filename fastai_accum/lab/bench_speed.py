@@ -20,10 +20,10 @@ from .experiments import (
 
 # %% auto #0
 __all__ = ['bench_models', 'prepass_models_fns', 'staged_models_fns', 'summary_keys', 'speed_variants', 'time_variants',
-           'median_ratio', 'saved_bytes_peak', 'cuda_peak_bytes', 'prepass_peak', 'staged_step', 'memory_matched_chunk',
-           'tensor_bytes_alive', 'leak_per_1000', 'allreduce_counts', 'format_summary', 'parse_summary', 'SpeedResults',
-           'auto_choice', 'bench_speed', 'add_speed_args', 'speed_main', 'small_cnn', 'synthetic_dls',
-           'efficientnet_b0', 'default_policy']
+           'median_ratio', 'saved_bytes_peak', 'cuda_peak_bytes', 'prepass_peak', 'unet', 'staged_step',
+           'memory_matched_chunk', 'tensor_bytes_alive', 'leak_per_1000', 'allreduce_counts', 'format_summary',
+           'parse_summary', 'SpeedResults', 'auto_choice', 'bench_speed', 'add_speed_args', 'speed_main', 'small_cnn',
+           'synthetic_dls', 'efficientnet_b0', 'default_policy']
 
 # %% ../../nbs/21_bench_speed.ipynb #ceeb1340
 bench_models = {'small_cnn': small_cnn, 'torchvision_resnet18': torchvision_resnet18} # `--models` names
@@ -138,9 +138,19 @@ def prepass_peak(model_fn, # builds the model
                     'BatchNorm layers are in host memory on an accelerator, counted apart)')
 
 # %% ../../nbs/21_bench_speed.ipynb #57f685c3
-staged_models_fns = {'torchvision_resnet18': torchvision_resnet18, 'resnet50': partial(torchvision.models.resnet50, num_classes=10),
-                     'efficientnet_b0': efficientnet_b0, 'densenet121': partial(torchvision.models.densenet121, num_classes=10),
-                     'small_cnn': small_cnn}
+def unet(arch, size:int=64):
+    "fastai's `DynamicUnet` (what `unet_learner` builds, 3 classes) on a torchvision `arch` body: torch.fx cannot trace it."
+    from fastai.vision.learner import create_body
+    from fastai.vision.models.unet import DynamicUnet
+    return DynamicUnet(create_body(arch(), pretrained=False), 3, (size, size))
+
+staged_models_fns = {'torchvision_resnet18': torchvision_resnet18,
+                     'resnet50': partial(torchvision.models.resnet50, num_classes=10),
+                     'efficientnet_b0': efficientnet_b0,
+                     'densenet121': partial(torchvision.models.densenet121, num_classes=10),
+                     'small_cnn': small_cnn,
+                     'unet_resnet18': partial(unet, torchvision.models.resnet18),  # the second tracer's
+                     'unet_resnet34': partial(unet, torchvision.models.resnet34)}
 
 def _step_cost(model, xb, reps:int) -> tuple:
     "(seconds, device bytes) of one training step of `model` on `xb` (a staged step's may wait in host memory): the fastest of `reps` after a warm-up; bytes: autograd's saved-tensor peak (CUDA: the allocator's peak above what was allocated before)."
