@@ -18,11 +18,11 @@ Contents (line: module: classes), dependencies first:
      1163: staged: StagedGraph
      1462: prepass: PrepassPlan, PreflightTable
      1669: staged_exact: StagedStep, StagedForward
-     2473: exact: Footprint, ExactModeMemoryError, ExactPlan
-     2714: ghost: GhostForward
-     2768: plan: StagedMismatchError, TrainingPlan
-     2997: core: BatchNormInstaller, Accumulation, FrontEnd
-     3493: callback: WindowPrefetch, GradientAccumulation
+     2485: exact: Footprint, ExactModeMemoryError, ExactPlan
+     2726: ghost: GhostForward
+     2780: plan: StagedMismatchError, TrainingPlan
+     3009: core: BatchNormInstaller, Accumulation, FrontEnd
+     3505: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -2285,8 +2285,10 @@ def _mixes(x:Tensor, y:Tensor, random:bool) -> bool:
     return not _close_values(x, y.narrow(d, 0, x.shape[d]))
 
 @torch.no_grad()
-def _node_values(step:StagedStep, xb:tuple, stats:dict) -> tuple:
+def _node_values(step:StagedStep, xb:tuple, stats:dict, anchor:dict|None=None) -> tuple:
     "(every node's value on batch `xb`; the nodes whose values are random); nothing in the model changes."
+    # `anchor`: the values on the batch alone; each node's batch part is set back to them before later nodes read it,
+    # so that each op is checked on its own (a deep net's rounding, amplified layer after layer, is not mixing)
     # training BatchNorm layers normalize per sample, with the statistics in `stats` (filled from this batch where
     # missing): values keep their scale, and no sample reaches another
     env, seen, random, dev = {}, {}, set(), _device(step.model, xb)
@@ -2303,7 +2305,16 @@ def _node_values(step:StagedStep, xb:tuple, stats:dict) -> tuple:
             if n.op == 'call_method' and n.target.endswith('_') and isinstance(n.args[0], fx.Node):
                 random.add(n.args[0])  # filled in place
         elif any(a in random for a in n.all_input_nodes): random.add(n)
+        if anchor is not None and n not in random: env[n] = _anchored(env[n], anchor.get(n))
     return seen, random
+
+def _anchored(v, a):
+    "`v` (on the batch plus other samples) with its batch part set to `a` (on the batch alone), where shapes say how."
+    if not (isinstance(v, Tensor) and isinstance(a, Tensor) and v.is_floating_point()): return v
+    d = _grown_dim(a.shape, v.shape)
+    if d is None: return v
+    k = a.shape[d]
+    return torch.cat([a.to(v.dtype), v.narrow(d, k, v.shape[d] - k)], d)
 
 def _fixed_norm(m:_BatchNorm, x:Tensor, stats:dict, n) -> Tensor:
     "BatchNorm `m` on `x` with the statistics `stats[n]` (the batch's own the first time)."
@@ -2329,7 +2340,8 @@ def samples_mixed(model:nn.Module, # a model a tracer handles (`staged_graph`), 
     dev = a[0].device
     with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []):
         stats = {}
-        (va, random), (vb, _) = _node_values(step, a, stats), _node_values(step, b, stats)
+        va, random = _node_values(step, a, stats)
+        vb, _ = _node_values(step, b, stats, anchor=va)
     for n in step.nodes:
         x, y = va[n], vb[n]
         if not (isinstance(x, Tensor) and isinstance(y, Tensor)): continue

@@ -71,3 +71,12 @@ def test_half_precision_staged_step_is_as_accurate_as_plain_half_precision():
     assert torch.isfinite(g_st).all()
     if torch.isfinite(g_big).all(): assert err(g_st) <= 1.25 * err(g_big)  # torch < 2.6: plain fp16 BatchNorm on the CPU overflows to NaN
     else: assert err(g_st) < 1e-2
+
+def test_rounding_amplified_by_a_batchnorm_is_not_taken_for_mixing():
+    "timm efficientnet_b0 at 32 px, float64: rounding amplified layer after layer (BatchNorm over 2 values per channel) was taken for mixing; each op is now checked on its own inputs."
+    import timm
+    from fastai_accum.staged_exact import samples_mixed
+    torch.manual_seed(0)
+    m = timm.create_model('efficientnet_b0', num_classes=10).double().train()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0)).double()
+    assert samples_mixed(m, (x,)) is None

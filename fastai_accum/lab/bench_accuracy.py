@@ -5,20 +5,25 @@ handling BatchNorm, and compare with the true big batch. `fastai-accum bench acc
 
 # %% ../../nbs/20_bench_accuracy.ipynb #746ad3b1
 from __future__ import annotations
-import time, itertools
+import time, itertools, re
 from dataclasses import dataclass, field
 import numpy as np, torch
-from fastai.basics import accuracy, Adam, SGD, partial
+from torch import nn
+from fastai.basics import accuracy, Adam, SGD, partial, CrossEntropyLossFlat
 from fastai.callback.schedule import *  # fit_one_cycle
 from fastprogress.fastprogress import progress_bar
 from ..batchnorm import bn_policies
+from ..callback import GradientAccumulation
+from ..exact import plan_exact
 from .experiments import (
     experiment_models, digits_models, digits_data, tensor_dls, canonical_setting, setting_batch_size,
     setting_learner, default_policy, torch_threads, model_names, bn_head, simple_cnn_bn, ResBlock, small_resnet, vgg_bn,
-    vision_resnet18, timm_mobilenetv3)
+    vision_resnet18, timm_mobilenetv3, _conv_bn)
 
 # %% auto #0
-__all__ = ['bench_models', 'accuracy_settings', 'train_one', 'AccuracyResults', 'bench_accuracy', 'add_accuracy_args',
+__all__ = ['bench_models', 'shape_classes', 'seg_models', 'task_defaults', 'accuracy_settings', 'train_one', 'AccuracyResults',
+           'bench_accuracy', 'shapes_data', 'unet_small', 'unet_resnet18', 'seg_scores', 'segmentation_settings',
+           'staging_budget', 'train_segmentation', 'SegmentationResults', 'bench_segmentation', 'add_accuracy_args',
            'accuracy_main', 'digits_data', 'bn_head', 'simple_cnn_bn', 'ResBlock', 'small_resnet', 'vgg_bn',
            'vision_resnet18', 'timm_mobilenetv3', 'default_policy']
 
@@ -55,36 +60,49 @@ def train_one(setting:str, # a setting name of `experiment_settings` (or an alia
     return float(learn.validate()[1]), secs
 
 # %% ../../nbs/20_bench_accuracy.ipynb #d2ba467a
+def _std(m): return 'std' if m == 'acc' else f'{m}_std'
+def _gap(m): return 'gap_pts' if m == 'acc' else f'{m}_gap_pts'
+def _is_big(s): return re.fullmatch(r'bs\d+', s) is not None
+
 @dataclass
 class AccuracyResults:
     "Per-run records and a summary table of the accuracy benchmark."
     records: list = field(default_factory=list)
+    metrics = ('acc',) # each record's scores, after `seed`: the table's mean, std and gap to the big batch
+    notes = () # each record's remarks after `secs`: the first run's, per row of the table
+    plotted = 'acc' # the metric `plot` draws
+    label = 'validation accuracy' # its axis label
 
     def table(self):
-        "Mean ± std accuracy per (model, opt, micro_bs, setting), gap to bs64 in points, time relative to naive."
+        "Mean ± std of each metric per (model, opt, micro_bs, setting), gap to the big batch in points, time vs naive."
         import pandas as pd
-        df = pd.DataFrame(self.records, columns=['model', 'opt', 'micro_bs', 'setting', 'seed', 'acc', 'secs'])
-        g = df.groupby(['model', 'opt', 'micro_bs', 'setting'], sort=False)
-        t = g.agg(acc=('acc', 'mean'), std=('acc', 'std'), secs=('secs', 'mean'), n=('seed', 'count')).reset_index()
-        t['std'] = t['std'].fillna(0.)
         key = ['model', 'opt', 'micro_bs']
-        big = t[t.setting == 'bs64'].set_index(key)['acc']
+        df = pd.DataFrame(self.records, columns=key + ['setting', 'seed', *self.metrics, 'secs', *self.notes])
+        g = df.groupby(key + ['setting'], sort=False)
+        aggs = {}
+        for m in self.metrics: aggs.update({m: (m, 'mean'), _std(m): (m, 'std')})
+        aggs.update(secs=('secs', 'mean'), n=('seed', 'count'), **{c: (c, 'first') for c in self.notes})
+        t = g.agg(**aggs).reset_index()
+        big = t[t.setting.map(_is_big)].set_index(key)  # the big batch: bs64, or bsN for a window of N
         naive = t[t.setting == 'naive'].set_index(key)['secs']
-        t['gap_pts'] = [(a - big.get(tuple(k), np.nan)) * 100 for a, k in zip(t.acc, t[key].values)]
+        for m in self.metrics:
+            t[_std(m)] = t[_std(m)].fillna(0.)
+            t[_gap(m)] = [(a - big[m].get(tuple(k), np.nan)) * 100 for a, k in zip(t[m], t[key].values)]
         t['time_vs_naive'] = [s / naive.get(tuple(k), np.nan) for s, k in zip(t.secs, t[key].values)]
         return t
 
     def plot(self, fname=None):
-        "Bar chart of mean accuracy per setting, one panel per (model, opt, micro_bs); saved to `fname` if given."
+        "Bar chart of the mean `plotted` per setting, one panel per (model, opt, micro_bs); saved to `fname` if given."
         import matplotlib; matplotlib.use('Agg')
         import matplotlib.pyplot as plt
-        t = self.table()
+        t, m = self.table(), self.plotted
         groups = list(t.groupby(['model', 'opt', 'micro_bs'], sort=False))
         fig, axs = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 3.8), squeeze=False)
         for ax, (k, d) in zip(axs[0], groups):
-            ax.bar(d.setting, d.acc, yerr=d['std'], color=['#888' if s in ('bs64', 'naive') else '#4a8' for s in d.setting])
-            ax.set_ylim(max(0, d.acc.min() - 0.1), 1.0); ax.set_title(f'{k[0]} {k[1]} micro-batch {k[2]}')
-            ax.tick_params(axis='x', rotation=45); ax.set_ylabel('validation accuracy')
+            colors = ['#888' if _is_big(s) or s == 'naive' else '#4a8' for s in d.setting]
+            ax.bar(d.setting, d[m], yerr=d[_std(m)], color=colors)
+            ax.set_ylim(max(0, d[m].min() - 0.1), 1.0); ax.set_title(f'{k[0]} {k[1]} micro-batch {k[2]}')
+            ax.tick_params(axis='x', rotation=45); ax.set_ylabel(self.label)
         fig.tight_layout()
         if fname: fig.savefig(fname, dpi=100)
         return fig
@@ -103,39 +121,196 @@ def bench_accuracy(models=('simple_cnn',), # keys of `bench_models`
         res.records.append((model, opt, mbs, s, seed, acc, secs))
     return res
 
+# %% ../../nbs/20_bench_accuracy.ipynb #200ede63
+shape_classes = ('background', 'disc', 'rectangle') # the classes of `shapes_data`'s masks, by index
+
+def _shape_image(size:int, g:torch.Generator, yy:torch.Tensor, xx:torch.Tensor) -> tuple:
+    "One image and its mask: 1 to 3 discs or rectangles on a noisy background of a random colour."
+    img = torch.rand(3, 1, 1, generator=g) * 2 - 1 + 0.3 * torch.randn(3, size, size, generator=g)
+    mask = torch.zeros(size, size, dtype=torch.long)
+    for _ in range(int(torch.randint(1, 4, (1,), generator=g))):
+        cls = int(torch.randint(1, 3, (1,), generator=g))
+        cx, cy = (torch.rand(2, generator=g) * (size - 8) + 4).tolist()
+        r = float(torch.rand(1, generator=g)) * size / 8 + size / 10
+        a = float(torch.rand(1, generator=g)) * 0.25 + 0.4  # a rectangle's aspect: half-sides r*a and r/a
+        if torch.rand(1, generator=g) < 0.5: a = 1 / a
+        if cls == 1: m = (xx - cx) ** 2 + (yy - cy) ** 2 <= r * r
+        else: m = ((xx - cx).abs() <= r * a) & ((yy - cy).abs() <= r / a)
+        sign = torch.randint(0, 2, (3, 1, 1), generator=g) * 2 - 1  # each channel brighter or darker than the image
+        col = img.mean((1, 2), keepdim=True) + sign * (0.5 + 0.5 * torch.rand(3, 1, 1, generator=g))
+        img = torch.where(m, col + 0.3 * torch.randn(3, size, size, generator=g), img)
+        mask[m] = cls
+    return img, mask
+
+def shapes_data(n_train:int=512, # training images
+                n_valid:int=128, # validation images
+                size:int=32, # image side in pixels
+                seed:int=0, # seed of the images (the same data set for every run by default)
+               ) -> tuple:
+    "Synthetic segmentation in memory: ((x_train, masks), (x_valid, masks)), masks of `shape_classes`."
+    g = torch.Generator().manual_seed(seed)
+    yy, xx = torch.meshgrid(torch.arange(size), torch.arange(size), indexing='ij')
+    x, y = map(torch.stack, zip(*[_shape_image(size, g, yy, xx) for _ in range(n_train + n_valid)]))
+    return (x[:n_train], y[:n_train]), (x[n_train:], y[n_train:])
+
+# %% ../../nbs/20_bench_accuracy.ipynb #b0b47cc4
+def unet_small(n_out:int=3, # classes
+               size:int=32, # image side in pixels
+              ) -> nn.Module:
+    "fastai's `DynamicUnet` over a small BatchNorm CNN body: 4 stages of conv-BN-ReLU, 16 to 128 channels."
+    from fastai.vision.models.unet import DynamicUnet  # fastai.vision only when a U-Net is built
+    body = nn.Sequential(nn.Sequential(*_conv_bn(3, 16), *_conv_bn(16, 16)), nn.Sequential(*_conv_bn(16, 32, 2)),
+                         nn.Sequential(*_conv_bn(32, 64, 2)), nn.Sequential(*_conv_bn(64, 128, 2)))
+    return DynamicUnet(body, n_out, (size, size))
+
+def unet_resnet18(n_out:int=3, # classes
+                  size:int=32, # image side in pixels
+                 ) -> nn.Module:
+    "fastai `unet_learner`'s model on a torchvision resnet18 body (`create_unet_model`), random init."
+    from fastai.vision.learner import create_unet_model
+    from torchvision.models import resnet18
+    return create_unet_model(resnet18, n_out, (size, size), pretrained=False)
+
+seg_models = dict(unet_small=unet_small, unet_resnet18=unet_resnet18) # `--models` of `--task segmentation`
+
+def seg_scores(pred:torch.Tensor, # predicted class per pixel
+               targ:torch.Tensor, # true class per pixel
+               n_classes:int=len(shape_classes), # classes; 0 is the background
+              ) -> tuple:
+    "(pixel accuracy, mean Dice of the foreground classes), each counted over all pixels of all images."
+    dice = []
+    for c in range(1, n_classes):
+        p, t = pred == c, targ == c
+        den = (p.sum() + t.sum()).item()
+        dice.append(2 * (p & t).sum().item() / den if den else 1.)  # a class absent from both: nothing to miss
+    return (pred == targ).float().mean().item(), float(np.mean(dice))
+
+# %% ../../nbs/20_bench_accuracy.ipynb #d99d9341
+def segmentation_settings(eff_bs:int=16, # samples per window
+                         ) -> list:
+    "The segmentation benchmark's default settings: the big batch, naive, ours (default policy), ours under a budget."
+    return [f'bs{eff_bs}', 'naive', f'ours:{default_policy()}', 'ours:budget']
+
+def _seg_setting(name:str, eff_bs:int) -> str:
+    "`name` as the segmentation table shows it: 'ours:budget' as is, the big batch as bsN, else `canonical_setting`."
+    if name == 'ours:budget': return name
+    s = canonical_setting(name)
+    return f'bs{eff_bs}' if s == 'bs64' else s
+
+def staging_budget(model:nn.Module, # the model, in training mode
+                   xb:torch.Tensor, # one micro-batch of inputs
+                   window:int, # samples per window
+                   opt_state:float=2., # optimizer state per byte of parameters (Adam: 2, `optimizer_state`)
+                  ) -> int:
+    "A device budget halfway between a staged step's need and the whole window's: under it `'auto'` stages."
+    plan = plan_exact(model.train(), (xb.clone(),), window, opt_state=opt_state)  # a view would count its whole storage
+    plan.chunk = xb.shape[0]
+    return (plan.staged_device_needed + plan.device_needed) // 2
+
+def train_segmentation(setting:str, # a name of `experiment_settings` (or an alias), or 'ours:budget'
+                       model:str='unet_small', # key of `seg_models`
+                       opt:str='adam', # 'adam' (fit_one_cycle, lr 6e-3) or 'sgd' (momentum 0.9, fit_one_cycle, lr 0.05)
+                       micro_bs:int=2, eff_bs:int=16, epochs:int=8, seed:int=0,
+                       data=None, # ((x, masks), (x, masks)) (default: `shapes_data()`)
+                      ) -> tuple:
+    "Train one segmentation configuration; returns (pixel accuracy, foreground Dice, wall seconds, path ours took)."
+    (xt, yt), (xv, yv) = data or shapes_data()
+    budget = setting == 'ours:budget'
+    s = 'plain' if budget else canonical_setting(setting)  # 'ours:budget': micro-batches, our callback added below
+    torch.manual_seed(seed); np.random.seed(seed)
+    dls = tensor_dls((xt, yt), (xv, yv), setting_batch_size(s, micro_bs, eff_bs), val_bs=64)
+    opt_func = partial(Adam, wd=0.01) if opt == 'adam' else partial(SGD, mom=0.9, wd=1e-4)
+    net = seg_models[model](len(shape_classes), xt.shape[-1])
+    learn = setting_learner(s, dls, net, micro_bs, n_acc=eff_bs, opt_func=opt_func,
+                            loss_func=CrossEntropyLossFlat(axis=1))
+    if budget:
+        memory = staging_budget(net, xt[:micro_bs], eff_bs)
+        learn.add_cb(GradientAccumulation(n_acc=eff_bs, device_memory=memory, preflight=False))
+    t = time.perf_counter()
+    with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(epochs, 6e-3 if opt == 'adam' else 0.05)
+    secs = time.perf_counter() - t
+    with learn.no_bar(): preds, targs = learn.get_preds(ds_idx=1)
+    ga = getattr(learn, 'gradient_accumulation', None)
+    path = ga.path if isinstance(ga, GradientAccumulation) else ''  # fastai's own callback has the same name
+    return (*seg_scores(preds.argmax(1), targs), secs, path)
+
+@dataclass
+class SegmentationResults(AccuracyResults):
+    "Per-run records of the segmentation benchmark: pixel accuracy (`acc`), foreground Dice, the path ours took."
+    metrics, notes, plotted, label = ('acc', 'dice'), ('path',), 'dice', 'validation foreground Dice'
+
+def bench_segmentation(models=('unet_small',), # keys of `seg_models`
+                       opts=('adam',), # 'adam' and/or 'sgd'
+                       micro_bss=(2,), # micro-batch sizes
+                       settings=None, # as `train_segmentation` takes them (default: `segmentation_settings(eff_bs)`)
+                       seeds=(0, 1), epochs:int=8, eff_bs:int=16,
+                       n_train:int=512, n_valid:int=128, size:int=32, # `shapes_data`
+                      ) -> SegmentationResults:
+    "Run the segmentation grid on `shapes_data` (a progress bar over runs) and return the records."
+    data, res = shapes_data(n_train, n_valid, size), SegmentationResults()
+    models = model_names(models, seg_models)
+    settings = [_seg_setting(s, eff_bs) for s in settings or segmentation_settings(eff_bs)]
+    grid = list(itertools.product(models, opts, micro_bss, seeds, settings))
+    for model, opt, mbs, seed, s in progress_bar(grid):
+        acc, dice, secs, path = train_segmentation(s, model, opt, mbs, eff_bs, epochs, seed, data)
+        res.records.append((model, opt, mbs, s, seed, acc, dice, secs, path))
+    return res
+
 # %% ../../nbs/20_bench_accuracy.ipynb #871d5235
+task_defaults = dict( # the command line's defaults per `--task`
+    classification=dict(models='simple_cnn,small_resnet,vgg_bn', opts='adam,sgd', micro_bs='2,4', seeds=3, epochs=6),
+    segmentation=dict(models='unet_small', opts='adam', micro_bs='2', seeds=2, epochs=8))
+
 def add_accuracy_args(p):
     "Arguments of `fastai-accum bench accuracy`."
-    p.add_argument('--quick', action='store_true', help='CI configuration: simple_cnn, micro-batch 2, 1 seed, 2 epochs, naive vs default')
-    p.add_argument('--models', default='simple_cnn,small_resnet,vgg_bn', help=f'comma list of {", ".join(bench_models)}')
-    p.add_argument('--opts', default='adam,sgd', help='comma list of adam, sgd')
-    p.add_argument('--micro-bs', default='2,4', help='comma list of micro-batch sizes')
+    c, s = task_defaults['classification'], task_defaults['segmentation']
+    p.add_argument('--task', default='classification', choices=list(task_defaults),
+                   help='classification (sklearn digits) or segmentation (U-Nets on `shapes_data`, window 16)')
+    p.add_argument('--quick', action='store_true',
+                   help="CI configuration: the task's first model, micro-batch 2, 1 seed, 2 epochs, naive vs default")
+    p.add_argument('--models', default=None, help=f'comma list of {", ".join(bench_models)} (default: {c["models"]}); '
+                   f'segmentation: {", ".join(seg_models)} (default: {s["models"]})')
+    p.add_argument('--opts', default=None,
+                   help=f'comma list of adam, sgd (default: {c["opts"]}; segmentation: {s["opts"]})')
+    p.add_argument('--micro-bs', default=None, help=f'comma list of micro-batch sizes (default: {c["micro_bs"]}; '
+                   f'segmentation: {s["micro_bs"]})')
     p.add_argument('--settings', default=None, help='comma list (default: all): ' + ', '.join(accuracy_settings()) +
-                   '; old spellings too (ours-POLICY = ours:POLICY, full = bs64)')
-    p.add_argument('--seeds', type=int, default=3)
-    p.add_argument('--epochs', type=int, default=6)
-    p.add_argument('--out', default='.', help='folder for bench_accuracy.png and bench_accuracy.csv')
+                   '; old spellings too (ours-POLICY = ours:POLICY, full = bs64); segmentation (default: ' +
+                   ', '.join(segmentation_settings()) + "): the same names and 'ours:budget' (the default policy under "
+                   "a device budget that makes it stage)")
+    p.add_argument('--seeds', type=int, default=None, help=f'default: {c["seeds"]} (segmentation: {s["seeds"]})')
+    p.add_argument('--epochs', type=int, default=None, help=f'default: {c["epochs"]} (segmentation: {s["epochs"]})')
+    p.add_argument('--out', default='.',
+                   help='folder for bench_accuracy.png and .csv (segmentation: bench_segmentation.png and .csv)')
+
+def _option(args, name:str):
+    "Option `name` of the command line, else its default for `args.task`."
+    given = getattr(args, name)
+    return task_defaults[args.task][name] if given is None else given
 
 def _grid(args) -> dict:
-    "The `bench_accuracy` arguments of the command line's options."
-    if args.quick: return dict(models=('simple_cnn',), opts=('adam',), micro_bss=(2,), seeds=(0,), epochs=2,
-                               settings=['naive', f'ours:{default_policy()}'])
-    return dict(models=tuple(args.models.split(',')), opts=tuple(args.opts.split(',')),
-                micro_bss=tuple(int(b) for b in args.micro_bs.split(',')), seeds=tuple(range(args.seeds)),
-                epochs=args.epochs, settings=args.settings.split(',') if args.settings else None)
+    "The `bench_accuracy` (`--task segmentation`: `bench_segmentation`) arguments of the command line's options."
+    if args.quick: return dict(models=(_option(args, 'models').split(',')[0],), opts=('adam',), micro_bss=(2,),
+                               seeds=(0,), epochs=2, settings=['naive', f'ours:{default_policy()}'])
+    return dict(models=tuple(_option(args, 'models').split(',')), opts=tuple(_option(args, 'opts').split(',')),
+                micro_bss=tuple(int(b) for b in _option(args, 'micro_bs').split(',')),
+                seeds=tuple(range(_option(args, 'seeds'))), epochs=_option(args, 'epochs'),
+                settings=args.settings.split(',') if args.settings else None)
 
 def accuracy_main(args) -> int:
     "Run `fastai-accum bench accuracy`; returns the exit code."
     from pathlib import Path
-    with torch_threads(1): res = bench_accuracy(**_grid(args))
+    seg = args.task == 'segmentation'
+    with torch_threads(1): res = (bench_segmentation if seg else bench_accuracy)(**_grid(args))
     t = res.table()
     import pandas as pd
     with pd.option_context('display.width', 160, 'display.max_columns', 20):
         print(t.to_string(index=False, float_format=lambda v: f'{v:.3f}'))
-    out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
-    t.to_csv(out/'bench_accuracy.csv', index=False)
-    res.plot(out/'bench_accuracy.png')
-    print(f'plot: {out/"bench_accuracy.png"}  table: {out/"bench_accuracy.csv"}')
+    out, name = Path(args.out), 'bench_segmentation' if seg else 'bench_accuracy'
+    out.mkdir(parents=True, exist_ok=True)
+    t.to_csv(out/f'{name}.csv', index=False)
+    res.plot(out/f'{name}.png')
+    print(f'plot: {out/f"{name}.png"}  table: {out/f"{name}.csv"}')
     ours = t[t.setting == f'ours:{default_policy()}'].set_index(['model', 'opt', 'micro_bs'])
     naive = t[t.setting == 'naive'].set_index(['model', 'opt', 'micro_bs'])
     behind = [k for k in ours.index if k in naive.index and ours.acc[k] < naive.acc[k] - max(naive['std'][k], 0.01)]
