@@ -17,7 +17,7 @@ from .helpers import random_state_kept, modes_kept, is_accelerator, can_pin
 
 # %% auto #0
 __all__ = ['leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact',
-           'optimizer_state', 'release_pinned', 'saved_on_host']
+           'optimizer_state', 'release_pinned', 'saved_on_host', 'staging_budget']
 
 # %% ../nbs/02a_exact.ipynb #a31cf6dc
 @contextlib.contextmanager
@@ -250,3 +250,15 @@ def saved_on_host(plan:ExactPlan):
     if not plan.offload or plan.staged: return contextlib.nullcontext()
     # a copy of its own in host memory, pinned if it can be
     return torch.autograd.graph.save_on_cpu(pin_memory=plan.on_accelerator)
+
+# %% ../nbs/02a_exact.ipynb #c4d5e6f1
+def staging_budget(model:nn.Module, # the model, in the modes it trains in
+                   xb:tuple, # one micro-batch of its inputs (its samples are the smallest chunk)
+                   window:int, # samples per window
+                   opt_state:float|None=None, # optimizer state per byte of parameters (`optimizer_state`)
+                  ) -> int:
+    "A device budget halfway between one chunk's staged need and the whole window's: under it 'auto' stages."
+    xb = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in xb)  # a view would count its whole storage
+    plan = plan_exact(model, xb, window, opt_state=opt_state)
+    plan.chunk = xb[0].shape[0]
+    return (plan.staged_device_needed + plan.device_needed) // 2

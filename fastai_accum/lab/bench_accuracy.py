@@ -14,7 +14,7 @@ from fastai.callback.schedule import *  # fit_one_cycle
 from fastprogress.fastprogress import progress_bar
 from ..batchnorm import bn_policies
 from ..callback import GradientAccumulation
-from ..exact import plan_exact
+from ..exact import staging_budget
 from .experiments import (
     experiment_models, digits_models, digits_data, tensor_dls, canonical_setting, setting_batch_size,
     setting_learner, default_policy, torch_threads, model_names, bn_head, simple_cnn_bn, ResBlock, small_resnet, vgg_bn,
@@ -23,9 +23,9 @@ from .experiments import (
 # %% auto #0
 __all__ = ['bench_models', 'shape_classes', 'seg_models', 'task_defaults', 'accuracy_settings', 'train_one', 'AccuracyResults',
            'bench_accuracy', 'shapes_data', 'unet_small', 'unet_resnet18', 'seg_scores', 'segmentation_settings',
-           'staging_budget', 'train_segmentation', 'SegmentationResults', 'bench_segmentation', 'add_accuracy_args',
-           'accuracy_main', 'digits_data', 'bn_head', 'simple_cnn_bn', 'ResBlock', 'small_resnet', 'vgg_bn',
-           'vision_resnet18', 'timm_mobilenetv3', 'default_policy']
+           'train_segmentation', 'SegmentationResults', 'bench_segmentation', 'add_accuracy_args', 'accuracy_main',
+           'digits_data', 'bn_head', 'simple_cnn_bn', 'ResBlock', 'small_resnet', 'vgg_bn', 'vision_resnet18',
+           'timm_mobilenetv3', 'default_policy']
 
 # %% ../../nbs/20_bench_accuracy.ipynb #0b9edb0c
 bench_models = {name: experiment_models[name] for name in digits_models}
@@ -197,16 +197,6 @@ def _seg_setting(name:str, eff_bs:int) -> str:
     s = canonical_setting(name)
     return f'bs{eff_bs}' if s == 'bs64' else s
 
-def staging_budget(model:nn.Module, # the model, in training mode
-                   xb:torch.Tensor, # one micro-batch of inputs
-                   window:int, # samples per window
-                   opt_state:float=2., # optimizer state per byte of parameters (Adam: 2, `optimizer_state`)
-                  ) -> int:
-    "A device budget halfway between a staged step's need and the whole window's: under it `'auto'` stages."
-    plan = plan_exact(model.train(), (xb.clone(),), window, opt_state=opt_state)  # a view would count its whole storage
-    plan.chunk = xb.shape[0]
-    return (plan.staged_device_needed + plan.device_needed) // 2
-
 def train_segmentation(setting:str, # a name of `experiment_settings` (or an alias), or 'ours:budget'
                        model:str='unet_small', # key of `seg_models`
                        opt:str='adam', # 'adam' (fit_one_cycle, lr 6e-3) or 'sgd' (momentum 0.9, fit_one_cycle, lr 0.05)
@@ -224,7 +214,7 @@ def train_segmentation(setting:str, # a name of `experiment_settings` (or an ali
     learn = setting_learner(s, dls, net, micro_bs, n_acc=eff_bs, opt_func=opt_func,
                             loss_func=CrossEntropyLossFlat(axis=1))
     if budget:
-        memory = staging_budget(net, xt[:micro_bs], eff_bs)
+        memory = staging_budget(net.train(), (xt[:micro_bs],), eff_bs, opt_state=2.)  # Adam: 2
         learn.add_cb(GradientAccumulation(n_acc=eff_bs, device_memory=memory, preflight=False))
     t = time.perf_counter()
     with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(epochs, 6e-3 if opt == 'adam' else 0.05)
