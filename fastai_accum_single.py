@@ -16,13 +16,13 @@ Contents (line: module: classes), dependencies first:
       621: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
      1039: meters: ByteMeter, SavedTensorMeter, LayerMeter
      1163: staged: StagedGraph
-     1462: prepass: PrepassPlan, PreflightTable
-     1669: staged_exact: StagedStep, StagedForward
-     2485: exact: Footprint, ExactModeMemoryError, ExactPlan
-     2738: ghost: GhostForward
-     2792: plan: StagedMismatchError, TrainingPlan
-     3021: core: BatchNormInstaller, Accumulation, FrontEnd
-     3517: callback: WindowPrefetch, GradientAccumulation
+     1459: prepass: PrepassPlan, PreflightTable
+     1666: staged_exact: StagedStep, StagedForward
+     2482: exact: Footprint, ExactModeMemoryError, ExactPlan
+     2735: ghost: GhostForward
+     2789: plan: StagedMismatchError, TrainingPlan
+     3018: core: BatchNormInstaller, Accumulation, FrontEnd
+     3514: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -1445,16 +1445,13 @@ def aten_graph(model:nn.Module, # a model in the modes it trains in (nothing in 
     return cache[key]
 
 def staged_graph(model:nn.Module, # the model, in the modes it trains in
-                 xb:tuple|None=None, # one micro-batch of its inputs (needed by the second tracer)
+                 xb:tuple, # one micro-batch of its inputs (the second tracer runs the model on it)
                 ) -> fx.Graph|str:
     "The graph a staged step runs on `model`: torch.fx's (`bn_graph`), else the aten-level one, or why neither."
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')  # torch.fx's failure is said below, with the second tracer's
         g = bn_graph(model)
     if not isinstance(g, str): return g
-    found = _aten_graphs.get(model, {})
-    if xb is None:  # the graph traced when the plan was made (the inputs it was traced for)
-        return next((v for v in reversed(found.values()) if not isinstance(v, str)), g)
     a = aten_graph(model, xb)
     if not isinstance(a, str): return a
     return f"neither torch.fx ({g}) nor an aten-level trace ({a}) can trace {type(model).__name__}"
@@ -2208,8 +2205,8 @@ class StagedForward(ReplacedForward):
         self.fp32 = _converts_to_fp32(self.own)
         dev = next(model.parameters()).device
         self.store = store if store is not None or not is_accelerator(dev) else 'cpu'
-        graph = staged_graph(model)  # torch.fx's; else the aten-level graph traced when the plan was made, if any
-        self.by_fx = not isinstance(bn_graph(model), str)
+        graph = bn_graph(model)
+        self.by_fx = not isinstance(graph, str)
         if self.by_fx: self.step = StagedStep(model, graph, self.store)
         else: self.step, self.steps = None, {}  # aten-level: a step per input signature, made at its first window
 
@@ -3172,8 +3169,8 @@ class _CorePreflight:
         lines = [head] if head else []
         lines.append(_summary(self.table, self.bns[0].policy))
         why = untraceable_reason(self.module) if self.needs_window else None
-        fx_why = why and why[why.index('(') + 1:why.index(');')]  # torch.fx's own words
-        if why and not any(fx_why in l for l in lines): lines.append(f"GradientAccumulation: {why}")  # said once
+        fx_why = bn_graph(self.module) if why else None  # torch.fx's own words, said once
+        if why and not any(fx_why in l for l in lines): lines.append(f"GradientAccumulation: {why}")
         return '\n'.join(lines)
 
     def preflight_table(self, xb:tuple, # one micro-batch's model inputs

@@ -10,7 +10,7 @@ from torch import nn, Tensor
 from torch.nn.parallel import DistributedDataParallel
 from fastcore.basics import patch
 from .batchnorm import AccumulateBatchNorm, wrap_bn, bn_layers, unwrap_layer
-from .staged import untraceable_reason
+from .staged import untraceable_reason, bn_graph
 from .prepass import window_prepasses, bn_preflight
 from .exact import saved_on_host, release_pinned, optimizer_state
 from .plan import TrainingPlan, plan_training, check_policy
@@ -168,8 +168,8 @@ class _CorePreflight:
         lines = [head] if head else []
         lines.append(_summary(self.table, self.bns[0].policy))
         why = untraceable_reason(self.module) if self.needs_window else None
-        fx_why = why and why[why.index('(') + 1:why.index(');')]  # torch.fx's own words
-        if why and not any(fx_why in l for l in lines): lines.append(f"GradientAccumulation: {why}")  # said once
+        fx_why = bn_graph(self.module) if why else None  # torch.fx's own words, said once
+        if why and not any(fx_why in l for l in lines): lines.append(f"GradientAccumulation: {why}")
         return '\n'.join(lines)
 
     def preflight_table(self, xb:tuple, # one micro-batch's model inputs

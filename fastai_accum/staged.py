@@ -292,16 +292,13 @@ def aten_graph(model:nn.Module, # a model in the modes it trains in (nothing in 
     return cache[key]
 
 def staged_graph(model:nn.Module, # the model, in the modes it trains in
-                 xb:tuple|None=None, # one micro-batch of its inputs (needed by the second tracer)
+                 xb:tuple, # one micro-batch of its inputs (the second tracer runs the model on it)
                 ) -> fx.Graph|str:
     "The graph a staged step runs on `model`: torch.fx's (`bn_graph`), else the aten-level one, or why neither."
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')  # torch.fx's failure is said below, with the second tracer's
         g = bn_graph(model)
     if not isinstance(g, str): return g
-    found = _aten_graphs.get(model, {})
-    if xb is None:  # the graph traced when the plan was made (the inputs it was traced for)
-        return next((v for v in reversed(found.values()) if not isinstance(v, str)), g)
     a = aten_graph(model, xb)
     if not isinstance(a, str): return a
     return f"neither torch.fx ({g}) nor an aten-level trace ({a}) can trace {type(model).__name__}"

@@ -553,8 +553,8 @@ class StagedForward(ReplacedForward):
         self.fp32 = _converts_to_fp32(self.own)
         dev = next(model.parameters()).device
         self.store = store if store is not None or not is_accelerator(dev) else 'cpu'
-        graph = staged_graph(model)  # torch.fx's; else the aten-level graph traced when the plan was made, if any
-        self.by_fx = not isinstance(bn_graph(model), str)
+        graph = bn_graph(model)
+        self.by_fx = not isinstance(graph, str)
         if self.by_fx: self.step = StagedStep(model, graph, self.store)
         else: self.step, self.steps = None, {}  # aten-level: a step per input signature, made at its first window
 
