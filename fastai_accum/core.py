@@ -69,7 +69,9 @@ class BatchNormInstaller:
     def install(self, module:nn.Module, how:TrainingPlan) -> list:
         "Install `how` on `module`; the accumulating BatchNorm layers."
         m = how.memory
-        if how.staged: install_staged(module, m.chunk, store=m.device if m.whole else None, autocast=self.autocast)
+        if how.staged:
+            install_staged(module, m.chunk, store=m.device if m.whole else None, autocast=self.autocast,
+                           budget=m.chunk_budget)
         elif how.ghost_micro: install_ghost(module, self.bn_batch)  # plain layers, each micro-batch in ghost batches
         elif how.layers is not None:
             new = self.wrap and (not how.exact or self.merge_exact and world_size() > 1)

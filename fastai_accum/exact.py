@@ -134,6 +134,13 @@ class ExactPlan:
         "Bytes a staged step needs on the device: at most training at one chunk."
         return int((self.chunk or 1) * (self.footprint.saved + 2 * self.footprint.working) + self.param_needed)
     @property
+    def chunk_budget(self) -> int|None:
+        "Device bytes one chunk of a stage may hold: the budget less the parameters (on a CPU, less the kept values)."
+        # a staged step sizes each stage's chunks from it (None: the whole window in one chunk, under DDP)
+        if self.whole: return None
+        budget = self.device_budget if self.device_budget is not None else self.host_budget
+        return max(int(budget - self.param_needed - (0 if self.on_accelerator else self.staged_host_needed)), 0)
+    @property
     def staged_host_needed(self) -> int:
         "Bytes of values (and gradients) a staged step keeps between stages: at most the saved activations."
         return int(self.window * self.footprint.saved)
@@ -153,8 +160,9 @@ class ExactPlan:
                     f"needs {fmt_bytes(self.device_needed)}{self._checked}")
         if self.staged:
             return (f"a window of {self.window} samples as one batch would need {fmt_bytes(self.device_needed)} "
-                    f"({self._budget}), so it trains as one batch stage by stage in chunks of {self.chunk}: about "
-                    f"{fmt_bytes(self.staged_device_needed)} on the device and "
+                    f"({self._budget}), so it trains as one batch stage by stage in chunks of {self.chunk} or more "
+                    f"(each stage's as large as {fmt_bytes(self.chunk_budget)} holds, measured): at most about "
+                    f"{fmt_bytes(self.chunk_budget + self.param_needed)} on the device and "
                     f"{fmt_bytes(self.staged_host_needed)} of values kept between stages{self._checked}")
         if not self.on_accelerator:
             return (f"a window of {self.window} samples as one batch needs {fmt_bytes(self.host_needed)} "

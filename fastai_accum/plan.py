@@ -96,7 +96,7 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
         if plan.reason: raise StagedMismatchError(f"{name}(policy='staged'): {plan.reason}. Train with policy='window' "
                                                   "(or 'auto', which falls back to it), or pass verify=False to train "
                                                   "staged anyway.")
-        plan.staged, plan.chunk, plan.offload = True, _largest_chunk(plan), False
+        plan.staged, plan.offload = True, False
         return True, plan
     whole, staged, offloaded = _agreed(plan.device, auto_picks_exact(plan) and not unfit, plan.reason is None,
                                        plan.fits and plan.offload and not synced)
@@ -104,7 +104,7 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
         if synced: _whole_staged(plan)
         return True, plan
     if staged:
-        plan.staged, plan.chunk, plan.offload = True, _largest_chunk(plan), False
+        plan.staged, plan.offload = True, False
         return True, plan
     if offloaded: return True, plan
     plan.reason = plan.reason or 'another process cannot train its window as one batch'
@@ -130,13 +130,6 @@ def _whole_staged(plan:ExactPlan):
 def _syncs_itself(model:nn.Module) -> bool:
     "Every training BatchNorm layer is a `SyncBatchNorm`, which reduces over the processes itself."
     return all(isinstance(m, nn.SyncBatchNorm) for m in bn_layers(model) if m.training)
-
-def _largest_chunk(plan:ExactPlan) -> int:
-    "The most samples per chunk the device budget holds (at least the micro-batch): fewer, larger kernels."
-    budget = plan.device_budget if plan.device_budget is not None else plan.host_budget
-    per = plan.footprint.saved + 2 * plan.footprint.working
-    fit = int((budget - plan.param_needed) // per) if per > 0 else plan.window
-    return max(plan.chunk, min(plan.window, fit))
 
 def _not_staged(plan:ExactPlan, model:nn.Module, xb:tuple) -> str|None:
     "Why a staged step would not be the big batch (the model does not trace, an op mixes samples), or None."

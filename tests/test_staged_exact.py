@@ -80,3 +80,34 @@ def test_rounding_amplified_by_a_batchnorm_is_not_taken_for_mixing():
     m = timm.create_model('efficientnet_b0', num_classes=10).double().train()
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0)).double()
     assert samples_mixed(m, (x,)) is None
+
+def test_chunks_sized_per_stage_give_the_uniform_chunks_step():
+    """A device budget sizes each stage's chunks from its bytes per sample, measured on its first chunk (late stages,
+    smaller per sample, run in larger chunks; the last stage's last chunk keeps its graph for the backward): the step —
+    output, every gradient, running statistics, counters — is the one uniform chunks give, and the big batch's (float64)."""
+    import torchvision
+    torch.manual_seed(0)
+    big = torchvision.models.resnet18(num_classes=5).double().train()
+    uniform, sized, probe = (copy.deepcopy(big) for _ in range(3))
+    x = torch.randn(12, 3, 32, 32, dtype=torch.float64)
+    f = install_staged(probe, chunk=2, budget=1)  # every stage in chunks of 2, each stage's cost measured
+    probe(x).sum().backward()
+    costs = f.step.costs
+    budget = int(3 * max(costs.values()))  # the costliest stage: 3 samples per chunk; cheaper ones more
+    fu, fs = install_staged(uniform, chunk=2), install_staged(sized, chunk=2, budget=budget)
+    fu.step.grow = False
+    fs.step.costs = dict(costs)  # measured once per stage: sized from the first chunk on
+    res = []
+    for m in (big, uniform, sized):
+        torch.manual_seed(1); out = m(x)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        res.append((out.detach(), flat(p.grad for p in m.parameters()), flat(b for b in m.buffers() if b.is_floating_point()),
+                    [int(b) for n, b in m.named_buffers() if n.endswith('num_batches_tracked')]))
+    widths = [max(b - a for a, b in sp) for sp in fs.step.spans]
+    assert all(w == 2 for sp in fu.step.spans for w in {b - a for a, b in sp[:-1]})
+    assert min(widths) == 3 and max(widths) == 12 and len(set(widths)) >= 3, widths  # sized stage by stage
+    for s, w in enumerate(widths):  # within the budget, or the smallest chunk
+        assert w == 2 or w * costs[fs.step._cost_key(s)] <= budget
+    (ob, gb, bb, nb), (ou, gu, bu, nu), (os_, gs, bs, ns) = res
+    assert rel(os_, ou) < 1e-12 and rel(gs, gu) < 1e-12 and rel(bs, bu) < 1e-12 and ns == nu == nb
+    assert rel(os_, ob) < 1e-12 and rel(gs, gb) < 1e-10 and rel(bs, bb) < 1e-12

@@ -4,7 +4,9 @@
 
 # %% ../../nbs/21_bench_speed.ipynb #b72edfd4
 from __future__ import annotations
-import argparse, gc, json, math, os, statistics, subprocess, sys, tempfile, time, warnings
+import argparse, gc, json, math, os, statistics, subprocess, sys, tempfile, time, warnings, weakref
+from contextlib import contextmanager
+from torch.utils._python_dispatch import TorchDispatchMode
 from functools import partial
 import torch, torchvision
 from fastai.basics import *
@@ -14,16 +16,19 @@ from ..prepass import window_prepasses, prepass_plan, prepass_info
 from ..plan import plan_training
 from ..staged_exact import install_staged, uninstall_staged, verify_staged
 from ..meters import _nbytes
+from ..stats import ChannelStats
+from ..helpers import _tensors
 from .experiments import (
     small_cnn, torchvision_resnet18, efficientnet_b0, synthetic_dls, default_policy, setting_batch_size,
     setting_learner, torch_threads, CountAllReduces, model_names)
 
 # %% auto #0
-__all__ = ['bench_models', 'prepass_models_fns', 'staged_models_fns', 'summary_keys', 'speed_variants', 'time_variants',
-           'median_ratio', 'saved_bytes_peak', 'cuda_peak_bytes', 'prepass_peak', 'unet', 'staged_step',
-           'memory_matched_chunk', 'tensor_bytes_alive', 'leak_per_1000', 'allreduce_counts', 'format_summary',
-           'parse_summary', 'SpeedResults', 'auto_choice', 'bench_speed', 'add_speed_args', 'speed_main', 'small_cnn',
-           'synthetic_dls', 'efficientnet_b0', 'default_policy']
+__all__ = ['bench_models', 'prepass_models_fns', 'staged_models_fns', 'table_models', 'summary_keys', 'speed_variants',
+           'time_variants', 'median_ratio', 'saved_bytes_peak', 'cuda_peak_bytes', 'prepass_peak', 'unet',
+           'staged_step', 'memory_matched_chunk', 'LiveBytes', 'profile_staged', 'staged_row', 'staged_table',
+           'tensor_bytes_alive', 'leak_per_1000', 'allreduce_counts', 'format_summary', 'parse_summary', 'SpeedResults',
+           'auto_choice', 'bench_speed', 'add_speed_args', 'speed_main', 'small_cnn', 'synthetic_dls',
+           'efficientnet_b0', 'default_policy']
 
 # %% ../../nbs/21_bench_speed.ipynb #ceeb1340
 bench_models = {'small_cnn': small_cnn, 'torchvision_resnet18': torchvision_resnet18} # `--models` names
@@ -210,6 +215,202 @@ def memory_matched_chunk(model, x:Tensor, # the model and a window of its inputs
         if held > budget: break
         c *= 2
     return c
+
+# %% ../../nbs/21_bench_speed.ipynb #e35a0002
+class LiveBytes(TorchDispatchMode):
+    "Live and peak bytes of the tensor storages ops create inside (what training holds on its device beyond the model)."
+    # a storage counts from the op that makes it until it is freed (a finalizer on the storage); `to_host` and `as_host`
+    # move what a staged step keeps between stages out of the count: on an accelerator it waits in host memory
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self.sizes, self.host = 0, 0, {}, False
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors(out): self._track(t)
+        return out
+    def _track(self, t:Tensor):
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if not key or key in self.sizes: return
+        self.sizes[key] = n = 0 if self.host else st.nbytes()
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(st, self._free, key)
+    def _free(self, key): self.live -= self.sizes.pop(key, 0)
+    def to_host(self, t:Tensor):
+        "Stop counting `t`'s storage: it lives in host memory."
+        key = t.untyped_storage().data_ptr()
+        if self.sizes.get(key): self.live -= self.sizes[key]; self.sizes[key] = 0
+    @contextmanager
+    def as_host(self):
+        "Storages made inside are host memory: not counted."
+        self.host = True
+        try: yield
+        finally: self.host = False
+
+# %% ../../nbs/21_bench_speed.ipynb #e35a0005
+def _on_host_store(step, meter:LiveBytes):
+    "Count what `step` keeps between stages (values, their gradients) as host memory, where an accelerator keeps it."
+    keep = step._keep
+    def kept(d, n, v, a, b, add=False):
+        with meter.as_host(): keep(d, n, v, a, b, add)
+        meter.to_host(d[n])
+    step._keep = kept
+    return keep
+
+def _train(model, x:Tensor):
+    "One forward and backward of `model` on `x`; gradients add up in `.grad`."
+    model(x).float().pow(2).mean().backward()
+
+def _device_peak(fn, dev, step=None) -> int:
+    "Peak device bytes `fn()` allocates: CUDA's allocator peak, or on a CPU the storages ops make (`LiveBytes`)."
+    # a staged `step`'s store is host memory on an accelerator, and counted so on a CPU
+    if dev.type == 'cuda':
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        fn()
+        torch.cuda.synchronize(dev)
+        return torch.cuda.max_memory_allocated(dev) - base
+    with LiveBytes() as meter:
+        own = _on_host_store(step, meter) if step is not None else None
+        try: fn()
+        finally:
+            if own is not None: del step._keep  # back to the class's
+    return meter.peak
+
+def _fastest(fn, dev, reps:int) -> float:
+    "Seconds of the fastest of `reps` calls of `fn` (synchronised on CUDA)."
+    ts = []
+    for _ in range(max(reps, 1)):
+        _sync(dev)
+        t = time.perf_counter()
+        fn()
+        _sync(dev)
+        ts.append(time.perf_counter() - t)
+    return min(ts)
+
+# %% ../../nbs/21_bench_speed.ipynb #e35a0007
+_passes = {'forward': 'compute', 'recompute': 'compute', 'autograd': 'compute', 'statistics': 'BatchNorm passes',
+           'window sums': 'BatchNorm passes', 'projection': 'BatchNorm passes', 'running statistics': 'BatchNorm passes',
+           'store copies': 'copies', 'store reads': 'copies', 'input copies': 'copies'}
+
+def profile_staged(model, x:Tensor, # the model (`install_staged` on it) and a window of inputs
+                   reps:int=1, # profiled steps after a warm-up (the fastest is kept)
+                  ) -> dict:
+    "Seconds per pass of one staged step of `model` on `x`: each pass of `_passes`, 'other' (the graph's interpretation)."
+    f = vars(model)['forward']
+    step, dev = f.step_for((x,)), next(model.parameters()).device
+    times, add = {}, ChannelStats.add
+    def timed(name, fn):
+        def run(*a, **k):
+            _sync(dev)
+            t = time.perf_counter()
+            r = fn(*a, **k)
+            _sync(dev)
+            key = name(a, k) if callable(name) else name
+            times[key] = times.get(key, 0.) + time.perf_counter() - t
+            return r
+        return run
+    grad_of = lambda a, k: 'recompute' if k.get('grad', a[3] if len(a) > 3 else False) else 'forward'
+    wrapped = dict(_run_stage=grad_of, _grads='autograd', _window_sums='window sums', _project='projection',
+                   _close='running statistics', _keep='store copies', _stage_inputs='store reads', _xb='input copies')
+    for k, name in wrapped.items(): setattr(step, k, timed(name, getattr(step, k)))
+    ChannelStats.add = timed('statistics', add)
+    try:
+        _train(model, x)
+        best = None
+        for _ in range(max(reps, 1)):
+            times.clear()
+            total = _fastest(lambda: _train(model, x), dev, 1)
+            if best is None or total < best['total']: best = dict(times, total=total)
+    finally:
+        ChannelStats.add = add
+        for k in wrapped: delattr(step, k)
+        model.zero_grad(set_to_none=True)
+    best['other'] = best['total'] - sum(v for k, v in best.items() if k != 'total')
+    return best
+
+def _grouped(profile:dict) -> dict:
+    "A profile's seconds by kind of pass: compute, BatchNorm passes, copies, other."
+    out = {}
+    for k, v in profile.items():
+        if k != 'total': out[_passes.get(k, 'other')] = out.get(_passes.get(k, 'other'), 0.) + v
+    return out
+
+# %% ../../nbs/21_bench_speed.ipynb #e35a000a
+table_models = {n: partial(getattr(torchvision.models, n), num_classes=10) for n in
+                ('resnet18', 'resnet50', 'mobilenet_v2', 'shufflenet_v2_x1_0', 'efficientnet_b0', 'densenet121')}
+
+def _matched_staged(model, x:Tensor, micro:int, target:int, grads:int, dev, tries:int=5) -> tuple:
+    "(installed staged forward, its device peak): chunks sized within a budget whose step peaks at most at `target`."
+    # the budget starts at what `target` leaves beside the gradients and shrinks by the overshoot measured
+    budget = max(target - grads, 1)
+    for i in range(tries):
+        f = install_staged(model, micro, budget=budget)
+        step = f.step_for((x,))
+        _train(model, x)  # each stage's bytes per sample measured on its first chunk
+        model.zero_grad(set_to_none=True)
+        peak = _device_peak(lambda: _train(model, x), dev, step)
+        model.zero_grad(set_to_none=True)
+        if peak <= target or i == tries - 1: break
+        uninstall_staged(model)
+        budget = int(budget * max(target - grads, 1) / max(peak - grads, 1) * 0.95)  # the overshoot of the chunks' part
+    return f, peak
+
+def staged_row(model_fn, # builds the model
+               window:int=64, # samples per window
+               micro:int=2, # naive accumulation's micro-batch (the staged step's smallest chunk)
+               size:int=128, # image height and width
+               device='cpu', # where to train
+               reps:int=2, # timed steps per setting (after a warm-up)
+               host_fraction:float=0.4, # the whole window is skipped if it would need more of the host's available memory
+              ) -> dict:
+    "Time and device peak of naive accumulation at `micro`, staged exact at no more device memory, and the whole window."
+    torch.manual_seed(0)
+    dev = torch.device(device)
+    model = model_fn().to(dev).train()
+    x = torch.randn(window, 3, size, size, pin_memory=dev.type == 'cuda')  # in host memory, as a front end keeps it
+    xm = x[:micro].to(dev, copy=True)
+    grads = sum(_nbytes(p) for p in model.parameters())
+    _train(model, xm)
+    naive_s = _fastest(lambda: _train(model, xm), dev, reps) * window / micro
+    naive_b = _device_peak(lambda: (_train(model, xm), _train(model, xm)), dev)  # with the gradients of earlier ones
+    model.zero_grad(set_to_none=True)
+    f, staged_b = _matched_staged(model, x, micro, naive_b, grads, dev)
+    try:
+        staged_s = _fastest(lambda: (_train(model, x), model.zero_grad(set_to_none=True)), dev, reps)
+        widths = [max(b - a for a, b in sp) for sp in f.step.spans]
+        prof = _grouped(profile_staged(model, x))
+    finally: uninstall_staged(model)
+    whole_s = whole_b = float('nan')
+    import psutil
+    if naive_b * window / micro < host_fraction * psutil.virtual_memory().available or dev.type == 'cuda':
+        try:
+            xw = x.to(dev)
+            whole_s = _fastest(lambda: (_train(model, xw), model.zero_grad(set_to_none=True)), dev, reps)
+            whole_b = _device_peak(lambda: _train(model, xw), dev)
+        except torch.OutOfMemoryError: pass
+    return dict(window=window, naive_s=naive_s, naive_MiB=naive_b / 2**20, staged_s=staged_s, staged_MiB=staged_b / 2**20,
+                whole_s=whole_s, whole_MiB=whole_b / 2**20, time_vs_naive=staged_s / naive_s,
+                memory_vs_naive=staged_b / naive_b, time_vs_whole=staged_s / whole_s,
+                chunks=f"{min(widths)}-{max(widths)}", **{f'{k} %': 100 * v / sum(prof.values()) for k, v in prof.items()})
+
+def staged_table(models=tuple(table_models), # names in `table_models`
+                 windows=(16, 64, 256), # samples per window
+                 micro:int=2, size:int=128, device='cpu', reps:int=2,
+                 threads:int|None=1, # torch CPU threads (None: as they are)
+                 verbose:bool=True, # print each row as it is measured
+                ) -> pd.DataFrame:
+    "`staged_row` for each model and window: the table `bench speed --staged-table` prints."
+    rows = []
+    with torch_threads(threads):
+        for name in models:
+            for w in windows:
+                t = time.perf_counter()
+                rows.append(dict(model=name, **staged_row(table_models[name], w, micro, size, device, reps)))
+                if verbose: print(f"{name} W={w}: {time.perf_counter() - t:.0f} s", flush=True)
+    return pd.DataFrame(rows).set_index(['model', 'window'])
 
 # %% ../../nbs/21_bench_speed.ipynb #f7985979
 def tensor_bytes_alive(extra:dict|None=None, # more storages, `{key: nbytes}` (e.g. `SavedTensorMeter.storages`)
