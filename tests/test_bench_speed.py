@@ -28,3 +28,15 @@ def test_module_runs_as_a_script():
                        cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert '--quick' in r.stdout and '--n-step' in r.stdout
+
+def test_staged_table_matches_naive_memory_and_explains_its_time(capsys):
+    "`bench speed --staged-table` (one small row): staged exact within naive accumulation's device peak, every column there, the profile's shares adding up."
+    import argparse
+    from fastai_accum.lab.bench_speed import add_speed_args, speed_main, staged_table
+    t = staged_table(['resnet18'], [4], micro=2, size=32, reps=1, verbose=False)
+    r = t.loc[('resnet18', 4)]
+    assert r['memory_vs_naive'] <= 1.0 and r['staged_MiB'] > 0 and r['whole_MiB'] > 0
+    assert abs(r['compute %'] + r['BatchNorm passes %'] + r['copies %'] + r['other %'] - 100) < 1e-6
+    args = add_speed_args(argparse.ArgumentParser()).parse_args(['--staged-table', '--staged-models', 'shufflenet_v2_x1_0',
+                                                                 '--staged-windows', '2', '--device', 'cpu'])
+    assert speed_main(args) == 0 and 'time_vs_naive' in capsys.readouterr().out

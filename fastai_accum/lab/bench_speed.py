@@ -225,14 +225,15 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self.live, self.peak, self.sizes, self.host = 0, 0, {}, False
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in _tensors([args, kwargs]): self._track(t, made=False)  # an op writing in place makes nothing
         out = func(*args, **(kwargs or {}))
         for t in _tensors(out): self._track(t)
         return out
-    def _track(self, t:Tensor):
+    def _track(self, t:Tensor, made:bool=True):
         st = t.untyped_storage()
         key = st.data_ptr()
         if not key or key in self.sizes: return
-        self.sizes[key] = n = 0 if self.host else st.nbytes()
+        self.sizes[key] = n = 0 if self.host or not made else st.nbytes()
         self.live += n
         self.peak = max(self.peak, self.live)
         weakref.finalize(st, self._free, key)
@@ -375,6 +376,7 @@ def staged_row(model_fn, # builds the model
     grads = sum(_nbytes(p) for p in model.parameters())
     _train(model, xm)
     naive_s = _fastest(lambda: _train(model, xm), dev, reps) * window / micro
+    model.zero_grad(set_to_none=True)
     naive_b = _device_peak(lambda: (_train(model, xm), _train(model, xm)), dev)  # with the gradients of earlier ones
     model.zero_grad(set_to_none=True)
     f, staged_b = _matched_staged(model, x, micro, naive_b, grads, dev)
@@ -758,11 +760,21 @@ def add_speed_args(parser:argparse.ArgumentParser, # the (sub-)parser to add the
     parser.add_argument('--staged-models', default=None,
                         help=f"staged exact step: comma-separated, from: {', '.join(staged_models_fns)} (default: torchvision_resnet18,efficientnet_b0 quick; all but small_cnn full)")
     parser.add_argument('--staged-windows', default=None, help='staged exact step: comma-separated window sizes (default: 16 quick; 16,64,256 full)')
+    parser.add_argument('--staged-table', action='store_true',
+                        help=f"only the table of staged exact vs naive accumulation on the same memory vs the whole window "
+                             f"(`staged_table`, 128 px; --staged-models from: {', '.join(table_models)}; default all; "
+                             "--staged-windows default 16,64,256)")
     return parser
 
 def speed_main(args:argparse.Namespace, # parsed `add_speed_args` options
               ) -> int:
     "Run the benchmark, print the table and the summary line last; 0 unless a measurement failed."
+    if args.staged_table:
+        models = [m.strip() for m in args.staged_models.split(',')] if args.staged_models else list(table_models)
+        windows = [int(w) for w in args.staged_windows.split(',')] if args.staged_windows else (16, 64, 256)
+        with pd.option_context('display.width', 250, 'display.max_columns', 30, 'display.precision', 2):
+            print(staged_table(models, windows, args.micro_bs, device=args.device), flush=True)
+        return 0
     res = bench_speed(models=[m.strip() for m in args.models.split(',') if m.strip()], device=args.device,
                       micro_bs=args.micro_bs, n_step=args.n_step, repeats=args.repeats, comm=not args.no_comm,
                       quick=args.quick, verbose=True, staged_models=args.staged_models,
