@@ -18,11 +18,11 @@ Contents (line: module: classes), dependencies first:
      1163: staged: StagedGraph
      1459: prepass: PrepassPlan, PreflightTable
      1666: staged_exact: StagedStep, StagedForward
-     2482: exact: Footprint, ExactModeMemoryError, ExactPlan
-     2735: ghost: GhostForward
-     2789: plan: StagedMismatchError, TrainingPlan
-     3018: core: BatchNormInstaller, Accumulation, FrontEnd
-     3514: callback: WindowPrefetch, GradientAccumulation
+     2580: exact: Footprint, ExactModeMemoryError, ExactPlan
+     2841: ghost: GhostForward
+     2895: plan: StagedMismatchError, TrainingPlan
+     3117: core: BatchNormInstaller, Accumulation, FrontEnd
+     3615: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -1707,6 +1707,9 @@ class StagedStep(StagedGraph):
     local = False  # this process's window alone: no collective under DDP (the check on the user's model)
     _said_random = False  # the warning that chunked stages drew random numbers was given
     pin = False  # the host store is pinned (a model on CUDA, kept values in host memory)
+    # device bytes one chunk of a stage may hold in its backward: each stage's chunks as large as that allows, from its
+    # bytes per sample measured on its first chunk (None: the `grow` rule)
+    budget = None
     def __init__(self,
                  model:nn.Module, # the model (called through its modules; nothing is copied)
                  graph:fx.Graph, # its torch.fx graph with every BatchNorm layer a leaf (`bn_graph`)
@@ -1714,6 +1717,7 @@ class StagedStep(StagedGraph):
                 ):
         self.model, self.graph, self.store = model, graph, store
         self.modules = dict(model.named_modules())
+        self.costs = {}  # bytes per sample of each stage's chunk in its backward (`_stage_cost`), by `_cost_key`
         nodes = list(graph.nodes)
         self.inputs = [n for n in nodes if n.op == 'placeholder']
         self.output = next(n for n in nodes if n.op == 'output')
@@ -1834,6 +1838,7 @@ def _kept_chunk(self, key, a:int, b:int, dev, grad:bool) -> Tensor:
     "Samples a:b of the kept tensor `key` on `dev`; for a backward, a leaf collecting its gradient."
     v = _to(self.kept[key][a:b], dev)
     # a chunk of its own, as on an accelerator: the store stays out of the graph
+    # a chunk of its own, as on an accelerator: what the backward holds is the chunk, not the store it is a view of
     if grad and v.device == self.kept[key].device: v = v.clone()
     return v.detach().requires_grad_(v.is_floating_point()) if grad else v
 
@@ -1858,6 +1863,9 @@ def _struct_keys(self, n, v) -> list:
 
 def _keep(self, d:dict, n, v:Tensor, a:int, b:int, add:bool=False):
     "Samples a:b of node `n`'s value (or, `add`, gradient) into the window-sized `d[n]`, in `store`."
+    if not add and b - a == self.W and (self.store is None or torch.device(self.store) == v.device):
+        d[n] = v.detach()  # the whole window, where the store is: kept as it is, no copy
+        return
     if n not in d: d[n] = (torch.zeros if add else torch.empty)((self.W,) + v.shape[1:], dtype=v.dtype,
                                                                device=self.store or v.device, pin_memory=self.pin)
     if add: d[n][a:b] += _to(v, d[n].device)  # read on the host: a synchronous copy
@@ -1944,41 +1952,93 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
     # a pinned host store
     self.pin = self.store is not None and torch.device(self.store).type == 'cpu' and dev.type != 'cpu' and can_pin()
     self.autocast = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
+    self.signature = tuple((tuple(t.shape[1:]), t.dtype) for t in self.xb if isinstance(t, Tensor))
     self.kept, self.carried, self.structs, self.rng, self.stats, self.count, self.spans = {}, {}, {}, {}, {}, {}, []
     self.random_chunked = []  # stages that drew random numbers chunk by chunk
-    per_input = _nbytes(self.xb) / self.W
+    self.tail = None  # the last stage's last chunk, run with its graph: the backward starts from it, not recomputed
     for s in range(len(self.stages)):
-        per = sum(self._kept_bytes(n) if n in self.kept or n in self.carried else per_input * self.W
-                  for n in self.stage_in[s]) / self.W  # bytes a sample brings in
-        # as many bytes in as a micro-batch's input
-        c = min(self.W, max(chunk, int(chunk * per_input // max(per, 1)) if self.grow else chunk))
-        self.spans.append([(a, min(a + c, self.W)) for a in range(0, self.W, c)])
-        self._stage_forward(s, dev)
+        self.spans.append([])
+        self._stage_forward(s, dev, chunk)
     if self.random_chunked: self._say_random()
     return self._output(dev)
+
+def _producer_spans(self, s:int) -> list|None:
+    "The chunks of the stage that made a value stage `s` reads whose size arithmetic is unknown (`x.size(0) * 5`)."
+    # seen at one chunk size only, such a value cannot be told from a constant: stage `s` runs in the same chunks
+    for n in self.stage_in[s]:
+        vals = self.carried.get(n)
+        if vals and n not in self.sizes and len({b - a for a, b in vals}) < 2 and any(map(_has_int, vals.values())):
+            return sorted(vals)
+    return None
+
+def _has_int(v) -> bool:
+    "Does `v` hold an int (in a tuple, list or `torch.Size`)?"
+    if isinstance(v, (list, tuple)): return any(map(_has_int, v))
+    return isinstance(v, int) and not isinstance(v, bool)
+
+def _first_chunk(self, s:int, chunk:int) -> tuple:
+    "(samples per chunk of stage `s`, whether its first chunk measures the stage's bytes per sample)."
+    if self.budget is not None:
+        cost = self.costs.get(self._cost_key(s))
+        return (self._sized(cost, chunk), False) if cost is not None else (min(chunk, self.W), True)
+    if not self.grow: return chunk, False
+    # without a budget: as many bytes in as a micro-batch's input
+    per_input = _nbytes(self.xb) / self.W
+    per = sum(self._kept_bytes(n) if n in self.kept or n in self.carried else per_input * self.W
+              for n in self.stage_in[s]) / self.W  # bytes a sample brings in
+    return min(self.W, max(chunk, int(chunk * per_input // max(per, 1)))), False
+
+def _sized(self, cost:float, chunk:int) -> int:
+    "The most samples (at least `chunk`) whose chunk of a stage costing `cost` bytes per sample fits the budget."
+    return min(self.W, max(chunk, int(self.budget // max(cost, 1.))))
+
+def _cost_key(self, s:int) -> tuple:
+    "Stage `s` (its nodes, the inputs' shapes and dtypes, training's autocast): what its bytes per sample depend on."
+    return self.nodes[self.stages[s][0]].name, len(self.stages[s]), self.signature, self.autocast
+
+def _stage_cost(self, env:dict, n:int) -> float:
+    "Bytes per sample one chunk of a stage holds in its backward, from the values `env` its forward on `n` samples had."
+    # every batch tensor it computed or read (about what autograd saves when it is recomputed), plus twice the largest
+    # (the gradient being computed and the one it comes from)
+    sizes = {}
+    for t in _tensors(list(env.values())):
+        if t.dim() and t.shape[0] == n: sizes[t.data_ptr()] = max(sizes.get(t.data_ptr(), 0), _nbytes(t))
+    return (sum(sizes.values()) + 2 * max(sizes.values(), default=0)) / n
 
 def _kept_bytes(self, n) -> int:
     "Bytes of the window-sized tensors kept for node `n` (a container's included)."
     if n in self.kept: return _nbytes(self.kept[n])
     return sum(_nbytes(self.kept[n, i]) for i in self.structs[n][1]) if n in self.structs else 0
 
-def _stage_forward(self, s:int, dev):
+def _stage_forward(self, s:int, dev, chunk:int):
     "Run stage `s` over the window chunk by chunk, no graph; keep what later stages and the output read."
-    # the last stage reruns in one chunk if it draws random numbers (dropout): its masks are then the big batch's
+    # the last stage reruns in one chunk if it draws random numbers (dropout): its masks are then the big batch's;
+    # its last chunk runs with a graph, kept for the backward
     bar = self.nodes[self.stages[s + 1][0]] if s + 1 < len(self.stages) else None
-    st = ChannelStats()
-    for a, b in self.spans[s]:
-        env, xb = self._stage_inputs(s, a, b, dev), self._xb(a, b, dev, s=s)
+    st, (c, measure), a = ChannelStats(), self._first_chunk(s, chunk), 0
+    fixed = self._producer_spans(s)
+    if fixed: measure = False
+    while a < self.W:
+        b = fixed[len(self.spans[s])][1] if fixed else min(a + c, self.W)
+        tail = bar is None and b == self.W
+        env, xb = self._stage_inputs(s, a, b, dev, grad=tail), self._xb(a, b, dev, grad=tail, s=s)
         self.rng[s, a] = state = _rng_state(dev)
-        with torch.no_grad(): self._run_stage(s, env, xb, grad=False)
-        if a == 0 and len(self.spans[s]) > 1 and not _same_state(state, _rng_state(dev)):  # it draws random numbers
-            if bar is None:
+        with torch.set_grad_enabled(tail): leaf = self._run_stage(s, env, xb, grad=tail)
+        if a == 0 and b < self.W and not _same_state(state, _rng_state(dev)):  # it draws random numbers
+            if bar is None and not fixed:
                 _set_rng_state(state, dev)
-                self.spans[s] = [(0, self.W)]
-                return self._stage_forward(s, dev)
+                self.spans[s] = []
+                return self._stage_forward(s, dev, self.W)
             self.random_chunked.append(s)
-        for n in self.stage_out[s]: self._hold(n, env[n], a, b)
-        if bar is not None: st.add(self._value(bar.args[0], env, xb))
+        if measure and a == 0:  # the stage's bytes per sample, measured once: the other chunks as large as they fit
+            self.costs[self._cost_key(s)] = cost = self._stage_cost(env, b - a)
+            c = self._sized(cost, chunk)
+        self.spans[s].append((a, b))
+        with torch.no_grad():
+            for n in self.stage_out[s]: self._hold(n, env[n], a, b)
+            if bar is not None: st.add(self._value(bar.args[0], env, xb))
+        if tail: self.tail = (s, a), env, leaf
+        a = b
     if bar is not None: self._close(bar, st)
 
 def _say_random(self):
@@ -2042,6 +2102,11 @@ StagedStep._close = _close
 StagedStep._stage_forward = _stage_forward
 StagedStep._say_random = _say_random
 StagedStep._kept_bytes = _kept_bytes
+StagedStep._first_chunk = _first_chunk
+StagedStep._producer_spans = _producer_spans
+StagedStep._sized = _sized
+StagedStep._cost_key = _cost_key
+StagedStep._stage_cost = _stage_cost
 
 # %% ../nbs/02b_staged_exact.ipynb #1494d3bf
 def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shaped as the output: a tensor, a dict, ...)
@@ -2061,11 +2126,11 @@ def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shap
         fixed, sums = {}, None
         # autograd asked only for this stage's parameters
         used = [index[id(p)] for p in self.stage_params[s] if id(p) in index]
+        affine = self._affine_sums(s, bar, index, pgrads) if bar is not None else None
         for a, b in self.spans[s]:
-            env = self._stage_inputs(s, a, b, dev, grad=True)
-            with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []), torch.enable_grad(), autocast:
-                _set_rng_state(self.rng[s, a], dev)
-                leaf = self._run_stage(s, env, self._xb(a, b, dev, grad=True, s=s), grad=True)
+            if self.tail is not None and self.tail[0] == (s, a): _, env, leaf = self.tail  # its graph, from the forward
+            else: env, leaf = self._recomputed(s, a, b, dev, autocast)
+            self.tail = None
             self._check_carried(s, env)
             pairs = [(t, _to(grads[k][a:b], dev)) for n in outs for k, t in self._struct_keys(n, env[n])
                      if k in grads and t.requires_grad]
@@ -2077,15 +2142,43 @@ def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shap
                 if g is not None: self._keep(grads, k, g, a, b, add=True)
             if bar is not None:
                 g = got[-1] if got and got[-1] is not None else torch.zeros_like(leaf)
-                sums = self._window_sums(bar, leaf.detach(), g, sums)
+                if affine is None: sums = self._window_sums(bar, leaf.detach(), g, sums)
                 self._keep(fixed, bar, g, a, b)
+        if affine is not None: sums = affine()
         for n in outs: grads.pop(n, None)
         if bar is not None: self._project(s, bar, fixed.get(bar), sums, grads)
-    self.kept = self.carried = self.structs = self.xb = None
+    self.kept = self.carried = self.structs = self.xb = self.tail = None
     if own:
         for p, g in zip(params, pgrads):
             if g is not None: p.grad = g if p.grad is None else p.grad + g
     return pgrads
+
+def _affine_sums(self, s:int, bar, index:dict, pgrads:list):
+    "A function giving barrier `bar`'s window sums from its weight's and bias's gradients, when they hold them; or None."
+    # BatchNorm with fixed statistics: g = dy·w·invstd, so Σ g = w·invstd·Σ dy (the bias's gradient) and
+    # Σ g·x̂ = w·invstd·Σ dy·x̂ (the weight's): the backward computed them, no pass over the chunk is needed. Only where
+    # no other op of the model reads them, the gradients are kept in float32 or more, and autograd is asked for them
+    m = self.modules[bar.target]
+    w, b = m.weight, m.bias
+    if w is None or b is None or id(w) not in index or id(b) not in index or w.dtype not in (torch.float32, torch.float64):
+        return None
+    mine = {id(w), id(b)}
+    others = [n for n in self.nodes if n is not bar and n.op in ('call_module', 'get_attr')]
+    if any(mine & {id(p) for p in _params_of(self, [n])} for n in others): return None
+    iw, ib = index[id(w)], index[id(b)]
+    if pgrads[iw] is not None or pgrads[ib] is not None: return None  # a gradient from elsewhere already
+    def sums():
+        scale = (w.detach() * self.stats[bar][2].to(w.dtype))
+        gw, gb = (pgrads[i] if pgrads[i] is not None else torch.zeros_like(w) for i in (iw, ib))
+        return torch.stack([scale * gb, scale * gw])
+    return sums
+
+def _recomputed(self, s:int, a:int, b:int, dev, autocast) -> tuple:
+    "(values, BatchNorm input leaf) of stage `s` on samples a:b, run again with a graph from the forward's random state."
+    env = self._stage_inputs(s, a, b, dev, grad=True)
+    with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []), torch.enable_grad(), autocast:
+        _set_rng_state(self.rng[s, a], dev)
+        return env, self._run_stage(s, env, self._xb(a, b, dev, grad=True, s=s), grad=True)
 
 def _check_carried(self, s:int, env:dict):
     "A carried value (not a batch tensor) needing a gradient cannot pass one back across a stage: refuse."
@@ -2123,20 +2216,17 @@ def _grads(self, pairs:list, leaves:list, params:list, pgrads:list, used:list) -
         if g is not None: pgrads[i] = g if pgrads[i] is None else pgrads[i] + g
     return list(got[:len(leaves)])
 
-def _xhat(self, bar, x:Tensor) -> Tensor:
-    "`x` normalized with the window statistics of barrier node `bar`."
-    mean, _, invstd = self.stats[bar]
-    shape = [1, -1] + [1] * (x.dim() - 2)
-    return (x - mean.view(shape)) * invstd.view(shape)
-
 @torch.no_grad()
 def _window_sums(self, bar, x:Tensor, g:Tensor, sums:Tensor|None) -> Tensor:
     "`sums` plus one chunk's per-channel Σ g and Σ g·x̂, in at least float32."
     # g: the input gradient with the statistics held fixed; at least float32 as BatchNorm's own backward: an fp16 sum
     # over a window of scaled gradients overflows
+    # Σ g·x̂ = invstd · Σ g·(x - mean): one temporary
     dims, acc = [0] + list(range(2, x.dim())), torch.promote_types(g.dtype, torch.float32)
+    mean, _, invstd = self.stats[bar]
     g = g.to(acc)
-    part = torch.stack([g.sum(dims), (g * self._xhat(bar, x.to(acc))).sum(dims)])
+    centred = x.to(acc) - mean.to(acc).view([1, -1] + [1] * (x.dim() - 2))
+    part = torch.stack([g.sum(dims), centred.mul_(g).sum(dims) * invstd.to(acc)])
     return part if sums is None else sums + part
 
 @torch.no_grad()
@@ -2144,21 +2234,22 @@ def _project(self, s:int, bar, fixed:Tensor, sums:Tensor, grads:dict):
     "BatchNorm's exact backward at `bar`, chunk by chunk: dx = g - (Σ g + x̂ Σ g·x̂) / n over the window."
     # under DDP the window is all processes' windows: one collective per layer, as SyncBatchNorm's backward
     if world_size() > 1 and not self.local: dist.all_reduce(sums)
-    dev, n = sums.device, self.count[bar]
+    dev, n, (mean, _, invstd) = sums.device, self.count[bar], self.stats[bar]
     shape = [1, -1] + [1] * (fixed.dim() - 2)
     s1, s2 = (sums / n).unbind(0)
+    # dx = g - s1 - (x - mean)·(invstd·s2): one temporary, in the sums' (at least float32) precision
+    mean, scale, s1 = mean.to(sums.dtype).view(shape), (invstd.to(sums.dtype) * s2).view(shape), s1.view(shape)
     for a, b in self.spans[s]:
-        # in the sums' (at least float32) precision
-        xh = self._xhat(bar, self._chunk(bar.args[0], a, b, dev).to(sums.dtype))
         g = _to(fixed[a:b], dev)
-        dx = (g.to(sums.dtype) - s1.view(shape) - xh * s2.view(shape)).to(g.dtype)
-        self._keep(grads, bar.args[0], dx, a, b, add=True)
+        dx = (mean - self._chunk(bar.args[0], a, b, dev).to(sums.dtype)).mul_(scale).add_(g).sub_(s1)
+        self._keep(grads, bar.args[0], dx.to(g.dtype), a, b, add=True)
 
 StagedStep.backward = _backward
 StagedStep._grads = _grads
 StagedStep._output_grads = _output_grads
 StagedStep._check_carried = _check_carried
-StagedStep._xhat = _xhat
+StagedStep._recomputed = _recomputed
+StagedStep._affine_sums = _affine_sums
 StagedStep._window_sums = _window_sums
 StagedStep._project = _project
 
@@ -2198,16 +2289,17 @@ class StagedForward(ReplacedForward):
                  chunk:int, # samples per chunk
                  store=None, # where values kept between stages live (default: the host, for a model on an accelerator)
                  autocast=None, # callable giving training's autocast context (replaces a wrapper such as Accelerate's)
+                 budget:int|None=None, # device bytes a stage's chunk may hold: chunks sized per stage (`StagedStep.budget`)
                 ):
         super().__init__(model)  # `own`: a forward set on the instance (Accelerate's autocast wrapper), put back after
-        self.model, self.chunk, self.autocast = model, chunk, autocast
+        self.model, self.chunk, self.autocast, self.budget = model, chunk, autocast, budget
         # Accelerate's mixed precision returns float32 outputs: so does the staged step
         self.fp32 = _converts_to_fp32(self.own)
         dev = next(model.parameters()).device
         self.store = store if store is not None or not is_accelerator(dev) else 'cpu'
         graph = bn_graph(model)
         self.by_fx = not isinstance(graph, str)
-        if self.by_fx: self.step = StagedStep(model, graph, self.store)
+        if self.by_fx: self.step = self._new_step(graph)
         else: self.step, self.steps = None, {}  # aten-level: a step per input signature, made at its first window
 
     def step_for(self, xb:tuple) -> StagedStep:
@@ -2217,9 +2309,14 @@ class StagedForward(ReplacedForward):
         if key not in self.steps:
             graph = aten_graph(self.model, xb)
             if isinstance(graph, str): raise ValueError(f"staged exact: {staged_graph(self.model, xb)}")
-            self.steps[key] = StagedStep(self.model, graph, self.store)
+            self.steps[key] = self._new_step(graph)
         self.step = self.steps[key]
         return self.step
+
+    def _new_step(self, graph:fx.Graph) -> StagedStep:
+        step = StagedStep(self.model, graph, self.store)
+        step.budget = self.budget
+        return step
 
     def __call__(self, *xb, **kwargs):
         if kwargs or not (self.model.training and torch.is_grad_enabled()):
@@ -2242,10 +2339,11 @@ def _converts_to_fp32(f) -> bool:
 
 def _fp32(t): return t.float() if isinstance(t, Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t
 
-def install_staged(model:nn.Module, chunk:int, store=None, autocast=None) -> StagedForward:
+def install_staged(model:nn.Module, chunk:int, store=None, autocast=None, budget:int|None=None) -> StagedForward:
     "Make `model` train each batch as a staged exact step, chunks of `chunk` (until `uninstall_staged`)."
+    # `budget`: device bytes a stage's chunk may hold (chunks sized stage by stage, at least `chunk`)
     uninstall_staged(model)
-    model.forward = f = StagedForward(model, chunk, store, autocast)
+    model.forward = f = StagedForward(model, chunk, store, autocast, budget)
     return f
 
 def uninstall_staged(model:nn.Module):
@@ -2603,6 +2701,13 @@ class ExactPlan:
         "Bytes a staged step needs on the device: at most training at one chunk."
         return int((self.chunk or 1) * (self.footprint.saved + 2 * self.footprint.working) + self.param_needed)
     @property
+    def chunk_budget(self) -> int|None:
+        "Device bytes one chunk of a stage may hold: the budget less the parameters (on a CPU, less the kept values)."
+        # a staged step sizes each stage's chunks from it (None: the whole window in one chunk, under DDP)
+        if self.whole: return None
+        budget = self.device_budget if self.device_budget is not None else self.host_budget
+        return max(int(budget - self.param_needed - (0 if self.on_accelerator else self.staged_host_needed)), 0)
+    @property
     def staged_host_needed(self) -> int:
         "Bytes of values (and gradients) a staged step keeps between stages: at most the saved activations."
         return int(self.window * self.footprint.saved)
@@ -2622,8 +2727,9 @@ class ExactPlan:
                     f"needs {fmt_bytes(self.device_needed)}{self._checked}")
         if self.staged:
             return (f"a window of {self.window} samples as one batch would need {fmt_bytes(self.device_needed)} "
-                    f"({self._budget}), so it trains as one batch stage by stage in chunks of {self.chunk}: about "
-                    f"{fmt_bytes(self.staged_device_needed)} on the device and "
+                    f"({self._budget}), so it trains as one batch stage by stage in chunks of {self.chunk} or more "
+                    f"(each stage's as large as {fmt_bytes(self.chunk_budget)} holds, measured): at most about "
+                    f"{fmt_bytes(self.chunk_budget + self.param_needed)} on the device and "
                     f"{fmt_bytes(self.staged_host_needed)} of values kept between stages{self._checked}")
         if not self.on_accelerator:
             return (f"a window of {self.window} samples as one batch needs {fmt_bytes(self.host_needed)} "
@@ -2869,7 +2975,7 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
         if plan.reason: raise StagedMismatchError(f"{name}(policy='staged'): {plan.reason}. Train with policy='window' "
                                                   "(or 'auto', which falls back to it), or pass verify=False to train "
                                                   "staged anyway.")
-        plan.staged, plan.chunk, plan.offload = True, _largest_chunk(plan), False
+        plan.staged, plan.offload = True, False
         return True, plan
     whole, staged, offloaded = _agreed(plan.device, auto_picks_exact(plan) and not unfit, plan.reason is None,
                                        plan.fits and plan.offload and not synced)
@@ -2877,7 +2983,7 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
         if synced: _whole_staged(plan)
         return True, plan
     if staged:
-        plan.staged, plan.chunk, plan.offload = True, _largest_chunk(plan), False
+        plan.staged, plan.offload = True, False
         return True, plan
     if offloaded: return True, plan
     plan.reason = plan.reason or 'another process cannot train its window as one batch'
@@ -2903,13 +3009,6 @@ def _whole_staged(plan:ExactPlan):
 def _syncs_itself(model:nn.Module) -> bool:
     "Every training BatchNorm layer is a `SyncBatchNorm`, which reduces over the processes itself."
     return all(isinstance(m, nn.SyncBatchNorm) for m in bn_layers(model) if m.training)
-
-def _largest_chunk(plan:ExactPlan) -> int:
-    "The most samples per chunk the device budget holds (at least the micro-batch): fewer, larger kernels."
-    budget = plan.device_budget if plan.device_budget is not None else plan.host_budget
-    per = plan.footprint.saved + 2 * plan.footprint.working
-    fit = int((budget - plan.param_needed) // per) if per > 0 else plan.window
-    return max(plan.chunk, min(plan.window, fit))
 
 def _not_staged(plan:ExactPlan, model:nn.Module, xb:tuple) -> str|None:
     "Why a staged step would not be the big batch (the model does not trace, an op mixes samples), or None."
@@ -3070,7 +3169,9 @@ class BatchNormInstaller:
     def install(self, module:nn.Module, how:TrainingPlan) -> list:
         "Install `how` on `module`; the accumulating BatchNorm layers."
         m = how.memory
-        if how.staged: install_staged(module, m.chunk, store=m.device if m.whole else None, autocast=self.autocast)
+        if how.staged:
+            install_staged(module, m.chunk, store=m.device if m.whole else None, autocast=self.autocast,
+                           budget=m.chunk_budget)
         elif how.ghost_micro: install_ghost(module, self.bn_batch)  # plain layers, each micro-batch in ghost batches
         elif how.layers is not None:
             new = self.wrap and (not how.exact or self.merge_exact and world_size() > 1)
