@@ -81,10 +81,12 @@ def test_rounding_amplified_by_a_batchnorm_is_not_taken_for_mixing():
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0)).double()
     assert samples_mixed(m, (x,)) is None
 
-def test_chunks_sized_per_stage_give_the_uniform_chunks_step():
+@pytest.mark.parametrize('room', [3, None])
+def test_chunks_sized_per_stage_give_the_uniform_chunks_step(room):
     """A device budget sizes each stage's chunks from its bytes per sample, measured on its first chunk (late stages,
-    smaller per sample, run in larger chunks; the last stage's last chunk keeps its graph for the backward): the step —
-    output, every gradient, running statistics, counters — is the one uniform chunks give, and the big batch's (float64)."""
+    smaller per sample, run in larger chunks), and the last stages whose graphs fit it together keep them from the
+    forward (not recomputed; `room=None`: every stage): the step — output, every gradient, running statistics,
+    counters — is the one uniform chunks give, and the big batch's (float64)."""
     import torchvision
     torch.manual_seed(0)
     big = torchvision.models.resnet18(num_classes=5).double().train()
@@ -93,7 +95,8 @@ def test_chunks_sized_per_stage_give_the_uniform_chunks_step():
     f = install_staged(probe, chunk=2, budget=1)  # every stage in chunks of 2, each stage's cost measured
     probe(x).sum().backward()
     costs = f.step.costs
-    budget = int(3 * max(costs.values()))  # the costliest stage: 3 samples per chunk; cheaper ones more
+    # the costliest stage: 3 samples per chunk, cheaper ones more; or room for every stage's graph
+    budget = int(3 * max(costs.values())) if room else int(sum(costs.values()) * len(x)) + 1
     fu, fs = install_staged(uniform, chunk=2), install_staged(sized, chunk=2, budget=budget)
     fu.step.grow = False
     fs.step.costs = dict(costs)  # measured once per stage: sized from the first chunk on
@@ -105,9 +108,46 @@ def test_chunks_sized_per_stage_give_the_uniform_chunks_step():
                     [int(b) for n, b in m.named_buffers() if n.endswith('num_batches_tracked')]))
     widths = [max(b - a for a, b in sp) for sp in fs.step.spans]
     assert all(w == 2 for sp in fu.step.spans for w in {b - a for a, b in sp[:-1]})
-    assert min(widths) == 3 and max(widths) == 12 and len(set(widths)) >= 3, widths  # sized stage by stage
+    if room:
+        assert min(widths) == 3 and max(widths) == 12 and len(set(widths)) >= 3, widths  # sized stage by stage
+        assert 0 < fs.step.kept_from < len(fs.step.stages) - 1  # some late stages kept their graphs, not all
+    else: assert fs.step.kept_from == 0 and set(widths) == {12}
     for s, w in enumerate(widths):  # within the budget, or the smallest chunk
         assert w == 2 or w * costs[fs.step._cost_key(s)] <= budget
     (ob, gb, bb, nb), (ou, gu, bu, nu), (os_, gs, bs, ns) = res
     assert rel(os_, ou) < 1e-12 and rel(gs, gu) < 1e-12 and rel(bs, bu) < 1e-12 and ns == nu == nb
     assert rel(os_, ob) < 1e-12 and rel(gs, gb) < 1e-10 and rel(bs, bb) < 1e-12
+
+def test_window_sums_without_the_layers_own_gradients():
+    """The window sums come from a BatchNorm's own weight and bias gradients where it has them; without (affine=False,
+    frozen parameters, a weight another layer also reads) from a pass over the chunks: the big batch's step either way
+    (float64)."""
+    from torch import nn
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.b1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8, affine=False)
+            self.c2, self.b2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+            self.c3, self.b3 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+            self.head = nn.Linear(8, 5)
+            self.b2.requires_grad_(False)
+        def forward(self, x):
+            x = torch.relu(self.b1(self.c1(x)))
+            x = torch.relu(self.b2(self.c2(x)))
+            x = torch.relu(self.b3(self.c3(x))) * self.b3.weight.view(1, -1, 1, 1)  # b3's weight read outside b3
+            return self.head(x.mean((2, 3)))
+    torch.manual_seed(0)
+    big = Tied().double().train(); st = copy.deepcopy(big)
+    with torch.no_grad(): big.b2.weight.uniform_(0.5, 2); st.b2.weight.copy_(big.b2.weight)
+    f = install_staged(st, chunk=3, budget=10 ** 9)
+    x = torch.randn(8, 3, 16, 16, dtype=torch.float64)
+    for m in (big, st):
+        out = m(x)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+    step = f.step
+    trained = [p for p in st.parameters() if p.requires_grad]
+    assert [step._affine_sums(s, step.nodes[step.stages[s][0]], {id(p): i for i, p in enumerate(trained)},
+                              [None] * len(trained)) for s in range(1, len(step.stages))] == [None] * 3
+    grads = [flat(p.grad for p in m.parameters() if p.grad is not None) for m in (st, big)]
+    assert rel(*grads) < 1e-12
+    assert rel(*[flat(b for b in m.buffers() if b.is_floating_point()) for m in (st, big)]) < 1e-12

@@ -195,7 +195,7 @@ def staged_step(model_fn, # builds the model
         t_staged, staged = _step_cost(model, x, reps)
         with torch.no_grad(): f.step.forward((x,), chunk)  # what the step keeps between stages (host memory on an accelerator)
         kept = sum(_nbytes(v) for v in f.step.kept.values())
-        f.step.kept = f.step.xb = f.step.carried = None
+        f.step.kept = f.step.xb = f.step.carried = f.step.graphs = None
     finally: uninstall_staged(model)
     t = time.perf_counter(); why, _ = verify_staged(model, (x[:bs].to(device),)); t_check = time.perf_counter() - t  # once per fit
     return dict(window=window, chunk=chunk, micro_bytes=micro, staged_bytes=staged, whole_bytes=whole,
