@@ -18,11 +18,11 @@ Contents (line: module: classes), dependencies first:
      1163: staged: StagedGraph
      1459: prepass: PrepassPlan, PreflightTable
      1666: staged_exact: StagedStep, StagedForward
-     2580: exact: Footprint, ExactModeMemoryError, ExactPlan
-     2841: ghost: GhostForward
-     2895: plan: StagedMismatchError, TrainingPlan
-     3117: core: BatchNormInstaller, Accumulation, FrontEnd
-     3615: callback: WindowPrefetch, GradientAccumulation
+     2600: exact: Footprint, ExactModeMemoryError, ExactPlan
+     2861: ghost: GhostForward
+     2915: plan: StagedMismatchError, TrainingPlan
+     3137: core: BatchNormInstaller, Accumulation, FrontEnd
+     3635: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -88,8 +88,8 @@ class ChannelStats:
         dims, shape = [d for d in range(x.dim()) if d != 1], [1, -1] + [1] * (x.dim() - 2)
         mean = x.mean(dims)
         # two passes: on a CPU 4-14x faster than `torch.var_mean` over dims (0, 2, 3), as accurate
-        d = x - mean.view(shape)
-        self.add_moments(n, mean, (d * d).sum(dims) / max(n - 1, 1))
+        d = (x - mean.view(shape)).square_()  # one temporary
+        self.add_moments(n, mean, d.sum(dims) / max(n - 1, 1))
 
     def _fold(self):
         if not self._parts: return
@@ -1955,7 +1955,9 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
     self.signature = tuple((tuple(t.shape[1:]), t.dtype) for t in self.xb if isinstance(t, Tensor))
     self.kept, self.carried, self.structs, self.rng, self.stats, self.count, self.spans = {}, {}, {}, {}, {}, {}, []
     self.random_chunked = []  # stages that drew random numbers chunk by chunk
-    self.tail = None  # the last stage's last chunk, run with its graph: the backward starts from it, not recomputed
+    # chunks run with their graph, kept for the backward (not recomputed): the last stage's last chunk, and every chunk
+    # of the late stages whose graphs fit the budget together
+    self.graphs, self.kept_from = {}, self._kept_from()
     for s in range(len(self.stages)):
         self.spans.append([])
         self._stage_forward(s, dev, chunk)
@@ -1975,6 +1977,18 @@ def _has_int(v) -> bool:
     "Does `v` hold an int (in a tuple, list or `torch.Size`)?"
     if isinstance(v, (list, tuple)): return any(map(_has_int, v))
     return isinstance(v, int) and not isinstance(v, bool)
+
+def _kept_from(self) -> int:
+    "The first of the last stages whose graphs for the whole window fit the budget together (their costs measured)."
+    # late stages hold few bytes per sample but as much compute as early ones: their recompute is what this saves
+    first, total = len(self.stages), 0.
+    if self.budget is None: return first
+    for s in reversed(range(len(self.stages))):
+        cost = self.costs.get(self._cost_key(s))
+        total += float('inf') if cost is None else cost * self.W
+        if total > self.budget: break
+        first = s
+    return first
 
 def _first_chunk(self, s:int, chunk:int) -> tuple:
     "(samples per chunk of stage `s`, whether its first chunk measures the stage's bytes per sample)."
@@ -2020,10 +2034,10 @@ def _stage_forward(self, s:int, dev, chunk:int):
     if fixed: measure = False
     while a < self.W:
         b = fixed[len(self.spans[s])][1] if fixed else min(a + c, self.W)
-        tail = bar is None and b == self.W
-        env, xb = self._stage_inputs(s, a, b, dev, grad=tail), self._xb(a, b, dev, grad=tail, s=s)
+        graph = s >= self.kept_from or (bar is None and b == self.W)
+        env, xb = self._stage_inputs(s, a, b, dev, grad=graph), self._xb(a, b, dev, grad=graph, s=s)
         self.rng[s, a] = state = _rng_state(dev)
-        with torch.set_grad_enabled(tail): leaf = self._run_stage(s, env, xb, grad=tail)
+        with torch.set_grad_enabled(graph): leaf = self._run_stage(s, env, xb, grad=graph)
         if a == 0 and b < self.W and not _same_state(state, _rng_state(dev)):  # it draws random numbers
             if bar is None and not fixed:
                 _set_rng_state(state, dev)
@@ -2037,7 +2051,8 @@ def _stage_forward(self, s:int, dev, chunk:int):
         with torch.no_grad():
             for n in self.stage_out[s]: self._hold(n, env[n], a, b)
             if bar is not None: st.add(self._value(bar.args[0], env, xb))
-        if tail: self.tail = (s, a), env, leaf
+        if graph:  # what the backward reads: the stage's inputs (leaves) and outputs; the graph holds the rest it needs
+            self.graphs[s, a] = {n: env[n] for n in self.stage_in[s] + self.stage_out[s] if n in env}, leaf
         a = b
     if bar is not None: self._close(bar, st)
 
@@ -2103,6 +2118,7 @@ StagedStep._stage_forward = _stage_forward
 StagedStep._say_random = _say_random
 StagedStep._kept_bytes = _kept_bytes
 StagedStep._first_chunk = _first_chunk
+StagedStep._kept_from = _kept_from
 StagedStep._producer_spans = _producer_spans
 StagedStep._sized = _sized
 StagedStep._cost_key = _cost_key
@@ -2128,9 +2144,8 @@ def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shap
         used = [index[id(p)] for p in self.stage_params[s] if id(p) in index]
         affine = self._affine_sums(s, bar, index, pgrads) if bar is not None else None
         for a, b in self.spans[s]:
-            if self.tail is not None and self.tail[0] == (s, a): _, env, leaf = self.tail  # its graph, from the forward
-            else: env, leaf = self._recomputed(s, a, b, dev, autocast)
-            self.tail = None
+            kept = self.graphs.pop((s, a), None)  # its graph, from the forward
+            env, leaf = kept if kept is not None else self._recomputed(s, a, b, dev, autocast)
             self._check_carried(s, env)
             pairs = [(t, _to(grads[k][a:b], dev)) for n in outs for k, t in self._struct_keys(n, env[n])
                      if k in grads and t.requires_grad]
@@ -2147,24 +2162,23 @@ def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shap
         if affine is not None: sums = affine()
         for n in outs: grads.pop(n, None)
         if bar is not None: self._project(s, bar, fixed.get(bar), sums, grads)
-    self.kept = self.carried = self.structs = self.xb = self.tail = None
+    self.kept = self.carried = self.structs = self.xb = self.graphs = None
     if own:
         for p, g in zip(params, pgrads):
             if g is not None: p.grad = g if p.grad is None else p.grad + g
     return pgrads
 
 def _affine_sums(self, s:int, bar, index:dict, pgrads:list):
-    "A function giving barrier `bar`'s window sums from its weight's and bias's gradients, when they hold them; or None."
+    "A function giving barrier `bar`'s window sums from its weight's and bias's gradients, where they hold them."
     # BatchNorm with fixed statistics: g = dy·w·invstd, so Σ g = w·invstd·Σ dy (the bias's gradient) and
     # Σ g·x̂ = w·invstd·Σ dy·x̂ (the weight's): the backward computed them, no pass over the chunk is needed. Only where
     # no other op of the model reads them, the gradients are kept in float32 or more, and autograd is asked for them
     m = self.modules[bar.target]
     w, b = m.weight, m.bias
-    if w is None or b is None or id(w) not in index or id(b) not in index or w.dtype not in (torch.float32, torch.float64):
-        return None
+    if w is None or b is None or id(w) not in index or id(b) not in index: return None
+    if w.dtype not in (torch.float32, torch.float64): return None
     mine = {id(w), id(b)}
-    others = [n for n in self.nodes if n is not bar and n.op in ('call_module', 'get_attr')]
-    if any(mine & {id(p) for p in _params_of(self, [n])} for n in others): return None
+    if any(n is not bar and mine & _reads(self, n) for n in self.graph.nodes): return None
     iw, ib = index[id(w)], index[id(b)]
     if pgrads[iw] is not None or pgrads[ib] is not None: return None  # a gradient from elsewhere already
     def sums():
@@ -2173,8 +2187,14 @@ def _affine_sums(self, s:int, bar, index:dict, pgrads:list):
         return torch.stack([scale * gb, scale * gw])
     return sums
 
+def _reads(self, n) -> set:
+    "The ids of the parameters node `n` reads: its module's, or the one it gets (`get_attr`)."
+    if n.op == 'call_module': return {id(p) for p in self.modules[n.target].parameters()}
+    if n.op == 'get_attr': return {id(self._value(n, {}, ()))}
+    return set()
+
 def _recomputed(self, s:int, a:int, b:int, dev, autocast) -> tuple:
-    "(values, BatchNorm input leaf) of stage `s` on samples a:b, run again with a graph from the forward's random state."
+    "(values, BatchNorm input leaf) of stage `s` on samples a:b, run again with a graph, the forward's random state."
     env = self._stage_inputs(s, a, b, dev, grad=True)
     with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []), torch.enable_grad(), autocast:
         _set_rng_state(self.rng[s, a], dev)
@@ -2289,7 +2309,7 @@ class StagedForward(ReplacedForward):
                  chunk:int, # samples per chunk
                  store=None, # where values kept between stages live (default: the host, for a model on an accelerator)
                  autocast=None, # callable giving training's autocast context (replaces a wrapper such as Accelerate's)
-                 budget:int|None=None, # device bytes a stage's chunk may hold: chunks sized per stage (`StagedStep.budget`)
+                 budget:int|None=None, # device bytes a stage's chunk may hold (`StagedStep.budget`)
                 ):
         super().__init__(model)  # `own`: a forward set on the instance (Accelerate's autocast wrapper), put back after
         self.model, self.chunk, self.autocast, self.budget = model, chunk, autocast, budget

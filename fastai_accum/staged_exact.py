@@ -19,7 +19,8 @@ from .meters import _nbytes
 from .stats import ChannelStats, all_reduce_stats, momentum_step
 from .distributed import world_size
 from .staged import StagedGraph, bn_graph, untraceable_reason, staged_graph, aten_graph, _signature
-from .helpers import _to, _tensors, random_state_kept, is_accelerator, can_pin, ReplacedForward, restore_forward
+from .helpers import (_to, _tensors, random_state_kept, is_accelerator, can_pin, ReplacedForward,
+                                  restore_forward)
 from .batchnorm import _after_norm
 
 # %% auto #0
@@ -399,7 +400,8 @@ def _stage_forward(self, s:int, dev, chunk:int):
         with torch.no_grad():
             for n in self.stage_out[s]: self._hold(n, env[n], a, b)
             if bar is not None: st.add(self._value(bar.args[0], env, xb))
-        if graph: self.graphs[s, a] = env, leaf
+        if graph:  # what the backward reads: the stage's inputs (leaves) and outputs; the graph holds the rest it needs
+            self.graphs[s, a] = {n: env[n] for n in self.stage_in[s] + self.stage_out[s] if n in env}, leaf
         a = b
     if bar is not None: self._close(bar, st)
 
@@ -516,14 +518,14 @@ def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shap
     return pgrads
 
 def _affine_sums(self, s:int, bar, index:dict, pgrads:list):
-    "A function giving barrier `bar`'s window sums from its weight's and bias's gradients, when they hold them; or None."
+    "A function giving barrier `bar`'s window sums from its weight's and bias's gradients, where they hold them."
     # BatchNorm with fixed statistics: g = dy·w·invstd, so Σ g = w·invstd·Σ dy (the bias's gradient) and
     # Σ g·x̂ = w·invstd·Σ dy·x̂ (the weight's): the backward computed them, no pass over the chunk is needed. Only where
     # no other op of the model reads them, the gradients are kept in float32 or more, and autograd is asked for them
     m = self.modules[bar.target]
     w, b = m.weight, m.bias
-    if w is None or b is None or id(w) not in index or id(b) not in index or w.dtype not in (torch.float32, torch.float64):
-        return None
+    if w is None or b is None or id(w) not in index or id(b) not in index: return None
+    if w.dtype not in (torch.float32, torch.float64): return None
     mine = {id(w), id(b)}
     if any(n is not bar and mine & _reads(self, n) for n in self.graph.nodes): return None
     iw, ib = index[id(w)], index[id(b)]
@@ -541,7 +543,7 @@ def _reads(self, n) -> set:
     return set()
 
 def _recomputed(self, s:int, a:int, b:int, dev, autocast) -> tuple:
-    "(values, BatchNorm input leaf) of stage `s` on samples a:b, run again with a graph from the forward's random state."
+    "(values, BatchNorm input leaf) of stage `s` on samples a:b, run again with a graph, the forward's random state."
     env = self._stage_inputs(s, a, b, dev, grad=True)
     with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []), torch.enable_grad(), autocast:
         _set_rng_state(self.rng[s, a], dev)
@@ -656,7 +658,7 @@ class StagedForward(ReplacedForward):
                  chunk:int, # samples per chunk
                  store=None, # where values kept between stages live (default: the host, for a model on an accelerator)
                  autocast=None, # callable giving training's autocast context (replaces a wrapper such as Accelerate's)
-                 budget:int|None=None, # device bytes a stage's chunk may hold: chunks sized per stage (`StagedStep.budget`)
+                 budget:int|None=None, # device bytes a stage's chunk may hold (`StagedStep.budget`)
                 ):
         super().__init__(model)  # `own`: a forward set on the instance (Accelerate's autocast wrapper), put back after
         self.model, self.chunk, self.autocast, self.budget = model, chunk, autocast, budget

@@ -64,8 +64,8 @@ class ChannelStats:
         dims, shape = [d for d in range(x.dim()) if d != 1], [1, -1] + [1] * (x.dim() - 2)
         mean = x.mean(dims)
         # two passes: on a CPU 4-14x faster than `torch.var_mean` over dims (0, 2, 3), as accurate
-        d = x - mean.view(shape)
-        self.add_moments(n, mean, (d * d).sum(dims) / max(n - 1, 1))
+        d = (x - mean.view(shape)).square_()  # one temporary
+        self.add_moments(n, mean, d.sum(dims) / max(n - 1, 1))
 
     def _fold(self):
         if not self._parts: return
