@@ -5,7 +5,7 @@ one batch held on the device.
 
     python nbs/bench_exact_gpu.py                     # resnet50, 224 px, windows 64 and 256, micro-batch 2, CUDA: < 5 min on one GPU
     python nbs/bench_exact_gpu.py --device cpu --model resnet18 --size 32 --windows 8 --reps 1   # a smoke test (CPU as an accelerator)
-    python nbs/bench_exact_gpu.py --table --no-check  # issue #35's table: 6 models x windows 16/64/256, 128 px (not run yet)
+    python nbs/bench_exact_gpu.py --table --no-check  # issue #35 table: 6 models x windows 16/64/256, 128 px, rows past --minutes skipped (not run yet)
 
 The check trains a small model (torchvision resnet18, 32 px) for two windows of 8 in micro-batches of 2 through the
 core (`Accumulation`) with a device budget that forces the accelerator's paths: 'staged' (inputs and kept values in
@@ -41,6 +41,7 @@ def parse():
     p.add_argument('--table', action='store_true', help="instead of the rows above: issue #35's table (`staged_table`: "
                    'resnet18, resnet50, mobilenet_v2, shufflenet_v2_x1_0, efficientnet_b0, densenet121 at 128 px, windows '
                    '16,64,256 unless --windows is given; naive accumulation vs staged exact on the same peak vs the whole window)')
+    p.add_argument('--table-models', default=None, help='--table: comma list of its models (default: all six)')
     return p.parse_args()
 
 def sync(dev):
@@ -160,11 +161,13 @@ def main():
     if not a.no_check and not check(dev): sys.exit(1)
     torch.backends.cudnn.benchmark = True
     if a.table:
-        from fastai_accum.lab.bench_speed import staged_table
+        from fastai_accum.lab.bench_speed import staged_table, table_models
         import pandas as pd
         windows = [int(s) for s in a.windows.split(',')] if a.windows != '64,256' else [16, 64, 256]
+        models = a.table_models.split(',') if a.table_models else list(table_models)
         with pd.option_context('display.width', 250, 'display.max_columns', 30, 'display.precision', 2):
-            print(staged_table(windows=windows, micro=a.micro_bs, device=dev, reps=a.reps, threads=None), flush=True)
+            print(staged_table(models, windows, micro=a.micro_bs, device=dev, reps=a.reps, threads=None,
+                               seconds=60 * a.minutes - (time.perf_counter() - start)), flush=True)
         print(f'total {time.perf_counter() - start:.0f} s', flush=True)
         return
     model = getattr(torchvision.models, a.model)(num_classes=10).to(dev).train()

@@ -199,3 +199,14 @@ def test_exact_at_micro_batch_1_equals_big_batch():
     acc, big, ga = exact_and_big(n=64, micro=1, n_step=8)
     acc.fit(1, lr=0.05); big.fit(1, lr=0.05)
     assert ga.exact and rel(params(acc), params(big)) <= 1e-6 and rel(bn_stats(acc), bn_stats(big)) <= 1e-6
+
+def test_gpu_benchmark_script_prints_the_staged_table_on_cpu():
+    "`nbs/bench_exact_gpu.py --table` (issue #35's table, for an accelerator) on one tiny row on the CPU, to keep it from rotting."
+    import os, subprocess, sys
+    from pathlib import Path
+    script = Path(__file__).parents[1]/'nbs'/'bench_exact_gpu.py'
+    r = subprocess.run([sys.executable, str(script), '--table', '--no-check', '--device', 'cpu', '--windows', '2',
+                        '--table-models', 'shufflenet_v2_x1_0', '--reps', '1'],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert 'time_vs_naive' in r.stdout and 'shufflenet_v2_x1_0' in r.stdout and 'total' in r.stdout

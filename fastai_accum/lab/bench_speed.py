@@ -403,13 +403,17 @@ def staged_table(models=tuple(table_models), # names in `table_models`
                  micro:int=2, size:int=128, device='cpu', reps:int=2,
                  threads:int|None=1, # torch CPU threads (None: as they are)
                  verbose:bool=True, # print each row as it is measured
+                 seconds:float|None=None, # rows that would start after this many seconds are skipped (said)
                 ) -> pd.DataFrame:
     "`staged_row` for each model and window: the table `bench speed --staged-table` prints."
-    rows = []
+    rows, start = [], time.perf_counter()
     with torch_threads(threads):
         for name in models:
             for w in windows:
                 t = time.perf_counter()
+                if seconds is not None and t - start > seconds:
+                    print(f"{name} W={w}: skipped, past {seconds:.0f} s", flush=True)
+                    continue
                 rows.append(dict(model=name, **staged_row(table_models[name], w, micro, size, device, reps)))
                 if verbose: print(f"{name} W={w}: {time.perf_counter() - t:.0f} s", flush=True)
     return pd.DataFrame(rows).set_index(['model', 'window'])
