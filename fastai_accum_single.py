@@ -18,11 +18,11 @@ Contents (line: module: classes), dependencies first:
      1163: staged: StagedGraph
      1459: prepass: PrepassPlan, PreflightTable
      1666: staged_exact: StagedStep, StagedForward
-     2600: exact: Footprint, ExactModeMemoryError, ExactPlan
-     2861: ghost: GhostForward
-     2915: plan: StagedMismatchError, TrainingPlan
-     3137: core: BatchNormInstaller, Accumulation, FrontEnd
-     3635: callback: WindowPrefetch, GradientAccumulation
+     2610: exact: Footprint, ExactModeMemoryError, ExactPlan
+     2871: ghost: GhostForward
+     2925: plan: StagedMismatchError, TrainingPlan
+     3147: core: BatchNormInstaller, Accumulation, FrontEnd
+     3645: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -1710,6 +1710,7 @@ class StagedStep(StagedGraph):
     # device bytes one chunk of a stage may hold in its backward: each stage's chunks as large as that allows, from its
     # bytes per sample measured on its first chunk (None: the `grow` rule)
     budget = None
+    _readers = None  # `_param_readers`, counted at the first backward
     def __init__(self,
                  model:nn.Module, # the model (called through its modules; nothing is copied)
                  graph:fx.Graph, # its torch.fx graph with every BatchNorm layer a leaf (`bn_graph`)
@@ -2177,8 +2178,8 @@ def _affine_sums(self, s:int, bar, index:dict, pgrads:list):
     w, b = m.weight, m.bias
     if w is None or b is None or id(w) not in index or id(b) not in index: return None
     if w.dtype not in (torch.float32, torch.float64): return None
-    mine = {id(w), id(b)}
-    if any(n is not bar and mine & _reads(self, n) for n in self.graph.nodes): return None
+    readers = self._param_readers()
+    if readers.get(id(w)) != 1 or readers.get(id(b)) != 1: return None  # another node reads them too
     iw, ib = index[id(w)], index[id(b)]
     if pgrads[iw] is not None or pgrads[ib] is not None: return None  # a gradient from elsewhere already
     def sums():
@@ -2186,6 +2187,14 @@ def _affine_sums(self, s:int, bar, index:dict, pgrads:list):
         gw, gb = (pgrads[i] if pgrads[i] is not None else torch.zeros_like(w) for i in (iw, ib))
         return torch.stack([scale * gb, scale * gw])
     return sums
+
+def _param_readers(self) -> dict:
+    "{id of a parameter: how many nodes of the graph read it}, counted once per step."
+    if self._readers is None:
+        self._readers = {}
+        for n in self.graph.nodes:
+            for i in _reads(self, n): self._readers[i] = self._readers.get(i, 0) + 1
+    return self._readers
 
 def _reads(self, n) -> set:
     "The ids of the parameters node `n` reads: its module's, or the one it gets (`get_attr`)."
@@ -2270,6 +2279,7 @@ StagedStep._output_grads = _output_grads
 StagedStep._check_carried = _check_carried
 StagedStep._recomputed = _recomputed
 StagedStep._affine_sums = _affine_sums
+StagedStep._param_readers = _param_readers
 StagedStep._window_sums = _window_sums
 StagedStep._project = _project
 

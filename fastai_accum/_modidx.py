@@ -1226,6 +1226,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                   'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact._output_grads': ( 'staged_exact.html#_output_grads',
                                                                                         'fastai_accum/staged_exact.py'),
+                                           'fastai_accum.staged_exact._param_readers': ( 'staged_exact.html#_param_readers',
+                                                                                         'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact._params_of': ( 'staged_exact.html#_params_of',
                                                                                      'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact._perturbed': ( 'staged_exact.html#_perturbed',

@@ -302,15 +302,19 @@ def profile_staged(model, x:Tensor, # the model (`install_staged` on it) and a w
     "Seconds per pass of one staged step of `model` on `x`: each pass of `_passes`, 'other' (the graph's interpretation)."
     f = vars(model)['forward']
     step, dev = f.step_for((x,)), next(model.parameters()).device
-    times, add = {}, ChannelStats.add
+    times, add, inner = {}, ChannelStats.add, [0.]
     def timed(name, fn):
+        # each pass's own time: a timed pass inside another (the store copies of the projection) counts once, its own
         def run(*a, **k):
             _sync(dev)
             t = time.perf_counter()
+            inner.append(0.)
             r = fn(*a, **k)
             _sync(dev)
+            spent = time.perf_counter() - t
             key = name(a, k) if callable(name) else name
-            times[key] = times.get(key, 0.) + time.perf_counter() - t
+            times[key] = times.get(key, 0.) + spent - inner.pop()
+            inner[-1] += spent
             return r
         return run
     grad_of = lambda a, k: 'recompute' if k.get('grad', a[3] if len(a) > 3 else False) else 'forward'
