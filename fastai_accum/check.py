@@ -11,7 +11,6 @@ import pandas as pd
 import torch
 from torch import nn, Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.dropout import _DropoutNd
 from fastcore.basics import patch
 from fastcore.meta import delegates
 from fastprogress.fastprogress import progress_bar
@@ -24,7 +23,7 @@ from .window import cat_batches, loss_reduction, _micro_per_window
 from .core import Accumulation
 from .exact import leaves_no_trace
 from .plan import plan_training
-from .helpers import learner_and_model, split_batch, peek_batches, modes_kept
+from .helpers import learner_and_model, split_batch, peek_batches, modes_kept, is_dropout
 from .callback import GradientAccumulation
 
 # %% auto #0
@@ -177,9 +176,7 @@ def resolve_auto(model:nn.Module, # the model, BatchNorm layers in the mode trai
 # %% ../nbs/06_check.ipynb #1d10b993
 def _dropouts(model:nn.Module) -> list:
     "(name, module) of each dropout-like module: `nn.Dropout*`, `RNNDropout`, drop-path/stochastic depth."
-    keys = ('dropout', 'droppath', 'stochasticdepth')
-    return [(n or _ROOT, m) for n, m in model.named_modules()
-            if isinstance(m, _DropoutNd) or any(k in type(m).__name__.lower() for k in keys)]
+    return [(n or _ROOT, m) for n, m in model.named_modules() if is_dropout(m)]
 
 def _split(batch:tuple, n_step:int) -> list:
     "`batch` split along its first dimension into `n_step` micro-batches (sizes differ by at most one)."

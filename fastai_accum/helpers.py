@@ -9,12 +9,13 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 import torch
 from torch import nn, Tensor
+from torch.nn.modules.dropout import _DropoutNd
 from torch.fx.node import map_aggregate
 
 # %% auto #0
 __all__ = ['place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept',
            'ReplacedForward', 'restore_forward', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept',
-           'peek_batches']
+           'is_dropout', 'peek_batches']
 
 # %% ../nbs/00_helpers.ipynb #5f390a10
 def _batch_like(b, items:list):
@@ -131,6 +132,11 @@ def random_state_kept():
     states = rng_states()
     try: yield
     finally: restore_rng_states(states)
+
+# %% ../nbs/00_helpers.ipynb #a1d0b002
+def is_dropout(m:nn.Module) -> bool:
+    "Is `m` dropout-like (`nn.Dropout*`, `RNNDropout`, drop-path, stochastic depth): random numbers in training?"
+    return isinstance(m, _DropoutNd) or any(k in type(m).__name__.lower() for k in ('dropout', 'droppath', 'stochasticdepth'))
 
 # %% ../nbs/00_helpers.ipynb #9ea39080
 def peek_batches(dl, # a fastai or PyTorch DataLoader
