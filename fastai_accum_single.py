@@ -12,17 +12,17 @@ Contents (line: module: classes), dependencies first:
        30: stats: ChannelStats
       187: distributed: -
       222: helpers: ReplacedForward
-      363: window: AccumulationWindow, WindowLoader
-      621: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
-     1039: meters: ByteMeter, SavedTensorMeter, LayerMeter
-     1163: staged: StagedGraph
-     1459: prepass: PrepassPlan, PreflightTable
-     1666: staged_exact: StagedStep, StagedForward
-     2610: exact: Footprint, ExactModeMemoryError, ExactPlan
-     2871: ghost: GhostForward
-     2925: plan: StagedMismatchError, TrainingPlan
-     3147: core: BatchNormInstaller, Accumulation, FrontEnd
-     3645: callback: WindowPrefetch, GradientAccumulation
+      370: window: AccumulationWindow, WindowLoader
+      628: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
+     1046: meters: ByteMeter, SavedTensorMeter, LayerMeter
+     1170: staged: StagedGraph
+     1466: prepass: PrepassPlan, PreflightTable
+     1673: staged_exact: StagedStep, StagedForward
+     2684: exact: Footprint, ExactModeMemoryError, ExactPlan
+     2945: ghost: GhostForward
+     2999: plan: StagedMismatchError, TrainingPlan
+     3221: core: BatchNormInstaller, Accumulation, FrontEnd
+     3719: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -226,6 +226,7 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 import torch
 from torch import nn, Tensor
+from torch.nn.modules.dropout import _DropoutNd
 from torch.fx.node import map_aggregate
 
 # %% auto #0
@@ -345,6 +346,12 @@ def random_state_kept():
     states = rng_states()
     try: yield
     finally: restore_rng_states(states)
+
+# %% ../nbs/00_helpers.ipynb #a1d0b002
+def is_dropout(m:nn.Module) -> bool:
+    "Is `m` dropout-like (`nn.Dropout*`, `RNNDropout`, drop-path, stochastic depth): random numbers in training?"
+    name = type(m).__name__.lower()
+    return isinstance(m, _DropoutNd) or any(k in name for k in ('dropout', 'droppath', 'stochasticdepth'))
 
 # %% ../nbs/00_helpers.ipynb #9ea39080
 def peek_batches(dl, # a fastai or PyTorch DataLoader
@@ -1698,6 +1705,32 @@ def _set_rng_state(state, dev):
 def _same_state(a, b) -> bool:
     return all(x is y or (x is not None and y is not None and torch.equal(x, y)) for x, y in zip(a, b))
 
+_random_fns = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+               torch.dropout, torch.bernoulli, torch.rand, torch.randn, torch.rand_like, torch.randn_like,
+               torch.randint, torch.randint_like, torch.randperm, torch.normal, torch.multinomial, torch.poisson}
+_random_methods = {'bernoulli', 'bernoulli_', 'uniform_', 'normal_', 'random_', 'exponential_', 'geometric_',
+                   'cauchy_', 'log_normal_', 'multinomial'}
+
+def _draws(n, modules:dict) -> bool:
+    "May node `n` draw random numbers: a dropout-like module, a random function or method, a seeded aten op?"
+    # what is missed here is found at run time (the random state moved): only the memory of the last stage differs
+    if n.op == 'call_module': return any(is_dropout(m) for m in modules[n.target].modules())
+    if n.op == 'call_method': return n.target in _random_methods
+    if n.op != 'call_function': return False
+    f = n.target.default if isinstance(n.target, torch._ops.OpOverloadPacket) else n.target
+    if isinstance(f, torch._ops.OpOverload): return torch.Tag.nondeterministic_seeded in f.tags
+    return f in _random_fns or getattr(f, '__name__', '') in ('stochastic_depth', 'drop_path')
+
+def _writes_in_place(n, modules:dict) -> bool:
+    "Does node `n` write into what it reads (`nn.ReLU(inplace=True)`, `x.add_(y)`, `F.dropout(x, inplace=True)`)?"
+    if n.op == 'call_module': return bool(getattr(modules[n.target], 'inplace', False))
+    if n.op == 'call_method': return n.target.endswith('_') and not n.target.endswith('__')
+    if n.op != 'call_function': return False
+    f = n.target
+    if isinstance(f, torch._ops.OpOverload): return f._schema.is_mutable
+    positional = f in _random_fns and f.__name__.endswith('dropout') and len(n.args) > 3 and n.args[3] is True
+    return bool(n.kwargs.get('inplace')) or positional or getattr(f, '__name__', '').endswith('_')
+
 # %% ../nbs/02b_staged_exact.ipynb #b87c84e1
 class StagedStep(StagedGraph):
     "The big batch's forward and backward over a window, stage by stage and chunk by chunk."
@@ -1719,6 +1752,7 @@ class StagedStep(StagedGraph):
         self.model, self.graph, self.store = model, graph, store
         self.modules = dict(model.named_modules())
         self.costs = {}  # bytes per sample of each stage's chunk in its backward (`_stage_cost`), by `_cost_key`
+        self.whole = set()  # `_cost_key`s of last stages that draw random numbers: run in one chunk
         nodes = list(graph.nodes)
         self.inputs = [n for n in nodes if n.op == 'placeholder']
         self.output = next(n for n in nodes if n.op == 'output')
@@ -1727,8 +1761,18 @@ class StagedStep(StagedGraph):
     def _plan(self):
         "Stages from the modes the layers are in now: stage s+1 starts with the s-th training BatchNorm node."
         bars = [i for i, n in enumerate(self.nodes) if n.op == 'call_module' and _is_barrier(self.modules[n.target])]
-        bounds = [0] + bars + [len(self.nodes)]
+        # the last stage is cut before its first random op (a head's dropout): what comes before runs in chunks,
+        # the rest whole, so its masks are the big batch's without the whole window of the ops before it
+        cut = next((i for i in range(bars[-1] + 1, len(self.nodes)) if _draws(self.nodes[i], self.modules)),
+                   None) if bars else None
+        bounds = [0] + bars + ([cut] if cut else []) + [len(self.nodes)]
         self.stages = [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
+        self.bars = [None] + [self.nodes[i] if i != cut else None for i in bounds[1:-1]]  # the barrier opening each
+        # a stage cut before a random op that writes in place (`Dropout(inplace=True)`) runs on copies of its inputs:
+        # they are chunks of the store (which the backward reads again), or leaves, which autograd does not let an op
+        # modify
+        self.copies = [cut is not None and s == len(self.stages) - 1 and
+                       any(_writes_in_place(self.nodes[i], self.modules) for i in idx) for s, idx in enumerate(self.stages)]
         self.from_input = set(self.inputs)  # nodes computed from the model's inputs: their tensors hold the batch
         for n in self.nodes:
             if any(a in self.from_input for a in n.all_input_nodes): self.from_input.add(n)
@@ -1737,8 +1781,8 @@ class StagedStep(StagedGraph):
         for s in range(1, len(self.stages)): self.stages[s] = self._recomputing(s, owner)
         members = [{self.nodes[i] for i in idx} for idx in self.stages]
         reads = [{a for u in mem for a in u.all_input_nodes if a in owner and a not in mem} for mem in members]
-        for s, idx in enumerate(self.stages[1:]):  # the BatchNorm ending stage s takes its statistics there
-            x = self.nodes[idx[0]].args[0]  # its input may come from an earlier stage (a U-Net's skip connection)
+        for s, bar in enumerate(self.bars[1:]):  # the BatchNorm ending stage s takes its statistics there
+            x = bar.args[0] if bar is not None else None  # it may come from an earlier stage (a U-Net's skip)
             if isinstance(x, fx.Node) and x in owner and x not in members[s]: reads[s].add(x)
         outs = set(self.output.all_input_nodes)
         self.stage_in = [[n for n in owner if n in reads[s]] for s in range(len(self.stages))]
@@ -1746,7 +1790,7 @@ class StagedStep(StagedGraph):
                            (self.nodes[i] in outs or any(self.nodes[i] in r for r in reads[s + 1:]))]
                           for s, idx in enumerate(self.stages)]
         self.stage_params = [_params_of(self, [self.nodes[i] for i in idx]) for idx in self.stages]
-        opens = [self.nodes[idx[0]] for idx in self.stages[1:]] + [None]  # the barrier that ends each stage
+        opens = self.bars[1:] + [None]  # the barrier that ends each stage
         self.reads_input = [any(n.op == 'placeholder' for n in self.stage_in[s])
                             or (b is not None and b.args[0].op == 'placeholder')
                             for s, b in enumerate(opens)]  # only these stages copy the window's inputs to the device
@@ -1767,7 +1811,8 @@ def _recomputing(self, s:int, owner:dict) -> list:
         if a in need or a not in pos: continue
         need.add(a)
         stack.extend(x for x in a.all_input_nodes if x in pos and x not in self.from_input)
-    return own[:1] + sorted(pos[n] for n in need) + own[1:]
+    lead = own[:1] if self.bars[s] is not None else []  # a barrier first: `_run_stage` opens the stage with it
+    return lead + sorted(pos[n] for n in need) + own[len(lead):]
 
 StagedStep._recomputing = _recomputing
 
@@ -1800,11 +1845,16 @@ def _params_of(self, nodes:list) -> list:
 def _run_stage(self, s:int, env:dict, xb:tuple, grad:bool):
     "Run stage `s` of one chunk on `env`; the BatchNorm opening it normalizes with window statistics."
     # that BatchNorm is one fused op; its input is a leaf of its own if `grad`, returned
-    leaf = None
+    leaf, read = None, env
+    if self.copies[s]:  # (the store's chunks, or leaves): copies, counted in its cost (`env['copies']`)
+        read = dict(env)
+        for n in self.stage_in[s]:
+            if n in env: read[n] = tree_map(lambda v: v.clone() if isinstance(v, Tensor) else v, env[n])
+        env['copies'] = [read[n] for n in self.stage_in[s] if n in env]
     for i in self.stages[s]:
         n = self.nodes[i]
-        if i != self.stages[s][0] or s == 0:
-            env[n] = _plain(self._run_node(n, env, xb))
+        if i != self.stages[s][0] or self.bars[s] is None:
+            env[n] = read[n] = _plain(self._run_node(n, read, xb))
             continue
         m = self.modules[n.target]
         x = self._value(n.args[0], env, xb)
@@ -1993,9 +2043,11 @@ def _kept_from(self) -> int:
 
 def _first_chunk(self, s:int, chunk:int) -> tuple:
     "(samples per chunk of stage `s`, whether its first chunk measures the stage's bytes per sample)."
+    key = self._cost_key(s)
+    if key in self.whole: return self.W, False  # the last stage, drawing random numbers: in one chunk, as before
     if self.budget is not None:
-        cost = self.costs.get(self._cost_key(s))
-        return (self._sized(cost, chunk), False) if cost is not None else (min(chunk, self.W), True)
+        cost = self.costs.get(key)
+        return (self._sized(s, cost, chunk), False) if cost is not None else (min(chunk, self.W), True)
     if not self.grow: return chunk, False
     # without a budget: as many bytes in as a micro-batch's input
     per_input = _nbytes(self.xb) / self.W
@@ -2003,22 +2055,34 @@ def _first_chunk(self, s:int, chunk:int) -> tuple:
               for n in self.stage_in[s]) / self.W  # bytes a sample brings in
     return min(self.W, max(chunk, int(chunk * per_input // max(per, 1)))), False
 
-def _sized(self, cost:float, chunk:int) -> int:
-    "The most samples (at least `chunk`) whose chunk of a stage costing `cost` bytes per sample fits the budget."
-    return min(self.W, max(chunk, int(self.budget // max(cost, 1.))))
+def _sized(self, s:int, cost:float, chunk:int) -> int:
+    "The most samples (at least `chunk`) whose chunk of stage `s`, costing `cost` bytes per sample, fits the budget."
+    # beside the chunk: its parameters' gradients, and their sum with those of earlier chunks
+    grads = 2 * sum(_nbytes(p) for p in self.stage_params[s] if p.requires_grad)
+    return min(self.W, max(chunk, int((self.budget - grads) // max(cost, 1.))))
 
 def _cost_key(self, s:int) -> tuple:
     "Stage `s` (its nodes, the inputs' shapes and dtypes, training's autocast): what its bytes per sample depend on."
     return self.nodes[self.stages[s][0]].name, len(self.stages[s]), self.signature, self.autocast
 
-def _stage_cost(self, env:dict, n:int) -> float:
-    "Bytes per sample one chunk of a stage holds in its backward, from the values `env` its forward on `n` samples had."
-    # every batch tensor it computed or read (about what autograd saves when it is recomputed), plus twice the largest
-    # (the gradient being computed and the one it comes from)
-    sizes = {}
+def _stage_cost(self, env:dict, n:int, saved:dict) -> float:
+    "Bytes per sample one chunk of a stage holds in its backward, from its forward on `n` samples with a graph."
+    # every batch tensor it computed or read (`env`), those autograd saved besides (`saved`, {data_ptr: bytes}: the
+    # input an in-place activation copies), plus twice the largest (the gradient being computed and the one it comes
+    # from)
+    sizes = dict(saved)
     for t in _tensors(list(env.values())):
         if t.dim() and t.shape[0] == n: sizes[t.data_ptr()] = max(sizes.get(t.data_ptr(), 0), _nbytes(t))
     return (sum(sizes.values()) + 2 * max(sizes.values(), default=0)) / n
+
+@contextlib.contextmanager
+def _saved_counted(self, sizes:dict):
+    "Count in `sizes` ({data_ptr: bytes}) the tensors autograd saves inside, other than the model's own."
+    own = {t.data_ptr() for t in itertools.chain(self.model.parameters(), self.model.buffers())}
+    def pack(t):
+        if t.data_ptr() not in own: sizes[t.data_ptr()] = max(sizes.get(t.data_ptr(), 0), _nbytes(t))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t): yield
 
 def _kept_bytes(self, n) -> int:
     "Bytes of the window-sized tensors kept for node `n` (a container's included)."
@@ -2027,33 +2091,40 @@ def _kept_bytes(self, n) -> int:
 
 def _stage_forward(self, s:int, dev, chunk:int):
     "Run stage `s` over the window chunk by chunk, no graph; keep what later stages and the output read."
-    # the last stage reruns in one chunk if it draws random numbers (dropout): its masks are then the big batch's;
-    # its last chunk runs with a graph, kept for the backward
-    bar = self.nodes[self.stages[s + 1][0]] if s + 1 < len(self.stages) else None
+    # the last stage reruns in one chunk if it draws random numbers (dropout): its masks are then the big batch's (the
+    # window's memory for it is their price: `_plan` cuts it down to the ops from the first random one); its last chunk
+    # runs with a graph, kept for the backward
+    bar, last = (self.bars[s + 1], False) if s + 1 < len(self.stages) else (None, True)
     st, (c, measure), a = ChannelStats(), self._first_chunk(s, chunk), 0
     fixed = self._producer_spans(s)
     if fixed: measure = False
     while a < self.W:
         b = fixed[len(self.spans[s])][1] if fixed else min(a + c, self.W)
-        graph = s >= self.kept_from or (bar is None and b == self.W)
-        env, xb = self._stage_inputs(s, a, b, dev, grad=graph), self._xb(a, b, dev, grad=graph, s=s)
+        graph = s >= self.kept_from or (last and b == self.W)
+        # the chunk that measures the stage runs as its backward's recompute will, counting what autograd saves
+        probe, saved = measure and a == 0 and not graph, {}
+        grad = graph or probe
+        env, xb = self._stage_inputs(s, a, b, dev, grad=grad), self._xb(a, b, dev, grad=grad, s=s)
         self.rng[s, a] = state = _rng_state(dev)
-        with torch.set_grad_enabled(graph): leaf = self._run_stage(s, env, xb, grad=graph)
+        with torch.set_grad_enabled(grad), self._saved_counted(saved) if probe else nullcontext():
+            leaf = self._run_stage(s, env, xb, grad=grad)
+        if measure and a == 0:  # the stage's bytes per sample, measured once: the other chunks as large as they fit
+            self.costs[self._cost_key(s)] = cost = self._stage_cost(env, b - a, saved)
+            c = self._sized(s, cost, chunk)
         if a == 0 and b < self.W and not _same_state(state, _rng_state(dev)):  # it draws random numbers
-            if bar is None and not fixed:
+            if last and not fixed:
                 _set_rng_state(state, dev)
                 self.spans[s] = []
+                self.whole.add(self._cost_key(s))
                 return self._stage_forward(s, dev, self.W)
             self.random_chunked.append(s)
-        if measure and a == 0:  # the stage's bytes per sample, measured once: the other chunks as large as they fit
-            self.costs[self._cost_key(s)] = cost = self._stage_cost(env, b - a)
-            c = self._sized(cost, chunk)
         self.spans[s].append((a, b))
         with torch.no_grad():
             for n in self.stage_out[s]: self._hold(n, env[n], a, b)
             if bar is not None: st.add(self._value(bar.args[0], env, xb))
         if graph:  # what the backward reads: the stage's inputs (leaves) and outputs; the graph holds the rest it needs
             self.graphs[s, a] = {n: env[n] for n in self.stage_in[s] + self.stage_out[s] if n in env}, leaf
+        env = xb = leaf = None  # freed before the next chunk is computed
         a = b
     if bar is not None: self._close(bar, st)
 
@@ -2061,7 +2132,8 @@ def _say_random(self):
     "Warn once that some stages drew their random numbers (dropout masks) chunk by chunk."
     if self._said_random: return
     self._said_random = True
-    where = ', '.join(f"after {self.nodes[self.stages[s][0]].target}" if s else "before the first BatchNorm"
+    where = ', '.join(f"after {self.bars[s].target}" if self.bars[s] is not None else
+                      f"from {self.nodes[self.stages[s][0]].name}" if s else "before the first BatchNorm"
                       for s in self.random_chunked)
     warnings.warn(f"staged exact: random ops (dropout, drop-path) in chunked stages ({where}) "
                   "draw their masks chunk by chunk: equal in distribution to the big batch's, not in value. "
@@ -2124,6 +2196,7 @@ StagedStep._producer_spans = _producer_spans
 StagedStep._sized = _sized
 StagedStep._cost_key = _cost_key
 StagedStep._stage_cost = _stage_cost
+StagedStep._saved_counted = _saved_counted
 
 # %% ../nbs/02b_staged_exact.ipynb #1494d3bf
 def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shaped as the output: a tensor, a dict, ...)
@@ -2137,7 +2210,7 @@ def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shap
     index = {id(p): i for i, p in enumerate(params)}
     autocast = torch.autocast(dev.type, dtype=self.autocast) if self.autocast else nullcontext()
     for s in reversed(range(len(self.stages))):
-        bar = self.nodes[self.stages[s][0]] if s > 0 else None
+        bar = self.bars[s]
         outs = [n for n in self.stage_out[s] if any(k in grads for k in self._keys(n))]
         # the barrier's input gradient with its statistics held fixed (window-sized, in `store`); Σ g, Σ g·x̂
         fixed, sums = {}, None
@@ -2154,12 +2227,13 @@ def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shap
                       if t.requires_grad]
             got = self._grads(pairs, [t for _, t in leaves] + ([leaf] if leaf is not None else []), params, pgrads,
                               used)
-            for (k, _), g in zip(leaves, got):
+            for k, g in zip([k for k, _ in leaves], got):  # (a loop's `_` would hold the last leaf)
                 if g is not None: self._keep(grads, k, g, a, b, add=True)
             if bar is not None:
                 g = got[-1] if got and got[-1] is not None else torch.zeros_like(leaf)
                 if affine is None: sums = self._window_sums(bar, leaf.detach(), g, sums)
                 self._keep(fixed, bar, g, a, b)
+            kept = env = leaf = pairs = leaves = got = g = None  # freed before the next chunk is recomputed
         if affine is not None: sums = affine()
         for n in outs: grads.pop(n, None)
         if bar is not None: self._project(s, bar, fixed.get(bar), sums, grads)
@@ -3937,4 +4011,4 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'peek_batches', 'window_full', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'fmt_bytes', 'trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'staged_graph', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'optimizer_state', 'release_pinned', 'saved_on_host', 'staging_budget', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'is_dropout', 'peek_batches', 'window_full', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'fmt_bytes', 'trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'staged_graph', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'optimizer_state', 'release_pinned', 'saved_on_host', 'staging_budget', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']

@@ -136,7 +136,8 @@ def random_state_kept():
 # %% ../nbs/00_helpers.ipynb #a1d0b002
 def is_dropout(m:nn.Module) -> bool:
     "Is `m` dropout-like (`nn.Dropout*`, `RNNDropout`, drop-path, stochastic depth): random numbers in training?"
-    return isinstance(m, _DropoutNd) or any(k in type(m).__name__.lower() for k in ('dropout', 'droppath', 'stochasticdepth'))
+    name = type(m).__name__.lower()
+    return isinstance(m, _DropoutNd) or any(k in name for k in ('dropout', 'droppath', 'stochasticdepth'))
 
 # %% ../nbs/00_helpers.ipynb #9ea39080
 def peek_batches(dl, # a fastai or PyTorch DataLoader

@@ -63,7 +63,7 @@ def _draws(n, modules:dict) -> bool:
     if isinstance(f, torch._ops.OpOverload): return torch.Tag.nondeterministic_seeded in f.tags
     return f in _random_fns or getattr(f, '__name__', '') in ('stochastic_depth', 'drop_path')
 
-def _in_place(n, modules:dict) -> bool:
+def _writes_in_place(n, modules:dict) -> bool:
     "Does node `n` write into what it reads (`nn.ReLU(inplace=True)`, `x.add_(y)`, `F.dropout(x, inplace=True)`)?"
     if n.op == 'call_module': return bool(getattr(modules[n.target], 'inplace', False))
     if n.op == 'call_method': return n.target.endswith('_') and not n.target.endswith('__')
@@ -114,7 +114,7 @@ class StagedStep(StagedGraph):
         # they are chunks of the store (which the backward reads again), or leaves, which autograd does not let an op
         # modify
         self.copies = [cut is not None and s == len(self.stages) - 1 and
-                       any(_in_place(self.nodes[i], self.modules) for i in idx) for s, idx in enumerate(self.stages)]
+                       any(_writes_in_place(self.nodes[i], self.modules) for i in idx) for s, idx in enumerate(self.stages)]
         self.from_input = set(self.inputs)  # nodes computed from the model's inputs: their tensors hold the batch
         for n in self.nodes:
             if any(a in self.from_input for a in n.all_input_nodes): self.from_input.add(n)
@@ -410,7 +410,8 @@ def _cost_key(self, s:int) -> tuple:
 def _stage_cost(self, env:dict, n:int, saved:dict) -> float:
     "Bytes per sample one chunk of a stage holds in its backward, from its forward on `n` samples with a graph."
     # every batch tensor it computed or read (`env`), those autograd saved besides (`saved`, {data_ptr: bytes}: the
-    # input an in-place activation copies), plus twice the largest (the gradient being computed and the one it comes from)
+    # input an in-place activation copies), plus twice the largest (the gradient being computed and the one it comes
+    # from)
     sizes = dict(saved)
     for t in _tensors(list(env.values())):
         if t.dim() and t.shape[0] == n: sizes[t.data_ptr()] = max(sizes.get(t.data_ptr(), 0), _nbytes(t))
