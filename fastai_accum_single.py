@@ -18,11 +18,11 @@ Contents (line: module: classes), dependencies first:
      1170: staged: StagedGraph
      1466: prepass: PrepassPlan, PreflightTable
      1673: staged_exact: StagedStep, StagedForward
-     2684: exact: Footprint, ExactModeMemoryError, ExactPlan
-     2945: ghost: GhostForward
-     2999: plan: StagedMismatchError, TrainingPlan
-     3221: core: BatchNormInstaller, Accumulation, FrontEnd
-     3719: callback: WindowPrefetch, GradientAccumulation
+     2712: exact: Footprint, ExactModeMemoryError, ExactPlan
+     2973: ghost: GhostForward
+     3027: plan: StagedMismatchError, TrainingPlan
+     3249: core: BatchNormInstaller, Accumulation, FrontEnd
+     3747: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -1672,7 +1672,7 @@ class PreflightTable(pd.DataFrame):
 
 # ======== fastai_accum/staged_exact.py ========
 # %% ../nbs/02b_staged_exact.ipynb #bc1cb743
-import contextlib, copy, itertools, operator, warnings
+import contextlib, copy, itertools, operator, warnings, weakref
 from contextlib import nullcontext
 import torch
 import torch.distributed as dist
@@ -1739,6 +1739,7 @@ class StagedStep(StagedGraph):
     grow = True
     local = False  # this process's window alone: no collective under DDP (the check on the user's model)
     _said_random = False  # the warning that chunked stages drew random numbers was given
+    pool_W = None  # the window size of the tensors in `pool`
     pin = False  # the host store is pinned (a model on CUDA, kept values in host memory)
     # device bytes one chunk of a stage may hold in its backward: each stage's chunks as large as that allows, from its
     # bytes per sample measured on its first chunk (None: the `grow` rule)
@@ -1753,6 +1754,9 @@ class StagedStep(StagedGraph):
         self.modules = dict(model.named_modules())
         self.costs = {}  # bytes per sample of each stage's chunk in its backward (`_stage_cost`), by `_cost_key`
         self.whole = set()  # `_cost_key`s of last stages that draw random numbers: run in one chunk
+        # window-sized host tensors of the store the last window no longer reads, by (shape, dtype, device, pinned),
+        # and those in use ({id: (weakref, key)}): `_store_tensor`, `_recycle`
+        self.pool, self.ours = {}, {}
         nodes = list(graph.nodes)
         self.inputs = [n for n in nodes if n.op == 'placeholder']
         self.output = next(n for n in nodes if n.op == 'output')
@@ -1772,7 +1776,8 @@ class StagedStep(StagedGraph):
         # they are chunks of the store (which the backward reads again), or leaves, which autograd does not let an op
         # modify
         self.copies = [cut is not None and s == len(self.stages) - 1 and
-                       any(_writes_in_place(self.nodes[i], self.modules) for i in idx) for s, idx in enumerate(self.stages)]
+                       any(_writes_in_place(self.nodes[i], self.modules) for i in idx)
+                       for s, idx in enumerate(self.stages)]
         self.from_input = set(self.inputs)  # nodes computed from the model's inputs: their tensors hold the batch
         for n in self.nodes:
             if any(a in self.from_input for a in n.all_input_nodes): self.from_input.add(n)
@@ -1917,8 +1922,7 @@ def _keep(self, d:dict, n, v:Tensor, a:int, b:int, add:bool=False):
     if not add and b - a == self.W and (self.store is None or torch.device(self.store) == v.device):
         d[n] = v.detach()  # the whole window, where the store is: kept as it is, no copy
         return
-    if n not in d: d[n] = (torch.zeros if add else torch.empty)((self.W,) + v.shape[1:], dtype=v.dtype,
-                                                               device=self.store or v.device, pin_memory=self.pin)
+    if n not in d: d[n] = self._store_tensor((self.W,) + v.shape[1:], v.dtype, self.store or v.device, zero=add)
     if add: d[n][a:b] += _to(v, d[n].device)  # read on the host: a synchronous copy
     else: d[n][a:b].copy_(v, non_blocking=self.pin)  # into pinned memory, read back only by copies queued after it
 
@@ -1978,6 +1982,25 @@ def _same(u, v) -> bool:
     try: return bool(u == v)
     except Exception: return False
 
+def _store_tensor(self, shape:tuple, dtype, device, zero:bool) -> Tensor:
+    "A window-sized tensor of the store (zeros if `zero`): one an earlier window gave back (`_recycle`), or new."
+    # a new host tensor of hundreds of MiB costs its page faults, about 4x a copy into it (a pinned one, its pinning):
+    # only host tensors are reused, so the device holds nothing between windows
+    key = (tuple(shape), dtype, torch.device(device), self.pin)
+    free = self.pool.get(key)
+    t = free.pop() if free else torch.empty(shape, dtype=dtype, device=device, pin_memory=self.pin)
+    if zero: t.zero_()
+    if key[2].type == 'cpu': self.ours[id(t)] = (weakref.ref(t), key)
+    return t
+
+def _recycle(self, ts):
+    "Give the store's tensors among `ts` that nothing reads any more to `_store_tensor`, for the next of their shape."
+    for t in ts:
+        ref, key = self.ours.pop(id(t), (None, None)) if isinstance(t, Tensor) else (None, None)
+        if ref is not None and ref() is t: self.pool.setdefault(key, []).append(t)
+
+StagedStep._store_tensor = _store_tensor
+StagedStep._recycle = _recycle
 StagedStep._run_stage = _run_stage
 StagedStep._xb = _xb
 StagedStep._chunk = _chunk
@@ -2004,6 +2027,7 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
     self.pin = self.store is not None and torch.device(self.store).type == 'cpu' and dev.type != 'cpu' and can_pin()
     self.autocast = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
     self.signature = tuple((tuple(t.shape[1:]), t.dtype) for t in self.xb if isinstance(t, Tensor))
+    if self.W != self.pool_W: self.pool, self.ours, self.pool_W = {}, {}, self.W  # shapes of another window size
     self.kept, self.carried, self.structs, self.rng, self.stats, self.count, self.spans = {}, {}, {}, {}, {}, {}, []
     self.random_chunked = []  # stages that drew random numbers chunk by chunk
     # chunks run with their graph, kept for the backward (not recomputed): the last stage's last chunk, and every chunk
@@ -2235,8 +2259,12 @@ def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shap
                 self._keep(fixed, bar, g, a, b)
             kept = env = leaf = pairs = leaves = got = g = None  # freed before the next chunk is recomputed
         if affine is not None: sums = affine()
-        for n in outs: grads.pop(n, None)
+        self._recycle([grads.pop(k, None) for n in outs for k in self._keys(n)])
         if bar is not None: self._project(s, bar, fixed.get(bar), sums, grads)
+        self._recycle(fixed.values())
+    # the store's tensors, for the next window; not the output's (the model returned them)
+    returned = {k for n in self.output.all_input_nodes for k in self._keys(n)}
+    self._recycle([t for k, t in itertools.chain(self.kept.items(), grads.items()) if k not in returned])
     self.kept = self.carried = self.structs = self.xb = self.graphs = None
     if own:
         for p, g in zip(params, pgrads):

@@ -185,3 +185,32 @@ def test_window_sums_without_the_layers_own_gradients():
     grads = [flat(p.grad for p in m.parameters() if p.grad is not None) for m in (st, big)]
     assert rel(*grads) < 1e-12
     assert rel(*[flat(b for b in m.buffers() if b.is_floating_point()) for m in (st, big)]) < 1e-12
+
+def test_windows_reuse_the_store_and_leave_the_output_alone():
+    """The store's host tensors a window no longer reads are reused by the next window of its size (no new allocation:
+    its page faults cost about 4x a copy), not the output the model returned; a window of another size starts afresh.
+    Each window's step is the big batch's (float64)."""
+    import torchvision
+    torch.manual_seed(0)
+    big = torchvision.models.resnet18(num_classes=5).double().train()
+    st = copy.deepcopy(big)
+    f = install_staged(st, chunk=3)
+    f.step.grow = False  # every stage in chunks of 3: the output too is a tensor of the store
+    for i, n in enumerate((8, 8, 5)):
+        x = torch.randn(n, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        pooled = {id(t) for ts in f.step.pool.values() for t in ts}
+        outs = []
+        for m in (big, st):
+            m.zero_grad()
+            out = m(x)
+            (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+            outs.append(out.detach())
+        kept = {id(t) for ts in f.step.pool.values() for t in ts}
+        assert rel(outs[1], outs[0]) < 1e-12 and rel(flat(p.grad for p in st.parameters()),
+                                                     flat(p.grad for p in big.parameters())) < 1e-10
+        assert all(b.allclose(a) for a, b in zip(big.buffers(), st.buffers()) if a.is_floating_point())
+        assert kept and not any(t.data_ptr() == outs[1].data_ptr() for ts in f.step.pool.values() for t in ts)
+        if i == 1: assert kept == pooled, 'the second window of 8 reuses exactly what the first gave back'
+        if i == 2: assert {t.shape[0] for ts in f.step.pool.values() for t in ts} == {5}  # another size: afresh
+        if i == 0: first, first_val = outs[1], outs[1].clone()
+    assert torch.equal(first, first_val)  # the first window's output was not overwritten by the next windows
