@@ -18,11 +18,11 @@ Contents (line: module: classes), dependencies first:
      1170: staged: StagedGraph
      1466: prepass: PrepassPlan, PreflightTable
      1673: staged_exact: StagedStep, StagedForward
-     2712: exact: Footprint, ExactModeMemoryError, ExactPlan
-     2973: ghost: GhostForward
-     3027: plan: StagedMismatchError, TrainingPlan
-     3249: core: BatchNormInstaller, Accumulation, FrontEnd
-     3747: callback: WindowPrefetch, GradientAccumulation
+     2713: exact: Footprint, ExactModeMemoryError, ExactPlan
+     2974: ghost: GhostForward
+     3028: plan: StagedMismatchError, TrainingPlan
+     3250: core: BatchNormInstaller, Accumulation, FrontEnd
+     3748: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -2241,7 +2241,8 @@ def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shap
         # autograd asked only for this stage's parameters
         used = [index[id(p)] for p in self.stage_params[s] if id(p) in index]
         affine = self._affine_sums(s, bar, index, pgrads) if bar is not None else None
-        for a, b in self.spans[s]:
+        # chunks whose graph the forward kept first: they are not held while the others are recomputed
+        for a, b in sorted(self.spans[s], key=lambda span: (s, span[0]) not in self.graphs):
             kept = self.graphs.pop((s, a), None)  # its graph, from the forward
             env, leaf = kept if kept is not None else self._recomputed(s, a, b, dev, autocast)
             self._check_carried(s, env)

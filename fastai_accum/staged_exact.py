@@ -583,7 +583,8 @@ def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shap
         # autograd asked only for this stage's parameters
         used = [index[id(p)] for p in self.stage_params[s] if id(p) in index]
         affine = self._affine_sums(s, bar, index, pgrads) if bar is not None else None
-        for a, b in self.spans[s]:
+        # chunks whose graph the forward kept first: they are not held while the others are recomputed
+        for a, b in sorted(self.spans[s], key=lambda span: (s, span[0]) not in self.graphs):
             kept = self.graphs.pop((s, a), None)  # its graph, from the forward
             env, leaf = kept if kept is not None else self._recomputed(s, a, b, dev, autocast)
             self._check_carried(s, env)
