@@ -12,7 +12,7 @@ from fastcore.basics import patch
 from .batchnorm import AccumulateBatchNorm, wrap_bn, bn_layers, unwrap_layer
 from .staged import untraceable_reason, bn_graph
 from .prepass import window_prepasses, bn_preflight
-from .exact import saved_on_host, release_pinned, optimizer_state
+from .exact import saved_on_host, release_pinned, optimizer_state, held_bytes
 from .plan import TrainingPlan, plan_training, check_policy
 from .staged_exact import install_staged, uninstall_staged
 from .ghost import install_ghost, uninstall_ghost
@@ -138,7 +138,8 @@ class _CorePlan:
         self.how = plan_training(self.policy, self.module, lambda: tuple(self.inputs(peek())), self.n_step, self.n_acc,
                                  wrap=self.wrap, bn_batch=self.bn_batch, name=self.name, offload=self.offload,
                                  device_memory=self.device_memory, host_memory=self.host_memory, verify=self.verify,
-                                 autocast=self.autocast, opt_state=optimizer_state(self.optimizer))
+                                 autocast=self.autocast, opt_state=optimizer_state(self.optimizer),
+                                 held=held_bytes(self.module, self.optimizer))
         self.find_bns()
 
     def _bn_modes(self) -> tuple: return tuple(m.training for m in bn_layers(self.module))

@@ -17,7 +17,7 @@ from .helpers import random_state_kept, modes_kept, is_accelerator, can_pin
 
 # %% auto #0
 __all__ = ['leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact',
-           'optimizer_state', 'release_pinned', 'saved_on_host', 'staging_budget']
+           'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget']
 
 # %% ../nbs/02a_exact.ipynb #a31cf6dc
 @contextlib.contextmanager
@@ -99,6 +99,8 @@ class ExactPlan:
     accelerator:bool|None=None # the device's memory is apart from the host's (default: any device but the CPU)
     frozen:bool=False     # some parameters did not train when measured
     opt_state:float|None=None # optimizer state per byte of trainable parameters (`optimizer_state`); None: 1 assumed
+    held:int=0            # bytes alive when planned: parameters, buffers, gradients, optimizer state (`held_bytes`)
+    stage_grads:int=0     # bytes of the gradients a staged chunk's backward makes at once (`stage_grads`)
 
     @property
     def param_needed(self) -> int:
@@ -130,16 +132,28 @@ class ExactPlan:
         if not self.on_accelerator: return self.host_needed <= self.host_budget and device_ok
         return device_ok and self.host_needed <= self.host_budget
     @property
+    def chunk_needed(self) -> int:
+        "Bytes one chunk of the micro-batch's size holds in its backward: its activations and working set."
+        return int((self.chunk or 1) * (self.footprint.saved + 2 * self.footprint.working))
+    @property
     def staged_device_needed(self) -> int:
-        "Bytes a staged step needs on the device: at most training at one chunk."
-        return int((self.chunk or 1) * (self.footprint.saved + 2 * self.footprint.working) + self.param_needed)
+        "Bytes a staged step needs on the device: training at one chunk (on a CPU, the kept values too)."
+        store = 0 if self.on_accelerator else self.staged_host_needed
+        return self.chunk_needed + self.stage_grads + self.param_needed + store
+    @property
+    def check_memory(self) -> int:
+        "Bytes the check of a staged step (`verify_staged`) may hold, beside what is alive when it runs."
+        # on a CPU with a device budget: that budget, less what is alive (one memory); else within host memory
+        if self.on_accelerator or self.device_budget is None: return self.host_budget // 2
+        return max(self.device_budget - self.held, 0)
     @property
     def chunk_budget(self) -> int|None:
-        "Device bytes one chunk of a stage may hold: the budget less the parameters (on a CPU, less the kept values)."
-        # a staged step sizes each stage's chunks from it (None: the whole window in one chunk, under DDP)
+        "Device bytes the chunks of a stage may hold: the budget less the parameters, their gradients and state."
+        # a staged step sizes each stage's chunks from it (None: the whole window in one chunk, under DDP); on a CPU the
+        # store shares this memory: the step leaves what it holds there at each stage (`StagedStep._sized`)
         if self.whole: return None
         budget = self.device_budget if self.device_budget is not None else self.host_budget
-        return max(int(budget - self.param_needed - (0 if self.on_accelerator else self.staged_host_needed)), 0)
+        return max(int(budget - self.param_needed), 0)
     @property
     def staged_host_needed(self) -> int:
         "Bytes of values (and gradients) a staged step keeps between stages: at most the saved activations."
@@ -161,9 +175,7 @@ class ExactPlan:
         if self.staged:
             return (f"a window of {self.window} samples as one batch would need {fmt_bytes(self.device_needed)} "
                     f"({self._budget}), so it trains as one batch stage by stage in chunks of {self.chunk} or more "
-                    f"(each stage's as large as {fmt_bytes(self.chunk_budget)} holds, measured): at most about "
-                    f"{fmt_bytes(self.chunk_budget + self.param_needed)} on the device and "
-                    f"{fmt_bytes(self.staged_host_needed)} of values kept between stages{self._checked}")
+                    f"{self._staged_memory}{self._checked}")
         if not self.on_accelerator:
             return (f"a window of {self.window} samples as one batch needs {fmt_bytes(self.host_needed)} "
                     f"({self._budget})")
@@ -174,6 +186,16 @@ class ExactPlan:
         if self.offload:
             s += f" and {fmt_bytes(self.host_needed)} of host memory (budget {fmt_bytes(self.host_budget)})"
         return s
+
+    @property
+    def _staged_memory(self) -> str:
+        "Where a staged step's bytes go: its chunks on the device, the values kept between stages (on a CPU, beside)."
+        kept = f"about {fmt_bytes(self.staged_host_needed)} of values kept between stages"
+        if not self.on_accelerator:
+            return (f"(each stage's as large as the budget leaves beside the parameters and the values kept, "
+                    f"measured): at most {fmt_bytes(self.chunk_budget + self.param_needed)} in all, {kept} included")
+        return (f"(each stage's as large as {fmt_bytes(self.chunk_budget)} holds, measured): at most about "
+                f"{fmt_bytes(self.chunk_budget + self.param_needed)} on the device and {kept} in host memory")
 
     @property
     def _checked(self) -> str:
@@ -203,6 +225,7 @@ def plan_exact(model:nn.Module, # the model to train
                offload:bool|None=None, # saved activations in host memory (default: if they do not fit on the device)
                autocast=None, # callable returning the autocast context training runs in (measured under it)
                opt_state:float|None=None, # optimizer state per byte of parameters (`optimizer_state`; None: 1 assumed)
+               held:int|None=None, # bytes alive now that count against the budget (default: `held_bytes(model)`)
               ) -> ExactPlan:
     "Measure `model` on `xb` and plan training a window of `window` samples as one batch."
     fp = measure_footprint(model, *xb, autocast=autocast)
@@ -213,7 +236,7 @@ def plan_exact(model:nn.Module, # the model to train
     params = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     plan = ExactPlan(window, fp, params, str(device), device_memory, host_memory, offload=bool(offload),
                      accelerator=is_accelerator(device), frozen=any(not p.requires_grad for p in model.parameters()),
-                     opt_state=opt_state)
+                     opt_state=opt_state, held=held_bytes(model) if held is None else held)
     if offload is None and plan.on_accelerator and not plan.fits: plan.offload = True
     return plan
 
@@ -245,6 +268,18 @@ def optimizer_state(opt) -> float|None:
         d = opt.defaults
         return float(bool(d.get('momentum')) + (name == 'RMSprop') + bool(d.get('centered')))
     return float(_state_per_param[name]) if name in _state_per_param else None
+
+def held_bytes(model:nn.Module, # the model
+               opt=None, # its optimizer (torch's, fastai's, or a wrapper of one), whose state is counted
+              ) -> int:
+    "Bytes alive for training before a window starts: parameters, buffers, gradients and optimizer state."
+    # distinct storages, each once
+    ts = list(model.parameters()) + list(model.buffers()) + [p.grad for p in model.parameters() if p.grad is not None]
+    while opt is not None and not isinstance(getattr(opt, 'state', None), dict):
+        opt = getattr(opt, 'opt', None) or getattr(opt, 'optimizer', None)
+    state = getattr(opt, 'state', None) or {}
+    ts += [t for st in state.values() if isinstance(st, dict) for t in st.values() if torch.is_tensor(t)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}.values())
 
 def release_pinned(plan:ExactPlan|None):
     "Give back the pinned host blocks a fit's offload or staged store left in torch's host cache."

@@ -14,7 +14,7 @@ from torch import nn
 from .meters import fmt_bytes
 from .batchnorm import bn_layers, bn_policies, _check_policy
 from .staged import staged_graph, bn_graph
-from .staged_exact import samples_mixed, verify_staged
+from .staged_exact import samples_mixed, verify_staged, stage_grads
 from .distributed import world_size, collective_device
 from .exact import ExactPlan, ExactModeMemoryError, plan_exact
 from .ghost import check_ghost
@@ -67,13 +67,14 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
                  verify:bool=True, # check a staged step against the big batch before choosing it (`verify_staged`)
                  autocast=None, # callable returning the autocast context training runs in (measured under it)
                  opt_state:float|None=None, # optimizer state per byte of parameters (`optimizer_state`)
+                 held:int|None=None, # bytes alive now that count against the budget (`held_bytes`)
                 ) -> tuple:
     "(train each window as one batch?, the `ExactPlan` or None): the rule above."
     if policy not in ('exact', 'staged', 'auto'): return False, None
     if not any(m.training for m in bn_layers(model)): return False, None  # no BatchNorm trains: plain is exact
     xb = peek()
     window = n_acc or n_step * xb[0].shape[0]
-    plan = plan_exact(model, xb, window, device_memory, host_memory, offload, autocast, opt_state)
+    plan = plan_exact(model, xb, window, device_memory, host_memory, offload, autocast, opt_state, held)
     plan.chunk = plan.micro = xb[0].shape[0]
     synced = world_size() > 1 and not _syncs_itself(model)  # DDP, per-process BatchNorm: a staged step reduces it
     staged_asked = synced or policy == 'staged' or (policy == 'auto' and not auto_picks_exact(plan))
@@ -116,9 +117,9 @@ class StagedMismatchError(RuntimeError):
 
 def _verified(plan:ExactPlan, model:nn.Module, xb:tuple) -> str|None:
     "Why a staged step is not the big batch on `model` (`verify_staged`), or None; what was checked goes in `plan`."
-    # the check runs within half the host budget
+    # within the memory the budget leaves it (`ExactPlan.check_memory`)
     t = time.perf_counter()
-    why, checked = verify_staged(model, xb, plan.host_budget // 2, plan.footprint.saved)
+    why, checked = verify_staged(model, xb, plan.check_memory, plan.footprint.saved)
     plan.checked, plan.check_time = checked or why, time.perf_counter() - t
     return why
 
@@ -136,6 +137,7 @@ def _not_staged(plan:ExactPlan, model:nn.Module, xb:tuple) -> str|None:
     graph = staged_graph(model, xb)  # torch.fx's, else the second tracer's (`nbs/00a_staged`)
     if isinstance(graph, str): return graph
     if graph is not bn_graph(model): plan.traced = 'aten'
+    plan.stage_grads = stage_grads(model, graph)
     mixed = samples_mixed(model, xb)
     return f"a staged step would not be the big batch: {mixed}." if mixed else None
 
@@ -145,9 +147,14 @@ def _staged_memory(plan:ExactPlan) -> str|None:
         need, budget = fmt_bytes(plan.staged_host_needed), fmt_bytes(plan.host_budget)
         return f"its kept values need {need} of host memory (budget {budget})"
     budget = plan.device_budget if plan.device_budget is not None else plan.host_budget
-    if plan.staged_device_needed > budget:
-        return f"one chunk of {plan.chunk} needs {fmt_bytes(plan.staged_device_needed)} (budget {fmt_bytes(budget)})"
-    return None
+    if plan.staged_device_needed <= budget: return None
+    # each part named: what the user can shrink
+    parts = [f"parameters, gradients and optimizer state {fmt_bytes(plan.param_needed)}",
+             f"one chunk of {plan.chunk} samples {fmt_bytes(plan.chunk_needed)}",
+             f"the largest stage's new gradients {fmt_bytes(plan.stage_grads)}"]
+    if not plan.on_accelerator: parts.insert(1, f"values kept between stages {fmt_bytes(plan.staged_host_needed)}")
+    return (f"a staged step needs {fmt_bytes(plan.staged_device_needed)} ({', '.join(parts)}), more than the budget "
+            f"{fmt_bytes(budget)}")
 
 def _agreed(device, # this process's training device (NCCL reduces there)
             *flags:bool) -> list:

@@ -33,7 +33,9 @@ def trace_model(model:nn.Module, # the model to trace (not changed)
                 is_leaf, # `is_leaf(module) -> bool`: modules to keep as single nodes (e.g. BatchNorm layers)
                ) -> fx.Graph:
     "The data flow of `model` as a torch.fx graph where every `is_leaf` module is one `call_module` node."
-    return _LeafTracer(is_leaf).trace(model)
+    tracer = _LeafTracer(is_leaf)
+    try: return tracer.trace(model)
+    finally: tracer.__dict__.clear()  # the tracer and its patching closures form a cycle: it must not hold the model
 
 # %% ../nbs/00a_staged.ipynb #b7c1d2e1
 _traces = weakref.WeakKeyDictionary()  # model -> torch.fx graph with every BatchNorm a leaf, or why tracing failed

@@ -6,7 +6,7 @@ channel."""
 
 # %% ../nbs/02b_staged_exact.ipynb #bc1cb743
 from __future__ import annotations
-import contextlib, copy, itertools, operator, warnings, weakref
+import contextlib, copy, functools, gc, itertools, operator, warnings, weakref
 from contextlib import nullcontext
 import torch
 import torch.distributed as dist
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.fx.node import map_aggregate
 from torch.utils._pytree import tree_flatten, tree_unflatten, tree_map
-from .meters import _nbytes
+from .meters import _nbytes, fmt_bytes
 from .stats import ChannelStats, all_reduce_stats, momentum_step
 from .distributed import world_size
 from .staged import StagedGraph, bn_graph, untraceable_reason, staged_graph, aten_graph, _signature
@@ -24,7 +24,7 @@ from .helpers import (_to, _tensors, random_state_kept, is_accelerator, can_pin,
 from .batchnorm import _after_norm
 
 # %% auto #0
-__all__ = ['StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged']
+__all__ = ['StagedStep', 'stage_grads', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged']
 
 # %% ../nbs/02b_staged_exact.ipynb #47a3cd82
 def _is_barrier(m) -> bool:
@@ -83,6 +83,7 @@ class StagedStep(StagedGraph):
     _said_random = False  # the warning that chunked stages drew random numbers was given
     pool_W = None  # the window size of the tensors in `pool`
     pin = False  # the host store is pinned (a model on CUDA, kept values in host memory)
+    shared = False  # the store lives in the memory the budget counts (a CPU): chunks get what it leaves
     # device bytes one chunk of a stage may hold in its backward: each stage's chunks as large as that allows, from its
     # bytes per sample measured on its first chunk (None: the `grow` rule)
     budget = None
@@ -95,6 +96,7 @@ class StagedStep(StagedGraph):
         self.model, self.graph, self.store = model, graph, store
         self.modules = dict(model.named_modules())
         self.costs = {}  # bytes per sample of each stage's chunk in its backward (`_stage_cost`), by `_cost_key`
+        self.store_costs = {}  # the most bytes per sample the store held in a window, by input signature and autocast
         self.whole = set()  # `_cost_key`s of last stages that draw random numbers: run in one chunk
         # window-sized host tensors of the store the last window no longer reads, by (shape, dtype, device, pinned),
         # and those in use ({id: (weakref, key)}): `_store_tensor`, `_recycle`
@@ -144,6 +146,7 @@ class StagedStep(StagedGraph):
         # nodes holding the batch's size: 'int' (`x.size(0)`, `len(x)`) or 'shape' (`x.shape`, batch first)
         self.sizes = {}
         for n in self.nodes: _size_kind(n, self.sizes)
+        self._store_plan()
 
 def _recomputing(self, s:int, owner:dict) -> list:
     "Stage `s`'s node indices, plus the parameter-only nodes of earlier stages it reads, recomputed."
@@ -187,6 +190,48 @@ def _params_of(self, nodes:list) -> list:
         for a in n.all_input_nodes:
             if a.op == 'get_attr' and isinstance(v := self._value(a, {}, ()), nn.Parameter): found[id(v)] = v
     return list(found.values())
+
+# %% ../nbs/02b_staged_exact.ipynb #e0fbd944
+def stage_grads(model:nn.Module, # the model, in the modes it trains in
+                graph:fx.Graph, # the graph a staged step runs (`staged_graph`)
+               ) -> int:
+    "Bytes of the largest stage's trainable parameters: the gradients a chunk's backward makes at once."
+    step = StagedStep(model, graph)
+    step._plan()
+    return max((sum(_nbytes(p) for p in ps if p.requires_grad) for ps in step.stage_params), default=0)
+
+# %% ../nbs/02b_staged_exact.ipynb #5beabd5e
+def _store_plan(self):
+    "What the store holds during each stage's backward (`held`), and the kept values freed after it (`freed`)."
+    # a kept value is read by the stages whose inputs it is and by the BatchNorm opening a stage (its projection): the
+    # backward, from the last stage down, frees it after the first of them; the output stays (the model returned it)
+    first, n_st = {}, len(self.stages)
+    for s in range(n_st):
+        bar = self.bars[s]
+        for n in self.stage_in[s] + ([bar.args[0]] if bar is not None else []):
+            if isinstance(n, fx.Node) and n.op != 'placeholder': first[n] = min(first.get(n, s), s)
+    returned = set(self.output.all_input_nodes)
+    self.freed = [[n for n, f in first.items() if f == s and n not in returned] for s in range(n_st)]
+    kept = {n for outs in self.stage_out for n in outs}
+    alive, self.held = {n for n in returned if n in kept}, [None] * n_st  # gradients in the store
+    for s in reversed(range(n_st)):
+        bar = self.bars[s]
+        grads = alive | {n for n in self.stage_in[s] if n.op != 'placeholder'}
+        if bar is not None and isinstance(bar.args[0], fx.Node): grads.add(bar.args[0])  # the projection's dx
+        values = {n for n in kept if n in returned or first.get(n, n_st) <= s}
+        self.held[s] = (values, grads, bar.args[0] if bar is not None else None)  # and the fixed gradient
+        alive = grads - set(self.stage_out[s])
+
+def _store_bytes(self, s:int) -> int:
+    "Bytes the store holds during stage `s`'s backward (kept values, gradients, the fixed gradient), as far as known."
+    # known once the stages making them have run their first chunk
+    values, grads, fixed = self.held[s]
+    size = self._kept_bytes
+    return sum(map(size, values)) + sum(map(size, grads)) + (size(fixed) if fixed is not None else 0)
+
+StagedStep._store_plan = _store_plan
+StagedStep._store_bytes = _store_bytes
+
 
 # %% ../nbs/02b_staged_exact.ipynb #97042fc2
 def _run_stage(self, s:int, env:dict, xb:tuple, grad:bool):
@@ -332,7 +377,7 @@ def _store_tensor(self, shape:tuple, dtype, device, zero:bool) -> Tensor:
     free = self.pool.get(key)
     t = free.pop() if free else torch.empty(shape, dtype=dtype, device=device, pin_memory=self.pin)
     if zero: t.zero_()
-    if key[2].type == 'cpu': self.ours[id(t)] = (weakref.ref(t), key)
+    if key[2].type == 'cpu' and not self.shared: self.ours[id(t)] = (weakref.ref(t), key)
     return t
 
 def _recycle(self, ts):
@@ -370,6 +415,8 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
     self.autocast = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
     self.signature = tuple((tuple(t.shape[1:]), t.dtype) for t in self.xb if isinstance(t, Tensor))
     if self.W != self.pool_W: self.pool, self.ours, self.pool_W = {}, {}, self.W  # shapes of another window size
+    # the store in the memory the budget counts (a CPU's): chunks get what it leaves, and nothing is pooled
+    self.shared = self.store is None or torch.device(self.store) == dev
     self.kept, self.carried, self.structs, self.rng, self.stats, self.count, self.spans = {}, {}, {}, {}, {}, {}, []
     self.random_chunked = []  # stages that drew random numbers chunk by chunk
     # chunks run with their graph, kept for the backward (not recomputed): the last stage's last chunk, and every chunk
@@ -379,6 +426,7 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
         self.spans.append([])
         self._stage_forward(s, dev, chunk)
     if self.random_chunked: self._say_random()
+    self.store_costs[self.signature, self.autocast] = max(map(self._store_bytes, range(len(self.stages)))) / self.W
     return self._output(dev)
 
 def _producer_spans(self, s:int) -> list|None:
@@ -400,6 +448,8 @@ def _kept_from(self) -> int:
     # late stages hold few bytes per sample but as much compute as early ones: their recompute is what this saves
     first, total = len(self.stages), 0.
     if self.budget is None: return first
+    # where the store shares the budget's memory: the most it held in a window like this one
+    if self.shared: total = self.store_costs.get((self.signature, self.autocast), float('inf')) * self.W
     for s in reversed(range(len(self.stages))):
         cost = self.costs.get(self._cost_key(s))
         total += float('inf') if cost is None else cost * self.W
@@ -423,9 +473,11 @@ def _first_chunk(self, s:int, chunk:int) -> tuple:
 
 def _sized(self, s:int, cost:float, chunk:int) -> int:
     "The most samples (at least `chunk`) whose chunk of stage `s`, costing `cost` bytes per sample, fits the budget."
-    # beside the chunk: its parameters' gradients, and their sum with those of earlier chunks
-    grads = 2 * sum(_nbytes(p) for p in self.stage_params[s] if p.requires_grad)
-    return min(self.W, max(chunk, int((self.budget - grads) // max(cost, 1.))))
+    # beside the chunk: its parameters' gradients as its backward makes them (summed in place into the step's)
+    grads = sum(_nbytes(p) for p in self.stage_params[s] if p.requires_grad)
+    # where the store shares the budget's memory (a CPU), what it holds then: in this stage's forward and backward
+    store = max(_nbytes(list(self.kept.values())), self._store_bytes(s)) if self.shared else 0
+    return min(self.W, max(chunk, int((self.budget - grads - store) // max(cost, 1.))))
 
 def _cost_key(self, s:int) -> tuple:
     "Stage `s` (its nodes, the inputs' shapes and dtypes, training's autocast): what its bytes per sample depend on."
@@ -447,11 +499,13 @@ def _saved_counted(self, sizes:dict):
     own = {t.data_ptr() for t in itertools.chain(self.model.parameters(), self.model.buffers())}
     def pack(t):
         if t.data_ptr() not in own: sizes[t.data_ptr()] = max(sizes.get(t.data_ptr(), 0), _nbytes(t))
-        return t
+        # detached: a saved output would hold its own node, a cycle that outlives the chunk (it has no backward)
+        return t.detach()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t): yield
 
 def _kept_bytes(self, n) -> int:
-    "Bytes of the window-sized tensors kept for node `n` (a container's included)."
+    "Bytes of the window-sized tensors kept for node `n` (a container's included; a model input's own)."
+    if n.op == 'placeholder': return _nbytes(self.xb[self.inputs.index(n)]) if n in self.inputs else 0
     if n in self.kept: return _nbytes(self.kept[n])
     return sum(_nbytes(self.kept[n, i]) for i in self.structs[n][1]) if n in self.structs else 0
 
@@ -476,7 +530,6 @@ def _stage_forward(self, s:int, dev, chunk:int):
             leaf = self._run_stage(s, env, xb, grad=grad)
         if measure and a == 0:  # the stage's bytes per sample, measured once: the other chunks as large as they fit
             self.costs[self._cost_key(s)] = cost = self._stage_cost(env, b - a, saved)
-            c = self._sized(s, cost, chunk)
         if a == 0 and b < self.W and not _same_state(state, _rng_state(dev)):  # it draws random numbers
             if last and not fixed:
                 _set_rng_state(state, dev)
@@ -488,6 +541,7 @@ def _stage_forward(self, s:int, dev, chunk:int):
         with torch.no_grad():
             for n in self.stage_out[s]: self._hold(n, env[n], a, b)
             if bar is not None: st.add(self._value(bar.args[0], env, xb))
+        if measure and a == 0: c = self._sized(s, cost, chunk)  # once its values' window-sized store is made
         if graph:  # what the backward reads: the stage's inputs (leaves) and outputs; the graph holds the rest it needs
             self.graphs[s, a] = {n: env[n] for n in self.stage_in[s] + self.stage_out[s] if n in env}, leaf
         env = xb = leaf = None  # freed before the next chunk is computed
@@ -567,11 +621,12 @@ StagedStep._saved_counted = _saved_counted
 # %% ../nbs/02b_staged_exact.ipynb #1494d3bf
 def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shaped as the output: a tensor, a dict, ...)
               params:list|None=None, # parameters to return gradients of (default: all trainable, added to `.grad`)
+              into:list|None=None, # per parameter, a tensor its gradient is summed into in place (None: a new one)
              ) -> list:
     "Back-propagate through the window: the big batch's gradient of each of `params`."
     own = params is None
     params = [p for p in self.model.parameters() if p.requires_grad] if own else list(params)
-    grads, pgrads = self._output_grads(grad), [None] * len(params)
+    grads, pgrads = self._output_grads(grad), list(into) if into is not None else [None] * len(params)
     dev = _device(self.model, self.xb)
     index = {id(p): i for i, p in enumerate(params)}
     autocast = torch.autocast(dev.type, dtype=self.autocast) if self.autocast else nullcontext()
@@ -605,6 +660,7 @@ def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shap
         self._recycle([grads.pop(k, None) for n in outs for k in self._keys(n)])
         if bar is not None: self._project(s, bar, fixed.get(bar), sums, grads)
         self._recycle(fixed.values())
+        self._recycle([self.kept.pop(k) for n in self.freed[s] for k in self._keys(n) if k in self.kept])
     # the store's tensors, for the next window; not the output's (the model returned them)
     returned = {k for n in self.output.all_input_nodes for k in self._keys(n)}
     self._recycle([t for k, t in itertools.chain(self.kept.items(), grads.items()) if k not in returned])
@@ -632,6 +688,10 @@ def _affine_sums(self, s:int, bar, index:dict, pgrads:list):
         gw, gb = (pgrads[i] if pgrads[i] is not None else torch.zeros_like(w) for i in (iw, ib))
         return torch.stack([scale * gb, scale * gw])
     return sums
+
+def _bar_params(self) -> set:
+    "The ids of the training BatchNorm layers' parameters."
+    return {id(p) for n in self.bars if n is not None for p in self.modules[n.target].parameters()}
 
 def _param_readers(self) -> dict:
     "{id of a parameter: how many nodes of the graph read it}, counted once per step."
@@ -686,9 +746,30 @@ def _grads(self, pairs:list, leaves:list, params:list, pgrads:list, used:list) -
     if not pairs or not (leaves or used): return [None] * len(leaves)
     got = torch.autograd.grad([t for t, _ in pairs], leaves + [params[i] for i in used], [g for _, g in pairs],
                               allow_unused=True)
+    shared = _shared_storages([g for _, g in pairs], got)
     for i, g in zip(used, got[len(leaves):]):
-        if g is not None: pgrads[i] = g if pgrads[i] is None else pgrads[i] + g
+        if g is None: continue
+        if pgrads[i] is not None: pgrads[i].add_(g)  # summed in place: no second gradient-sized tensor
+        else: pgrads[i] = g if _owns(g, shared) else g.clone()  # one the sum may write into
     return list(got[:len(leaves)])
+
+def _owns(g:Tensor, shared:set) -> bool:
+    "Is `g` alone in a storage of its own size, with no element twice (not an expanded or sliced gradient)?"
+    whole = g.untyped_storage().nbytes() == g.numel() * g.element_size()
+    return whole and _storage(g) not in shared and all(st or n == 1 for st, n in zip(g.stride(), g.shape))
+
+def _storage(t:Tensor) -> int: return t.untyped_storage().data_ptr()
+
+def _shared_storages(outs:list, got) -> set:
+    "Storages a gradient in `got` shares with the output gradients `outs` (the store's chunks) or another in `got`."
+    # autograd hands an incoming gradient on as it is (`y = x + b`): summing into it would write into the store
+    seen, shared = {_storage(g) for g in outs}, set()
+    for g in got:
+        if g is None: continue
+        k = _storage(g)
+        if k in seen: shared.add(k)
+        seen.add(k)
+    return shared
 
 @torch.no_grad()
 def _window_sums(self, bar, x:Tensor, g:Tensor, sums:Tensor|None) -> Tensor:
@@ -725,6 +806,7 @@ StagedStep._check_carried = _check_carried
 StagedStep._recomputed = _recomputed
 StagedStep._affine_sums = _affine_sums
 StagedStep._param_readers = _param_readers
+StagedStep.bar_params = _bar_params
 StagedStep._window_sums = _window_sums
 StagedStep._project = _project
 
@@ -749,8 +831,23 @@ class _StagedFunction(torch.autograd.Function):
     def backward(ctx, *grads):
         leaves = list(ctx.leaves)
         for i, g in zip(ctx.where, grads): leaves[i] = g
-        return ((None, None, None) + (None,) * ctx.n_x
-                + tuple(ctx.step.backward(tree_unflatten(leaves, ctx.spec), ctx.params)))
+        step, params = ctx.step, ctx.params
+        # the node outlives its backward while the loop holds the loss: it must not hold the step (its store's pool)
+        ctx.step = ctx.params = ctx.leaves = None
+        into = [_accumulator(p, step) for p in params]
+        got = step.backward(tree_unflatten(leaves, ctx.spec), params, into)
+        # a gradient summed into `.grad` already reaches it as zeros (no memory): DDP's hooks still see it arrive
+        return (None, None, None) + (None,) * ctx.n_x + tuple(
+            g if a is None else torch.zeros((), dtype=p.dtype, device=p.device).expand_as(p)
+            for g, a, p in zip(got, into, params))
+
+def _accumulator(p:nn.Parameter, step) -> Tensor|None:
+    "`p.grad` where the step may sum `p`'s window gradient into it in place (a second gradient set saved), else None."
+    # where a loop keeps zeroed gradients (fastai's `zero_grad`); not under a tensor hook on `p` (it would see zeros),
+    # nor for a training BatchNorm's weight and bias (the window sums read their gradients alone)
+    g = p.grad
+    if g is None or p._backward_hooks or g.dtype != p.dtype or g.shape != p.shape or not _owns(g, set()): return None
+    return None if id(p) in step.bar_params() else g
 
 def _rebuilt(ctx_out:tuple, step) -> object:
     "The model's output structure around the tensors the staged node returned."
@@ -958,14 +1055,18 @@ def _hold_random(model:nn.Module, xb:tuple):
     for m in inner: m.training = False  # this module only: BatchNorm layers inside keep their mode
     return inner
 
-def _one_step(model:nn.Module, xb:tuple, chunk:int|None=None) -> tuple:
+def _one_step(model:nn.Module, xb:tuple, chunk:int|None=None, landed=None) -> tuple:
     "(output, gradients, buffers) by name after one training step of `model` on `xb` from torch seed 0."
-    # plain, or staged in chunks of `chunk` (every stage, no collective)
-    f = None
+    # plain, or staged in chunks of `chunk` (every stage, no collective); `landed(name, grad)`: called with each
+    # parameter's gradient as the backward makes it, which is then freed (not returned)
+    f, hooks = None, []
     if chunk:
         f = install_staged(model, chunk)
         f.step_for(xb)  # an aten-level graph's step is made for its inputs
         f.step.grow, f.step.local = False, True
+    if landed is not None:
+        hooks = [p.register_post_accumulate_grad_hook(functools.partial(_hand_over, n, landed))
+                 for n, p in model.named_parameters() if p.requires_grad]
     try:
         torch.manual_seed(0)
         out = model(*xb)
@@ -973,44 +1074,75 @@ def _one_step(model:nn.Module, xb:tuple, chunk:int|None=None) -> tuple:
             for o in _tensors(out) if o.is_floating_point()).backward()
     finally:
         if f is not None: uninstall_staged(model)
+        for h in hooks: h.remove()
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     for p in model.parameters(): p.grad = None
     return [o.detach() for o in _tensors(out)], grads, {n: b.clone() for n, b in model.named_buffers()}
 
+def _hand_over(name:str, landed, p:Tensor):
+    "Give parameter `p`'s gradient, just made, to `landed`; free it."
+    landed(name, p.grad)
+    p.grad = None
+
 # (relative, absolute as a fraction of the largest value)
 _check_tol = {torch.float64: (1e-8, 1e-11), torch.float32: (5e-3, 1e-4)}
 
+def _diff(r:Tensor|None, g:Tensor|None) -> tuple:
+    "(largest |g - r|, largest |r|, must they be equal?) of two tensors, None as zeros."
+    if r is None and g is None: return 0., 0., False
+    r, g = (r if r is not None else torch.zeros_like(g)), (g if g is not None else torch.zeros_like(r))
+    if not r.numel(): return 0., 0., False
+    if not r.is_floating_point(): return (0. if torch.equal(r, g) else float((r - g).abs().max())), 0., True
+    return (g - r).abs().max().item(), r.abs().max().item(), False
+
+def _first_over(diffs:dict, dtype) -> tuple|None:
+    "(name, relative difference) of the first of `diffs` ({name: `_diff`}) not within tolerance, or None."
+    # the absolute tolerance is a fraction of the largest value of them all
+    rtol, atol = _check_tol.get(dtype, (5e-2, 1e-3))
+    scale = max([den for _, den, exact in diffs.values() if not exact] or [0.])
+    for name, (d, den, exact) in diffs.items():
+        if exact and d: return name, d
+        if not exact and d > rtol * den + atol * scale: return name, d / max(den, atol * scale, 1e-300)
+    return None
+
 def _first_diff(ref:dict, got:dict, dtype) -> tuple|None:
     "(name, relative difference) of the first tensor in `got` not within tolerance of `ref`, or None."
-    rtol, atol = _check_tol.get(dtype, (5e-2, 1e-3))
-    vals = [t for t in ref.values() if t is not None and t.is_floating_point() and t.numel()]
-    scale = max([t.abs().max().item() for t in vals] or [0.])
-    for name, r in ref.items():
-        g = got.get(name)
-        if r is None and g is None: continue
-        r, g = (r if r is not None else torch.zeros_like(g)), (g if g is not None else torch.zeros_like(r))
-        if not r.is_floating_point():
-            if not torch.equal(r, g): return name, float((r - g).abs().max())
-            continue
-        d, den = (g - r).abs().max().item(), r.abs().max().item()
-        if d > rtol * den + atol * scale: return name, d / max(den, atol * scale, 1e-300)
-    return None
+    return _first_over({name: _diff(r, got.get(name)) for name, r in ref.items()}, dtype)
 
 def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothing in it changes)
                   xb:tuple, # one micro-batch of its inputs
-                  memory:int|None=None, # host bytes the check's copy of the model may take (None: no limit)
-                  saved:float=0., # bytes a sample's training forward saves (`Footprint.saved`), to size the copy
+                  memory:int|None=None, # host bytes the check may hold: its copy, gradients, activations (None: any)
+                  saved:float=0., # bytes a sample's training forward saves (`Footprint.saved`), to size the check
                  ) -> tuple:
     "(why the staged step is not the big batch on `model`, or None; what was checked)."
-    # one step on a window of 4 of `xb`'s samples, plain and staged in chunks of 2, on a copy in host memory
+    # once per model, modes, trainable parameters and inputs' shapes (`_check_key`): a later fit reads the verdict
+    key = _check_key(model, xb)
+    if key in _checks.get(model, {}): return _checks[model][key]
     dt = _check_dtype(model, memory, saved)
-    if dt is None: return None, "not checked: a copy of the model does not fit in host memory"
+    if dt is None:
+        return None, f"not checked: its copy, gradients and activations do not fit in {fmt_bytes(memory)}"
+    verdict = _checked_copy(model, xb, dt)
+    if verdict[1] is None or verdict[1].startswith('checked'): _checks.setdefault(model, {})[key] = verdict
+    return verdict
+
+_checks = weakref.WeakKeyDictionary()  # model -> {`_check_key`: `verify_staged`'s verdict}
+
+def _check_key(model:nn.Module, xb:tuple) -> tuple:
+    "What the check's verdict depends on: the modules' modes, which parameters train, the inputs' shapes and dtypes."
+    return (tuple(m.training for m in model.modules()), tuple(p.requires_grad for p in model.parameters()),
+            tuple((tuple(t.shape[1:]), t.dtype) if isinstance(t, Tensor) else type(t) for t in xb))
+
+def _checked_copy(model:nn.Module, xb:tuple, dt) -> tuple:
+    "`verify_staged`'s verdict from one step on a window of 4 of `xb`'s samples, staged in chunks of 2 and plain."
+    # on a `dt` copy in host memory; the staged step's gradients wait, the plain step's are compared one by one as
+    # its backward makes them and freed with their match: the check holds one set of gradients
     x = tuple(_plain(t) for t in xb)
     while x[0].shape[0] < 4: x = _cat(x, _perturbed(x))
     x = tuple(t[:4].to('cpu', dt if t.is_floating_point() else t.dtype) if isinstance(t, Tensor) else t for t in x)
+    name = str(dt).replace('torch.', '')
     with random_state_kept(), torch.enable_grad(), torch.autocast('cpu', enabled=False), _no_cuda_autocast():
-        # the copy and its plain step: where they fail (a tensor attribute on the accelerator, a module that does not
-        # copy) nothing is known
+        # where the copy or its plain step fail (a tensor attribute on the accelerator, a module that does not copy)
+        # nothing is known
         try:
             work = _check_copy(model, dt, 'cpu')
             for p in work.parameters():
@@ -1018,35 +1150,49 @@ def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothi
                 if p.numel() > _check_max_numel: p.requires_grad_(False)
             held = _hold_random(work, x)
             bufs = [(b, b.clone()) for b in work.buffers()]
-            ref = _one_step(work, x)
-        except Exception as e:
-            return None, (f"not checked: a {str(dt).replace('torch.', '')} copy on the CPU does not train "
-                          f"({type(e).__name__}: {' '.join(str(e).split())[:200]})")
+        except Exception as e: return None, f"not checked: a {name} copy on the CPU does not train ({_said(e, 200)})"
+        copy_ref = weakref.ref(work)
+        try: got, failed = _one_step(work, x, chunk=2), None
+        except Exception as e: got, failed = None, e
         with torch.no_grad():
             for b, v in bufs: b.copy_(v)
-        try: got = _one_step(work, x, chunk=2)
-        except Exception as e:
-            return f"the staged step fails on this model ({type(e).__name__}: {' '.join(str(e).split())})", None
-    how = (f"{str(dt).replace('torch.', '')}, a window of 4 in chunks of 2"
-           f"{f', {len(held)} random modules held fixed' if held else ''}")
-    out, grad, buf = (_first_diff(r, g, dt) for r, g in ((dict(enumerate(ref[0])), dict(enumerate(got[0]))),
-                                                         (ref[1], got[1]), (ref[2], got[2])))
+        waiting, grads = (got[1] if got else {}), {}
+        def landed(n, g): grads[n] = _diff(g, waiting.pop(n, None))
+        try: ref = _one_step(work, x, landed=landed if got else None)
+        except Exception as e: return None, f"not checked: a {name} copy on the CPU does not train ({_said(e, 200)})"
+        finally: work = bufs = None
+        if copy_ref() is not None: gc.collect()  # a cycle kept the copy: freed before training starts
+        if failed is not None: return f"the staged step fails on this model ({_said(failed)})", None
+    grads.update((n, _diff(None, g)) for n, g in waiting.items())  # gradients only the staged step made
+    how = f"{name}, a window of 4 in chunks of 2{f', {len(held)} random modules held fixed' if held else ''}"
+    out = _first_diff(dict(enumerate(ref[0])), dict(enumerate(got[0])), dt)
+    grad, buf = _first_over({n: grads[n] for n in ref[1] if n in grads}, dt), _first_diff(ref[2], got[2], dt)
     if not (out or grad or buf): return None, f"checked on this model: equal to the big batch ({how})"
     what = '; '.join(s for s in (out and f"output off by {out[1]:.2g}",
                                  grad and f"gradient of {grad[0]} off by {grad[1]:.2g}",
                                  buf and f"{buf[0]} off by {buf[1]:.2g}") if s)
     return f"checked on this model, the staged step is not the big batch ({how}): {what}", None
 
+def _said(e:BaseException, n:int|None=None) -> str:
+    "The exception's type and message on one line (its first `n` characters of message)."
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:n]}"
+
 # parameters larger than this are not differentiated in the check (a VGG classifier's 100M weights)
 _check_max_numel = 2 ** 22
 
 def _check_dtype(model:nn.Module, memory:int|None, saved:float):
-    "float64 if a float64 copy fits `memory`, else float32 if that fits, else None."
-    # the copy: weights, two sets of gradients, a window of 4's activations twice
-    n_par, elt = sum(p.numel() for p in model.parameters()), next((p.element_size() for p in model.parameters()), 4)
+    "float64 if the check fits `memory` in float64, else float32 if it fits so, else None."
+    # its copy of the parameters and buffers, the staged step's gradients, the plain step's gradient being compared,
+    # a window of 4's activations twice (plain and staged)
+    ts = list(itertools.chain(model.parameters(), model.buffers()))
+    n_copy = sum(t.numel() for t in ts if t.is_floating_point())
+    other = sum(_nbytes(t) for t in ts if not t.is_floating_point())
+    diff = [p.numel() for p in model.parameters() if p.requires_grad and p.numel() <= _check_max_numel]
+    elt = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
     for dt in (torch.float64, torch.float32):
         size = torch.finfo(dt).bits // 8
-        if memory is None or 3 * size * n_par + 8 * saved * size / elt <= memory: return dt
+        need = size * (n_copy + sum(diff) + max(diff, default=0) + 8 * saved / elt) + other
+        if memory is None or need <= memory: return dt
     return None
 
 def _no_cuda_autocast():

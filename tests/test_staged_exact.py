@@ -117,12 +117,13 @@ def test_chunks_sized_per_stage_give_the_uniform_chunks_step(room):
     probe(x).sum().backward()
     costs = f.step.costs
     # the costliest stage: 3 samples per chunk or more, cheaper ones more; or room for every stage's graph. Beside each
-    # chunk: its stage's parameters' gradients and their running sum (at most the largest stage's, twice)
-    grads = max(2 * sum(p.numel() * p.element_size() for p in ps) for ps in f.step.stage_params)
-    budget = (int(3 * max(costs.values())) if room else int(sum(costs.values()) * len(x)) + 1) + grads
+    # chunk: its stage's parameters' gradients (at most the largest stage's) and, on a CPU, the store (at most its peak)
+    grads = max(sum(p.numel() * p.element_size() for p in ps) for ps in f.step.stage_params)
+    store = int(max(f.step.store_costs.values()) * len(x)) + 1
+    budget = (int(3 * max(costs.values())) if room else int(sum(costs.values()) * len(x)) + 1) + grads + store
     fu, fs = install_staged(uniform, chunk=2), install_staged(sized, chunk=2, budget=budget)
     fu.step.grow = False
-    fs.step.costs = dict(costs)  # measured once per stage: sized from the first chunk on
+    fs.step.costs, fs.step.store_costs = dict(costs), dict(f.step.store_costs)  # measured in a window before
     res = []
     for m in (big, uniform, sized):
         torch.manual_seed(1); out = m(x)
@@ -135,8 +136,8 @@ def test_chunks_sized_per_stage_give_the_uniform_chunks_step(room):
         assert min(widths) >= 3 and max(widths) == 12 and len(set(widths)) >= 3, widths  # sized stage by stage
         assert 0 < fs.step.kept_from < len(fs.step.stages) - 1  # some late stages kept their graphs, not all
     else: assert fs.step.kept_from == 0 and set(widths) == {12}
-    for s, w in enumerate(widths):  # within the budget (the chunk and its parameters' gradients), or the smallest chunk
-        reserve = 2 * sum(p.numel() * p.element_size() for p in fs.step.stage_params[s])
+    for s, w in enumerate(widths):  # within the budget (the chunk, its parameters' gradients, the store), or the smallest
+        reserve = sum(p.numel() * p.element_size() for p in fs.step.stage_params[s])
         assert w == 2 or w * costs[fs.step._cost_key(s)] + reserve <= budget
     (ob, gb, bb, nb), (ou, gu, bu, nu), (os_, gs, bs, ns) = res
     assert rel(os_, ou) < 1e-12 and rel(gs, gu) < 1e-12 and rel(bs, bu) < 1e-12 and ns == nu == nb

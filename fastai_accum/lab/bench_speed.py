@@ -15,7 +15,7 @@ from ..batchnorm import bn_policies, wrap_bn, reset_bn_stats
 from ..prepass import window_prepasses, prepass_plan, prepass_info
 from ..plan import plan_training
 from ..staged_exact import install_staged, uninstall_staged, verify_staged
-from ..meters import _nbytes
+from ..meters import _nbytes, LiveBytes
 from ..stats import ChannelStats
 from ..helpers import _tensors
 from .experiments import (
@@ -25,10 +25,10 @@ from .experiments import (
 # %% auto #0
 __all__ = ['bench_models', 'prepass_models_fns', 'staged_models_fns', 'table_models', 'summary_keys', 'speed_variants',
            'time_variants', 'median_ratio', 'saved_bytes_peak', 'cuda_peak_bytes', 'prepass_peak', 'unet',
-           'staged_step', 'memory_matched_chunk', 'LiveBytes', 'profile_staged', 'staged_row', 'staged_table',
-           'tensor_bytes_alive', 'leak_per_1000', 'allreduce_counts', 'format_summary', 'parse_summary', 'SpeedResults',
-           'auto_choice', 'bench_speed', 'add_speed_args', 'speed_main', 'small_cnn', 'synthetic_dls',
-           'efficientnet_b0', 'default_policy']
+           'staged_step', 'memory_matched_chunk', 'profile_staged', 'staged_row', 'staged_table', 'tensor_bytes_alive',
+           'leak_per_1000', 'allreduce_counts', 'format_summary', 'parse_summary', 'SpeedResults', 'auto_choice',
+           'bench_speed', 'add_speed_args', 'speed_main', 'small_cnn', 'synthetic_dls', 'efficientnet_b0',
+           'default_policy']
 
 # %% ../../nbs/21_bench_speed.ipynb #ceeb1340
 bench_models = {'small_cnn': small_cnn, 'torchvision_resnet18': torchvision_resnet18} # `--models` names
@@ -215,39 +215,6 @@ def memory_matched_chunk(model, x:Tensor, # the model and a window of its inputs
         if held > budget: break
         c *= 2
     return c
-
-# %% ../../nbs/21_bench_speed.ipynb #e35a0002
-class LiveBytes(TorchDispatchMode):
-    "Live and peak bytes of the tensor storages ops create inside (what training holds on its device beyond the model)."
-    # a storage counts from the op that makes it until it is freed (a finalizer on the storage); `to_host` and `as_host`
-    # move what a staged step keeps between stages out of the count: on an accelerator it waits in host memory
-    def __init__(self):
-        super().__init__()
-        self.live, self.peak, self.sizes, self.host = 0, 0, {}, False
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        for t in _tensors([args, kwargs]): self._track(t, made=False)  # an op writing in place makes nothing
-        out = func(*args, **(kwargs or {}))
-        for t in _tensors(out): self._track(t)
-        return out
-    def _track(self, t:Tensor, made:bool=True):
-        st = t.untyped_storage()
-        key = st.data_ptr()
-        if not key or key in self.sizes: return
-        self.sizes[key] = n = 0 if self.host or not made else st.nbytes()
-        self.live += n
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(st, self._free, key)
-    def _free(self, key): self.live -= self.sizes.pop(key, 0)
-    def to_host(self, t:Tensor):
-        "Stop counting `t`'s storage: it lives in host memory."
-        key = t.untyped_storage().data_ptr()
-        if self.sizes.get(key): self.live -= self.sizes[key]; self.sizes[key] = 0
-    @contextmanager
-    def as_host(self):
-        "Storages made inside are host memory: not counted."
-        self.host = True
-        try: yield
-        finally: self.host = False
 
 # %% ../../nbs/21_bench_speed.ipynb #e35a0005
 def _on_host_store(step, meter:LiveBytes):
