@@ -14,15 +14,15 @@ Contents (line: module: classes), dependencies first:
       222: helpers: ReplacedForward
       370: window: AccumulationWindow, WindowLoader
       628: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
-     1046: meters: ByteMeter, SavedTensorMeter, LayerMeter
-     1170: staged: StagedGraph
-     1466: prepass: PrepassPlan, PreflightTable
-     1673: staged_exact: StagedStep, StagedForward
-     2713: exact: Footprint, ExactModeMemoryError, ExactPlan
-     2974: ghost: GhostForward
-     3028: plan: StagedMismatchError, TrainingPlan
-     3250: core: BatchNormInstaller, Accumulation, FrontEnd
-     3748: callback: WindowPrefetch, GradientAccumulation
+     1046: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
+     1219: staged: StagedGraph
+     1517: prepass: PrepassPlan, PreflightTable
+     1724: staged_exact: StagedStep, StagedForward
+     2930: exact: Footprint, ExactModeMemoryError, ExactPlan
+     3231: ghost: GhostForward
+     3285: plan: StagedMismatchError, TrainingPlan
+     3514: core: BatchNormInstaller, Accumulation, FrontEnd
+     4013: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -1045,8 +1045,11 @@ def reset_bn_stats(model:nn.Module):
 
 # ======== fastai_accum/meters.py ========
 # %% ../nbs/00_meters.ipynb #a689d39c
+import weakref
+from contextlib import contextmanager
 import torch
 from torch import nn, Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # %% auto #0
 
@@ -1160,6 +1163,52 @@ class LayerMeter:
         for h in self._hooks: h.remove()
         self._hooks = []
 
+# %% ../nbs/00_meters.ipynb #d627d1ad
+class LiveBytes(TorchDispatchMode):
+    "Live and peak bytes of every tensor storage ops create inside, plus those `count` registers: a run's real memory."
+    # a storage counts from the op that makes it until it is freed (a finalizer on the storage)
+    def __init__(self, *held, # tensors (or modules, whose parameters and buffers) alive before, counted too
+                ):
+        super().__init__()
+        self.live, self.peak, self.sizes, self.host = 0, 0, {}, False
+        for v in held: self.count(v)
+
+    def count(self, v):
+        "Count the storages of `v` (tensors, containers of them, a module's parameters and buffers) from now on."
+        if isinstance(v, nn.Module): v = list(v.parameters()) + list(v.buffers())
+        for t in _tensors(v): self._track(t)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in _tensors([args, kwargs]): self._track(t, made=False)  # an op writing in place makes nothing
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors(out): self._track(t)
+        return out
+
+    def _track(self, t:Tensor, made:bool=True):
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if not key or key in self.sizes: return
+        self.sizes[key] = n = 0 if self.host or not made else st.nbytes()
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(st, self._free, key)
+
+    def _free(self, key): self.live -= self.sizes.pop(key, 0)
+
+    def to_host(self, t:Tensor):
+        "Stop counting `t`'s storage: it lives in host memory."
+        key = t.untyped_storage().data_ptr()
+        if self.sizes.get(key):
+            self.live -= self.sizes[key]
+            self.sizes[key] = 0
+
+    @contextmanager
+    def as_host(self):
+        "Storages made inside are host memory: not counted."
+        self.host = True
+        try: yield
+        finally: self.host = False
+
 # %% ../nbs/00_meters.ipynb #9e497026
 def fmt_bytes(n:float) -> str:
     "`n` bytes, readable."
@@ -1193,7 +1242,9 @@ def trace_model(model:nn.Module, # the model to trace (not changed)
                 is_leaf, # `is_leaf(module) -> bool`: modules to keep as single nodes (e.g. BatchNorm layers)
                ) -> fx.Graph:
     "The data flow of `model` as a torch.fx graph where every `is_leaf` module is one `call_module` node."
-    return _LeafTracer(is_leaf).trace(model)
+    tracer = _LeafTracer(is_leaf)
+    try: return tracer.trace(model)
+    finally: tracer.__dict__.clear()  # the tracer and its patching closures form a cycle: it must not hold the model
 
 # %% ../nbs/00a_staged.ipynb #b7c1d2e1
 _traces = weakref.WeakKeyDictionary()  # model -> torch.fx graph with every BatchNorm a leaf, or why tracing failed
@@ -1672,7 +1723,7 @@ class PreflightTable(pd.DataFrame):
 
 # ======== fastai_accum/staged_exact.py ========
 # %% ../nbs/02b_staged_exact.ipynb #bc1cb743
-import contextlib, copy, itertools, operator, warnings, weakref
+import contextlib, copy, functools, gc, itertools, operator, warnings, weakref
 from contextlib import nullcontext
 import torch
 import torch.distributed as dist
@@ -1741,6 +1792,8 @@ class StagedStep(StagedGraph):
     _said_random = False  # the warning that chunked stages drew random numbers was given
     pool_W = None  # the window size of the tensors in `pool`
     pin = False  # the host store is pinned (a model on CUDA, kept values in host memory)
+    shared = False  # the store lives in the memory the budget counts (a CPU): chunks get what it leaves
+    apart = None  # the store is in memory apart from the device's (an accelerator's host; None: where it lives says)
     # device bytes one chunk of a stage may hold in its backward: each stage's chunks as large as that allows, from its
     # bytes per sample measured on its first chunk (None: the `grow` rule)
     budget = None
@@ -1753,6 +1806,7 @@ class StagedStep(StagedGraph):
         self.model, self.graph, self.store = model, graph, store
         self.modules = dict(model.named_modules())
         self.costs = {}  # bytes per sample of each stage's chunk in its backward (`_stage_cost`), by `_cost_key`
+        self.store_costs = {}  # the most bytes per sample the store held in a window, by input signature and autocast
         self.whole = set()  # `_cost_key`s of last stages that draw random numbers: run in one chunk
         # window-sized host tensors of the store the last window no longer reads, by (shape, dtype, device, pinned),
         # and those in use ({id: (weakref, key)}): `_store_tensor`, `_recycle`
@@ -1802,6 +1856,7 @@ class StagedStep(StagedGraph):
         # nodes holding the batch's size: 'int' (`x.size(0)`, `len(x)`) or 'shape' (`x.shape`, batch first)
         self.sizes = {}
         for n in self.nodes: _size_kind(n, self.sizes)
+        self._store_plan()
 
 def _recomputing(self, s:int, owner:dict) -> list:
     "Stage `s`'s node indices, plus the parameter-only nodes of earlier stages it reads, recomputed."
@@ -1845,6 +1900,66 @@ def _params_of(self, nodes:list) -> list:
         for a in n.all_input_nodes:
             if a.op == 'get_attr' and isinstance(v := self._value(a, {}, ()), nn.Parameter): found[id(v)] = v
     return list(found.values())
+
+# %% ../nbs/02b_staged_exact.ipynb #e0fbd944
+def stage_grads(model:nn.Module, # the model, in the modes it trains in
+                graph:fx.Graph, # the graph a staged step runs (`staged_graph`)
+               ) -> int:
+    "Bytes of the largest stage's trainable parameters: the gradients a chunk's backward makes at once."
+    step = StagedStep(model, graph)
+    step._plan()
+    return max((sum(_nbytes(p) for p in ps if p.requires_grad) for ps in step.stage_params), default=0)
+
+# %% ../nbs/02b_staged_exact.ipynb #8dcdd2c6
+def store_per_sample(model:nn.Module, # the model, in the modes it trains in (nothing in it changes)
+                     graph:fx.Graph, # the graph a staged step runs (`staged_graph`)
+                     xb:tuple, # one micro-batch of its inputs
+                    ) -> float:
+    "The most bytes per sample a staged step's store holds in a backward (kept values, their gradients), measured."
+    # from one forward without a graph on `xb`, each value's bytes per sample at the stage the backward holds most
+    step = StagedStep(model, graph)
+    step._plan()
+    xb = tuple(_plain(t) for t in xb)
+    n = xb[0].shape[0]
+    with random_state_kept(): values, _ = _node_values(step, xb, {})
+    def size(v): return sum(_nbytes(t) for t in _tensors(v) if t.dim() and t.shape[0] == n) / n
+    def node(m): return size(xb[step.inputs.index(m)]) if m.op == 'placeholder' else size(values.get(m))
+    held = [sum(map(node, vals)) + sum(map(node, grads)) + (node(fixed) if fixed is not None else 0)
+            for vals, grads, fixed in step.held]
+    return max(held, default=0.)
+
+# %% ../nbs/02b_staged_exact.ipynb #5beabd5e
+def _store_plan(self):
+    "What the store holds during each stage's backward (`held`), and the kept values freed after it (`freed`)."
+    # a kept value is read by the stages whose inputs it is and by the BatchNorm opening a stage (its projection): the
+    # backward, from the last stage down, frees it after the first of them; the output stays (the model returned it)
+    first, n_st = {}, len(self.stages)
+    for s in range(n_st):
+        bar = self.bars[s]
+        for n in self.stage_in[s] + ([bar.args[0]] if bar is not None else []):
+            if isinstance(n, fx.Node) and n.op != 'placeholder': first[n] = min(first.get(n, s), s)
+    returned = set(self.output.all_input_nodes)
+    self.freed = [[n for n, f in first.items() if f == s and n not in returned] for s in range(n_st)]
+    kept = {n for outs in self.stage_out for n in outs}
+    alive, self.held = {n for n in returned if n in kept}, [None] * n_st  # gradients in the store
+    for s in reversed(range(n_st)):
+        bar = self.bars[s]
+        grads = alive | {n for n in self.stage_in[s] if n.op != 'placeholder'}
+        if bar is not None and isinstance(bar.args[0], fx.Node): grads.add(bar.args[0])  # the projection's dx
+        values = {n for n in kept if n in returned or first.get(n, n_st) <= s}
+        self.held[s] = (values, grads, bar.args[0] if bar is not None else None)  # and the fixed gradient
+        alive = grads - set(self.stage_out[s])
+
+def _store_bytes(self, s:int) -> int:
+    "Bytes the store holds during stage `s`'s backward (kept values, gradients, the fixed gradient), as far as known."
+    # known once the stages making them have run their first chunk
+    values, grads, fixed = self.held[s]
+    size = self._kept_bytes
+    return sum(map(size, values)) + sum(map(size, grads)) + (size(fixed) if fixed is not None else 0)
+
+StagedStep._store_plan = _store_plan
+StagedStep._store_bytes = _store_bytes
+
 
 # %% ../nbs/02b_staged_exact.ipynb #97042fc2
 def _run_stage(self, s:int, env:dict, xb:tuple, grad:bool):
@@ -1990,7 +2105,7 @@ def _store_tensor(self, shape:tuple, dtype, device, zero:bool) -> Tensor:
     free = self.pool.get(key)
     t = free.pop() if free else torch.empty(shape, dtype=dtype, device=device, pin_memory=self.pin)
     if zero: t.zero_()
-    if key[2].type == 'cpu': self.ours[id(t)] = (weakref.ref(t), key)
+    if key[2].type == 'cpu' and not self.shared: self.ours[id(t)] = (weakref.ref(t), key)
     return t
 
 def _recycle(self, ts):
@@ -2028,6 +2143,8 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
     self.autocast = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
     self.signature = tuple((tuple(t.shape[1:]), t.dtype) for t in self.xb if isinstance(t, Tensor))
     if self.W != self.pool_W: self.pool, self.ours, self.pool_W = {}, {}, self.W  # shapes of another window size
+    # the store in the memory the budget counts (a CPU's): chunks get what it leaves, and nothing is pooled
+    self.shared = not self.apart if self.apart is not None else self.store is None or torch.device(self.store) == dev
     self.kept, self.carried, self.structs, self.rng, self.stats, self.count, self.spans = {}, {}, {}, {}, {}, {}, []
     self.random_chunked = []  # stages that drew random numbers chunk by chunk
     # chunks run with their graph, kept for the backward (not recomputed): the last stage's last chunk, and every chunk
@@ -2037,6 +2154,7 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
         self.spans.append([])
         self._stage_forward(s, dev, chunk)
     if self.random_chunked: self._say_random()
+    self.store_costs[self.signature, self.autocast] = max(map(self._store_bytes, range(len(self.stages)))) / self.W
     return self._output(dev)
 
 def _producer_spans(self, s:int) -> list|None:
@@ -2058,6 +2176,8 @@ def _kept_from(self) -> int:
     # late stages hold few bytes per sample but as much compute as early ones: their recompute is what this saves
     first, total = len(self.stages), 0.
     if self.budget is None: return first
+    # where the store shares the budget's memory: the most it held in a window like this one
+    if self.shared: total = self.store_costs.get((self.signature, self.autocast), float('inf')) * self.W
     for s in reversed(range(len(self.stages))):
         cost = self.costs.get(self._cost_key(s))
         total += float('inf') if cost is None else cost * self.W
@@ -2081,9 +2201,11 @@ def _first_chunk(self, s:int, chunk:int) -> tuple:
 
 def _sized(self, s:int, cost:float, chunk:int) -> int:
     "The most samples (at least `chunk`) whose chunk of stage `s`, costing `cost` bytes per sample, fits the budget."
-    # beside the chunk: its parameters' gradients, and their sum with those of earlier chunks
-    grads = 2 * sum(_nbytes(p) for p in self.stage_params[s] if p.requires_grad)
-    return min(self.W, max(chunk, int((self.budget - grads) // max(cost, 1.))))
+    # beside the chunk: its parameters' gradients as its backward makes them (summed in place into the step's)
+    grads = sum(_nbytes(p) for p in self.stage_params[s] if p.requires_grad)
+    # where the store shares the budget's memory (a CPU), what it holds then: in this stage's forward and backward
+    store = max(_nbytes(list(self.kept.values())), self._store_bytes(s)) if self.shared else 0
+    return min(self.W, max(chunk, int((self.budget - grads - store) // max(cost, 1.))))
 
 def _cost_key(self, s:int) -> tuple:
     "Stage `s` (its nodes, the inputs' shapes and dtypes, training's autocast): what its bytes per sample depend on."
@@ -2105,11 +2227,13 @@ def _saved_counted(self, sizes:dict):
     own = {t.data_ptr() for t in itertools.chain(self.model.parameters(), self.model.buffers())}
     def pack(t):
         if t.data_ptr() not in own: sizes[t.data_ptr()] = max(sizes.get(t.data_ptr(), 0), _nbytes(t))
-        return t
+        # detached: a saved output would hold its own node, a cycle that outlives the chunk (it has no backward)
+        return t.detach()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t): yield
 
 def _kept_bytes(self, n) -> int:
-    "Bytes of the window-sized tensors kept for node `n` (a container's included)."
+    "Bytes of the window-sized tensors kept for node `n` (a container's included; a model input's own)."
+    if n.op == 'placeholder': return _nbytes(self.xb[self.inputs.index(n)]) if n in self.inputs else 0
     if n in self.kept: return _nbytes(self.kept[n])
     return sum(_nbytes(self.kept[n, i]) for i in self.structs[n][1]) if n in self.structs else 0
 
@@ -2134,7 +2258,6 @@ def _stage_forward(self, s:int, dev, chunk:int):
             leaf = self._run_stage(s, env, xb, grad=grad)
         if measure and a == 0:  # the stage's bytes per sample, measured once: the other chunks as large as they fit
             self.costs[self._cost_key(s)] = cost = self._stage_cost(env, b - a, saved)
-            c = self._sized(s, cost, chunk)
         if a == 0 and b < self.W and not _same_state(state, _rng_state(dev)):  # it draws random numbers
             if last and not fixed:
                 _set_rng_state(state, dev)
@@ -2146,6 +2269,7 @@ def _stage_forward(self, s:int, dev, chunk:int):
         with torch.no_grad():
             for n in self.stage_out[s]: self._hold(n, env[n], a, b)
             if bar is not None: st.add(self._value(bar.args[0], env, xb))
+        if measure and a == 0: c = self._sized(s, cost, chunk)  # once its values' window-sized store is made
         if graph:  # what the backward reads: the stage's inputs (leaves) and outputs; the graph holds the rest it needs
             self.graphs[s, a] = {n: env[n] for n in self.stage_in[s] + self.stage_out[s] if n in env}, leaf
         env = xb = leaf = None  # freed before the next chunk is computed
@@ -2225,11 +2349,12 @@ StagedStep._saved_counted = _saved_counted
 # %% ../nbs/02b_staged_exact.ipynb #1494d3bf
 def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shaped as the output: a tensor, a dict, ...)
               params:list|None=None, # parameters to return gradients of (default: all trainable, added to `.grad`)
+              into:list|None=None, # per parameter, a tensor its gradient is summed into in place (None: a new one)
              ) -> list:
     "Back-propagate through the window: the big batch's gradient of each of `params`."
     own = params is None
     params = [p for p in self.model.parameters() if p.requires_grad] if own else list(params)
-    grads, pgrads = self._output_grads(grad), [None] * len(params)
+    grads, pgrads = self._output_grads(grad), list(into) if into is not None else [None] * len(params)
     dev = _device(self.model, self.xb)
     index = {id(p): i for i, p in enumerate(params)}
     autocast = torch.autocast(dev.type, dtype=self.autocast) if self.autocast else nullcontext()
@@ -2263,6 +2388,7 @@ def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shap
         self._recycle([grads.pop(k, None) for n in outs for k in self._keys(n)])
         if bar is not None: self._project(s, bar, fixed.get(bar), sums, grads)
         self._recycle(fixed.values())
+        self._recycle([self.kept.pop(k) for n in self.freed[s] for k in self._keys(n) if k in self.kept])
     # the store's tensors, for the next window; not the output's (the model returned them)
     returned = {k for n in self.output.all_input_nodes for k in self._keys(n)}
     self._recycle([t for k, t in itertools.chain(self.kept.items(), grads.items()) if k not in returned])
@@ -2290,6 +2416,10 @@ def _affine_sums(self, s:int, bar, index:dict, pgrads:list):
         gw, gb = (pgrads[i] if pgrads[i] is not None else torch.zeros_like(w) for i in (iw, ib))
         return torch.stack([scale * gb, scale * gw])
     return sums
+
+def _bar_params(self) -> set:
+    "The ids of the training BatchNorm layers' parameters."
+    return {id(p) for n in self.bars if n is not None for p in self.modules[n.target].parameters()}
 
 def _param_readers(self) -> dict:
     "{id of a parameter: how many nodes of the graph read it}, counted once per step."
@@ -2344,9 +2474,30 @@ def _grads(self, pairs:list, leaves:list, params:list, pgrads:list, used:list) -
     if not pairs or not (leaves or used): return [None] * len(leaves)
     got = torch.autograd.grad([t for t, _ in pairs], leaves + [params[i] for i in used], [g for _, g in pairs],
                               allow_unused=True)
+    shared = _shared_storages([g for _, g in pairs], got)
     for i, g in zip(used, got[len(leaves):]):
-        if g is not None: pgrads[i] = g if pgrads[i] is None else pgrads[i] + g
+        if g is None: continue
+        if pgrads[i] is not None: pgrads[i].add_(g)  # summed in place: no second gradient-sized tensor
+        else: pgrads[i] = g if _owns(g, shared) else g.clone()  # one the sum may write into
     return list(got[:len(leaves)])
+
+def _owns(g:Tensor, shared:set) -> bool:
+    "Is `g` alone in a storage of its own size, with no element twice (not an expanded or sliced gradient)?"
+    whole = g.untyped_storage().nbytes() == g.numel() * g.element_size()
+    return whole and _storage(g) not in shared and all(st or n == 1 for st, n in zip(g.stride(), g.shape))
+
+def _storage(t:Tensor) -> int: return t.untyped_storage().data_ptr()
+
+def _shared_storages(outs:list, got) -> set:
+    "Storages a gradient in `got` shares with the output gradients `outs` (the store's chunks) or another in `got`."
+    # autograd hands an incoming gradient on as it is (`y = x + b`): summing into it would write into the store
+    seen, shared = {_storage(g) for g in outs}, set()
+    for g in got:
+        if g is None: continue
+        k = _storage(g)
+        if k in seen: shared.add(k)
+        seen.add(k)
+    return shared
 
 @torch.no_grad()
 def _window_sums(self, bar, x:Tensor, g:Tensor, sums:Tensor|None) -> Tensor:
@@ -2383,6 +2534,7 @@ StagedStep._check_carried = _check_carried
 StagedStep._recomputed = _recomputed
 StagedStep._affine_sums = _affine_sums
 StagedStep._param_readers = _param_readers
+StagedStep.bar_params = _bar_params
 StagedStep._window_sums = _window_sums
 StagedStep._project = _project
 
@@ -2407,8 +2559,23 @@ class _StagedFunction(torch.autograd.Function):
     def backward(ctx, *grads):
         leaves = list(ctx.leaves)
         for i, g in zip(ctx.where, grads): leaves[i] = g
-        return ((None, None, None) + (None,) * ctx.n_x
-                + tuple(ctx.step.backward(tree_unflatten(leaves, ctx.spec), ctx.params)))
+        step, params = ctx.step, ctx.params
+        # the node outlives its backward while the loop holds the loss: it must not hold the step (its store's pool)
+        ctx.step = ctx.params = ctx.leaves = None
+        into = [_accumulator(p, step) for p in params]
+        got = step.backward(tree_unflatten(leaves, ctx.spec), params, into)
+        # a gradient summed into `.grad` already reaches it as zeros (no memory): DDP's hooks still see it arrive
+        return (None, None, None) + (None,) * ctx.n_x + tuple(
+            g if a is None else torch.zeros((), dtype=p.dtype, device=p.device).expand_as(p)
+            for g, a, p in zip(got, into, params))
+
+def _accumulator(p:nn.Parameter, step) -> Tensor|None:
+    "`p.grad` where the step may sum `p`'s window gradient into it in place (a second gradient set saved), else None."
+    # where a loop keeps zeroed gradients (fastai's `zero_grad`); not under a tensor hook on `p` (it would see zeros),
+    # nor for a training BatchNorm's weight and bias (the window sums read their gradients alone)
+    g = p.grad
+    if g is None or p._backward_hooks or g.dtype != p.dtype or g.shape != p.shape or not _owns(g, set()): return None
+    return None if id(p) in step.bar_params() else g
 
 def _rebuilt(ctx_out:tuple, step) -> object:
     "The model's output structure around the tensors the staged node returned."
@@ -2430,6 +2597,7 @@ class StagedForward(ReplacedForward):
         self.fp32 = _converts_to_fp32(self.own)
         dev = next(model.parameters()).device
         self.store = store if store is not None or not is_accelerator(dev) else 'cpu'
+        self.apart = is_accelerator(dev) and self.store is not None and torch.device(self.store).type == 'cpu'
         graph = bn_graph(model)
         self.by_fx = not isinstance(graph, str)
         if self.by_fx: self.step = self._new_step(graph)
@@ -2448,7 +2616,7 @@ class StagedForward(ReplacedForward):
 
     def _new_step(self, graph:fx.Graph) -> StagedStep:
         step = StagedStep(self.model, graph, self.store)
-        step.budget = self.budget
+        step.budget, step.apart = self.budget, self.apart
         return step
 
     def __call__(self, *xb, **kwargs):
@@ -2616,14 +2784,18 @@ def _hold_random(model:nn.Module, xb:tuple):
     for m in inner: m.training = False  # this module only: BatchNorm layers inside keep their mode
     return inner
 
-def _one_step(model:nn.Module, xb:tuple, chunk:int|None=None) -> tuple:
+def _one_step(model:nn.Module, xb:tuple, chunk:int|None=None, landed=None) -> tuple:
     "(output, gradients, buffers) by name after one training step of `model` on `xb` from torch seed 0."
-    # plain, or staged in chunks of `chunk` (every stage, no collective)
-    f = None
+    # plain, or staged in chunks of `chunk` (every stage, no collective); `landed(name, grad)`: called with each
+    # parameter's gradient as the backward makes it, which is then freed (not returned)
+    f, hooks = None, []
     if chunk:
         f = install_staged(model, chunk)
         f.step_for(xb)  # an aten-level graph's step is made for its inputs
         f.step.grow, f.step.local = False, True
+    if landed is not None:
+        hooks = [p.register_post_accumulate_grad_hook(functools.partial(_hand_over, n, landed))
+                 for n, p in model.named_parameters() if p.requires_grad]
     try:
         torch.manual_seed(0)
         out = model(*xb)
@@ -2631,44 +2803,75 @@ def _one_step(model:nn.Module, xb:tuple, chunk:int|None=None) -> tuple:
             for o in _tensors(out) if o.is_floating_point()).backward()
     finally:
         if f is not None: uninstall_staged(model)
+        for h in hooks: h.remove()
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     for p in model.parameters(): p.grad = None
     return [o.detach() for o in _tensors(out)], grads, {n: b.clone() for n, b in model.named_buffers()}
 
+def _hand_over(name:str, landed, p:Tensor):
+    "Give parameter `p`'s gradient, just made, to `landed`; free it."
+    landed(name, p.grad)
+    p.grad = None
+
 # (relative, absolute as a fraction of the largest value)
 _check_tol = {torch.float64: (1e-8, 1e-11), torch.float32: (5e-3, 1e-4)}
 
+def _diff(r:Tensor|None, g:Tensor|None) -> tuple:
+    "(largest |g - r|, largest |r|, must they be equal?) of two tensors, None as zeros."
+    if r is None and g is None: return 0., 0., False
+    r, g = (r if r is not None else torch.zeros_like(g)), (g if g is not None else torch.zeros_like(r))
+    if not r.numel(): return 0., 0., False
+    if not r.is_floating_point(): return (0. if torch.equal(r, g) else float((r - g).abs().max())), 0., True
+    return (g - r).abs().max().item(), r.abs().max().item(), False
+
+def _first_over(diffs:dict, dtype) -> tuple|None:
+    "(name, relative difference) of the first of `diffs` ({name: `_diff`}) not within tolerance, or None."
+    # the absolute tolerance is a fraction of the largest value of them all
+    rtol, atol = _check_tol.get(dtype, (5e-2, 1e-3))
+    scale = max([den for _, den, exact in diffs.values() if not exact] or [0.])
+    for name, (d, den, exact) in diffs.items():
+        if exact and d: return name, d
+        if not exact and d > rtol * den + atol * scale: return name, d / max(den, atol * scale, 1e-300)
+    return None
+
 def _first_diff(ref:dict, got:dict, dtype) -> tuple|None:
     "(name, relative difference) of the first tensor in `got` not within tolerance of `ref`, or None."
-    rtol, atol = _check_tol.get(dtype, (5e-2, 1e-3))
-    vals = [t for t in ref.values() if t is not None and t.is_floating_point() and t.numel()]
-    scale = max([t.abs().max().item() for t in vals] or [0.])
-    for name, r in ref.items():
-        g = got.get(name)
-        if r is None and g is None: continue
-        r, g = (r if r is not None else torch.zeros_like(g)), (g if g is not None else torch.zeros_like(r))
-        if not r.is_floating_point():
-            if not torch.equal(r, g): return name, float((r - g).abs().max())
-            continue
-        d, den = (g - r).abs().max().item(), r.abs().max().item()
-        if d > rtol * den + atol * scale: return name, d / max(den, atol * scale, 1e-300)
-    return None
+    return _first_over({name: _diff(r, got.get(name)) for name, r in ref.items()}, dtype)
 
 def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothing in it changes)
                   xb:tuple, # one micro-batch of its inputs
-                  memory:int|None=None, # host bytes the check's copy of the model may take (None: no limit)
-                  saved:float=0., # bytes a sample's training forward saves (`Footprint.saved`), to size the copy
+                  memory:int|None=None, # host bytes the check may hold: its copy, gradients, activations (None: any)
+                  saved:float=0., # bytes a sample's training forward saves (`Footprint.saved`), to size the check
                  ) -> tuple:
     "(why the staged step is not the big batch on `model`, or None; what was checked)."
-    # one step on a window of 4 of `xb`'s samples, plain and staged in chunks of 2, on a copy in host memory
+    # once per model, modes, trainable parameters and inputs' shapes (`_check_key`): a later fit reads the verdict
+    key = _check_key(model, xb)
+    if key in _checks.get(model, {}): return _checks[model][key]
     dt = _check_dtype(model, memory, saved)
-    if dt is None: return None, "not checked: a copy of the model does not fit in host memory"
+    if dt is None:
+        return None, f"not checked: its copy, gradients and activations do not fit in {fmt_bytes(memory)}"
+    verdict = _checked_copy(model, xb, dt)
+    if verdict[1] is None or verdict[1].startswith('checked'): _checks.setdefault(model, {})[key] = verdict
+    return verdict
+
+_checks = weakref.WeakKeyDictionary()  # model -> {`_check_key`: `verify_staged`'s verdict}
+
+def _check_key(model:nn.Module, xb:tuple) -> tuple:
+    "What the check's verdict depends on: the modules' modes, which parameters train, the inputs' shapes and dtypes."
+    return (tuple(m.training for m in model.modules()), tuple(p.requires_grad for p in model.parameters()),
+            tuple((tuple(t.shape[1:]), t.dtype) if isinstance(t, Tensor) else type(t) for t in xb))
+
+def _checked_copy(model:nn.Module, xb:tuple, dt) -> tuple:
+    "`verify_staged`'s verdict from one step on a window of 4 of `xb`'s samples, staged in chunks of 2 and plain."
+    # on a `dt` copy in host memory; the staged step's gradients wait, the plain step's are compared one by one as
+    # its backward makes them and freed with their match: the check holds one set of gradients
     x = tuple(_plain(t) for t in xb)
     while x[0].shape[0] < 4: x = _cat(x, _perturbed(x))
     x = tuple(t[:4].to('cpu', dt if t.is_floating_point() else t.dtype) if isinstance(t, Tensor) else t for t in x)
+    name = str(dt).replace('torch.', '')
     with random_state_kept(), torch.enable_grad(), torch.autocast('cpu', enabled=False), _no_cuda_autocast():
-        # the copy and its plain step: where they fail (a tensor attribute on the accelerator, a module that does not
-        # copy) nothing is known
+        # where the copy or its plain step fail (a tensor attribute on the accelerator, a module that does not copy)
+        # nothing is known
         try:
             work = _check_copy(model, dt, 'cpu')
             for p in work.parameters():
@@ -2676,35 +2879,49 @@ def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothi
                 if p.numel() > _check_max_numel: p.requires_grad_(False)
             held = _hold_random(work, x)
             bufs = [(b, b.clone()) for b in work.buffers()]
-            ref = _one_step(work, x)
-        except Exception as e:
-            return None, (f"not checked: a {str(dt).replace('torch.', '')} copy on the CPU does not train "
-                          f"({type(e).__name__}: {' '.join(str(e).split())[:200]})")
+        except Exception as e: return None, f"not checked: a {name} copy on the CPU does not train ({_said(e, 200)})"
+        copy_ref = weakref.ref(work)
+        try: got, failed = _one_step(work, x, chunk=2), None
+        except Exception as e: got, failed = None, e
         with torch.no_grad():
             for b, v in bufs: b.copy_(v)
-        try: got = _one_step(work, x, chunk=2)
-        except Exception as e:
-            return f"the staged step fails on this model ({type(e).__name__}: {' '.join(str(e).split())})", None
-    how = (f"{str(dt).replace('torch.', '')}, a window of 4 in chunks of 2"
-           f"{f', {len(held)} random modules held fixed' if held else ''}")
-    out, grad, buf = (_first_diff(r, g, dt) for r, g in ((dict(enumerate(ref[0])), dict(enumerate(got[0]))),
-                                                         (ref[1], got[1]), (ref[2], got[2])))
+        waiting, grads = (got[1] if got else {}), {}
+        def landed(n, g): grads[n] = _diff(g, waiting.pop(n, None))
+        try: ref = _one_step(work, x, landed=landed if got else None)
+        except Exception as e: return None, f"not checked: a {name} copy on the CPU does not train ({_said(e, 200)})"
+        finally: work = bufs = None
+        if copy_ref() is not None: gc.collect()  # a cycle kept the copy: freed before training starts
+        if failed is not None: return f"the staged step fails on this model ({_said(failed)})", None
+    grads.update((n, _diff(None, g)) for n, g in waiting.items())  # gradients only the staged step made
+    how = f"{name}, a window of 4 in chunks of 2{f', {len(held)} random modules held fixed' if held else ''}"
+    out = _first_diff(dict(enumerate(ref[0])), dict(enumerate(got[0])), dt)
+    grad, buf = _first_over({n: grads[n] for n in ref[1] if n in grads}, dt), _first_diff(ref[2], got[2], dt)
     if not (out or grad or buf): return None, f"checked on this model: equal to the big batch ({how})"
     what = '; '.join(s for s in (out and f"output off by {out[1]:.2g}",
                                  grad and f"gradient of {grad[0]} off by {grad[1]:.2g}",
                                  buf and f"{buf[0]} off by {buf[1]:.2g}") if s)
     return f"checked on this model, the staged step is not the big batch ({how}): {what}", None
 
+def _said(e:BaseException, n:int|None=None) -> str:
+    "The exception's type and message on one line (its first `n` characters of message)."
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:n]}"
+
 # parameters larger than this are not differentiated in the check (a VGG classifier's 100M weights)
 _check_max_numel = 2 ** 22
 
 def _check_dtype(model:nn.Module, memory:int|None, saved:float):
-    "float64 if a float64 copy fits `memory`, else float32 if that fits, else None."
-    # the copy: weights, two sets of gradients, a window of 4's activations twice
-    n_par, elt = sum(p.numel() for p in model.parameters()), next((p.element_size() for p in model.parameters()), 4)
+    "float64 if the check fits `memory` in float64, else float32 if it fits so, else None."
+    # its copy of the parameters and buffers, the staged step's gradients, the plain step's gradient being compared,
+    # a window of 4's activations twice (plain and staged)
+    ts = list(itertools.chain(model.parameters(), model.buffers()))
+    n_copy = sum(t.numel() for t in ts if t.is_floating_point())
+    other = sum(_nbytes(t) for t in ts if not t.is_floating_point())
+    diff = [p.numel() for p in model.parameters() if p.requires_grad and p.numel() <= _check_max_numel]
+    elt = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
     for dt in (torch.float64, torch.float32):
         size = torch.finfo(dt).bits // 8
-        if memory is None or 3 * size * n_par + 8 * saved * size / elt <= memory: return dt
+        need = size * (n_copy + sum(diff) + max(diff, default=0) + 8 * saved / elt) + other
+        if memory is None or need <= memory: return dt
     return None
 
 def _no_cuda_autocast():
@@ -2799,6 +3016,9 @@ class ExactPlan:
     accelerator:bool|None=None # the device's memory is apart from the host's (default: any device but the CPU)
     frozen:bool=False     # some parameters did not train when measured
     opt_state:float|None=None # optimizer state per byte of trainable parameters (`optimizer_state`); None: 1 assumed
+    held:int=0            # bytes alive when planned: parameters, buffers, gradients, optimizer state (`held_bytes`)
+    stage_grads:int=0     # bytes of the gradients a staged chunk's backward makes at once (`stage_grads`)
+    store:float|None=None # bytes per sample a staged step's store holds at most (`store_per_sample`; None: `saved`)
 
     @property
     def param_needed(self) -> int:
@@ -2830,20 +3050,32 @@ class ExactPlan:
         if not self.on_accelerator: return self.host_needed <= self.host_budget and device_ok
         return device_ok and self.host_needed <= self.host_budget
     @property
+    def chunk_needed(self) -> int:
+        "Bytes one chunk of the micro-batch's size holds in its backward: its activations and working set."
+        return int((self.chunk or 1) * (self.footprint.saved + 2 * self.footprint.working))
+    @property
     def staged_device_needed(self) -> int:
-        "Bytes a staged step needs on the device: at most training at one chunk."
-        return int((self.chunk or 1) * (self.footprint.saved + 2 * self.footprint.working) + self.param_needed)
+        "Bytes a staged step needs on the device: training at one chunk (on a CPU, the kept values too)."
+        store = 0 if self.on_accelerator else self.staged_host_needed
+        return self.chunk_needed + self.stage_grads + self.param_needed + store
+    @property
+    def check_memory(self) -> int:
+        "Bytes the check of a staged step (`verify_staged`) may hold, beside what is alive when it runs."
+        # on a CPU with a device budget: that budget, less what is alive (one memory); else within host memory
+        if self.on_accelerator or self.device_budget is None: return self.host_budget // 2
+        return max(self.device_budget - self.held, 0)
     @property
     def chunk_budget(self) -> int|None:
-        "Device bytes one chunk of a stage may hold: the budget less the parameters (on a CPU, less the kept values)."
-        # a staged step sizes each stage's chunks from it (None: the whole window in one chunk, under DDP)
+        "Device bytes the chunks of a stage may hold: the budget less the parameters, their gradients and state."
+        # a staged step sizes each stage's chunks from it (None: the whole window in one chunk, under DDP); on a CPU the
+        # store shares this memory: the step leaves what it holds there at each stage (`StagedStep._sized`)
         if self.whole: return None
         budget = self.device_budget if self.device_budget is not None else self.host_budget
-        return max(int(budget - self.param_needed - (0 if self.on_accelerator else self.staged_host_needed)), 0)
+        return max(int(budget - self.param_needed), 0)
     @property
     def staged_host_needed(self) -> int:
-        "Bytes of values (and gradients) a staged step keeps between stages: at most the saved activations."
-        return int(self.window * self.footprint.saved)
+        "Bytes of values (and gradients) a staged step keeps between stages: measured, or the saved activations."
+        return int(self.window * (self.footprint.saved if self.store is None else self.store))
 
     def describe(self) -> str:
         "What this plan does and the numbers it rests on; whether part of the model was frozen when measured."
@@ -2861,9 +3093,7 @@ class ExactPlan:
         if self.staged:
             return (f"a window of {self.window} samples as one batch would need {fmt_bytes(self.device_needed)} "
                     f"({self._budget}), so it trains as one batch stage by stage in chunks of {self.chunk} or more "
-                    f"(each stage's as large as {fmt_bytes(self.chunk_budget)} holds, measured): at most about "
-                    f"{fmt_bytes(self.chunk_budget + self.param_needed)} on the device and "
-                    f"{fmt_bytes(self.staged_host_needed)} of values kept between stages{self._checked}")
+                    f"{self._staged_memory}{self._checked}")
         if not self.on_accelerator:
             return (f"a window of {self.window} samples as one batch needs {fmt_bytes(self.host_needed)} "
                     f"({self._budget})")
@@ -2874,6 +3104,16 @@ class ExactPlan:
         if self.offload:
             s += f" and {fmt_bytes(self.host_needed)} of host memory (budget {fmt_bytes(self.host_budget)})"
         return s
+
+    @property
+    def _staged_memory(self) -> str:
+        "Where a staged step's bytes go: its chunks on the device, the values kept between stages (on a CPU, beside)."
+        kept = f"about {fmt_bytes(self.staged_host_needed)} of values kept between stages"
+        if not self.on_accelerator:
+            return (f"(each stage's as large as the budget leaves beside the parameters and the values kept, "
+                    f"measured): at most {fmt_bytes(self.chunk_budget + self.param_needed)} in all, {kept} included")
+        return (f"(each stage's as large as {fmt_bytes(self.chunk_budget)} holds, measured): at most about "
+                f"{fmt_bytes(self.chunk_budget + self.param_needed)} on the device and {kept} in host memory")
 
     @property
     def _checked(self) -> str:
@@ -2903,6 +3143,7 @@ def plan_exact(model:nn.Module, # the model to train
                offload:bool|None=None, # saved activations in host memory (default: if they do not fit on the device)
                autocast=None, # callable returning the autocast context training runs in (measured under it)
                opt_state:float|None=None, # optimizer state per byte of parameters (`optimizer_state`; None: 1 assumed)
+               held:int|None=None, # bytes alive now that count against the budget (default: `held_bytes(model)`)
               ) -> ExactPlan:
     "Measure `model` on `xb` and plan training a window of `window` samples as one batch."
     fp = measure_footprint(model, *xb, autocast=autocast)
@@ -2913,7 +3154,7 @@ def plan_exact(model:nn.Module, # the model to train
     params = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     plan = ExactPlan(window, fp, params, str(device), device_memory, host_memory, offload=bool(offload),
                      accelerator=is_accelerator(device), frozen=any(not p.requires_grad for p in model.parameters()),
-                     opt_state=opt_state)
+                     opt_state=opt_state, held=held_bytes(model) if held is None else held)
     if offload is None and plan.on_accelerator and not plan.fits: plan.offload = True
     return plan
 
@@ -2946,6 +3187,18 @@ def optimizer_state(opt) -> float|None:
         return float(bool(d.get('momentum')) + (name == 'RMSprop') + bool(d.get('centered')))
     return float(_state_per_param[name]) if name in _state_per_param else None
 
+def held_bytes(model:nn.Module, # the model
+               opt=None, # its optimizer (torch's, fastai's, or a wrapper of one), whose state is counted
+              ) -> int:
+    "Bytes alive for training before a window starts: parameters, buffers, gradients and optimizer state."
+    # distinct storages, each once
+    ts = list(model.parameters()) + list(model.buffers()) + [p.grad for p in model.parameters() if p.grad is not None]
+    while opt is not None and not isinstance(getattr(opt, 'state', None), dict):
+        opt = getattr(opt, 'opt', None) or getattr(opt, 'optimizer', None)
+    state = getattr(opt, 'state', None) or {}
+    ts += [t for st in state.values() if isinstance(st, dict) for t in st.values() if torch.is_tensor(t)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}.values())
+
 def release_pinned(plan:ExactPlan|None):
     "Give back the pinned host blocks a fit's offload or staged store left in torch's host cache."
     # kept there for reuse, they stay page-locked
@@ -2969,7 +3222,11 @@ def staging_budget(model:nn.Module, # the model, in the modes it trains in
     xb = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in xb)  # a view would count its whole storage
     plan = plan_exact(model, xb, window, opt_state=opt_state)
     plan.chunk = xb[0].shape[0]
-    return (plan.staged_device_needed + plan.device_needed) // 2
+    graph = staged_graph(model, xb)  # the gradients its largest stage makes at once
+    if not isinstance(graph, str): plan.stage_grads, plan.store = stage_grads(model, graph), store_per_sample(model, graph, xb)
+    # a model too small for staging to pay (its stages' gradients, the store): the staged step's need, which 'staged'
+    # holds and under which 'auto' trains the whole window
+    return max((plan.staged_device_needed + plan.device_needed) // 2, plan.staged_device_needed)
 
 # ======== fastai_accum/ghost.py ========
 # %% ../nbs/02c_ghost.ipynb #d8f4d777
@@ -3079,13 +3336,14 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
                  verify:bool=True, # check a staged step against the big batch before choosing it (`verify_staged`)
                  autocast=None, # callable returning the autocast context training runs in (measured under it)
                  opt_state:float|None=None, # optimizer state per byte of parameters (`optimizer_state`)
+                 held:int|None=None, # bytes alive now that count against the budget (`held_bytes`)
                 ) -> tuple:
     "(train each window as one batch?, the `ExactPlan` or None): the rule above."
     if policy not in ('exact', 'staged', 'auto'): return False, None
     if not any(m.training for m in bn_layers(model)): return False, None  # no BatchNorm trains: plain is exact
     xb = peek()
     window = n_acc or n_step * xb[0].shape[0]
-    plan = plan_exact(model, xb, window, device_memory, host_memory, offload, autocast, opt_state)
+    plan = plan_exact(model, xb, window, device_memory, host_memory, offload, autocast, opt_state, held)
     plan.chunk = plan.micro = xb[0].shape[0]
     synced = world_size() > 1 and not _syncs_itself(model)  # DDP, per-process BatchNorm: a staged step reduces it
     staged_asked = synced or policy == 'staged' or (policy == 'auto' and not auto_picks_exact(plan))
@@ -3128,9 +3386,9 @@ class StagedMismatchError(RuntimeError):
 
 def _verified(plan:ExactPlan, model:nn.Module, xb:tuple) -> str|None:
     "Why a staged step is not the big batch on `model` (`verify_staged`), or None; what was checked goes in `plan`."
-    # the check runs within half the host budget
+    # within the memory the budget leaves it (`ExactPlan.check_memory`)
     t = time.perf_counter()
-    why, checked = verify_staged(model, xb, plan.host_budget // 2, plan.footprint.saved)
+    why, checked = verify_staged(model, xb, plan.check_memory, plan.footprint.saved)
     plan.checked, plan.check_time = checked or why, time.perf_counter() - t
     return why
 
@@ -3148,6 +3406,7 @@ def _not_staged(plan:ExactPlan, model:nn.Module, xb:tuple) -> str|None:
     graph = staged_graph(model, xb)  # torch.fx's, else the second tracer's (`nbs/00a_staged`)
     if isinstance(graph, str): return graph
     if graph is not bn_graph(model): plan.traced = 'aten'
+    plan.stage_grads, plan.store = stage_grads(model, graph), store_per_sample(model, graph, xb)
     mixed = samples_mixed(model, xb)
     return f"a staged step would not be the big batch: {mixed}." if mixed else None
 
@@ -3157,9 +3416,14 @@ def _staged_memory(plan:ExactPlan) -> str|None:
         need, budget = fmt_bytes(plan.staged_host_needed), fmt_bytes(plan.host_budget)
         return f"its kept values need {need} of host memory (budget {budget})"
     budget = plan.device_budget if plan.device_budget is not None else plan.host_budget
-    if plan.staged_device_needed > budget:
-        return f"one chunk of {plan.chunk} needs {fmt_bytes(plan.staged_device_needed)} (budget {fmt_bytes(budget)})"
-    return None
+    if plan.staged_device_needed <= budget: return None
+    # each part named: what the user can shrink
+    parts = [f"parameters, gradients and optimizer state {fmt_bytes(plan.param_needed)}",
+             f"one chunk of {plan.chunk} samples {fmt_bytes(plan.chunk_needed)}",
+             f"the largest stage's new gradients {fmt_bytes(plan.stage_grads)}"]
+    if not plan.on_accelerator: parts.insert(1, f"values kept between stages {fmt_bytes(plan.staged_host_needed)}")
+    return (f"a staged step needs {fmt_bytes(plan.staged_device_needed)} ({', '.join(parts)}), more than the budget "
+            f"{fmt_bytes(budget)}")
 
 def _agreed(device, # this process's training device (NCCL reduces there)
             *flags:bool) -> list:
@@ -3371,7 +3635,8 @@ class _CorePlan:
         self.how = plan_training(self.policy, self.module, lambda: tuple(self.inputs(peek())), self.n_step, self.n_acc,
                                  wrap=self.wrap, bn_batch=self.bn_batch, name=self.name, offload=self.offload,
                                  device_memory=self.device_memory, host_memory=self.host_memory, verify=self.verify,
-                                 autocast=self.autocast, opt_state=optimizer_state(self.optimizer))
+                                 autocast=self.autocast, opt_state=optimizer_state(self.optimizer),
+                                 held=held_bytes(self.module, self.optimizer))
         self.find_bns()
 
     def _bn_modes(self) -> tuple: return tuple(m.training for m in bn_layers(self.module))
@@ -4040,4 +4305,4 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'is_dropout', 'peek_batches', 'window_full', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'fmt_bytes', 'trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'staged_graph', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'StagedStep', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'optimizer_state', 'release_pinned', 'saved_on_host', 'staging_budget', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'is_dropout', 'peek_batches', 'window_full', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'staged_graph', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'StagedStep', 'stage_grads', 'store_per_sample', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']

@@ -1314,6 +1314,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                         'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact.stage_grads': ( 'staged_exact.html#stage_grads',
                                                                                       'fastai_accum/staged_exact.py'),
+                                           'fastai_accum.staged_exact.store_per_sample': ( 'staged_exact.html#store_per_sample',
+                                                                                           'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact.uninstall_staged': ( 'staged_exact.html#uninstall_staged',
                                                                                            'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact.verify_staged': ( 'staged_exact.html#verify_staged',

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from .meters import SavedTensorMeter, LayerMeter, fmt_bytes
-from .staged_exact import _device
+from .staged_exact import _device, stage_grads, store_per_sample
+from .staged import staged_graph
 from .batchnorm import bn_layers
 from .distributed import world_size
 from .helpers import random_state_kept, modes_kept, is_accelerator, can_pin
@@ -101,6 +102,7 @@ class ExactPlan:
     opt_state:float|None=None # optimizer state per byte of trainable parameters (`optimizer_state`); None: 1 assumed
     held:int=0            # bytes alive when planned: parameters, buffers, gradients, optimizer state (`held_bytes`)
     stage_grads:int=0     # bytes of the gradients a staged chunk's backward makes at once (`stage_grads`)
+    store:float|None=None # bytes per sample a staged step's store holds at most (`store_per_sample`; None: `saved`)
 
     @property
     def param_needed(self) -> int:
@@ -156,8 +158,8 @@ class ExactPlan:
         return max(int(budget - self.param_needed), 0)
     @property
     def staged_host_needed(self) -> int:
-        "Bytes of values (and gradients) a staged step keeps between stages: at most the saved activations."
-        return int(self.window * self.footprint.saved)
+        "Bytes of values (and gradients) a staged step keeps between stages: measured, or the saved activations."
+        return int(self.window * (self.footprint.saved if self.store is None else self.store))
 
     def describe(self) -> str:
         "What this plan does and the numbers it rests on; whether part of the model was frozen when measured."
@@ -304,4 +306,8 @@ def staging_budget(model:nn.Module, # the model, in the modes it trains in
     xb = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in xb)  # a view would count its whole storage
     plan = plan_exact(model, xb, window, opt_state=opt_state)
     plan.chunk = xb[0].shape[0]
-    return (plan.staged_device_needed + plan.device_needed) // 2
+    graph = staged_graph(model, xb)  # the gradients its largest stage makes at once
+    if not isinstance(graph, str): plan.stage_grads, plan.store = stage_grads(model, graph), store_per_sample(model, graph, xb)
+    # a model too small for staging to pay (its stages' gradients, the store): the staged step's need, which 'staged'
+    # holds and under which 'auto' trains the whole window
+    return max((plan.staged_device_needed + plan.device_needed) // 2, plan.staged_device_needed)

@@ -24,7 +24,8 @@ from .helpers import (_to, _tensors, random_state_kept, is_accelerator, can_pin,
 from .batchnorm import _after_norm
 
 # %% auto #0
-__all__ = ['StagedStep', 'stage_grads', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged']
+__all__ = ['StagedStep', 'stage_grads', 'store_per_sample', 'StagedForward', 'install_staged', 'uninstall_staged',
+           'samples_mixed', 'verify_staged']
 
 # %% ../nbs/02b_staged_exact.ipynb #47a3cd82
 def _is_barrier(m) -> bool:
@@ -84,6 +85,7 @@ class StagedStep(StagedGraph):
     pool_W = None  # the window size of the tensors in `pool`
     pin = False  # the host store is pinned (a model on CUDA, kept values in host memory)
     shared = False  # the store lives in the memory the budget counts (a CPU): chunks get what it leaves
+    apart = None  # the store is in memory apart from the device's (an accelerator's host; None: where it lives says)
     # device bytes one chunk of a stage may hold in its backward: each stage's chunks as large as that allows, from its
     # bytes per sample measured on its first chunk (None: the `grow` rule)
     budget = None
@@ -199,6 +201,24 @@ def stage_grads(model:nn.Module, # the model, in the modes it trains in
     step = StagedStep(model, graph)
     step._plan()
     return max((sum(_nbytes(p) for p in ps if p.requires_grad) for ps in step.stage_params), default=0)
+
+# %% ../nbs/02b_staged_exact.ipynb #8dcdd2c6
+def store_per_sample(model:nn.Module, # the model, in the modes it trains in (nothing in it changes)
+                     graph:fx.Graph, # the graph a staged step runs (`staged_graph`)
+                     xb:tuple, # one micro-batch of its inputs
+                    ) -> float:
+    "The most bytes per sample a staged step's store holds in a backward (kept values, their gradients), measured."
+    # from one forward without a graph on `xb`, each value's bytes per sample at the stage the backward holds most
+    step = StagedStep(model, graph)
+    step._plan()
+    xb = tuple(_plain(t) for t in xb)
+    n = xb[0].shape[0]
+    with random_state_kept(): values, _ = _node_values(step, xb, {})
+    def size(v): return sum(_nbytes(t) for t in _tensors(v) if t.dim() and t.shape[0] == n) / n
+    def node(m): return size(xb[step.inputs.index(m)]) if m.op == 'placeholder' else size(values.get(m))
+    held = [sum(map(node, vals)) + sum(map(node, grads)) + (node(fixed) if fixed is not None else 0)
+            for vals, grads, fixed in step.held]
+    return max(held, default=0.)
 
 # %% ../nbs/02b_staged_exact.ipynb #5beabd5e
 def _store_plan(self):
@@ -416,7 +436,7 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
     self.signature = tuple((tuple(t.shape[1:]), t.dtype) for t in self.xb if isinstance(t, Tensor))
     if self.W != self.pool_W: self.pool, self.ours, self.pool_W = {}, {}, self.W  # shapes of another window size
     # the store in the memory the budget counts (a CPU's): chunks get what it leaves, and nothing is pooled
-    self.shared = self.store is None or torch.device(self.store) == dev
+    self.shared = not self.apart if self.apart is not None else self.store is None or torch.device(self.store) == dev
     self.kept, self.carried, self.structs, self.rng, self.stats, self.count, self.spans = {}, {}, {}, {}, {}, {}, []
     self.random_chunked = []  # stages that drew random numbers chunk by chunk
     # chunks run with their graph, kept for the backward (not recomputed): the last stage's last chunk, and every chunk
@@ -869,6 +889,7 @@ class StagedForward(ReplacedForward):
         self.fp32 = _converts_to_fp32(self.own)
         dev = next(model.parameters()).device
         self.store = store if store is not None or not is_accelerator(dev) else 'cpu'
+        self.apart = is_accelerator(dev) and self.store is not None and torch.device(self.store).type == 'cpu'
         graph = bn_graph(model)
         self.by_fx = not isinstance(graph, str)
         if self.by_fx: self.step = self._new_step(graph)
@@ -887,7 +908,7 @@ class StagedForward(ReplacedForward):
 
     def _new_step(self, graph:fx.Graph) -> StagedStep:
         step = StagedStep(self.model, graph, self.store)
-        step.budget = self.budget
+        step.budget, step.apart = self.budget, self.apart
         return step
 
     def __call__(self, *xb, **kwargs):

@@ -6,7 +6,7 @@ import pytest, torch
 from torch import nn
 import torch.nn.functional as F
 from fastai_accum.core import Accumulation
-from fastai_accum.exact import plan_exact, ExactModeMemoryError
+from fastai_accum.exact import plan_exact, ExactModeMemoryError, staging_budget
 from fastai_accum.plan import StagedMismatchError
 from fastai_accum.staged_exact import verify_staged
 import fastai_accum.exact as exact, fastai_accum.plan as plan
@@ -91,9 +91,7 @@ def windows(n_win=2, n_step=4, bs=2, seed=0):
 
 def forced_budget(model, micro, n_step):
     "A device budget between one chunk's need and the whole window's: the plan must stage."
-    p = plan_exact(model, (micro[0],), n_step * micro[0].shape[0])
-    p.chunk = micro[0].shape[0]
-    return (p.staged_device_needed + p.device_needed) // 2
+    return staging_budget(model, (micro[0],), n_step * micro[0].shape[0])
 
 def train_both(make, policy, n_step=4, context=nullcontext, loss=F.mse_loss, **kw):
     "(max relative difference of parameters and BatchNorm buffers from the big batch after two windows, the core): SGD with momentum."
@@ -124,7 +122,9 @@ def mobilenet_v3_small():
                          ids=['bn_called_twice', 'shape_across_stages', 'size_arithmetic_across_stages', 'inplace_dropout_head'])
 def test_models_that_break_an_assumption_train_as_the_big_batch(make, policy):
     diff, acc = train_both(make, policy)
-    assert acc.path == 'staged exact' and diff < 1e-9
+    # 'auto' stages where a staged step needs less than the whole window, else trains it whole: the big batch both ways
+    assert acc.path == 'staged exact' or policy == 'auto' and acc.path == 'exact', acc.path
+    assert diff < 1e-9
 
 @pytest.mark.parametrize('policy', ['staged', 'auto'])
 def test_a_parameter_tensor_read_across_stages_trains_as_the_big_batch(policy):
@@ -181,7 +181,7 @@ def test_staged_step_inside_saved_tensor_hooks_is_the_big_batch(hooks):
 
 def test_dropout_after_the_last_batchnorm_draws_the_big_batch_masks():
     "The last stage draws random numbers: it runs as one chunk, so with the same seed its masks are the big batch's."
-    diff, acc = train_both(DropoutHead, 'auto')
+    diff, acc = train_both(DropoutHead, 'staged')
     assert acc.path == 'staged exact' and diff < 1e-9
 
 def test_a_model_that_mixes_samples_is_refused_with_the_layer(capsys):

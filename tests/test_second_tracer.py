@@ -10,7 +10,7 @@ from fastai.vision.all import (unet_learner, resnet18, resnet34, DataLoaders, Cr
 from fastai_accum.core import Accumulation
 from fastai_accum.callback import GradientAccumulation
 from fastai_accum.staged import bn_graph, staged_graph
-from fastai_accum.exact import plan_exact
+from fastai_accum.exact import plan_exact, staging_budget
 from test_exact_or_says_so import forced_budget
 
 def seg_data(n=16, size=32, classes=3, seed=0):
@@ -48,7 +48,7 @@ def test_the_plain_loop_core_trains_a_unet_as_the_big_batch(arch):
     torch.manual_seed(0); big = unet(arch)().double().train()
     ours = copy.deepcopy(big)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (big, ours)]
-    acc = Accumulation(ours, n_step=4, device_memory=forced_budget(ours, batches[0], 4))
+    acc = Accumulation(ours, n_step=4, policy='staged', device_memory=forced_budget(ours, batches[0], 4))
     for i in range(0, 16, 8):
         F.cross_entropy(big(x[i:i + 8]), y[i:i + 8]).backward(); opts[0].step(); opts[0].zero_grad()
     for xb, yb in acc.batches(batches):
@@ -93,10 +93,8 @@ def test_unet_learner_fit_and_fine_tune_train_each_window_as_the_big_batch(arch,
     learn = unet_learner(dls, arch, pretrained=False, n_out=3, loss_func=CrossEntropyLossFlat(axis=1), opt_func=SGD)
     learn.model.double()
     twin = copy.deepcopy(learn.model)
-    plan = plan_exact(learn.model.train(), (x[:2],), 8, opt_state=0.)  # fastai's SGD keeps no state
-    plan.chunk = 2
-    budget = (plan.staged_device_needed + plan.device_needed) // 2  # a chunk fits, the window does not
-    ga = GradientAccumulation(n_step=4, device_memory=budget)
+    budget = staging_budget(learn.model.train(), (x[:2],), 8, opt_state=0.)  # fastai's SGD keeps no state
+    ga = GradientAccumulation(n_step=4, policy='staged', device_memory=budget)  # a U-Net's stages: more than its window
     check = BigBatchCheck(twin)
     learn.add_cbs([ga, check])
     with learn.no_bar(), learn.no_logging():
@@ -124,7 +122,8 @@ def test_a_batchnorm_on_a_feature_from_an_earlier_stage_trains_as_the_big_batch(
     "torch.fx traces it; the stage the skip's BatchNorm ends reads its input from the store (was a KeyError)."
     from test_exact_or_says_so import train_both
     diff, acc = train_both(SkipBN, policy)
-    assert acc.path == 'staged exact' and diff < 1e-9
+    assert acc.path == 'staged exact' or policy == 'auto' and acc.path == 'exact', acc.path  # too small to stage
+    assert diff < 1e-9
 
 def test_the_check_copies_a_unet_whose_hooks_hold_activations():
     "After a training forward DynamicUnet's hooks keep tensors autograd made; the check's copy still runs (was 'not checked')."

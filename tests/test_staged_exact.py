@@ -215,6 +215,7 @@ def test_windows_reuse_the_store_and_leave_the_output_alone():
     st = copy.deepcopy(big)
     f = install_staged(st, chunk=3)
     f.step.grow = False  # every stage in chunks of 3: the output too is a tensor of the store
+    f.step.apart = True  # as on an accelerator: the store in host memory, apart from the device's (a CPU's is not pooled)
     for i, n in enumerate((8, 8, 5)):
         x = torch.randn(n, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
         pooled = {id(t) for ts in f.step.pool.values() for t in ts}

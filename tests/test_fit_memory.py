@@ -1,0 +1,120 @@
+"""The budget is the fit's peak: a whole fit's real tensor memory (every storage ops make, `LiveBytes`; no saved-tensor
+hooks) stays within `device_memory` on a CPU — the check before the first staged window, the store and the chunks
+included — nothing outlives its window or epoch, and every step is still the big batch's (float64)."""
+import copy, gc, warnings
+import pytest, torch
+from torch import nn
+import torch.nn.functional as F
+from fastai_accum.core import Accumulation
+from fastai_accum.exact import plan_exact, ExactModeMemoryError
+from fastai_accum.meters import LiveBytes
+from fastai_accum.staged import staged_graph
+from fastai_accum.staged_exact import stage_grads, store_per_sample, verify_staged
+
+def block(i, o, s=1): return [nn.Conv2d(i, o, 3, stride=s, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU(inplace=True)]
+
+def cnn():
+    "A CNN whose activations outweigh its parameters (what staged exact is for), with a residual-free head."
+    return nn.Sequential(*block(3, 16), *block(16, 16), *block(16, 32, 2), *block(32, 32), *block(32, 64, 2),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+
+def data(n=64, size=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, size, size, generator=g, dtype=torch.float64), torch.randint(0, 10, (n,), generator=g)
+
+def budget_between(model, xb, window, opt_state, frac=0.3):
+    "A device budget `frac` of the way from a staged step's need (as the plan counts it) to the whole window's."
+    p = plan_exact(model, (xb.clone(),), window, opt_state=opt_state)
+    graph = staged_graph(model, (xb,))
+    p.chunk, p.stage_grads, p.store = xb.shape[0], stage_grads(model, graph), store_per_sample(model, graph, (xb,))
+    assert p.staged_device_needed < p.device_needed, (p.staged_device_needed, p.device_needed)
+    return int(p.staged_device_needed + frac * (p.device_needed - p.staged_device_needed))
+
+def rel(a, b): return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+@pytest.mark.parametrize('frac', [0.05, 0.5])
+def test_a_plain_loop_fit_holds_its_budget_and_leaves_nothing_behind(frac):
+    "3 epochs of the README's plain loop, SGD with momentum: peak <= budget, live bytes flat, the big batch's steps."
+    x, y = data()
+    torch.manual_seed(0); big = cnn().double().train()
+    ours = copy.deepcopy(big)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (big, ours)]
+    n_step = 8
+    budget = budget_between(ours, x[:2], 2 * n_step, 1., frac)
+    acc = Accumulation(ours, n_step=n_step, optimizer=opts[1], device_memory=budget)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=2)
+    after = []
+    with LiveBytes(ours) as meter:
+        for epoch in range(3):
+            for xb, yb in acc.batches(loader):
+                if acc.backward(F.cross_entropy(ours(xb), yb)): opts[1].step(); opts[1].zero_grad()
+            after.append(meter.live)
+    assert acc.path == 'staged exact' and acc.plan.checked.startswith('checked on this model: equal'), acc.plan.checked
+    assert meter.peak <= budget, (meter.peak, budget)
+    assert after[0] == after[1] == after[2], after
+    for epoch in range(3):
+        for i in range(0, len(x), 2 * n_step):
+            F.cross_entropy(big(x[i:i + 2 * n_step]), y[i:i + 2 * n_step]).backward(); opts[0].step(); opts[0].zero_grad()
+    for a, b in zip(ours.state_dict().values(), big.state_dict().values()):
+        assert (rel(a, b) < 1e-9) if a.is_floating_point() else torch.equal(a, b)
+
+def test_a_learner_holds_its_budget_through_three_fits_and_fine_tune():
+    "fastai: GradientAccumulation(device_memory=) over 3 fits and a fine_tune; peak <= budget, flat between fits."
+    from torch.utils.data import TensorDataset
+    from fastai.vision.all import Learner, DataLoaders, DataLoader, CrossEntropyLossFlat, Adam
+    from fastai_accum.callback import GradientAccumulation
+    x, y = data(32)
+    dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=2, shuffle=False), DataLoader(TensorDataset(x[:4], y[:4]), bs=2))
+    torch.manual_seed(0)
+    learn = Learner(dls, cnn().double(), loss_func=CrossEntropyLossFlat(), opt_func=Adam)
+    budget = budget_between(learn.model.train(), x[:2], 16, 2.)
+    learn.add_cb(GradientAccumulation(n_step=8, device_memory=budget))
+    after = []
+    with LiveBytes(learn.model) as meter, learn.no_bar(), learn.no_logging():
+        for _ in range(3):
+            learn.fit(1, 1e-3)
+            assert learn.gradient_accumulation.path == 'staged exact'
+            after.append(meter.live)
+        learn.fine_tune(1, 1e-3, freeze_epochs=1)
+        after.append(meter.live)
+    assert meter.peak <= budget, (meter.peak, budget)
+    assert after[1] == after[2] == after[3], after  # the optimizer's state exists from the first step on
+
+def test_the_check_frees_its_copy_and_counts_what_it_holds():
+    "verify_staged leaves no tensor alive (no cycle holds its copy: the collector is off) and keeps within `memory`."
+    x, _ = data(4)
+    model = cnn().double().train()
+    gc.disable()
+    try:
+        with LiveBytes() as meter:
+            why, checked = verify_staged(model, (x[:2],), saved=0.)
+            left = meter.live
+    finally: gc.enable()
+    assert why is None and checked.startswith('checked on this model: equal'), (why, checked)
+    assert left == 0, left
+    p = plan_exact(model, (x[:2],), 8)
+    other = cnn().double().train()  # a verdict is kept per model: a new one is checked again
+    with LiveBytes() as meter: why, checked = verify_staged(other, (x[:2],), memory=10**9, saved=p.footprint.saved)
+    assert meter.peak <= 10**9 and checked.startswith('checked')
+    why, checked = verify_staged(cnn().double().train(), (x[:2],), memory=1000, saved=p.footprint.saved)
+    assert why is None and checked.startswith('not checked: its copy, gradients and activations do not fit'), checked
+
+def test_a_budget_a_staged_step_cannot_hold_is_refused_naming_each_part():
+    "Below a staged step's need (parameters and state, the store, a chunk, a stage's gradients): 'staged' raises, 'auto' falls back."
+    x, y = data(32)
+    model = cnn().double().train()
+    p = plan_exact(model, (x[:2],), 16, opt_state=1.)
+    budget = p.param_needed + p.chunk_needed  # no room for the values kept between stages
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batches = [(x[i:i + 2], y[i:i + 2]) for i in range(0, 32, 2)]
+    acc = Accumulation(model, n_step=8, policy='staged', optimizer=opt, device_memory=budget)
+    with pytest.raises(ExactModeMemoryError) as e:
+        for xb, yb in acc.batches(batches): pass
+    for part in ('parameters, gradients and optimizer state', 'values kept between stages', 'one chunk of 2 samples',
+                 "the largest stage's new gradients", 'more than the budget'):
+        assert part in str(e.value), str(e.value)
+    acc = Accumulation(model, n_step=8, optimizer=opt, device_memory=budget)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        for xb, yb in acc.batches(batches): acc.backward(F.cross_entropy(model(xb), yb))
+    assert acc.path == 'window' and 'values kept between stages' in acc.plan.reason, acc.plan.reason
