@@ -19,10 +19,10 @@ Contents (line: module: classes), dependencies first:
      1517: prepass: PrepassPlan, PreflightTable
      1724: staged_exact: StagedStep, StagedForward
      2930: exact: Footprint, ExactModeMemoryError, ExactPlan
-     3231: ghost: GhostForward
-     3285: plan: StagedMismatchError, TrainingPlan
-     3514: core: BatchNormInstaller, Accumulation, FrontEnd
-     4013: callback: WindowPrefetch, GradientAccumulation
+     3232: ghost: GhostForward
+     3286: plan: StagedMismatchError, TrainingPlan
+     3515: core: BatchNormInstaller, Accumulation, FrontEnd
+     4014: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -3217,16 +3217,17 @@ def staging_budget(model:nn.Module, # the model, in the modes it trains in
                    xb:tuple, # one micro-batch of its inputs (its samples are the smallest chunk)
                    window:int, # samples per window
                    opt_state:float|None=None, # optimizer state per byte of parameters (`optimizer_state`)
+                   autocast=None, # callable returning the autocast context training runs in (measured under it)
                   ) -> int:
     "A device budget halfway between one chunk's staged need and the whole window's: under it 'auto' stages."
     xb = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in xb)  # a view would count its whole storage
-    plan = plan_exact(model, xb, window, opt_state=opt_state)
+    plan = plan_exact(model, xb, window, opt_state=opt_state, autocast=autocast)
     plan.chunk = xb[0].shape[0]
     graph = staged_graph(model, xb)  # the gradients its largest stage makes at once
     if not isinstance(graph, str): plan.stage_grads, plan.store = stage_grads(model, graph), store_per_sample(model, graph, xb)
     # a model too small for staging to pay (its stages' gradients, the store): the staged step's need, which 'staged'
     # holds and under which 'auto' trains the whole window
-    return max((plan.staged_device_needed + plan.device_needed) // 2, plan.staged_device_needed)
+    return max((plan.staged_device_needed + plan.device_needed) // 2, int(1.02 * plan.staged_device_needed))
 
 # ======== fastai_accum/ghost.py ========
 # %% ../nbs/02c_ghost.ipynb #d8f4d777

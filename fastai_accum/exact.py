@@ -301,13 +301,14 @@ def staging_budget(model:nn.Module, # the model, in the modes it trains in
                    xb:tuple, # one micro-batch of its inputs (its samples are the smallest chunk)
                    window:int, # samples per window
                    opt_state:float|None=None, # optimizer state per byte of parameters (`optimizer_state`)
+                   autocast=None, # callable returning the autocast context training runs in (measured under it)
                   ) -> int:
     "A device budget halfway between one chunk's staged need and the whole window's: under it 'auto' stages."
     xb = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in xb)  # a view would count its whole storage
-    plan = plan_exact(model, xb, window, opt_state=opt_state)
+    plan = plan_exact(model, xb, window, opt_state=opt_state, autocast=autocast)
     plan.chunk = xb[0].shape[0]
     graph = staged_graph(model, xb)  # the gradients its largest stage makes at once
     if not isinstance(graph, str): plan.stage_grads, plan.store = stage_grads(model, graph), store_per_sample(model, graph, xb)
     # a model too small for staging to pay (its stages' gradients, the store): the staged step's need, which 'staged'
     # holds and under which 'auto' trains the whole window
-    return max((plan.staged_device_needed + plan.device_needed) // 2, plan.staged_device_needed)
+    return max((plan.staged_device_needed + plan.device_needed) // 2, int(1.02 * plan.staged_device_needed))

@@ -23,7 +23,7 @@ import torch, torchvision
 from torch import nn
 import torch.nn.functional as F
 from fastai_accum.core import Accumulation
-from fastai_accum.exact import plan_exact, saved_on_host
+from fastai_accum.exact import plan_exact, saved_on_host, staging_budget
 from fastai_accum.helpers import emulated_accelerator, is_accelerator
 from fastai_accum.staged_exact import install_staged, uninstall_staged
 from fastai_accum.meters import fmt_bytes
@@ -64,9 +64,7 @@ def check_batches(dev, dtype, n=8, micro=2):
 
 def forced_budget(model, micro, window, autocast=None):
     "A device budget between one micro-batch chunk's need and the whole window's: the window cannot sit on the device."
-    p = plan_exact(model, (micro,), window, autocast=autocast)
-    p.chunk = micro.shape[0]
-    return (p.staged_device_needed + p.device_needed) // 2
+    return staging_budget(model, (micro,), window, autocast=autocast)
 
 def core_grads(model, batches, policy, autocast=None, scaler=None, **kw):
     "The gradients at the end of the first window, trained through `Accumulation` (4 micro-batches)."

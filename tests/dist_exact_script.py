@@ -49,13 +49,9 @@ torch.manual_seed(0)
 learn = Learner(dls, (SizeGate(bn_net()) if mode == 'staged_aten' else bn_net()).double(), loss_func=MSELossFlat(), opt_func=SGD)
 rank = int(os.environ['RANK'])
 if mode in ('staged', 'staged_aten'):  # a device budget that holds one chunk of 2 samples, not the window of 4
-    from fastai_accum.exact import plan_exact
-    from fastai_accum.staged import staged_graph
-    from fastai_accum.staged_exact import stage_grads
-    micro = (x[:2].double(),)
-    plan = plan_exact(learn.model.train(), micro, 4, opt_state=0.)  # SGD without momentum keeps no state
-    plan.chunk, plan.stage_grads = 2, stage_grads(learn.model, staged_graph(learn.model, micro))
-    ga = GradientAccumulation(n_step=4, policy='staged', preflight=False, device_memory=plan.staged_device_needed)
+    from fastai_accum.exact import staging_budget
+    budget = staging_budget(learn.model.train(), (x[:2].double(),), 4, opt_state=1.)  # fastai's SGD: momentum
+    ga = GradientAccumulation(n_step=4, policy='staged', preflight=False, device_memory=budget)
 elif mode == 'auto_disagree': ga = GradientAccumulation(n_step=4, preflight=False, host_memory=1000 if rank == 1 else None)
 else: ga = GradientAccumulation(n_step=4, policy=mode, preflight=False)
 counter, collectives = CountAllReduces(), CountCollectives()
