@@ -18,11 +18,11 @@ Contents (line: module: classes), dependencies first:
      1219: staged: StagedGraph
      1517: prepass: PrepassPlan, PreflightTable
      1724: staged_exact: StagedStep, StagedForward
-     2930: exact: Footprint, ExactModeMemoryError, ExactPlan
-     3232: ghost: GhostForward
-     3286: plan: StagedMismatchError, TrainingPlan
-     3515: core: BatchNormInstaller, Accumulation, FrontEnd
-     4014: callback: WindowPrefetch, GradientAccumulation
+     2931: exact: Footprint, ExactModeMemoryError, ExactPlan
+     3233: ghost: GhostForward
+     3287: plan: StagedMismatchError, TrainingPlan
+     3516: core: BatchNormInstaller, Accumulation, FrontEnd
+     4015: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -2920,6 +2920,7 @@ def _check_dtype(model:nn.Module, memory:int|None, saved:float):
     elt = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
     for dt in (torch.float64, torch.float32):
         size = torch.finfo(dt).bits // 8
+        if size < elt: break  # a copy less precise than the model says nothing about its step
         need = size * (n_copy + sum(diff) + max(diff, default=0) + 8 * saved / elt) + other
         if memory is None or need <= memory: return dt
     return None

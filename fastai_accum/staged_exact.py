@@ -1212,6 +1212,7 @@ def _check_dtype(model:nn.Module, memory:int|None, saved:float):
     elt = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
     for dt in (torch.float64, torch.float32):
         size = torch.finfo(dt).bits // 8
+        if size < elt: break  # a copy less precise than the model says nothing about its step
         need = size * (n_copy + sum(diff) + max(diff, default=0) + 8 * saved / elt) + other
         if memory is None or need <= memory: return dt
     return None

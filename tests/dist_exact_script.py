@@ -51,7 +51,7 @@ rank = int(os.environ['RANK'])
 if mode in ('staged', 'staged_aten'):  # a device budget that holds one chunk of 2 samples, not the window of 4
     from fastai_accum.exact import staging_budget
     budget = staging_budget(learn.model.train(), (x[:2].double(),), 4, opt_state=1.)  # fastai's SGD: momentum
-    ga = GradientAccumulation(n_step=4, policy='staged', preflight=False, device_memory=budget)
+    ga = GradientAccumulation(n_step=4, policy="staged", preflight=False, device_memory=int(1.1 * budget))
 elif mode == 'auto_disagree': ga = GradientAccumulation(n_step=4, preflight=False, host_memory=1000 if rank == 1 else None)
 else: ga = GradientAccumulation(n_step=4, policy=mode, preflight=False)
 counter, collectives = CountAllReduces(), CountCollectives()
