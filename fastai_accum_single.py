@@ -18,11 +18,11 @@ Contents (line: module: classes), dependencies first:
      1219: staged: StagedGraph
      1517: prepass: PrepassPlan, PreflightTable
      1724: staged_exact: StagedStep, StagedForward
-     2931: exact: Footprint, ExactModeMemoryError, ExactPlan
-     3233: ghost: GhostForward
-     3287: plan: StagedMismatchError, TrainingPlan
-     3516: core: BatchNormInstaller, Accumulation, FrontEnd
-     4015: callback: WindowPrefetch, GradientAccumulation
+     2935: exact: Footprint, ExactModeMemoryError, ExactPlan
+     3252: ghost: GhostForward
+     3306: plan: StagedMismatchError, TrainingPlan
+     3535: core: BatchNormInstaller, Accumulation, FrontEnd
+     4034: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -1922,11 +1922,10 @@ def store_per_sample(model:nn.Module, # the model, in the modes it trains in (no
     xb = tuple(_plain(t) for t in xb)
     n = xb[0].shape[0]
     with random_state_kept(): values, _ = _node_values(step, xb, {})
-    def size(v): return sum(_nbytes(t) for t in _tensors(v) if t.dim() and t.shape[0] == n) / n
-    def node(m): return size(xb[step.inputs.index(m)]) if m.op == 'placeholder' else size(values.get(m))
-    held = [sum(map(node, vals)) + sum(map(node, grads)) + (node(fixed) if fixed is not None else 0)
-            for vals, grads, fixed in step.held]
-    return max(held, default=0.)
+    def size(m):  # a node's batch tensors, bytes per sample
+        v = xb[step.inputs.index(m)] if m.op == 'placeholder' else values.get(m)
+        return sum(_nbytes(t) for t in _tensors(v) if t.dim() and t.shape[0] == n) / n
+    return max((step._store_bytes(s, size) for s in range(len(step.stages))), default=0.)
 
 # %% ../nbs/02b_staged_exact.ipynb #5beabd5e
 def _store_plan(self):
@@ -1950,11 +1949,11 @@ def _store_plan(self):
         self.held[s] = (values, grads, bar.args[0] if bar is not None else None)  # and the fixed gradient
         alive = grads - set(self.stage_out[s])
 
-def _store_bytes(self, s:int) -> int:
+def _store_bytes(self, s:int, size=None) -> float:
     "Bytes the store holds during stage `s`'s backward (kept values, gradients, the fixed gradient), as far as known."
-    # known once the stages making them have run their first chunk
+    # `size(node)`: a node's bytes (default: its window's in the store, known once its stage has run a chunk)
     values, grads, fixed = self.held[s]
-    size = self._kept_bytes
+    size = size or self._kept_bytes
     return sum(map(size, values)) + sum(map(size, grads)) + (size(fixed) if fixed is not None else 0)
 
 StagedStep._store_plan = _store_plan
@@ -2233,7 +2232,7 @@ def _saved_counted(self, sizes:dict):
 
 def _kept_bytes(self, n) -> int:
     "Bytes of the window-sized tensors kept for node `n` (a container's included; a model input's own)."
-    if n.op == 'placeholder': return _nbytes(self.xb[self.inputs.index(n)]) if n in self.inputs else 0
+    if n.op == 'placeholder': return _nbytes(self.xb[self.inputs.index(n)])
     if n in self.kept: return _nbytes(self.kept[n])
     return sum(_nbytes(self.kept[n, i]) for i in self.structs[n][1]) if n in self.structs else 0
 
@@ -2534,7 +2533,7 @@ StagedStep._check_carried = _check_carried
 StagedStep._recomputed = _recomputed
 StagedStep._affine_sums = _affine_sums
 StagedStep._param_readers = _param_readers
-StagedStep.bar_params = _bar_params
+StagedStep._bar_params = _bar_params
 StagedStep._window_sums = _window_sums
 StagedStep._project = _project
 
@@ -2562,20 +2561,21 @@ class _StagedFunction(torch.autograd.Function):
         step, params = ctx.step, ctx.params
         # the node outlives its backward while the loop holds the loss: it must not hold the step (its store's pool)
         ctx.step = ctx.params = ctx.leaves = None
-        into = [_accumulator(p, step) for p in params]
+        bar = step._bar_params()
+        into = [_accumulator(p, bar) for p in params]
         got = step.backward(tree_unflatten(leaves, ctx.spec), params, into)
         # a gradient summed into `.grad` already reaches it as zeros (no memory): DDP's hooks still see it arrive
         return (None, None, None) + (None,) * ctx.n_x + tuple(
             g if a is None else torch.zeros((), dtype=p.dtype, device=p.device).expand_as(p)
             for g, a, p in zip(got, into, params))
 
-def _accumulator(p:nn.Parameter, step) -> Tensor|None:
+def _accumulator(p:nn.Parameter, bar:set) -> Tensor|None:
     "`p.grad` where the step may sum `p`'s window gradient into it in place (a second gradient set saved), else None."
     # where a loop keeps zeroed gradients (fastai's `zero_grad`); not under a tensor hook on `p` (it would see zeros),
     # nor for a training BatchNorm's weight and bias (the window sums read their gradients alone)
     g = p.grad
     if g is None or p._backward_hooks or g.dtype != p.dtype or g.shape != p.shape or not _owns(g, set()): return None
-    return None if id(p) in step.bar_params() else g
+    return None if id(p) in bar else g  # `bar`: the ids of the training BatchNorm layers' parameters
 
 def _rebuilt(ctx_out:tuple, step) -> object:
     "The model's output structure around the tensors the staged node returned."
@@ -2817,12 +2817,13 @@ def _hand_over(name:str, landed, p:Tensor):
 _check_tol = {torch.float64: (1e-8, 1e-11), torch.float32: (5e-3, 1e-4)}
 
 def _diff(r:Tensor|None, g:Tensor|None) -> tuple:
-    "(largest |g - r|, largest |r|, must they be equal?) of two tensors, None as zeros."
+    "(largest |g - r|, largest |r|, must they be equal?) of two tensors, None as zeros; `g` is overwritten."
+    # no temporary of their size: the check holds one gradient set and the one being compared
     if r is None and g is None: return 0., 0., False
     r, g = (r if r is not None else torch.zeros_like(g)), (g if g is not None else torch.zeros_like(r))
     if not r.numel(): return 0., 0., False
     if not r.is_floating_point(): return (0. if torch.equal(r, g) else float((r - g).abs().max())), 0., True
-    return (g - r).abs().max().item(), r.abs().max().item(), False
+    return g.sub_(r).abs_().max().item(), max(r.max().item(), -r.min().item()), False
 
 def _first_over(diffs:dict, dtype) -> tuple|None:
     "(name, relative difference) of the first of `diffs` ({name: `_diff`}) not within tolerance, or None."
@@ -2831,11 +2832,11 @@ def _first_over(diffs:dict, dtype) -> tuple|None:
     scale = max([den for _, den, exact in diffs.values() if not exact] or [0.])
     for name, (d, den, exact) in diffs.items():
         if exact and d: return name, d
-        if not exact and d > rtol * den + atol * scale: return name, d / max(den, atol * scale, 1e-300)
+        if not exact and not d <= rtol * den + atol * scale: return name, d / max(den, atol * scale, 1e-300)  # NaN too
     return None
 
 def _first_diff(ref:dict, got:dict, dtype) -> tuple|None:
-    "(name, relative difference) of the first tensor in `got` not within tolerance of `ref`, or None."
+    "(name, relative difference) of the first tensor in `got` not within tolerance of `ref`, or None; `got` is spent."
     return _first_over({name: _diff(r, got.get(name)) for name, r in ref.items()}, dtype)
 
 def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothing in it changes)
@@ -2846,7 +2847,9 @@ def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothi
     "(why the staged step is not the big batch on `model`, or None; what was checked)."
     # once per model, modes, trainable parameters and inputs' shapes (`_check_key`): a later fit reads the verdict
     key = _check_key(model, xb)
-    if key in _checks.get(model, {}): return _checks[model][key]
+    if key in _checks.get(model, {}):
+        why, checked = _checks[model][key]
+        return why, checked and f"{checked}, as an earlier fit found"
     dt = _check_dtype(model, memory, saved)
     if dt is None:
         return None, f"not checked: its copy, gradients and activations do not fit in {fmt_bytes(memory)}"
@@ -2857,8 +2860,9 @@ def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothi
 _checks = weakref.WeakKeyDictionary()  # model -> {`_check_key`: `verify_staged`'s verdict}
 
 def _check_key(model:nn.Module, xb:tuple) -> tuple:
-    "What the check's verdict depends on: the modules' modes, which parameters train, the inputs' shapes and dtypes."
-    return (tuple(m.training for m in model.modules()), tuple(p.requires_grad for p in model.parameters()),
+    "What the check's verdict depends on: modules' modes, parameters' dtypes and training, inputs' shapes and dtypes."
+    ps = list(model.parameters())
+    return (tuple(m.training for m in model.modules()), tuple((p.requires_grad, p.dtype) for p in ps),
             tuple((tuple(t.shape[1:]), t.dtype) if isinstance(t, Tensor) else type(t) for t in xb))
 
 def _checked_copy(model:nn.Module, xb:tuple, dt) -> tuple:
@@ -2978,6 +2982,8 @@ def measure_footprint(model:nn.Module, # the model (nothing in it changes)
                      ) -> Footprint:
     "Per-sample bytes saved for the backward and largest layer working set of a training forward on `xb`."
     # the forward runs as training runs it: under `autocast`
+    # a micro-batch's own bytes: a view (`x[i:i+2]` of a larger tensor) would count its whole storage where it is saved
+    xb = tuple(t.clone() if torch.is_tensor(t) and t.untyped_storage().nbytes() > _nbytes(t) else t for t in xb)
     bs = xb[0].shape[0]
     # BatchNorm needs 2 values to train
     if bs < 2: xb, bs = tuple(torch.cat([t, t]) if torch.is_tensor(t) else t for t in xb), 2
@@ -3119,7 +3125,8 @@ class ExactPlan:
     @property
     def _checked(self) -> str:
         by = "; staged over an aten-level trace (torch.fx cannot trace the model)" if self.traced == 'aten' else ''
-        return (f"; {self.checked} in {self.check_time:.1f} s" if self.checked and self.reason is None else '') + by
+        took = f" in {self.check_time:.1f} s" if self.check_time >= 0.05 else ''  # not a verdict read from a fit before
+        return (f"; {self.checked}{took}" if self.checked and self.reason is None else '') + by
 
     @property
     def _budget(self) -> str:
@@ -3164,12 +3171,15 @@ _state_per_param = dict(Adam=2, AdamW=2, Adamax=2, NAdam=2, RAdam=2, Adadelta=2,
 # fastai `Optimizer` callbacks that keep one parameter-sized tensor each
 _fastai_stats = dict(average_grad=1, average_sqr_grad=1)
 
+def _wrapped(opt):
+    "The optimizer a wrapper holds (fastai's OptimWrapper and Lookahead, Accelerate's), or None."
+    return getattr(opt, 'opt', None) or getattr(opt, 'optimizer', None)
+
 def optimizer_state(opt) -> float|None:
     "Bytes of `opt`'s state per byte of the parameters it trains; None if unknown."
     # counted once it has stepped, else from its type (torch's or fastai's Adam 2, SGD with momentum 1,
     # fastai's Lookahead +1)
-    # fastai's OptimWrapper and Lookahead, Accelerate's wrapper
-    inner = getattr(opt, 'opt', None) or getattr(opt, 'optimizer', None)
+    inner = _wrapped(opt)
     if opt is None: return None
     extra = 1 if type(opt).__name__ == 'Lookahead' else 0  # its slow weights
     if inner is not None and inner is not opt: return None if (s := optimizer_state(inner)) is None else s + extra
@@ -3194,8 +3204,7 @@ def held_bytes(model:nn.Module, # the model
     "Bytes alive for training before a window starts: parameters, buffers, gradients and optimizer state."
     # distinct storages, each once
     ts = list(model.parameters()) + list(model.buffers()) + [p.grad for p in model.parameters() if p.grad is not None]
-    while opt is not None and not isinstance(getattr(opt, 'state', None), dict):
-        opt = getattr(opt, 'opt', None) or getattr(opt, 'optimizer', None)
+    while opt is not None and not isinstance(getattr(opt, 'state', None), dict): opt = _wrapped(opt)
     state = getattr(opt, 'state', None) or {}
     ts += [t for st in state.values() if isinstance(st, dict) for t in st.values() if torch.is_tensor(t)]
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}.values())
@@ -3219,16 +3228,26 @@ def staging_budget(model:nn.Module, # the model, in the modes it trains in
                    window:int, # samples per window
                    opt_state:float|None=None, # optimizer state per byte of parameters (`optimizer_state`)
                    autocast=None, # callable returning the autocast context training runs in (measured under it)
+                   at:float=0.5, # how far from the staged step's need (0) to the whole window's (1)
                   ) -> int:
-    "A device budget halfway between one chunk's staged need and the whole window's: under it 'auto' stages."
-    xb = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in xb)  # a view would count its whole storage
+    "A device budget between one chunk's staged need and the whole window's (halfway): under it 'auto' stages."
     plan = plan_exact(model, xb, window, opt_state=opt_state, autocast=autocast)
     plan.chunk = xb[0].shape[0]
-    graph = staged_graph(model, xb)  # the gradients its largest stage makes at once
-    if not isinstance(graph, str): plan.stage_grads, plan.store = stage_grads(model, graph), store_per_sample(model, graph, xb)
+    graph = staged_graph(model, xb)
+    if not isinstance(graph, str): measure_staged(plan, model, graph, xb)
     # a model too small for staging to pay (its stages' gradients, the store): the staged step's need, which 'staged'
     # holds and under which 'auto' trains the whole window
-    return max((plan.staged_device_needed + plan.device_needed) // 2, int(1.02 * plan.staged_device_needed))
+    lo, hi = plan.staged_device_needed, plan.device_needed
+    return int(lo + at * max(hi - lo, 0))
+
+def measure_staged(plan:ExactPlan, # the plan to fill in
+                   model:nn.Module, # the model, in the modes it trains in
+                   graph, # the graph its staged step runs (`staged_graph`)
+                   xb:tuple, # one micro-batch of its inputs
+                  ) -> ExactPlan:
+    "`plan` with what a staged step needs beside a chunk: its largest stage's new gradients, its store per sample."
+    plan.stage_grads, plan.store = stage_grads(model, graph), store_per_sample(model, graph, xb)
+    return plan
 
 # ======== fastai_accum/ghost.py ========
 # %% ../nbs/02c_ghost.ipynb #d8f4d777
@@ -3408,7 +3427,7 @@ def _not_staged(plan:ExactPlan, model:nn.Module, xb:tuple) -> str|None:
     graph = staged_graph(model, xb)  # torch.fx's, else the second tracer's (`nbs/00a_staged`)
     if isinstance(graph, str): return graph
     if graph is not bn_graph(model): plan.traced = 'aten'
-    plan.stage_grads, plan.store = stage_grads(model, graph), store_per_sample(model, graph, xb)
+    measure_staged(plan, model, graph, xb)
     mixed = samples_mixed(model, xb)
     return f"a staged step would not be the big batch: {mixed}." if mixed else None
 
@@ -4307,4 +4326,4 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'is_dropout', 'peek_batches', 'window_full', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'staged_graph', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'StagedStep', 'stage_grads', 'store_per_sample', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'is_dropout', 'peek_batches', 'window_full', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'staged_graph', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'StagedStep', 'stage_grads', 'store_per_sample', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']

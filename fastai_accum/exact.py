@@ -9,7 +9,7 @@ import contextlib
 from dataclasses import dataclass
 import torch
 from torch import nn
-from .meters import SavedTensorMeter, LayerMeter, fmt_bytes
+from .meters import SavedTensorMeter, LayerMeter, fmt_bytes, _nbytes
 from .staged_exact import _device, stage_grads, store_per_sample
 from .staged import staged_graph
 from .batchnorm import bn_layers
@@ -18,7 +18,7 @@ from .helpers import random_state_kept, modes_kept, is_accelerator, can_pin
 
 # %% auto #0
 __all__ = ['leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact',
-           'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget']
+           'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged']
 
 # %% ../nbs/02a_exact.ipynb #a31cf6dc
 @contextlib.contextmanager
@@ -61,6 +61,8 @@ def measure_footprint(model:nn.Module, # the model (nothing in it changes)
                      ) -> Footprint:
     "Per-sample bytes saved for the backward and largest layer working set of a training forward on `xb`."
     # the forward runs as training runs it: under `autocast`
+    # a micro-batch's own bytes: a view (`x[i:i+2]` of a larger tensor) would count its whole storage where it is saved
+    xb = tuple(t.clone() if torch.is_tensor(t) and t.untyped_storage().nbytes() > _nbytes(t) else t for t in xb)
     bs = xb[0].shape[0]
     # BatchNorm needs 2 values to train
     if bs < 2: xb, bs = tuple(torch.cat([t, t]) if torch.is_tensor(t) else t for t in xb), 2
@@ -202,7 +204,8 @@ class ExactPlan:
     @property
     def _checked(self) -> str:
         by = "; staged over an aten-level trace (torch.fx cannot trace the model)" if self.traced == 'aten' else ''
-        return (f"; {self.checked} in {self.check_time:.1f} s" if self.checked and self.reason is None else '') + by
+        took = f" in {self.check_time:.1f} s" if self.check_time >= 0.05 else ''  # not a verdict read from a fit before
+        return (f"; {self.checked}{took}" if self.checked and self.reason is None else '') + by
 
     @property
     def _budget(self) -> str:
@@ -247,12 +250,15 @@ _state_per_param = dict(Adam=2, AdamW=2, Adamax=2, NAdam=2, RAdam=2, Adadelta=2,
 # fastai `Optimizer` callbacks that keep one parameter-sized tensor each
 _fastai_stats = dict(average_grad=1, average_sqr_grad=1)
 
+def _wrapped(opt):
+    "The optimizer a wrapper holds (fastai's OptimWrapper and Lookahead, Accelerate's), or None."
+    return getattr(opt, 'opt', None) or getattr(opt, 'optimizer', None)
+
 def optimizer_state(opt) -> float|None:
     "Bytes of `opt`'s state per byte of the parameters it trains; None if unknown."
     # counted once it has stepped, else from its type (torch's or fastai's Adam 2, SGD with momentum 1,
     # fastai's Lookahead +1)
-    # fastai's OptimWrapper and Lookahead, Accelerate's wrapper
-    inner = getattr(opt, 'opt', None) or getattr(opt, 'optimizer', None)
+    inner = _wrapped(opt)
     if opt is None: return None
     extra = 1 if type(opt).__name__ == 'Lookahead' else 0  # its slow weights
     if inner is not None and inner is not opt: return None if (s := optimizer_state(inner)) is None else s + extra
@@ -277,8 +283,7 @@ def held_bytes(model:nn.Module, # the model
     "Bytes alive for training before a window starts: parameters, buffers, gradients and optimizer state."
     # distinct storages, each once
     ts = list(model.parameters()) + list(model.buffers()) + [p.grad for p in model.parameters() if p.grad is not None]
-    while opt is not None and not isinstance(getattr(opt, 'state', None), dict):
-        opt = getattr(opt, 'opt', None) or getattr(opt, 'optimizer', None)
+    while opt is not None and not isinstance(getattr(opt, 'state', None), dict): opt = _wrapped(opt)
     state = getattr(opt, 'state', None) or {}
     ts += [t for st in state.values() if isinstance(st, dict) for t in st.values() if torch.is_tensor(t)]
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}.values())
@@ -302,13 +307,23 @@ def staging_budget(model:nn.Module, # the model, in the modes it trains in
                    window:int, # samples per window
                    opt_state:float|None=None, # optimizer state per byte of parameters (`optimizer_state`)
                    autocast=None, # callable returning the autocast context training runs in (measured under it)
+                   at:float=0.5, # how far from the staged step's need (0) to the whole window's (1)
                   ) -> int:
-    "A device budget halfway between one chunk's staged need and the whole window's: under it 'auto' stages."
-    xb = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in xb)  # a view would count its whole storage
+    "A device budget between one chunk's staged need and the whole window's (halfway): under it 'auto' stages."
     plan = plan_exact(model, xb, window, opt_state=opt_state, autocast=autocast)
     plan.chunk = xb[0].shape[0]
-    graph = staged_graph(model, xb)  # the gradients its largest stage makes at once
-    if not isinstance(graph, str): plan.stage_grads, plan.store = stage_grads(model, graph), store_per_sample(model, graph, xb)
+    graph = staged_graph(model, xb)
+    if not isinstance(graph, str): measure_staged(plan, model, graph, xb)
     # a model too small for staging to pay (its stages' gradients, the store): the staged step's need, which 'staged'
     # holds and under which 'auto' trains the whole window
-    return max((plan.staged_device_needed + plan.device_needed) // 2, int(1.02 * plan.staged_device_needed))
+    lo, hi = plan.staged_device_needed, plan.device_needed
+    return int(lo + at * max(hi - lo, 0))
+
+def measure_staged(plan:ExactPlan, # the plan to fill in
+                   model:nn.Module, # the model, in the modes it trains in
+                   graph, # the graph its staged step runs (`staged_graph`)
+                   xb:tuple, # one micro-batch of its inputs
+                  ) -> ExactPlan:
+    "`plan` with what a staged step needs beside a chunk: its largest stage's new gradients, its store per sample."
+    plan.stage_grads, plan.store = stage_grads(model, graph), store_per_sample(model, graph, xb)
+    return plan

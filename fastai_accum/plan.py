@@ -14,9 +14,9 @@ from torch import nn
 from .meters import fmt_bytes
 from .batchnorm import bn_layers, bn_policies, _check_policy
 from .staged import staged_graph, bn_graph
-from .staged_exact import samples_mixed, verify_staged, stage_grads, store_per_sample
+from .staged_exact import samples_mixed, verify_staged
 from .distributed import world_size, collective_device
-from .exact import ExactPlan, ExactModeMemoryError, plan_exact
+from .exact import ExactPlan, ExactModeMemoryError, plan_exact, measure_staged
 from .ghost import check_ghost
 
 # %% auto #0
@@ -137,7 +137,7 @@ def _not_staged(plan:ExactPlan, model:nn.Module, xb:tuple) -> str|None:
     graph = staged_graph(model, xb)  # torch.fx's, else the second tracer's (`nbs/00a_staged`)
     if isinstance(graph, str): return graph
     if graph is not bn_graph(model): plan.traced = 'aten'
-    plan.stage_grads, plan.store = stage_grads(model, graph), store_per_sample(model, graph, xb)
+    measure_staged(plan, model, graph, xb)
     mixed = samples_mixed(model, xb)
     return f"a staged step would not be the big batch: {mixed}." if mixed else None
 

@@ -214,11 +214,10 @@ def store_per_sample(model:nn.Module, # the model, in the modes it trains in (no
     xb = tuple(_plain(t) for t in xb)
     n = xb[0].shape[0]
     with random_state_kept(): values, _ = _node_values(step, xb, {})
-    def size(v): return sum(_nbytes(t) for t in _tensors(v) if t.dim() and t.shape[0] == n) / n
-    def node(m): return size(xb[step.inputs.index(m)]) if m.op == 'placeholder' else size(values.get(m))
-    held = [sum(map(node, vals)) + sum(map(node, grads)) + (node(fixed) if fixed is not None else 0)
-            for vals, grads, fixed in step.held]
-    return max(held, default=0.)
+    def size(m):  # a node's batch tensors, bytes per sample
+        v = xb[step.inputs.index(m)] if m.op == 'placeholder' else values.get(m)
+        return sum(_nbytes(t) for t in _tensors(v) if t.dim() and t.shape[0] == n) / n
+    return max((step._store_bytes(s, size) for s in range(len(step.stages))), default=0.)
 
 # %% ../nbs/02b_staged_exact.ipynb #5beabd5e
 def _store_plan(self):
@@ -242,11 +241,11 @@ def _store_plan(self):
         self.held[s] = (values, grads, bar.args[0] if bar is not None else None)  # and the fixed gradient
         alive = grads - set(self.stage_out[s])
 
-def _store_bytes(self, s:int) -> int:
+def _store_bytes(self, s:int, size=None) -> float:
     "Bytes the store holds during stage `s`'s backward (kept values, gradients, the fixed gradient), as far as known."
-    # known once the stages making them have run their first chunk
+    # `size(node)`: a node's bytes (default: its window's in the store, known once its stage has run a chunk)
     values, grads, fixed = self.held[s]
-    size = self._kept_bytes
+    size = size or self._kept_bytes
     return sum(map(size, values)) + sum(map(size, grads)) + (size(fixed) if fixed is not None else 0)
 
 StagedStep._store_plan = _store_plan
@@ -525,7 +524,7 @@ def _saved_counted(self, sizes:dict):
 
 def _kept_bytes(self, n) -> int:
     "Bytes of the window-sized tensors kept for node `n` (a container's included; a model input's own)."
-    if n.op == 'placeholder': return _nbytes(self.xb[self.inputs.index(n)]) if n in self.inputs else 0
+    if n.op == 'placeholder': return _nbytes(self.xb[self.inputs.index(n)])
     if n in self.kept: return _nbytes(self.kept[n])
     return sum(_nbytes(self.kept[n, i]) for i in self.structs[n][1]) if n in self.structs else 0
 
@@ -826,7 +825,7 @@ StagedStep._check_carried = _check_carried
 StagedStep._recomputed = _recomputed
 StagedStep._affine_sums = _affine_sums
 StagedStep._param_readers = _param_readers
-StagedStep.bar_params = _bar_params
+StagedStep._bar_params = _bar_params
 StagedStep._window_sums = _window_sums
 StagedStep._project = _project
 
@@ -854,20 +853,21 @@ class _StagedFunction(torch.autograd.Function):
         step, params = ctx.step, ctx.params
         # the node outlives its backward while the loop holds the loss: it must not hold the step (its store's pool)
         ctx.step = ctx.params = ctx.leaves = None
-        into = [_accumulator(p, step) for p in params]
+        bar = step._bar_params()
+        into = [_accumulator(p, bar) for p in params]
         got = step.backward(tree_unflatten(leaves, ctx.spec), params, into)
         # a gradient summed into `.grad` already reaches it as zeros (no memory): DDP's hooks still see it arrive
         return (None, None, None) + (None,) * ctx.n_x + tuple(
             g if a is None else torch.zeros((), dtype=p.dtype, device=p.device).expand_as(p)
             for g, a, p in zip(got, into, params))
 
-def _accumulator(p:nn.Parameter, step) -> Tensor|None:
+def _accumulator(p:nn.Parameter, bar:set) -> Tensor|None:
     "`p.grad` where the step may sum `p`'s window gradient into it in place (a second gradient set saved), else None."
     # where a loop keeps zeroed gradients (fastai's `zero_grad`); not under a tensor hook on `p` (it would see zeros),
     # nor for a training BatchNorm's weight and bias (the window sums read their gradients alone)
     g = p.grad
     if g is None or p._backward_hooks or g.dtype != p.dtype or g.shape != p.shape or not _owns(g, set()): return None
-    return None if id(p) in step.bar_params() else g
+    return None if id(p) in bar else g  # `bar`: the ids of the training BatchNorm layers' parameters
 
 def _rebuilt(ctx_out:tuple, step) -> object:
     "The model's output structure around the tensors the staged node returned."
@@ -1109,12 +1109,13 @@ def _hand_over(name:str, landed, p:Tensor):
 _check_tol = {torch.float64: (1e-8, 1e-11), torch.float32: (5e-3, 1e-4)}
 
 def _diff(r:Tensor|None, g:Tensor|None) -> tuple:
-    "(largest |g - r|, largest |r|, must they be equal?) of two tensors, None as zeros."
+    "(largest |g - r|, largest |r|, must they be equal?) of two tensors, None as zeros; `g` is overwritten."
+    # no temporary of their size: the check holds one gradient set and the one being compared
     if r is None and g is None: return 0., 0., False
     r, g = (r if r is not None else torch.zeros_like(g)), (g if g is not None else torch.zeros_like(r))
     if not r.numel(): return 0., 0., False
     if not r.is_floating_point(): return (0. if torch.equal(r, g) else float((r - g).abs().max())), 0., True
-    return (g - r).abs().max().item(), r.abs().max().item(), False
+    return g.sub_(r).abs_().max().item(), max(r.max().item(), -r.min().item()), False
 
 def _first_over(diffs:dict, dtype) -> tuple|None:
     "(name, relative difference) of the first of `diffs` ({name: `_diff`}) not within tolerance, or None."
@@ -1123,11 +1124,11 @@ def _first_over(diffs:dict, dtype) -> tuple|None:
     scale = max([den for _, den, exact in diffs.values() if not exact] or [0.])
     for name, (d, den, exact) in diffs.items():
         if exact and d: return name, d
-        if not exact and d > rtol * den + atol * scale: return name, d / max(den, atol * scale, 1e-300)
+        if not exact and not d <= rtol * den + atol * scale: return name, d / max(den, atol * scale, 1e-300)  # NaN too
     return None
 
 def _first_diff(ref:dict, got:dict, dtype) -> tuple|None:
-    "(name, relative difference) of the first tensor in `got` not within tolerance of `ref`, or None."
+    "(name, relative difference) of the first tensor in `got` not within tolerance of `ref`, or None; `got` is spent."
     return _first_over({name: _diff(r, got.get(name)) for name, r in ref.items()}, dtype)
 
 def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothing in it changes)
@@ -1138,7 +1139,9 @@ def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothi
     "(why the staged step is not the big batch on `model`, or None; what was checked)."
     # once per model, modes, trainable parameters and inputs' shapes (`_check_key`): a later fit reads the verdict
     key = _check_key(model, xb)
-    if key in _checks.get(model, {}): return _checks[model][key]
+    if key in _checks.get(model, {}):
+        why, checked = _checks[model][key]
+        return why, checked and f"{checked}, as an earlier fit found"
     dt = _check_dtype(model, memory, saved)
     if dt is None:
         return None, f"not checked: its copy, gradients and activations do not fit in {fmt_bytes(memory)}"
@@ -1149,8 +1152,9 @@ def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothi
 _checks = weakref.WeakKeyDictionary()  # model -> {`_check_key`: `verify_staged`'s verdict}
 
 def _check_key(model:nn.Module, xb:tuple) -> tuple:
-    "What the check's verdict depends on: the modules' modes, which parameters train, the inputs' shapes and dtypes."
-    return (tuple(m.training for m in model.modules()), tuple(p.requires_grad for p in model.parameters()),
+    "What the check's verdict depends on: modules' modes, parameters' dtypes and training, inputs' shapes and dtypes."
+    ps = list(model.parameters())
+    return (tuple(m.training for m in model.modules()), tuple((p.requires_grad, p.dtype) for p in ps),
             tuple((tuple(t.shape[1:]), t.dtype) if isinstance(t, Tensor) else type(t) for t in xb))
 
 def _checked_copy(model:nn.Module, xb:tuple, dt) -> tuple:

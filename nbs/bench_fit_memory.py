@@ -1,50 +1,83 @@
 """A whole fit's real memory against its device budget: every tensor storage alive at once (`LiveBytes`), the check
 before the first staged window, the store, the chunks and the optimizer included; live bytes after each epoch.
 
-    python nbs/bench_fit_memory.py resnet18 96 16 0.3     # model (torchvision resnet18 or a timm name), px, n_step, f
+    python nbs/bench_fit_memory.py resnet18 96 16 0.3            # torchvision resnet18 (or a timm name), px, n_step, f
     python nbs/bench_fit_memory.py resnet26d 32 8 0.5
+    python nbs/bench_fit_memory.py vision_resnet18 64 8 0.3      # fastai vision_learner(resnet18), Adam: 3 fits, then
+                                                                 # fine_tune(2, freeze_epochs=1)
 
-float64 on the CPU, micro-batch 2, SGD momentum, 3 epochs of 4 windows; the budget lies a fraction f of the way from a
-staged step's need (as the plan counts it) to the whole window's. Prints the path, peak / budget and the live bytes.
+float64 on the CPU (the Learner: float32), micro-batch 2, 3 epochs of 4 windows (the plain loop, SGD momentum) or a Learner's fits; the budget
+lies a fraction f of the way from a staged step's need (as the plan counts it) to the whole window's (`staging_budget`).
+Prints what the plan measured (the store per sample against the saved activations, the largest stage's new
+gradients), the path, peak / budget and the live bytes after each epoch or fit.
 """
 import sys, time, warnings
 import torch, torchvision
 import torch.nn.functional as F
 from fastai_accum.core import Accumulation
-from fastai_accum.exact import plan_exact
-from fastai_accum.meters import LiveBytes
+from fastai_accum.exact import plan_exact, measure_staged, staging_budget
+from fastai_accum.meters import LiveBytes, fmt_bytes
 from fastai_accum.staged import staged_graph
-from fastai_accum.staged_exact import stage_grads, store_per_sample
+
+def mib(n): return f'{n / 2**20:.1f}'
+
+def plain_fit(model, n_step, size, budget, meter):
+    "The README's plain loop, SGD momentum: 3 epochs; live bytes after each."
+    xs = torch.randn(n_step * 2 * 4, 3, size, size, dtype=torch.float64)
+    ys = torch.randint(0, 10, (len(xs),))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    acc, after = Accumulation(model, n_step=n_step, optimizer=opt, device_memory=budget), []
+    with meter:
+        for epoch in range(3):
+            for xb, yb in acc.batches(loader):
+                if acc.backward(F.cross_entropy(model(xb), yb)): opt.step(); opt.zero_grad()
+            after.append(meter.live)
+    return acc.path, after
+
+def learner_fits(learn, n_step, budget, meter):
+    "A fastai Learner with `GradientAccumulation`: 3 fits, then fine_tune(2, freeze_epochs=1); live bytes after each."
+    from fastai_accum.callback import GradientAccumulation
+    learn.add_cb(GradientAccumulation(n_step=n_step, device_memory=budget))
+    after = []
+    with meter, learn.no_bar(), learn.no_logging():
+        for _ in range(3):
+            learn.fit(1, 1e-3)
+            after.append(meter.live)
+        learn.fine_tune(2, 1e-3, freeze_epochs=1)
+        after.append(meter.live)
+    return learn.gradient_accumulation.path, after
 
 def main(name='resnet18', size='96', n_step='16', frac='0.3'):
     size, n_step, frac = int(size), int(n_step), float(frac)
     warnings.simplefilter('ignore')
     torch.manual_seed(0)
-    if name == 'resnet18': model = torchvision.models.resnet18(num_classes=10)
+    learn = None
+    if name == 'vision_resnet18':
+        from fastai.vision.all import vision_learner, resnet18, CrossEntropyLossFlat
+        from fastai_accum.lab.experiments import synthetic_dls
+        learn = vision_learner(synthetic_dls(2, 64, device='cpu', size=size), resnet18, pretrained=False, n_out=10,
+                               loss_func=CrossEntropyLossFlat())
+        model, opt_state = learn.model, 2.  # float32 as the DataLoaders give it; Adam
+    elif name == 'resnet18': model, opt_state = torchvision.models.resnet18(num_classes=10), 1.
     else:
         import timm
-        model = timm.create_model(name, num_classes=10)
-    model = model.double().train()
-    xs = torch.randn(n_step * 2 * 4, 3, size, size, dtype=torch.float64)
-    ys = torch.randint(0, 10, (len(xs),))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    micro = (xs[:2].clone(),)
-    p = plan_exact(model, micro, n_step * 2, opt_state=1.)
-    graph = staged_graph(model, micro)
-    p.chunk, p.stage_grads, p.store = 2, stage_grads(model, graph), store_per_sample(model, graph, micro)
-    lo, hi = p.staged_device_needed, p.device_needed
-    budget = int(lo + frac * (hi - lo))
-    print(f'{name} {size} px, {n_step} x 2: staged need {lo / 2**20:.1f} MiB, whole {hi / 2**20:.1f} MiB, '
-          f'budget {budget / 2**20:.1f} MiB')
-    acc = Accumulation(model, n_step=n_step, optimizer=opt, device_memory=budget)
-    t, after = time.perf_counter(), []
-    with LiveBytes(model) as meter:
-        for epoch in range(3):
-            for xb, yb in acc.batches(loader):
-                if acc.backward(F.cross_entropy(model(xb), yb)): opt.step(); opt.zero_grad()
-            after.append(meter.live)
-    print(f'path {acc.path!r}: peak / budget {meter.peak / budget:.3f} ({meter.peak / 2**20:.1f} MiB), live after '
-          f'epochs {", ".join(f"{a / 2**20:.1f}" for a in after)} MiB, {time.perf_counter() - t:.1f} s')
+        model, opt_state = timm.create_model(name, num_classes=10), 1.
+    dtype = torch.float32 if learn is not None else torch.float64
+    model = model.to(dtype).train()
+    micro = (torch.randn(2, 3, size, size, dtype=dtype),)
+    p = plan_exact(model, micro, n_step * 2, opt_state=opt_state)
+    p.chunk = 2
+    measure_staged(p, model, staged_graph(model, micro), micro)
+    budget = staging_budget(model, micro, n_step * 2, opt_state=opt_state, at=frac)
+    print(f'{name} {size} px, {n_step} x 2: staged need {mib(p.staged_device_needed)} MiB, whole '
+          f'{mib(p.device_needed)} MiB, budget {mib(budget)} MiB; store {fmt_bytes(p.store)}/sample = '
+          f'{p.store / p.footprint.saved:.2f} x the saved activations, largest stage\'s gradients {fmt_bytes(p.stage_grads)}')
+    t, meter = time.perf_counter(), LiveBytes(model)
+    path, after = (learner_fits(learn, n_step, budget, meter) if learn is not None
+                   else plain_fit(model, n_step, size, budget, meter))
+    print(f'path {path!r}: peak / budget {meter.peak / budget:.3f} ({mib(meter.peak)} MiB), live after each '
+          f'{"fit" if learn is not None else "epoch"} {", ".join(mib(a) for a in after)} MiB, '
+          f'{time.perf_counter() - t:.1f} s')
 
 if __name__ == '__main__': main(*sys.argv[1:])

@@ -6,10 +6,9 @@ import pytest, torch
 from torch import nn
 import torch.nn.functional as F
 from fastai_accum.core import Accumulation
-from fastai_accum.exact import plan_exact, ExactModeMemoryError
+from fastai_accum.exact import plan_exact, ExactModeMemoryError, staging_budget
 from fastai_accum.meters import LiveBytes
-from fastai_accum.staged import staged_graph
-from fastai_accum.staged_exact import stage_grads, store_per_sample, verify_staged
+from fastai_accum.staged_exact import verify_staged, _check_dtype
 
 def block(i, o, s=1): return [nn.Conv2d(i, o, 3, stride=s, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU(inplace=True)]
 
@@ -24,11 +23,7 @@ def data(n=64, size=32, seed=0):
 
 def budget_between(model, xb, window, opt_state, frac=0.3):
     "A device budget `frac` of the way from a staged step's need (as the plan counts it) to the whole window's."
-    p = plan_exact(model, (xb.clone(),), window, opt_state=opt_state)
-    graph = staged_graph(model, (xb,))
-    p.chunk, p.stage_grads, p.store = xb.shape[0], stage_grads(model, graph), store_per_sample(model, graph, (xb,))
-    assert p.staged_device_needed < p.device_needed, (p.staged_device_needed, p.device_needed)
-    return int(p.staged_device_needed + frac * (p.device_needed - p.staged_device_needed))
+    return staging_budget(model, (xb,), window, opt_state=opt_state, at=frac)
 
 def rel(a, b): return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
@@ -92,12 +87,21 @@ def test_the_check_frees_its_copy_and_counts_what_it_holds():
     finally: gc.enable()
     assert why is None and checked.startswith('checked on this model: equal'), (why, checked)
     assert left == 0, left
-    p = plan_exact(model, (x[:2],), 8)
-    other = cnn().double().train()  # a verdict is kept per model: a new one is checked again
-    with LiveBytes() as meter: why, checked = verify_staged(other, (x[:2],), memory=10**9, saved=p.footprint.saved)
-    assert meter.peak <= 10**9 and checked.startswith('checked')
-    why, checked = verify_staged(cnn().double().train(), (x[:2],), memory=1000, saved=p.footprint.saved)
+    # a model whose parameters outweigh its activations: the copy and its gradient set are most of the check
+    wide = lambda: nn.Sequential(*cnn()[:-1], nn.Linear(64, 2048), nn.ReLU(), nn.Linear(2048, 10)).double().train()
+    model, x = wide(), x[:, :, :8, :8].contiguous()
+    saved = plan_exact(model, (x[:2],), 8).footprint.saved
+    lo, hi = 1, 10**10  # the least memory the check takes in float64, by its own estimate
+    while hi - lo > 1024:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _check_dtype(model, mid, saved) == torch.float64 else (mid, hi)
+    other = wide()  # a verdict is kept per model: a new one is checked again
+    with LiveBytes() as meter: why, checked = verify_staged(other, (x[:2],), memory=hi, saved=saved)
+    assert checked.startswith('checked') and 'float64' in checked, checked
+    assert 0.5 * hi <= meter.peak <= hi, (meter.peak, hi)  # the estimate bounds what the check holds, not loosely
+    why, checked = verify_staged(wide(), (x[:2],), memory=hi // 4, saved=saved)
     assert why is None and checked.startswith('not checked: its copy, gradients and activations do not fit'), checked
+    assert verify_staged(other, (x[:2],))[1].endswith('as an earlier fit found')
 
 def test_a_budget_a_staged_step_cannot_hold_is_refused_naming_each_part():
     "Below a staged step's need (parameters and state, the store, a chunk, a stage's gradients): 'staged' raises, 'auto' falls back."
