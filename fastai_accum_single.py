@@ -18,11 +18,11 @@ Contents (line: module: classes), dependencies first:
      1219: staged: StagedGraph
      1517: prepass: PrepassPlan, PreflightTable
      1724: staged_exact: StagedStep, StagedForward
-     2935: exact: Footprint, ExactModeMemoryError, ExactPlan
-     3252: ghost: GhostForward
-     3306: plan: StagedMismatchError, TrainingPlan
-     3535: core: BatchNormInstaller, Accumulation, FrontEnd
-     4034: callback: WindowPrefetch, GradientAccumulation
+     2948: exact: Footprint, ExactModeMemoryError, ExactPlan
+     3273: ghost: GhostForward
+     3327: plan: StagedMismatchError, TrainingPlan
+     3556: core: BatchNormInstaller, Accumulation, FrontEnd
+     4055: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -1911,11 +1911,29 @@ def stage_grads(model:nn.Module, # the model, in the modes it trains in
     return max((sum(_nbytes(p) for p in ps if p.requires_grad) for ps in step.stage_params), default=0)
 
 # %% ../nbs/02b_staged_exact.ipynb #8dcdd2c6
+_per_model = weakref.WeakKeyDictionary()  # model -> {(what, `_check_key`): a measurement or verdict on it}
+
+def _check_key(model:nn.Module, xb:tuple) -> tuple:
+    "What a verdict on a model depends on: modules' modes, parameters' dtypes and training, inputs' shapes and dtypes."
+    ps = list(model.parameters())
+    return (tuple(m.training for m in model.modules()), tuple((p.requires_grad, p.dtype) for p in ps),
+            tuple((tuple(t.shape[1:]), t.dtype) if isinstance(t, Tensor) else type(t) for t in xb))
+
+def _once(what:str, model:nn.Module, xb:tuple, measure):
+    "`measure()`, once per model as `_check_key` sees it: a later fit reads it (its memory and time are not spent again)."
+    # a fit after the first holds the optimizer's state and the gradients: what fitted before them may not fit now
+    known, key = _per_model.setdefault(model, {}), (what, _check_key(model, xb))
+    if key not in known: known[key] = measure()
+    return known[key]
+
 def store_per_sample(model:nn.Module, # the model, in the modes it trains in (nothing in it changes)
                      graph:fx.Graph, # the graph a staged step runs (`staged_graph`)
                      xb:tuple, # one micro-batch of its inputs
                     ) -> float:
     "The most bytes per sample a staged step's store holds in a backward (kept values, their gradients), measured."
+    return _once('store', model, xb, lambda: _store_per_sample(model, graph, xb))
+
+def _store_per_sample(model:nn.Module, graph:fx.Graph, xb:tuple) -> float:
     # from one forward without a graph on `xb`, each value's bytes per sample at the stage the backward holds most
     step = StagedStep(model, graph)
     step._plan()
@@ -2725,6 +2743,9 @@ def samples_mixed(model:nn.Module, # a model a tracer handles (`staged_graph`), 
                   xb:tuple, # one micro-batch of its inputs
                  ) -> str|None:
     "The first op outside BatchNorm whose output mixes samples, or None."
+    return _once('mixed', model, xb, lambda: _samples_mixed(model, xb))
+
+def _samples_mixed(model:nn.Module, xb:tuple) -> str|None:
     # mixing samples: other samples change the batch's own values
     graph = staged_graph(model, xb)
     if isinstance(graph, str): return None
@@ -2846,24 +2867,16 @@ def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothi
                  ) -> tuple:
     "(why the staged step is not the big batch on `model`, or None; what was checked)."
     # once per model, modes, trainable parameters and inputs' shapes (`_check_key`): a later fit reads the verdict
-    key = _check_key(model, xb)
-    if key in _checks.get(model, {}):
-        why, checked = _checks[model][key]
+    known, key = _per_model.setdefault(model, {}), ('check', _check_key(model, xb))
+    if key in known:
+        why, checked = known[key]
         return why, checked and f"{checked}, as an earlier fit found"
     dt = _check_dtype(model, memory, saved)
     if dt is None:
         return None, f"not checked: its copy, gradients and activations do not fit in {fmt_bytes(memory)}"
     verdict = _checked_copy(model, xb, dt)
-    if verdict[1] is None or verdict[1].startswith('checked'): _checks.setdefault(model, {})[key] = verdict
+    if verdict[1] is None or verdict[1].startswith('checked'): known[key] = verdict  # not "not checked": room may come
     return verdict
-
-_checks = weakref.WeakKeyDictionary()  # model -> {`_check_key`: `verify_staged`'s verdict}
-
-def _check_key(model:nn.Module, xb:tuple) -> tuple:
-    "What the check's verdict depends on: modules' modes, parameters' dtypes and training, inputs' shapes and dtypes."
-    ps = list(model.parameters())
-    return (tuple(m.training for m in model.modules()), tuple((p.requires_grad, p.dtype) for p in ps),
-            tuple((tuple(t.shape[1:]), t.dtype) if isinstance(t, Tensor) else type(t) for t in xb))
 
 def _checked_copy(model:nn.Module, xb:tuple, dt) -> tuple:
     "`verify_staged`'s verdict from one step on a window of 4 of `xb`'s samples, staged in chunks of 2 and plain."
@@ -3024,6 +3037,7 @@ class ExactPlan:
     frozen:bool=False     # some parameters did not train when measured
     opt_state:float|None=None # optimizer state per byte of trainable parameters (`optimizer_state`); None: 1 assumed
     held:int=0            # bytes alive when planned: parameters, buffers, gradients, optimizer state (`held_bytes`)
+    untrained:int=0       # bytes of the parameters that do not train and of the buffers
     stage_grads:int=0     # bytes of the gradients a staged chunk's backward makes at once (`stage_grads`)
     store:float|None=None # bytes per sample a staged step's store holds at most (`store_per_sample`; None: `saved`)
 
@@ -3031,6 +3045,11 @@ class ExactPlan:
     def param_needed(self) -> int:
         "Bytes the trainable parameters hold with their gradients and the optimizer's state."
         return int((2 + (1 if self.opt_state is None else self.opt_state)) * self.params)
+    @property
+    def model_needed(self) -> int:
+        "Bytes the model holds while it trains: `param_needed`, the rest of it, or what is alive already if more."
+        # a frozen phase after a fit keeps the frozen parameters' gradients and optimizer state (fastai's `fine_tune`)
+        return max(self.param_needed + self.untrained, self.held)
 
     @property
     def on_accelerator(self) -> bool:
@@ -3044,7 +3063,7 @@ class ExactPlan:
     def device_needed(self) -> int:
         "Bytes needed on the training device (on CPU: everything, which is host memory)."
         per = 2 * self.footprint.working + (0 if self.offload and self.on_accelerator else self.footprint.saved)
-        return int(self.window * per + self.param_needed)
+        return int(self.window * per + self.model_needed)
     @property
     def host_needed(self) -> int:
         "Bytes of host memory: the offloaded saved activations (on CPU, everything)."
@@ -3064,7 +3083,7 @@ class ExactPlan:
     def staged_device_needed(self) -> int:
         "Bytes a staged step needs on the device: training at one chunk (on a CPU, the kept values too)."
         store = 0 if self.on_accelerator else self.staged_host_needed
-        return self.chunk_needed + self.stage_grads + self.param_needed + store
+        return self.chunk_needed + self.stage_grads + self.model_needed + store
     @property
     def check_memory(self) -> int:
         "Bytes the check of a staged step (`verify_staged`) may hold, beside what is alive when it runs."
@@ -3078,7 +3097,7 @@ class ExactPlan:
         # store shares this memory: the step leaves what it holds there at each stage (`StagedStep._sized`)
         if self.whole: return None
         budget = self.device_budget if self.device_budget is not None else self.host_budget
-        return max(int(budget - self.param_needed), 0)
+        return max(int(budget - self.model_needed), 0)
     @property
     def staged_host_needed(self) -> int:
         "Bytes of values (and gradients) a staged step keeps between stages: measured, or the saved activations."
@@ -3118,9 +3137,9 @@ class ExactPlan:
         kept = f"about {fmt_bytes(self.staged_host_needed)} of values kept between stages"
         if not self.on_accelerator:
             return (f"(each stage's as large as the budget leaves beside the parameters and the values kept, "
-                    f"measured): at most {fmt_bytes(self.chunk_budget + self.param_needed)} in all, {kept} included")
+                    f"measured): at most {fmt_bytes(self.chunk_budget + self.model_needed)} in all, {kept} included")
         return (f"(each stage's as large as {fmt_bytes(self.chunk_budget)} holds, measured): at most about "
-                f"{fmt_bytes(self.chunk_budget + self.param_needed)} on the device and {kept} in host memory")
+                f"{fmt_bytes(self.chunk_budget + self.model_needed)} on the device and {kept} in host memory")
 
     @property
     def _checked(self) -> str:
@@ -3160,9 +3179,10 @@ def plan_exact(model:nn.Module, # the model to train
     if device_memory is None and dev_free is not None: device_memory = int(0.8 * dev_free)
     if host_memory is None: host_memory = int(0.5 * host_free)
     params = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    untrained = sum(_nbytes(t) for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()))
     plan = ExactPlan(window, fp, params, str(device), device_memory, host_memory, offload=bool(offload),
                      accelerator=is_accelerator(device), frozen=any(not p.requires_grad for p in model.parameters()),
-                     opt_state=opt_state, held=held_bytes(model) if held is None else held)
+                     opt_state=opt_state, held=held_bytes(model) if held is None else held, untrained=untrained)
     if offload is None and plan.on_accelerator and not plan.fits: plan.offload = True
     return plan
 
@@ -3204,6 +3224,7 @@ def held_bytes(model:nn.Module, # the model
     "Bytes alive for training before a window starts: parameters, buffers, gradients and optimizer state."
     # distinct storages, each once
     ts = list(model.parameters()) + list(model.buffers()) + [p.grad for p in model.parameters() if p.grad is not None]
+    ts = [t for t in ts if not isinstance(t, nn.parameter.UninitializedTensorMixin)]  # a lazy module's: none yet
     while opt is not None and not isinstance(getattr(opt, 'state', None), dict): opt = _wrapped(opt)
     state = getattr(opt, 'state', None) or {}
     ts += [t for st in state.values() if isinstance(st, dict) for t in st.values() if torch.is_tensor(t)]
@@ -3439,7 +3460,7 @@ def _staged_memory(plan:ExactPlan) -> str|None:
     budget = plan.device_budget if plan.device_budget is not None else plan.host_budget
     if plan.staged_device_needed <= budget: return None
     # each part named: what the user can shrink
-    parts = [f"parameters, gradients and optimizer state {fmt_bytes(plan.param_needed)}",
+    parts = [f"the model with its gradients and optimizer state {fmt_bytes(plan.model_needed)}",
              f"one chunk of {plan.chunk} samples {fmt_bytes(plan.chunk_needed)}",
              f"the largest stage's new gradients {fmt_bytes(plan.stage_grads)}"]
     if not plan.on_accelerator: parts.insert(1, f"values kept between stages {fmt_bytes(plan.staged_host_needed)}")

@@ -103,6 +103,7 @@ class ExactPlan:
     frozen:bool=False     # some parameters did not train when measured
     opt_state:float|None=None # optimizer state per byte of trainable parameters (`optimizer_state`); None: 1 assumed
     held:int=0            # bytes alive when planned: parameters, buffers, gradients, optimizer state (`held_bytes`)
+    untrained:int=0       # bytes of the parameters that do not train and of the buffers
     stage_grads:int=0     # bytes of the gradients a staged chunk's backward makes at once (`stage_grads`)
     store:float|None=None # bytes per sample a staged step's store holds at most (`store_per_sample`; None: `saved`)
 
@@ -110,6 +111,11 @@ class ExactPlan:
     def param_needed(self) -> int:
         "Bytes the trainable parameters hold with their gradients and the optimizer's state."
         return int((2 + (1 if self.opt_state is None else self.opt_state)) * self.params)
+    @property
+    def model_needed(self) -> int:
+        "Bytes the model holds while it trains: `param_needed`, the rest of it, or what is alive already if more."
+        # a frozen phase after a fit keeps the frozen parameters' gradients and optimizer state (fastai's `fine_tune`)
+        return max(self.param_needed + self.untrained, self.held)
 
     @property
     def on_accelerator(self) -> bool:
@@ -123,7 +129,7 @@ class ExactPlan:
     def device_needed(self) -> int:
         "Bytes needed on the training device (on CPU: everything, which is host memory)."
         per = 2 * self.footprint.working + (0 if self.offload and self.on_accelerator else self.footprint.saved)
-        return int(self.window * per + self.param_needed)
+        return int(self.window * per + self.model_needed)
     @property
     def host_needed(self) -> int:
         "Bytes of host memory: the offloaded saved activations (on CPU, everything)."
@@ -143,7 +149,7 @@ class ExactPlan:
     def staged_device_needed(self) -> int:
         "Bytes a staged step needs on the device: training at one chunk (on a CPU, the kept values too)."
         store = 0 if self.on_accelerator else self.staged_host_needed
-        return self.chunk_needed + self.stage_grads + self.param_needed + store
+        return self.chunk_needed + self.stage_grads + self.model_needed + store
     @property
     def check_memory(self) -> int:
         "Bytes the check of a staged step (`verify_staged`) may hold, beside what is alive when it runs."
@@ -157,7 +163,7 @@ class ExactPlan:
         # store shares this memory: the step leaves what it holds there at each stage (`StagedStep._sized`)
         if self.whole: return None
         budget = self.device_budget if self.device_budget is not None else self.host_budget
-        return max(int(budget - self.param_needed), 0)
+        return max(int(budget - self.model_needed), 0)
     @property
     def staged_host_needed(self) -> int:
         "Bytes of values (and gradients) a staged step keeps between stages: measured, or the saved activations."
@@ -197,9 +203,9 @@ class ExactPlan:
         kept = f"about {fmt_bytes(self.staged_host_needed)} of values kept between stages"
         if not self.on_accelerator:
             return (f"(each stage's as large as the budget leaves beside the parameters and the values kept, "
-                    f"measured): at most {fmt_bytes(self.chunk_budget + self.param_needed)} in all, {kept} included")
+                    f"measured): at most {fmt_bytes(self.chunk_budget + self.model_needed)} in all, {kept} included")
         return (f"(each stage's as large as {fmt_bytes(self.chunk_budget)} holds, measured): at most about "
-                f"{fmt_bytes(self.chunk_budget + self.param_needed)} on the device and {kept} in host memory")
+                f"{fmt_bytes(self.chunk_budget + self.model_needed)} on the device and {kept} in host memory")
 
     @property
     def _checked(self) -> str:
@@ -239,9 +245,10 @@ def plan_exact(model:nn.Module, # the model to train
     if device_memory is None and dev_free is not None: device_memory = int(0.8 * dev_free)
     if host_memory is None: host_memory = int(0.5 * host_free)
     params = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    untrained = sum(_nbytes(t) for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()))
     plan = ExactPlan(window, fp, params, str(device), device_memory, host_memory, offload=bool(offload),
                      accelerator=is_accelerator(device), frozen=any(not p.requires_grad for p in model.parameters()),
-                     opt_state=opt_state, held=held_bytes(model) if held is None else held)
+                     opt_state=opt_state, held=held_bytes(model) if held is None else held, untrained=untrained)
     if offload is None and plan.on_accelerator and not plan.fits: plan.offload = True
     return plan
 
@@ -283,6 +290,7 @@ def held_bytes(model:nn.Module, # the model
     "Bytes alive for training before a window starts: parameters, buffers, gradients and optimizer state."
     # distinct storages, each once
     ts = list(model.parameters()) + list(model.buffers()) + [p.grad for p in model.parameters() if p.grad is not None]
+    ts = [t for t in ts if not isinstance(t, nn.parameter.UninitializedTensorMixin)]  # a lazy module's: none yet
     while opt is not None and not isinstance(getattr(opt, 'state', None), dict): opt = _wrapped(opt)
     state = getattr(opt, 'state', None) or {}
     ts += [t for st in state.values() if isinstance(st, dict) for t in st.values() if torch.is_tensor(t)]

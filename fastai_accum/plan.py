@@ -149,7 +149,7 @@ def _staged_memory(plan:ExactPlan) -> str|None:
     budget = plan.device_budget if plan.device_budget is not None else plan.host_budget
     if plan.staged_device_needed <= budget: return None
     # each part named: what the user can shrink
-    parts = [f"parameters, gradients and optimizer state {fmt_bytes(plan.param_needed)}",
+    parts = [f"the model with its gradients and optimizer state {fmt_bytes(plan.model_needed)}",
              f"one chunk of {plan.chunk} samples {fmt_bytes(plan.chunk_needed)}",
              f"the largest stage's new gradients {fmt_bytes(plan.stage_grads)}"]
     if not plan.on_accelerator: parts.insert(1, f"values kept between stages {fmt_bytes(plan.staged_host_needed)}")

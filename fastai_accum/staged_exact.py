@@ -203,11 +203,29 @@ def stage_grads(model:nn.Module, # the model, in the modes it trains in
     return max((sum(_nbytes(p) for p in ps if p.requires_grad) for ps in step.stage_params), default=0)
 
 # %% ../nbs/02b_staged_exact.ipynb #8dcdd2c6
+_per_model = weakref.WeakKeyDictionary()  # model -> {(what, `_check_key`): a measurement or verdict on it}
+
+def _check_key(model:nn.Module, xb:tuple) -> tuple:
+    "What a verdict on a model depends on: modules' modes, parameters' dtypes and training, inputs' shapes and dtypes."
+    ps = list(model.parameters())
+    return (tuple(m.training for m in model.modules()), tuple((p.requires_grad, p.dtype) for p in ps),
+            tuple((tuple(t.shape[1:]), t.dtype) if isinstance(t, Tensor) else type(t) for t in xb))
+
+def _once(what:str, model:nn.Module, xb:tuple, measure):
+    "`measure()`, once per model as `_check_key` sees it: a later fit reads it (its memory and time are not spent again)."
+    # a fit after the first holds the optimizer's state and the gradients: what fitted before them may not fit now
+    known, key = _per_model.setdefault(model, {}), (what, _check_key(model, xb))
+    if key not in known: known[key] = measure()
+    return known[key]
+
 def store_per_sample(model:nn.Module, # the model, in the modes it trains in (nothing in it changes)
                      graph:fx.Graph, # the graph a staged step runs (`staged_graph`)
                      xb:tuple, # one micro-batch of its inputs
                     ) -> float:
     "The most bytes per sample a staged step's store holds in a backward (kept values, their gradients), measured."
+    return _once('store', model, xb, lambda: _store_per_sample(model, graph, xb))
+
+def _store_per_sample(model:nn.Module, graph:fx.Graph, xb:tuple) -> float:
     # from one forward without a graph on `xb`, each value's bytes per sample at the stage the backward holds most
     step = StagedStep(model, graph)
     step._plan()
@@ -1017,6 +1035,9 @@ def samples_mixed(model:nn.Module, # a model a tracer handles (`staged_graph`), 
                   xb:tuple, # one micro-batch of its inputs
                  ) -> str|None:
     "The first op outside BatchNorm whose output mixes samples, or None."
+    return _once('mixed', model, xb, lambda: _samples_mixed(model, xb))
+
+def _samples_mixed(model:nn.Module, xb:tuple) -> str|None:
     # mixing samples: other samples change the batch's own values
     graph = staged_graph(model, xb)
     if isinstance(graph, str): return None
@@ -1138,24 +1159,16 @@ def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothi
                  ) -> tuple:
     "(why the staged step is not the big batch on `model`, or None; what was checked)."
     # once per model, modes, trainable parameters and inputs' shapes (`_check_key`): a later fit reads the verdict
-    key = _check_key(model, xb)
-    if key in _checks.get(model, {}):
-        why, checked = _checks[model][key]
+    known, key = _per_model.setdefault(model, {}), ('check', _check_key(model, xb))
+    if key in known:
+        why, checked = known[key]
         return why, checked and f"{checked}, as an earlier fit found"
     dt = _check_dtype(model, memory, saved)
     if dt is None:
         return None, f"not checked: its copy, gradients and activations do not fit in {fmt_bytes(memory)}"
     verdict = _checked_copy(model, xb, dt)
-    if verdict[1] is None or verdict[1].startswith('checked'): _checks.setdefault(model, {})[key] = verdict
+    if verdict[1] is None or verdict[1].startswith('checked'): known[key] = verdict  # not "not checked": room may come
     return verdict
-
-_checks = weakref.WeakKeyDictionary()  # model -> {`_check_key`: `verify_staged`'s verdict}
-
-def _check_key(model:nn.Module, xb:tuple) -> tuple:
-    "What the check's verdict depends on: modules' modes, parameters' dtypes and training, inputs' shapes and dtypes."
-    ps = list(model.parameters())
-    return (tuple(m.training for m in model.modules()), tuple((p.requires_grad, p.dtype) for p in ps),
-            tuple((tuple(t.shape[1:]), t.dtype) if isinstance(t, Tensor) else type(t) for t in xb))
 
 def _checked_copy(model:nn.Module, xb:tuple, dt) -> tuple:
     "`verify_staged`'s verdict from one step on a window of 4 of `xb`'s samples, staged in chunks of 2 and plain."

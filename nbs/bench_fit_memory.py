@@ -5,6 +5,7 @@ before the first staged window, the store, the chunks and the optimizer included
     python nbs/bench_fit_memory.py resnet26d 32 8 0.5
     python nbs/bench_fit_memory.py vision_resnet18 64 8 0.3      # fastai vision_learner(resnet18), Adam: 3 fits, then
                                                                  # fine_tune(2, freeze_epochs=1)
+    python nbs/bench_fit_memory.py unet_resnet18 64 8 0.3        # fastai unet_learner(resnet18): the same fits
 
 float64 on the CPU (the Learner: float32), micro-batch 2, 3 epochs of 4 windows (the plain loop, SGD momentum) or a Learner's fits; the budget
 lies a fraction f of the way from a staged step's need (as the plan counts it) to the whole window's (`staging_budget`).
@@ -59,6 +60,14 @@ def main(name='resnet18', size='96', n_step='16', frac='0.3'):
         learn = vision_learner(synthetic_dls(2, 64, device='cpu', size=size), resnet18, pretrained=False, n_out=10,
                                loss_func=CrossEntropyLossFlat())
         model, opt_state = learn.model, 2.  # float32 as the DataLoaders give it; Adam
+    elif name == 'unet_resnet18':
+        from torch.utils.data import TensorDataset
+        from fastai.vision.all import unet_learner, resnet18, CrossEntropyLossFlat, DataLoaders, DataLoader
+        x = torch.randn(64, 3, size, size)
+        ds = lambda n: TensorDataset(x[:n], x[:n].argmax(1))  # each pixel's class: its brightest channel
+        learn = unet_learner(DataLoaders(DataLoader(ds(64), bs=2), DataLoader(ds(4), bs=2)), resnet18,
+                             pretrained=False, n_out=3, loss_func=CrossEntropyLossFlat(axis=1))
+        model, opt_state = learn.model, 2.  # Adam
     elif name == 'resnet18': model, opt_state = torchvision.models.resnet18(num_classes=10), 1.
     else:
         import timm

@@ -109,13 +109,13 @@ def test_a_budget_a_staged_step_cannot_hold_is_refused_naming_each_part():
     x, y = data(32)
     model = cnn().double().train()
     p = plan_exact(model, (x[:2],), 16, opt_state=1.)
-    budget = p.param_needed + p.chunk_needed  # no room for the values kept between stages
+    budget = p.model_needed + p.chunk_needed  # no room for the values kept between stages
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     batches = [(x[i:i + 2], y[i:i + 2]) for i in range(0, 32, 2)]
     acc = Accumulation(model, n_step=8, policy='staged', optimizer=opt, device_memory=budget)
     with pytest.raises(ExactModeMemoryError) as e:
         for xb, yb in acc.batches(batches): pass
-    for part in ('parameters, gradients and optimizer state', 'values kept between stages', 'one chunk of 2 samples',
+    for part in ('the model with its gradients and optimizer state', 'values kept between stages', 'one chunk of 2 samples',
                  "the largest stage's new gradients", 'more than the budget'):
         assert part in str(e.value), str(e.value)
     acc = Accumulation(model, n_step=8, optimizer=opt, device_memory=budget)
