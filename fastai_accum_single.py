@@ -18,11 +18,11 @@ Contents (line: module: classes), dependencies first:
      1219: staged: StagedGraph
      1517: prepass: PrepassPlan, PreflightTable
      1724: staged_exact: StagedStep, StagedForward
-     2948: exact: Footprint, ExactModeMemoryError, ExactPlan
-     3273: ghost: GhostForward
-     3327: plan: StagedMismatchError, TrainingPlan
-     3556: core: BatchNormInstaller, Accumulation, FrontEnd
-     4055: callback: WindowPrefetch, GradientAccumulation
+     2953: exact: Footprint, ExactModeMemoryError, ExactPlan
+     3279: ghost: GhostForward
+     3333: plan: StagedMismatchError, TrainingPlan
+     3562: core: BatchNormInstaller, Accumulation, FrontEnd
+     4061: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -1929,9 +1929,13 @@ def _once(what:str, model:nn.Module, xb:tuple, measure):
 def store_per_sample(model:nn.Module, # the model, in the modes it trains in (nothing in it changes)
                      graph:fx.Graph, # the graph a staged step runs (`staged_graph`)
                      xb:tuple, # one micro-batch of its inputs
+                     autocast=None, # callable returning the autocast context training runs in (measured under it)
                     ) -> float:
     "The most bytes per sample a staged step's store holds in a backward (kept values, their gradients), measured."
-    return _once('store', model, xb, lambda: _store_per_sample(model, graph, xb))
+    with autocast() if autocast is not None else nullcontext():
+        dev = _device(model, xb).type
+        what = f"store {torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else ''}"  # by autocast dtype
+        return _once(what, model, xb, lambda: _store_per_sample(model, graph, xb))
 
 def _store_per_sample(model:nn.Module, graph:fx.Graph, xb:tuple) -> float:
     # from one forward without a graph on `xb`, each value's bytes per sample at the stage the backward holds most
@@ -2737,7 +2741,8 @@ def _fixed_norm(m:_BatchNorm, x:Tensor, stats:dict, n) -> Tensor:
         dims = [0] + list(range(2, x.dim()))
         stats[n] = ((x.mean(dims), x.var(dims, correction=0)) if x.shape[0] * x[0, 0].numel() > 1
                     else (x.mean(dims), torch.ones_like(x.mean(dims))))
-    return _after_norm(m, F.batch_norm(x, *stats[n], m.weight, m.bias, False, 0., m.eps))
+    dt = m.weight.dtype if m.weight is not None else x.dtype  # under autocast x may be lower precision: as BatchNorm
+    return _after_norm(m, F.batch_norm(x, *(s.to(dt) for s in stats[n]), m.weight, m.bias, False, 0., m.eps))
 
 def samples_mixed(model:nn.Module, # a model a tracer handles (`staged_graph`), in the modes it trains in
                   xb:tuple, # one micro-batch of its inputs
@@ -3255,7 +3260,7 @@ def staging_budget(model:nn.Module, # the model, in the modes it trains in
     plan = plan_exact(model, xb, window, opt_state=opt_state, autocast=autocast)
     plan.chunk = xb[0].shape[0]
     graph = staged_graph(model, xb)
-    if not isinstance(graph, str): measure_staged(plan, model, graph, xb)
+    if not isinstance(graph, str): measure_staged(plan, model, graph, xb, autocast)
     # a model too small for staging to pay (its stages' gradients, the store): the staged step's need, which 'staged'
     # holds and under which 'auto' trains the whole window
     lo, hi = plan.staged_device_needed, plan.device_needed
@@ -3265,9 +3270,10 @@ def measure_staged(plan:ExactPlan, # the plan to fill in
                    model:nn.Module, # the model, in the modes it trains in
                    graph, # the graph its staged step runs (`staged_graph`)
                    xb:tuple, # one micro-batch of its inputs
+                   autocast=None, # callable returning the autocast context training runs in (measured under it)
                   ) -> ExactPlan:
     "`plan` with what a staged step needs beside a chunk: its largest stage's new gradients, its store per sample."
-    plan.stage_grads, plan.store = stage_grads(model, graph), store_per_sample(model, graph, xb)
+    plan.stage_grads, plan.store = stage_grads(model, graph), store_per_sample(model, graph, xb, autocast)
     return plan
 
 # ======== fastai_accum/ghost.py ========
@@ -3389,7 +3395,7 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
     plan.chunk = plan.micro = xb[0].shape[0]
     synced = world_size() > 1 and not _syncs_itself(model)  # DDP, per-process BatchNorm: a staged step reduces it
     staged_asked = synced or policy == 'staged' or (policy == 'auto' and not auto_picks_exact(plan))
-    unfit = _not_staged(plan, model, xb) if staged_asked else None  # why a staged step would not be the big batch
+    unfit = _not_staged(plan, model, xb, autocast) if staged_asked else None  # why a staged step would not be the big batch
     if policy == 'exact':
         if not plan.fits:
             raise ExactModeMemoryError(f"{name}(policy='exact'): {plan.describe()}. Lower n_step/n_acc, free memory, "
@@ -3443,12 +3449,12 @@ def _syncs_itself(model:nn.Module) -> bool:
     "Every training BatchNorm layer is a `SyncBatchNorm`, which reduces over the processes itself."
     return all(isinstance(m, nn.SyncBatchNorm) for m in bn_layers(model) if m.training)
 
-def _not_staged(plan:ExactPlan, model:nn.Module, xb:tuple) -> str|None:
+def _not_staged(plan:ExactPlan, model:nn.Module, xb:tuple, autocast=None) -> str|None:
     "Why a staged step would not be the big batch (the model does not trace, an op mixes samples), or None."
     graph = staged_graph(model, xb)  # torch.fx's, else the second tracer's (`nbs/00a_staged`)
     if isinstance(graph, str): return graph
     if graph is not bn_graph(model): plan.traced = 'aten'
-    measure_staged(plan, model, graph, xb)
+    measure_staged(plan, model, graph, xb, autocast)
     mixed = samples_mixed(model, xb)
     return f"a staged step would not be the big batch: {mixed}." if mixed else None
 

@@ -321,7 +321,7 @@ def staging_budget(model:nn.Module, # the model, in the modes it trains in
     plan = plan_exact(model, xb, window, opt_state=opt_state, autocast=autocast)
     plan.chunk = xb[0].shape[0]
     graph = staged_graph(model, xb)
-    if not isinstance(graph, str): measure_staged(plan, model, graph, xb)
+    if not isinstance(graph, str): measure_staged(plan, model, graph, xb, autocast)
     # a model too small for staging to pay (its stages' gradients, the store): the staged step's need, which 'staged'
     # holds and under which 'auto' trains the whole window
     lo, hi = plan.staged_device_needed, plan.device_needed
@@ -331,7 +331,8 @@ def measure_staged(plan:ExactPlan, # the plan to fill in
                    model:nn.Module, # the model, in the modes it trains in
                    graph, # the graph its staged step runs (`staged_graph`)
                    xb:tuple, # one micro-batch of its inputs
+                   autocast=None, # callable returning the autocast context training runs in (measured under it)
                   ) -> ExactPlan:
     "`plan` with what a staged step needs beside a chunk: its largest stage's new gradients, its store per sample."
-    plan.stage_grads, plan.store = stage_grads(model, graph), store_per_sample(model, graph, xb)
+    plan.stage_grads, plan.store = stage_grads(model, graph), store_per_sample(model, graph, xb, autocast)
     return plan

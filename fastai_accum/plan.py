@@ -78,7 +78,7 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
     plan.chunk = plan.micro = xb[0].shape[0]
     synced = world_size() > 1 and not _syncs_itself(model)  # DDP, per-process BatchNorm: a staged step reduces it
     staged_asked = synced or policy == 'staged' or (policy == 'auto' and not auto_picks_exact(plan))
-    unfit = _not_staged(plan, model, xb) if staged_asked else None  # why a staged step would not be the big batch
+    unfit = _not_staged(plan, model, xb, autocast) if staged_asked else None  # why a staged step would not be the big batch
     if policy == 'exact':
         if not plan.fits:
             raise ExactModeMemoryError(f"{name}(policy='exact'): {plan.describe()}. Lower n_step/n_acc, free memory, "
@@ -132,12 +132,12 @@ def _syncs_itself(model:nn.Module) -> bool:
     "Every training BatchNorm layer is a `SyncBatchNorm`, which reduces over the processes itself."
     return all(isinstance(m, nn.SyncBatchNorm) for m in bn_layers(model) if m.training)
 
-def _not_staged(plan:ExactPlan, model:nn.Module, xb:tuple) -> str|None:
+def _not_staged(plan:ExactPlan, model:nn.Module, xb:tuple, autocast=None) -> str|None:
     "Why a staged step would not be the big batch (the model does not trace, an op mixes samples), or None."
     graph = staged_graph(model, xb)  # torch.fx's, else the second tracer's (`nbs/00a_staged`)
     if isinstance(graph, str): return graph
     if graph is not bn_graph(model): plan.traced = 'aten'
-    measure_staged(plan, model, graph, xb)
+    measure_staged(plan, model, graph, xb, autocast)
     mixed = samples_mixed(model, xb)
     return f"a staged step would not be the big batch: {mixed}." if mixed else None
 

@@ -221,9 +221,13 @@ def _once(what:str, model:nn.Module, xb:tuple, measure):
 def store_per_sample(model:nn.Module, # the model, in the modes it trains in (nothing in it changes)
                      graph:fx.Graph, # the graph a staged step runs (`staged_graph`)
                      xb:tuple, # one micro-batch of its inputs
+                     autocast=None, # callable returning the autocast context training runs in (measured under it)
                     ) -> float:
     "The most bytes per sample a staged step's store holds in a backward (kept values, their gradients), measured."
-    return _once('store', model, xb, lambda: _store_per_sample(model, graph, xb))
+    with autocast() if autocast is not None else nullcontext():
+        dev = _device(model, xb).type
+        what = f"store {torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else ''}"  # by autocast dtype
+        return _once(what, model, xb, lambda: _store_per_sample(model, graph, xb))
 
 def _store_per_sample(model:nn.Module, graph:fx.Graph, xb:tuple) -> float:
     # from one forward without a graph on `xb`, each value's bytes per sample at the stage the backward holds most
@@ -1029,7 +1033,8 @@ def _fixed_norm(m:_BatchNorm, x:Tensor, stats:dict, n) -> Tensor:
         dims = [0] + list(range(2, x.dim()))
         stats[n] = ((x.mean(dims), x.var(dims, correction=0)) if x.shape[0] * x[0, 0].numel() > 1
                     else (x.mean(dims), torch.ones_like(x.mean(dims))))
-    return _after_norm(m, F.batch_norm(x, *stats[n], m.weight, m.bias, False, 0., m.eps))
+    dt = m.weight.dtype if m.weight is not None else x.dtype  # under autocast x may be lower precision: as BatchNorm
+    return _after_norm(m, F.batch_norm(x, *(s.to(dt) for s in stats[n]), m.weight, m.bias, False, 0., m.eps))
 
 def samples_mixed(model:nn.Module, # a model a tracer handles (`staged_graph`), in the modes it trains in
                   xb:tuple, # one micro-batch of its inputs

@@ -6,13 +6,15 @@ before the first staged window, the store, the chunks and the optimizer included
     python nbs/bench_fit_memory.py vision_resnet18 64 8 0.3      # fastai vision_learner(resnet18), Adam: 3 fits, then
                                                                  # fine_tune(2, freeze_epochs=1)
     python nbs/bench_fit_memory.py unet_resnet18 64 8 0.3        # fastai unet_learner(resnet18): the same fits
+    python nbs/bench_fit_memory.py regnetx_002 64 8 0.3 fault     # the loop raises mid-window in the first epoch
+    python nbs/bench_fit_memory.py resnet26d 64 8 0.3 bf16        # float32 under bf16 autocast
 
 float64 on the CPU (the Learner: float32), micro-batch 2, 3 epochs of 4 windows (the plain loop, SGD momentum) or a Learner's fits; the budget
 lies a fraction f of the way from a staged step's need (as the plan counts it) to the whole window's (`staging_budget`).
 Prints what the plan measured (the store per sample against the saved activations, the largest stage's new
 gradients), the path, peak / budget and the live bytes after each epoch or fit.
 """
-import sys, time, warnings
+import contextlib, sys, time, warnings
 import torch, torchvision
 import torch.nn.functional as F
 from fastai_accum.core import Accumulation
@@ -22,17 +24,24 @@ from fastai_accum.staged import staged_graph
 
 def mib(n): return f'{n / 2**20:.1f}'
 
-def plain_fit(model, n_step, size, budget, meter):
-    "The README's plain loop, SGD momentum: 3 epochs; live bytes after each."
-    xs = torch.randn(n_step * 2 * 4, 3, size, size, dtype=torch.float64)
+def plain_fit(model, n_step, size, budget, meter, autocast=None, fault=False):
+    "The README's plain loop, SGD momentum: 3 epochs; live bytes after each. `fault`: the loop raises mid-window once."
+    dtype = next(model.parameters()).dtype
+    xs = torch.randn(n_step * 2 * 4, 3, size, size, dtype=dtype)
     ys = torch.randint(0, 10, (len(xs),))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    acc, after = Accumulation(model, n_step=n_step, optimizer=opt, device_memory=budget), []
+    acc = Accumulation(model, n_step=n_step, optimizer=opt, device_memory=budget, autocast=autocast)
+    after, ctx = [], autocast or contextlib.nullcontext
     with meter:
         for epoch in range(3):
-            for xb, yb in acc.batches(loader):
-                if acc.backward(F.cross_entropy(model(xb), yb)): opt.step(); opt.zero_grad()
+            try:
+                for i, (xb, yb) in enumerate(acc.batches(loader)):
+                    if fault and epoch == 0 and i == n_step + n_step // 2: raise RuntimeError('a corrupt sample')
+                    with ctx(): loss = F.cross_entropy(model(xb), yb)
+                    if acc.backward(loss): opt.step(); opt.zero_grad()
+            except RuntimeError as e:
+                if 'corrupt' not in str(e): raise
             after.append(meter.live)
     return acc.path, after
 
@@ -49,8 +58,10 @@ def learner_fits(learn, n_step, budget, meter):
         after.append(meter.live)
     return learn.gradient_accumulation.path, after
 
-def main(name='resnet18', size='96', n_step='16', frac='0.3'):
+def main(name='resnet18', size='96', n_step='16', frac='0.3', *how):
+    "`how`: 'bf16' (a float32 model under bf16 autocast), 'fault' (the plain loop raises in the second window once)."
     size, n_step, frac = int(size), int(n_step), float(frac)
+    autocast = (lambda: torch.autocast('cpu', dtype=torch.bfloat16)) if 'bf16' in how else None
     warnings.simplefilter('ignore')
     torch.manual_seed(0)
     learn = None
@@ -72,20 +83,20 @@ def main(name='resnet18', size='96', n_step='16', frac='0.3'):
     else:
         import timm
         model, opt_state = timm.create_model(name, num_classes=10), 1.
-    dtype = torch.float32 if learn is not None else torch.float64
+    dtype = torch.float32 if learn is not None or autocast is not None else torch.float64
     model = model.to(dtype).train()
     micro = (torch.randn(2, 3, size, size, dtype=dtype),)
-    p = plan_exact(model, micro, n_step * 2, opt_state=opt_state)
+    p = plan_exact(model, micro, n_step * 2, opt_state=opt_state, autocast=autocast)
     p.chunk = 2
-    measure_staged(p, model, staged_graph(model, micro), micro)
-    budget = staging_budget(model, micro, n_step * 2, opt_state=opt_state, at=frac)
+    measure_staged(p, model, staged_graph(model, micro), micro, autocast)
+    budget = staging_budget(model, micro, n_step * 2, opt_state=opt_state, autocast=autocast, at=frac)
     print(f'{name} {size} px, {n_step} x 2: staged need {mib(p.staged_device_needed)} MiB, whole '
           f'{mib(p.device_needed)} MiB, budget {mib(budget)} MiB; store {fmt_bytes(p.store)}/sample = '
           f'{p.store / p.footprint.saved:.2f} x the saved activations, largest stage\'s gradients {fmt_bytes(p.stage_grads)}')
     t, meter = time.perf_counter(), LiveBytes(model)
     path, after = (learner_fits(learn, n_step, budget, meter) if learn is not None
-                   else plain_fit(model, n_step, size, budget, meter))
-    print(f'path {path!r}: peak / budget {meter.peak / budget:.3f} ({mib(meter.peak)} MiB), live after each '
+                   else plain_fit(model, n_step, size, budget, meter, autocast, 'fault' in how))
+    print(f'{" ".join(how + ("",))}path {path!r}: peak / budget {meter.peak / budget:.3f} ({mib(meter.peak)} MiB), live after each '
           f'{"fit" if learn is not None else "epoch"} {", ".join(mib(a) for a in after)} MiB, '
           f'{time.perf_counter() - t:.1f} s')
 

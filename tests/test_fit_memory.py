@@ -123,3 +123,13 @@ def test_a_budget_a_staged_step_cannot_hold_is_refused_naming_each_part():
         warnings.simplefilter('ignore')
         for xb, yb in acc.batches(batches): acc.backward(F.cross_entropy(model(xb), yb))
     assert acc.path == 'window' and 'values kept between stages' in acc.plan.reason, acc.plan.reason
+
+def test_the_fit_memory_benchmark_runs(capsys):
+    "`nbs/bench_fit_memory.py` on a tiny row (its figures are in 02b), so that it does not rot."
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location('bench_fit_memory', Path(__file__).parents[1]/'nbs'/'bench_fit_memory.py')
+    bench = importlib.util.module_from_spec(spec); spec.loader.exec_module(bench)
+    bench.main('resnet18', '16', '2', '0.5', 'fault')
+    out = capsys.readouterr().out
+    assert 'staged need' in out and 'fault path' in out and 'peak / budget' in out, out
