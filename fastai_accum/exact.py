@@ -86,7 +86,7 @@ class ExactPlan:
     "Can a window of `window` samples train as one batch, and where do its saved activations go?"
     window:int            # samples in the window
     footprint:Footprint   # measured per-sample bytes
-    params:int            # bytes of trainable parameters
+    params:int            # bytes of the parameters an optimizer steps: those that train or hold a gradient
     device:str            # where it trains: 'cpu', 'cuda:1', ...
     device_budget:int|None # accelerator bytes it may use (None on CPU)
     host_budget:int       # host bytes it may use
@@ -244,8 +244,11 @@ def plan_exact(model:nn.Module, # the model to train
     dev_free, host_free = free_memory(device)
     if device_memory is None and dev_free is not None: device_memory = int(0.8 * dev_free)
     if host_memory is None: host_memory = int(0.5 * host_free)
-    params = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    untrained = sum(_nbytes(t) for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()))
+    # an optimizer steps every parameter holding a gradient: a frozen one with a stale zeroed `.grad` (fastai's
+    # `fine_tune` after a fit) gets its state again, so it counts as trained
+    steps = lambda p: p.requires_grad or p.grad is not None
+    params = sum(p.numel() * p.element_size() for p in model.parameters() if steps(p))
+    untrained = sum(_nbytes(t) for t in [p for p in model.parameters() if not steps(p)] + list(model.buffers()))
     plan = ExactPlan(window, fp, params, str(device), device_memory, host_memory, offload=bool(offload),
                      accelerator=is_accelerator(device), frozen=any(not p.requires_grad for p in model.parameters()),
                      opt_state=opt_state, held=held_bytes(model) if held is None else held, untrained=untrained)
