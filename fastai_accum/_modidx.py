@@ -749,6 +749,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                             'fastai_accum/lab/bench_speed.py'),
                                               'fastai_accum.lab.bench_speed.cuda_peak_bytes': ( 'bench_speed.html#cuda_peak_bytes',
                                                                                                 'fastai_accum/lab/bench_speed.py'),
+                                              'fastai_accum.lab.bench_speed.fit_peak': ( 'bench_speed.html#fit_peak',
+                                                                                         'fastai_accum/lab/bench_speed.py'),
                                               'fastai_accum.lab.bench_speed.format_summary': ( 'bench_speed.html#format_summary',
                                                                                                'fastai_accum/lab/bench_speed.py'),
                                               'fastai_accum.lab.bench_speed.leak_per_1000': ( 'bench_speed.html#leak_per_1000',

@@ -235,10 +235,9 @@ def _store_per_sample(model:nn.Module, graph:fx.Graph, xb:tuple) -> float:
     step._plan()
     xb = tuple(_plain(t) for t in xb)
     n = xb[0].shape[0]
-    with random_state_kept(): values, _ = _node_values(step, xb, {})
-    def size(m):  # a node's batch tensors, bytes per sample
-        v = xb[step.inputs.index(m)] if m.op == 'placeholder' else values.get(m)
-        return sum(_nbytes(t) for t in _tensors(v) if t.dim() and t.shape[0] == n) / n
+    per_sample = lambda v: sum(_nbytes(t) for t in _tensors(v) if t.dim() and t.shape[0] == n) / n  # batch tensors
+    with random_state_kept(): sizes = {m: per_sample(vs[0]) for m, vs, _ in _node_values(step, [xb], {})}
+    def size(m): return per_sample(xb[step.inputs.index(m)]) if m.op == 'placeholder' else sizes.get(m, 0.)
     return max((step._store_bytes(s, size) for s in range(len(step.stages))), default=0.)
 
 # %% ../nbs/02b_staged_exact.ipynb #5beabd5e
@@ -995,28 +994,37 @@ def _mixes(x:Tensor, y:Tensor, random:bool) -> bool:
     return not _close_values(x, y.narrow(d, 0, x.shape[d]))
 
 @torch.no_grad()
-def _node_values(step:StagedStep, xb:tuple, stats:dict, anchor:dict|None=None) -> tuple:
-    "(every node's value on batch `xb`; the nodes whose values are random); nothing in the model changes."
-    # `anchor`: the values on the batch alone; each node's batch part is set back to them before later nodes read it,
-    # so that each op is checked on its own (a deep net's rounding, amplified layer after layer, is not mixing)
-    # training BatchNorm layers normalize per sample, with the statistics in `stats` (filled from this batch where
-    # missing): values keep their scale, and no sample reaches another
-    env, seen, random, dev = {}, {}, set(), _device(step.model, xb)
-    for n in step.nodes:
-        state = _rng_state(dev)
-        if n.op == 'call_module' and _is_barrier(m := step.modules[n.target]):
-            env[n] = _fixed_norm(m, step._value(n.args[0], env, xb), stats, n)
-        else: env[n] = _plain(step._run_node(n, env, xb))
-        # as computed: a later in-place op (dropout) changes `env`'s
-        seen[n] = env[n].clone() if isinstance(env[n], Tensor) else env[n]
-        # it drew random numbers, or holds garbage
-        if not _same_state(state, _rng_state(dev)) or 'empty' in str(n.target):
-            random.add(n)
-            if n.op == 'call_method' and n.target.endswith('_') and isinstance(n.args[0], fx.Node):
-                random.add(n.args[0])  # filled in place
-        elif any(a in random for a in n.all_input_nodes): random.add(n)
-        if anchor is not None and n not in random: env[n] = _anchored(env[n], anchor.get(n))
-    return seen, random
+def _node_values(step:StagedStep, batches:list, stats:dict):
+    "Each node in turn with its values on each of `batches` (as computed) and whether they are random; nothing changes."
+    # a value lives until its last reader has run: the frontier of the forward on each batch, not every value
+    # (a graph's values kept whole for two batches reached 1.3x a DDP fit's budget at plan time)
+    # training BatchNorm layers normalize per sample, with the statistics in `stats` (filled from the first batch where
+    # missing): values keep their scale, and no sample reaches another. Each later batch's batch part is set back to
+    # the first batch's value before later nodes read it, so that each op is checked on its own (a deep net's rounding,
+    # amplified layer after layer, is not mixing)
+    envs, random, dev = [{} for _ in batches], set(), _device(step.model, batches[0])
+    last = {a: i for i, n in enumerate(step.nodes) for a in n.all_input_nodes}  # each value's last reader
+    for i, n in enumerate(step.nodes):
+        vs = []
+        for k, (env, xb) in enumerate(zip(envs, batches)):
+            state = _rng_state(dev)
+            if n.op == 'call_module' and _is_barrier(m := step.modules[n.target]):
+                env[n] = _fixed_norm(m, step._value(n.args[0], env, xb), stats, n)
+            else: env[n] = _plain(step._run_node(n, env, xb))
+            vs.append(env[n])
+            if k: continue
+            # it drew random numbers, or holds garbage
+            if not _same_state(state, _rng_state(dev)) or 'empty' in str(n.target):
+                random.add(n)
+                if n.op == 'call_method' and n.target.endswith('_') and isinstance(n.args[0], fx.Node):
+                    random.add(n.args[0])  # filled in place
+            elif any(a in random for a in n.all_input_nodes): random.add(n)
+        yield n, vs, n in random
+        if n not in random:
+            for env in envs[1:]: env[n] = _anchored(env[n], envs[0][n])
+        for a in n.all_input_nodes:  # read for the last time
+            if last[a] == i:
+                for env in envs: env.pop(a, None)
 
 def _anchored(v, a):
     "`v` (on the batch plus other samples) with its batch part set to `a` (on the batch alone), where shapes say how."
@@ -1053,14 +1061,10 @@ def _samples_mixed(model:nn.Module, xb:tuple) -> str|None:
     b = _cat(a, _perturbed(a))
     dev = a[0].device
     with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []):
-        stats = {}
-        va, random = _node_values(step, a, stats)
-        vb, _ = _node_values(step, b, stats, anchor=va)
-    for n in step.nodes:
-        x, y = va[n], vb[n]
-        if not (isinstance(x, Tensor) and isinstance(y, Tensor)): continue
-        if _mixes(x, y, random=n in random):
-            return f"{n.name} ({n.op} {getattr(n.target, '__name__', n.target)}) combines the samples of a batch"
+        for n, (x, y), random in _node_values(step, [a, b], {}):
+            if not (isinstance(x, Tensor) and isinstance(y, Tensor)): continue
+            if _mixes(x, y, random):
+                return f"{n.name} ({n.op} {getattr(n.target, '__name__', n.target)}) combines the samples of a batch"
     return None
 
 # %% ../nbs/02b_staged_exact.ipynb #5b1e0c22

@@ -1,7 +1,22 @@
-"Data and models shared by the distributed test script and the single-process references."
+"Data and models shared by the distributed test scripts and the single-process references; launching 2 ranks."
+import os, subprocess, sys
+from pathlib import Path
 import torch
 from torch import nn
 from fastai_accum.lab.experiments import CountAllReduces  # counts gradient all-reduces: `.calls`, `.rounds`, `.windows`
+
+def torchrun(script, *args, timeout=300):
+    "Run `script` (a path, or a name in tests/) on 2 CPU ranks with `args`: the finished process."
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2',
+           str(Path(__file__).parent/script), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+
+def rank_results(script, outdir, *args):
+    "Run `script` on 2 ranks with `args` then `outdir`, where each rank saves `rank{i}.pt`: both ranks' results."
+    Path(outdir).mkdir(exist_ok=True)
+    r = torchrun(script, *args, outdir)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return [torch.load(Path(outdir)/f'rank{i}.pt', weights_only=False) for i in range(2)]
 
 def data(n=64, d=6, image=False):
     g = torch.Generator().manual_seed(0)
@@ -30,3 +45,14 @@ def deep_window(rank, n_micro=4, bs=2):
     "Rank `rank`'s window: `n_micro` micro-batches of `bs` float64 4x4 images, distinct per rank."
     g = torch.Generator().manual_seed(100 + rank)
     return [(torch.randn(bs, 3, 4, 4, generator=g, dtype=torch.float64) * (1 + rank) + rank,) for _ in range(n_micro)]
+
+def image_data(n=64, size=32):
+    "`n` float64 images of `size` px and 10 classes."
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, 3, size, size, generator=g, dtype=torch.float64), torch.randint(0, 10, (n,), generator=g)
+
+def activation_cnn():
+    "A CNN whose activations outweigh its parameters (what staged exact is for)."
+    def block(i, o, s=1): return [nn.Conv2d(i, o, 3, stride=s, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU()]
+    return nn.Sequential(*block(3, 16), *block(16, 16), *block(16, 32, 2), *block(32, 64, 2), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(64, 10))

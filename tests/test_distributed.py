@@ -1,19 +1,12 @@
 "Distributed accumulation on CPU: 2 processes, gloo, fastai's distrib_ctx (accelerate DDP)."
-import subprocess, sys
 from pathlib import Path
 import pytest, torch
 from torch import nn
 
-SCRIPT = Path(__file__).parent/'dist_script.py'
+from dist_helpers import torchrun, rank_results
 
-def launch(mode, outdir, timeout=300):
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2', str(SCRIPT), mode, str(outdir)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**__import__('os').environ, 'OMP_NUM_THREADS': '1'})
-
-def results(mode, tmp_path):
-    r = launch(mode, tmp_path)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return [torch.load(tmp_path/f'rank{i}.pt', weights_only=False) for i in range(2)]
+def launch(mode, outdir, timeout=300): return torchrun('dist_script.py', mode, outdir, timeout=timeout)
+def results(mode, tmp_path): return rank_results('dist_script.py', tmp_path, mode)
 
 @pytest.mark.parametrize('mode,expected', [('count', 2 * 4), ('count_each', 2 * 16)])
 def test_one_allreduce_per_window(mode, expected, tmp_path):
@@ -85,8 +78,6 @@ def test_crashed_rank_fails_loudly_instead_of_hanging(tmp_path):
     assert 'rank 1 crashed mid-window' in r.stdout + r.stderr
 
 def test_example_script_runs_under_torchrun(tmp_path):
-    script = Path(__file__).parents[1]/'nbs'/'train_distributed.py'
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2', str(script), '--epochs', '1']
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**__import__('os').environ, 'OMP_NUM_THREADS': '1'})
+    r = torchrun(Path(__file__).parents[1]/'nbs'/'train_distributed.py', '--epochs', '1')
     assert r.returncode == 0, r.stderr[-3000:]
     assert 'world=2 micro_bs=2 n_step=16 effective batch=64' in r.stdout

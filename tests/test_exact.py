@@ -131,14 +131,8 @@ def test_wrapped_layers_train_exactly_under_exact():
     assert rel(params(acc), params(big)) <= 1e-6 and rel(bn_stats(acc), bn_stats(big)) <= 1e-6
 
 def _launch(mode, outdir):
-    import os, subprocess, sys
-    from pathlib import Path
-    script = Path(__file__).parent/'dist_exact_script.py'
-    outdir.mkdir()
-    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2', str(script),
-                        mode, str(outdir)], capture_output=True, text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return [torch.load(outdir/f'rank{i}.pt', weights_only=False) for i in range(2)]
+    from dist_helpers import rank_results
+    return rank_results('dist_exact_script.py', outdir, mode)
 
 def test_auto_under_ddp_trains_the_same_way_on_every_rank(tmp_path):
     "Rank 1 can train its window neither whole nor staged: 'auto' then picks window BatchNorm on both ranks (no mismatch, no hang)."

@@ -14,6 +14,8 @@ from fastai.callback.progress import *
 from ..batchnorm import bn_policies, wrap_bn, reset_bn_stats
 from ..prepass import window_prepasses, prepass_plan, prepass_info
 from ..plan import plan_training
+from ..core import Accumulation
+from ..exact import staging_budget
 from ..staged_exact import install_staged, uninstall_staged, verify_staged
 from ..meters import _nbytes, LiveBytes
 from ..stats import ChannelStats
@@ -25,10 +27,10 @@ from .experiments import (
 # %% auto #0
 __all__ = ['bench_models', 'prepass_models_fns', 'staged_models_fns', 'table_models', 'summary_keys', 'speed_variants',
            'time_variants', 'median_ratio', 'saved_bytes_peak', 'cuda_peak_bytes', 'prepass_peak', 'unet',
-           'staged_step', 'memory_matched_chunk', 'profile_staged', 'staged_row', 'staged_table', 'tensor_bytes_alive',
-           'leak_per_1000', 'allreduce_counts', 'format_summary', 'parse_summary', 'SpeedResults', 'auto_choice',
-           'bench_speed', 'add_speed_args', 'speed_main', 'small_cnn', 'synthetic_dls', 'efficientnet_b0',
-           'default_policy']
+           'staged_step', 'memory_matched_chunk', 'fit_peak', 'profile_staged', 'staged_row', 'staged_table',
+           'tensor_bytes_alive', 'leak_per_1000', 'allreduce_counts', 'format_summary', 'parse_summary', 'SpeedResults',
+           'auto_choice', 'bench_speed', 'add_speed_args', 'speed_main', 'small_cnn', 'synthetic_dls',
+           'efficientnet_b0', 'default_policy']
 
 # %% ../../nbs/21_bench_speed.ipynb #ceeb1340
 bench_models = {'small_cnn': small_cnn, 'torchvision_resnet18': torchvision_resnet18} # `--models` names
@@ -198,9 +200,11 @@ def staged_step(model_fn, # builds the model
         f.step.kept = f.step.xb = f.step.carried = f.step.graphs = None
     finally: uninstall_staged(model)
     t = time.perf_counter(); why, _ = verify_staged(model, (x[:bs].to(device),)); t_check = time.perf_counter() - t  # once per fit
+    fit_ratio, fit_path = fit_peak(model, x, bs)
     return dict(window=window, chunk=chunk, micro_bytes=micro, staged_bytes=staged, whole_bytes=whole,
                 memory_ratio=staged / micro, time_vs_whole=t_staged / t_whole, time_vs_micro=t_staged / t_micro / (window / bs),
-                host_per_sample=kept / window, check_vs_step=t_check / t_staged, check_ok=why is None)
+                host_per_sample=kept / window, check_vs_step=t_check / t_staged, check_ok=why is None,
+                fit_vs_budget=fit_ratio, fit_path=fit_path)
 
 def memory_matched_chunk(model, x:Tensor, # the model and a window of its inputs
                          bs:int, # the micro-batch: the smallest chunk
@@ -215,6 +219,33 @@ def memory_matched_chunk(model, x:Tensor, # the model and a window of its inputs
         if held > budget: break
         c *= 2
     return c
+
+# %% ../../nbs/21_bench_speed.ipynb #afa6fd57
+def fit_peak(model, x:Tensor, # the model (it trains) and a window of its inputs, where the loader keeps them
+             bs:int, # samples per micro-batch
+             windows:int=2, # windows the fit trains
+             at:float=0.3, # the budget, as a fraction of the way from a staged step's need to the whole window's
+            ) -> tuple:
+    "(a whole fit's real device peak / its `device_memory`, the path it took): the plain loop through `Accumulation`."
+    # the plan, its check and every window included; CUDA: the allocator's peak; a CPU: every storage ops make
+    dev = next(model.parameters()).device
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    budget = staging_budget(model, (x[:bs].to(dev),), len(x), opt_state=1., at=at)
+    acc = Accumulation(model, n_acc=len(x), optimizer=opt, device_memory=budget, preflight=False)
+    loader = [(x[i:i + bs],) for i in range(0, len(x), bs)] * windows
+    def fit():
+        for (xb,) in acc.batches(loader):
+            if acc.backward(model(xb.to(dev)).float().pow(2).mean()): opt.step(); opt.zero_grad()
+    try:
+        if dev.type == 'cuda':
+            torch.cuda.synchronize(dev); torch.cuda.reset_peak_memory_stats(dev)
+            fit(); torch.cuda.synchronize(dev)
+            peak = torch.cuda.max_memory_allocated(dev)  # the model, its gradients and state included, as in the budget
+        else:
+            with LiveBytes(model, opt.state) as meter: fit()
+            peak = meter.peak
+    finally: acc.release()
+    return peak / budget, acc.path
 
 # %% ../../nbs/21_bench_speed.ipynb #e35a0005
 def _on_host_store(step, meter:LiveBytes):
@@ -478,7 +509,7 @@ def allreduce_counts(models=('small_cnn',), # names in `bench_models`
 # %% ../../nbs/21_bench_speed.ipynb #eb45c013
 summary_keys = ('overhead_ratio', 'memory_ratio_vs_micro', 'memory_ratio_vs_full', 'leak_bytes_per_1000',
                 'allreduce_per_window', 'default_policy_time_ratio', 'prepass_memory_ratio', 'staged_memory_ratio',
-                'staged_time_ratio')
+                'staged_time_ratio', 'staged_fit_budget_ratio')
 
 def format_summary(summary:dict) -> str:
     "The machine-readable line: `key=value` for every key of `summary_keys`, in order, 3 decimals."
@@ -611,7 +642,8 @@ def _speed_summary(table, raw:dict, chosen:dict, models:list) -> dict:
                 default_policy_time_ratio=max(table.loc[(m, f'ours:{chosen[m]}'), 'time_vs_naive'] for m in models),
                 prepass_memory_ratio=max((p['ratio'] for p in raw['prepass'].values()), default=float('nan')),
                 staged_memory_ratio=max((s['memory_ratio'] for s in raw['staged'].values()), default=float('nan')),
-                staged_time_ratio=max((s['time_vs_whole'] for s in raw['staged'].values()), default=float('nan')))
+                staged_time_ratio=max((s['time_vs_whole'] for s in raw['staged'].values()), default=float('nan')),
+                staged_fit_budget_ratio=max((s['fit_vs_budget'] for s in raw['staged'].values()), default=float('nan')))
 
 def _setup_notes(c:dict, chosen:dict) -> list:
     "What the reader needs to read the table: the variants, the ratios, what 'auto' ran, the memory column."
@@ -655,7 +687,8 @@ def _staged_line(s:dict) -> str:
             f"{s['micro_bytes']/2**20:.1f}; whole window {s['whole_bytes']/2**20:.1f}), time {s['time_vs_whole']:.2f}x the whole "
             f"window's, {s['time_vs_micro']:.2f}x naive accumulation's micro-batches; kept between stages "
             f"{s['host_per_sample']/2**20:.2f} MiB per sample; the check on the model at the fit's start "
-            f"{s['check_vs_step']:.2f}x one staged step{'' if s['check_ok'] else ' (it failed)'}")
+            f"{s['check_vs_step']:.2f}x one staged step{'' if s['check_ok'] else ' (it failed)'}; a whole fit through "
+            f"Accumulation(device_memory=) peaked at {s['fit_vs_budget']:.3f}x its budget ({s['fit_path']})")
 
 def _staged_notes(c:dict, raw:dict) -> list:
     "The staged exact step's figures, one line per model and window."
