@@ -14,15 +14,15 @@ Contents (line: module: classes), dependencies first:
       222: helpers: ReplacedForward
       370: window: AccumulationWindow, WindowLoader
       628: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
-     1046: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
-     1219: staged: StagedGraph
-     1517: prepass: PrepassPlan, PreflightTable
-     1724: staged_exact: StagedStep, StagedForward
-     2957: exact: Footprint, ExactModeMemoryError, ExactPlan
-     3286: ghost: GhostForward
-     3340: plan: StagedMismatchError, TrainingPlan
-     3569: core: BatchNormInstaller, Accumulation, FrontEnd
-     4068: callback: WindowPrefetch, GradientAccumulation
+     1067: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
+     1240: staged: StagedGraph
+     1541: prepass: PrepassPlan, PreflightTable
+     1748: staged_exact: StagedStep, StagedForward
+     3044: exact: Footprint, ExactModeMemoryError, ExactPlan
+     3373: ghost: GhostForward
+     3427: plan: StagedMismatchError, TrainingPlan
+     3656: core: BatchNormInstaller, Accumulation, FrontEnd
+     4155: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -627,7 +627,7 @@ class WindowLoader:
 
 # ======== fastai_accum/batchnorm.py ========
 # %% ../nbs/01_batchnorm.ipynb #3f4c9b79
-import copy, warnings
+import contextvars, copy, warnings
 import torch
 from torch import nn, Tensor
 import torch.nn.functional as F
@@ -749,10 +749,12 @@ class AccumulateBatchNorm(_BatchNorm):
         self._policy = value
 
     def forward(self, x:Tensor) -> Tensor:
-        if not (self.training and self.track_running_stats): return self.plain_class.forward(self, x)
+        alone = _norm_alone.get()  # called as an aten graph's `batch_norm` (`norm_only`): its extras are nodes there
+        if not (self.training and self.track_running_stats):
+            return (torch_norm_class(self) if alone else self.plain_class).forward(self, x)
         self._check_input_dim(x)
         x = getattr(self, f'_normalize_{self.policy}')(x)
-        return self._after_norm(x)
+        return x if alone else self._after_norm(x)
 
     def _after_norm(self, x): return _after_norm(self, x)
 
@@ -761,6 +763,25 @@ class AccumulateBatchNorm(_BatchNorm):
     def __reduce_ex__(self, protocol):
         # pickles as its plain class plus our state, so dynamically created classes (timm-style subclasses) pickle too
         return _rebuild_accumulating, (self.plain_class, self.__dict__.copy())
+
+# %% ../nbs/01_batchnorm.ipynb #a477d988
+_norm_alone = contextvars.ContextVar('norm_alone', default=False)  # set by `norm_only`
+
+def torch_norm_class(m:nn.Module) -> type:
+    "The torch class whose `forward` normalizes for `m` (`_BatchNorm`, `SyncBatchNorm`): the layer's BatchNorm alone."
+    return next(c for c in type(m).__mro__ if c.__module__.startswith('torch.nn.') and 'forward' in vars(c))
+
+def norm_only(m:nn.Module, # a BatchNorm layer, whatever its class adds after normalizing
+              x:Tensor):
+    "`m` on `x`, its normalization only (running statistics as its forward keeps them; its hooks run)."
+    token = _norm_alone.set(True)
+    own = m.__dict__.get('forward')
+    if not isinstance(m, AccumulateBatchNorm): m.forward = torch_norm_class(m).forward.__get__(m)
+    try: return m(x)
+    finally:
+        _norm_alone.reset(token)
+        if own is None: m.__dict__.pop('forward', None)
+        else: m.forward = own
 
 # %% ../nbs/01_batchnorm.ipynb #b53b9605
 _accumulating = {}  # plain BatchNorm class -> its accumulating class
@@ -1309,7 +1330,9 @@ class StagedGraph:
     def _run_node(self, n, env, xb):
         args = map_aggregate(n.args, lambda a: self._value(a, env, xb))
         kwargs = map_aggregate(n.kwargs, lambda a: self._value(a, env, xb))
-        if n.op == 'call_module': return self.modules[n.target](*args, **kwargs)
+        if n.op == 'call_module':
+            m = self.modules[n.target]
+            return norm_only(m, *args) if n.meta.get('norm_only') else m(*args, **kwargs)
         if n.op == 'call_function': return n.target(*args, **kwargs)
         if n.op == 'call_method': return getattr(args[0], n.target)(*args[1:], **kwargs)
         raise RuntimeError(f'StagedGraph: unexpected node {n.op} {n.target}')
@@ -1458,6 +1481,7 @@ def _staged_form(gm, names:list, ends:list, owners:dict) -> fx.Graph:
             layers = {owners.get(holds.get(a)) for a in n.args[1:5] if isinstance(a, fx.Node)} - {None}
             if len(layers) != 1: raise ValueError(f"a batch_norm of no BatchNorm layer ({n.name})")
             env[n] = g.call_module(layers.pop(), (look(n.args[0]),))
+            env[n].meta['norm_only'] = True  # what the layer's class adds (timm's activation) follows as nodes
             continue
         op = _in_place(n)
         if op is None:
@@ -1982,6 +2006,11 @@ StagedStep._store_bytes = _store_bytes
 
 
 # %% ../nbs/02b_staged_exact.ipynb #97042fc2
+def _extras(m:nn.Module, n:fx.Node, y:Tensor) -> Tensor:
+    "What layer `m` applies after normalizing (timm's activation), on `y`, where node `n` stands for the layer's call."
+    # an aten graph's `batch_norm` (`norm_only`): its own nodes apply them
+    return y if n.meta.get('norm_only') else _after_norm(m, y)
+
 def _run_stage(self, s:int, env:dict, xb:tuple, grad:bool):
     "Run stage `s` of one chunk on `env`; the BatchNorm opening it normalizes with window statistics."
     # that BatchNorm is one fused op; its input is a leaf of its own if `grad`, returned
@@ -2000,7 +2029,7 @@ def _run_stage(self, s:int, env:dict, xb:tuple, grad:bool):
         x = self._value(n.args[0], env, xb)
         if grad: x = leaf = x.detach().requires_grad_(True)  # its gradient: BatchNorm's with the statistics held fixed
         mean, var, _ = self.stats[n]
-        env[n] = _after_norm(m, F.batch_norm(x, mean, var, m.weight, m.bias, False, 0., m.eps))
+        env[n] = _extras(m, n, F.batch_norm(x, mean, var, m.weight, m.bias, False, 0., m.eps))
     return leaf
 
 def _xb(self, a:int, b:int, dev, grad:bool=False, s:int|None=None) -> tuple:
@@ -2685,11 +2714,24 @@ def _grown_dim(a:tuple, b:tuple) -> int|None:
     diff = [(d, i, j) for d, (i, j) in enumerate(zip(a, b)) if i != j]
     return diff[0][0] if len(a) == len(b) and len(diff) == 1 and diff[0][2] == 2 * diff[0][1] else None
 
+def _same_values(x:Tensor, y:Tensor) -> Tensor:
+    "Where `x` and `y` hold the same value: equal (the same infinity too), or both NaN."
+    same = x == y
+    return same | (x.isnan() & y.isnan()) if x.is_floating_point() else same
+
+def _equal_values(x:Tensor, y:Tensor) -> bool:
+    "`torch.equal`, with NaN equal to NaN."
+    return x.shape == y.shape and bool(_same_values(x, y).all())
+
 def _close_values(x:Tensor, y:Tensor) -> bool:
-    "`y` is `x` up to the rounding of batched kernels."
+    "`y` is `x` up to the rounding of batched kernels; an infinity or NaN only where both have it."
     if not x.is_floating_point(): return torch.equal(x, y)
+    if not x.numel(): return True
+    same, finite = _same_values(x, y), x.isfinite() & y.isfinite()
+    if not bool((same | finite).all()): return False
     tol = 1e-9 if x.dtype == torch.float64 else 1e-3
-    return bool(((x - y).abs().max() <= tol * x.abs().max().clamp_min(1e-30)).item()) if x.numel() else True
+    scale = x.abs().where(finite, 0).max().clamp_min(1e-30)
+    return bool(((x - y).where(finite & ~same, 0).abs().max() <= tol * scale).item())
 
 def _mixes(x:Tensor, y:Tensor, random:bool) -> bool:
     "Does the op's value `y` on the batch plus as many other samples show that it mixed samples?"
@@ -2697,7 +2739,7 @@ def _mixes(x:Tensor, y:Tensor, random:bool) -> bool:
     d = _grown_dim(x.shape, y.shape)
     if random: return d is None and x.shape != y.shape
     # not per sample: it must not change with other samples
-    if d is None: return x.shape != y.shape or not torch.equal(x, y)
+    if d is None: return not _equal_values(x, y)
     # per sample: the batch's own samples must keep their values
     return not _close_values(x, y.narrow(d, 0, x.shape[d]))
 
@@ -2750,7 +2792,7 @@ def _fixed_norm(m:_BatchNorm, x:Tensor, stats:dict, n) -> Tensor:
         stats[n] = ((x.mean(dims), x.var(dims, correction=0)) if x.shape[0] * x[0, 0].numel() > 1
                     else (x.mean(dims), torch.ones_like(x.mean(dims))))
     dt = m.weight.dtype if m.weight is not None else x.dtype  # under autocast x may be lower precision: as BatchNorm
-    return _after_norm(m, F.batch_norm(x, *(s.to(dt) for s in stats[n]), m.weight, m.bias, False, 0., m.eps))
+    return _extras(m, n, F.batch_norm(x, *(s.to(dt) for s in stats[n]), m.weight, m.bias, False, 0., m.eps))
 
 def samples_mixed(model:nn.Module, # a model a tracer handles (`staged_graph`), in the modes it trains in
                   xb:tuple, # one micro-batch of its inputs
@@ -2814,10 +2856,11 @@ def _hold_random(model:nn.Module, xb:tuple):
     for m in inner: m.training = False  # this module only: BatchNorm layers inside keep their mode
     return inner
 
-def _one_step(model:nn.Module, xb:tuple, chunk:int|None=None, landed=None) -> tuple:
+def _one_step(model:nn.Module, xb:tuple, chunk:int|None=None, landed=None, order:Tensor|None=None) -> tuple:
     "(output, gradients, buffers) by name after one training step of `model` on `xb` from torch seed 0."
     # plain, or staged in chunks of `chunk` (every stage, no collective); `landed(name, grad)`: called with each
-    # parameter's gradient as the backward makes it, which is then freed (not returned)
+    # parameter's gradient as the backward makes it, which is then freed (not returned); `order`: the samples fed in
+    # that order, the outputs put back in theirs (the same step, rounded otherwise)
     f, hooks = None, []
     if chunk:
         f = install_staged(model, chunk)
@@ -2828,15 +2871,21 @@ def _one_step(model:nn.Module, xb:tuple, chunk:int|None=None, landed=None) -> tu
                  for n, p in model.named_parameters() if p.requires_grad]
     try:
         torch.manual_seed(0)
-        out = model(*xb)
+        n = xb[0].shape[0]
+        if order is None: out = _tensors(model(*xb))
+        else:
+            back = order.argsort()
+            out = [o[back] if o.dim() and o.shape[0] == n else o
+                   for o in _tensors(model(*(t[order] if isinstance(t, Tensor) and t.dim() and t.shape[0] == n else t
+                                             for t in xb)))]
         sum((o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype, device=o.device).view_as(o)).sum()
-            for o in _tensors(out) if o.is_floating_point()).backward()
+            for o in out if o.is_floating_point()).backward()
     finally:
         if f is not None: uninstall_staged(model)
         for h in hooks: h.remove()
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     for p in model.parameters(): p.grad = None
-    return [o.detach() for o in _tensors(out)], grads, {n: b.clone() for n, b in model.named_buffers()}
+    return [o.detach() for o in out], grads, {n: b.clone() for n, b in model.named_buffers()}
 
 def _hand_over(name:str, landed, p:Tensor):
     "Give parameter `p`'s gradient, just made, to `landed`; free it."
@@ -2855,19 +2904,23 @@ def _diff(r:Tensor|None, g:Tensor|None) -> tuple:
     if not r.is_floating_point(): return (0. if torch.equal(r, g) else float((r - g).abs().max())), 0., True
     return g.sub_(r).abs_().max().item(), max(r.max().item(), -r.min().item()), False
 
-def _first_over(diffs:dict, dtype) -> tuple|None:
+def _first_over(diffs:dict, dtype, floor:dict|None=None) -> tuple|None:
     "(name, relative difference) of the first of `diffs` ({name: `_diff`}) not within tolerance, or None."
-    # the absolute tolerance is a fraction of the largest value of them all
+    # the absolute tolerance is a fraction of the largest value of them all; `floor` ({name: difference}): how far
+    # the big batch itself moves with its samples in another order, of which a staged step may differ a few times
     rtol, atol = _check_tol.get(dtype, (5e-2, 1e-3))
     scale = max([den for _, den, exact in diffs.values() if not exact] or [0.])
     for name, (d, den, exact) in diffs.items():
+        allowed = rtol * den + atol * scale + _floor_times * (floor or {}).get(name, 0.)
         if exact and d: return name, d
-        if not exact and not d <= rtol * den + atol * scale: return name, d / max(den, atol * scale, 1e-300)  # NaN too
+        if not exact and not d <= allowed: return name, d / max(den, atol * scale, 1e-300)  # NaN too
     return None
 
-def _first_diff(ref:dict, got:dict, dtype) -> tuple|None:
+_floor_times = 8  # a staged step's sums run in other orders than the big batch's: its rounding, a few times over
+
+def _first_diff(ref:dict, got:dict, dtype, floor:dict|None=None) -> tuple|None:
     "(name, relative difference) of the first tensor in `got` not within tolerance of `ref`, or None; `got` is spent."
-    return _first_over({name: _diff(r, got.get(name)) for name, r in ref.items()}, dtype)
+    return _first_over({name: _diff(r, got.get(name)) for name, r in ref.items()}, dtype, floor)
 
 def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothing in it changes)
                   xb:tuple, # one micro-batch of its inputs
@@ -2913,20 +2966,54 @@ def _checked_copy(model:nn.Module, xb:tuple, dt) -> tuple:
             for b, v in bufs: b.copy_(v)
         waiting, grads = (got[1] if got else {}), {}
         def landed(n, g): grads[n] = _diff(g, waiting.pop(n, None))
-        try: ref = _one_step(work, x, landed=landed if got else None)
+        try:
+            ref = _one_step(work, x, landed=landed if got else None)
+            if failed is None:
+                grads.update((n, _diff(None, g)) for n, g in waiting.items())  # gradients only the staged step made
+                diffs = _step_diffs(ref, got, grads)
+                over = _over(diffs, dt)
+                # in float32 a deep net's big batch moves with the order of its samples about as much: measured
+                if any(over) and dt != torch.float64: over = _over(diffs, dt, _rounding_floor(work, x, bufs))
         except Exception as e: return None, f"not checked: a {name} copy on the CPU does not train ({_said(e, 200)})"
         finally: work = bufs = None
         if copy_ref() is not None: gc.collect()  # a cycle kept the copy: freed before training starts
         if failed is not None: return f"the staged step fails on this model ({_said(failed)})", None
-    grads.update((n, _diff(None, g)) for n, g in waiting.items())  # gradients only the staged step made
     how = f"{name}, a window of 4 in chunks of 2{f', {len(held)} random modules held fixed' if held else ''}"
-    out = _first_diff(dict(enumerate(ref[0])), dict(enumerate(got[0])), dt)
-    grad, buf = _first_over({n: grads[n] for n in ref[1] if n in grads}, dt), _first_diff(ref[2], got[2], dt)
+    out, grad, buf = over
     if not (out or grad or buf): return None, f"checked on this model: equal to the big batch ({how})"
     what = '; '.join(s for s in (out and f"output off by {out[1]:.2g}",
                                  grad and f"gradient of {grad[0]} off by {grad[1]:.2g}",
                                  buf and f"{buf[0]} off by {buf[1]:.2g}") if s)
     return f"checked on this model, the staged step is not the big batch ({how}): {what}", None
+
+def _step_diffs(ref:tuple, got:tuple, grads:dict) -> tuple:
+    "(outputs, gradients, buffers) of two `_one_step`s as `_diff`s by name; `grads`: the gradients' already."
+    # `got` is spent
+    return ({i: _diff(r, got[0][i] if i < len(got[0]) else None) for i, r in enumerate(ref[0])},
+            {n: grads[n] for n in ref[1] if n in grads}, {n: _diff(r, got[2].get(n)) for n, r in ref[2].items()})
+
+def _over(diffs:tuple, dt, floor:tuple=({}, {}, {})) -> tuple:
+    "The first output, gradient and buffer of `_step_diffs` out of tolerance (`_first_over`), each or None."
+    return tuple(_first_over(d, dt, f) for d, f in zip(diffs, floor))
+
+def _rounding_floor(work:nn.Module, x:tuple, bufs:list) -> tuple:
+    "(outputs, gradients, buffers) by name: how far the plain step moves with the window's samples in reverse order."
+    # one gradient set held, the other compared as it lands (the check's memory)
+    def restore():
+        with torch.no_grad():
+            for b, v in bufs: b.copy_(v)
+    restore()
+    first = {}
+    ref = _one_step(work, x, landed=first.__setitem__)
+    restore()
+    grads = {}
+    def landed(n, g): grads[n] = _diff(first.pop(n, None), g)
+    n = x[0].shape[0]
+    again = _one_step(work, x, landed=landed, order=torch.arange(n - 1, -1, -1))
+    restore()
+    per_sample = [o.dim() and o.shape[0] == n for o in ref[0]]  # only those are put back in order: the others not
+    outs, grads, bufs = ({k: d for k, (d, _, _) in part.items()} for part in _step_diffs(ref, again, grads))
+    return {i: d if i < len(per_sample) and per_sample[i] else 0. for i, d in outs.items()}, grads, bufs
 
 def _said(e:BaseException, n:int|None=None) -> str:
     "The exception's type and message on one line (its first `n` characters of message)."
@@ -4360,4 +4447,4 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'is_dropout', 'peek_batches', 'window_full', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'staged_graph', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'StagedStep', 'stage_grads', 'store_per_sample', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'is_dropout', 'peek_batches', 'window_full', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only', 'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'staged_graph', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'StagedStep', 'stage_grads', 'store_per_sample', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']

@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_batchnorm.ipynb #3f4c9b79
 from __future__ import annotations
-import copy, warnings
+import contextvars, copy, warnings
 import torch
 from torch import nn, Tensor
 import torch.nn.functional as F
@@ -16,8 +16,9 @@ from .stats import ChannelStats, all_reduce_stats, momentum_step
 
 # %% auto #0
 __all__ = ['bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm',
-           'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'accumulating_class', 'bn_layers', 'wrap_bn',
-           'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats']
+           'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only',
+           'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats',
+           'reset_bn_stats']
 
 # %% ../nbs/01_batchnorm.ipynb #6839b6a1
 # how a layer normalizes; the front ends' 'auto' chooses among 'exact', 'staged' and 'window'
@@ -130,10 +131,12 @@ class AccumulateBatchNorm(_BatchNorm):
         self._policy = value
 
     def forward(self, x:Tensor) -> Tensor:
-        if not (self.training and self.track_running_stats): return self.plain_class.forward(self, x)
+        alone = _norm_alone.get()  # called as an aten graph's `batch_norm` (`norm_only`): its extras are nodes there
+        if not (self.training and self.track_running_stats):
+            return (torch_norm_class(self) if alone else self.plain_class).forward(self, x)
         self._check_input_dim(x)
         x = getattr(self, f'_normalize_{self.policy}')(x)
-        return self._after_norm(x)
+        return x if alone else self._after_norm(x)
 
     def _after_norm(self, x): return _after_norm(self, x)
 
@@ -142,6 +145,25 @@ class AccumulateBatchNorm(_BatchNorm):
     def __reduce_ex__(self, protocol):
         # pickles as its plain class plus our state, so dynamically created classes (timm-style subclasses) pickle too
         return _rebuild_accumulating, (self.plain_class, self.__dict__.copy())
+
+# %% ../nbs/01_batchnorm.ipynb #a477d988
+_norm_alone = contextvars.ContextVar('norm_alone', default=False)  # set by `norm_only`
+
+def torch_norm_class(m:nn.Module) -> type:
+    "The torch class whose `forward` normalizes for `m` (`_BatchNorm`, `SyncBatchNorm`): the layer's BatchNorm alone."
+    return next(c for c in type(m).__mro__ if c.__module__.startswith('torch.nn.') and 'forward' in vars(c))
+
+def norm_only(m:nn.Module, # a BatchNorm layer, whatever its class adds after normalizing
+              x:Tensor):
+    "`m` on `x`, its normalization only (running statistics as its forward keeps them; its hooks run)."
+    token = _norm_alone.set(True)
+    own = m.__dict__.get('forward')
+    if not isinstance(m, AccumulateBatchNorm): m.forward = torch_norm_class(m).forward.__get__(m)
+    try: return m(x)
+    finally:
+        _norm_alone.reset(token)
+        if own is None: m.__dict__.pop('forward', None)
+        else: m.forward = own
 
 # %% ../nbs/01_batchnorm.ipynb #b53b9605
 _accumulating = {}  # plain BatchNorm class -> its accumulating class

@@ -16,6 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_unflatten
 from .meters import ByteMeter, _tensors
 from .helpers import _to, random_state_kept
+from .batchnorm import norm_only
 
 # %% auto #0
 __all__ = ['trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'staged_graph']
@@ -100,7 +101,9 @@ class StagedGraph:
     def _run_node(self, n, env, xb):
         args = map_aggregate(n.args, lambda a: self._value(a, env, xb))
         kwargs = map_aggregate(n.kwargs, lambda a: self._value(a, env, xb))
-        if n.op == 'call_module': return self.modules[n.target](*args, **kwargs)
+        if n.op == 'call_module':
+            m = self.modules[n.target]
+            return norm_only(m, *args) if n.meta.get('norm_only') else m(*args, **kwargs)
         if n.op == 'call_function': return n.target(*args, **kwargs)
         if n.op == 'call_method': return getattr(args[0], n.target)(*args[1:], **kwargs)
         raise RuntimeError(f'StagedGraph: unexpected node {n.op} {n.target}')
@@ -249,6 +252,7 @@ def _staged_form(gm, names:list, ends:list, owners:dict) -> fx.Graph:
             layers = {owners.get(holds.get(a)) for a in n.args[1:5] if isinstance(a, fx.Node)} - {None}
             if len(layers) != 1: raise ValueError(f"a batch_norm of no BatchNorm layer ({n.name})")
             env[n] = g.call_module(layers.pop(), (look(n.args[0]),))
+            env[n].meta['norm_only'] = True  # what the layer's class adds (timm's activation) follows as nodes
             continue
         op = _in_place(n)
         if op is None:
