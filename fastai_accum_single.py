@@ -22,7 +22,7 @@ Contents (line: module: classes), dependencies first:
      3373: ghost: GhostForward
      3427: plan: StagedMismatchError, TrainingPlan
      3656: core: BatchNormInstaller, Accumulation, FrontEnd
-     4155: callback: WindowPrefetch, GradientAccumulation
+     4163: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -4096,6 +4096,13 @@ def _input_elements(inputs, # the core's `inputs`: batch -> model inputs
         if any(t.device.type == 'meta' for t in got): found.add(i)
     return same | found
 
+# %% ../nbs/02d_core.ipynb #c18faa47
+def _console_bar(learn) -> bool:
+    "Is fastai's progress bar drawing in a terminal now (fastprogress's console bar: its line has no newline yet)?"
+    from fastprogress.fastprogress import ConsoleMasterBar, ConsoleProgressBar
+    progress = getattr(learn, 'progress', None)
+    return any(isinstance(getattr(progress, k, None), (ConsoleMasterBar, ConsoleProgressBar)) for k in ('mbar', 'pbar'))
+
 # %% ../nbs/02d_core.ipynb #fe1ea718
 class FrontEnd:
     "What a framework's callback on the core shares: options checked once, a core per fit, the window rule, its state."
@@ -4135,6 +4142,7 @@ class FrontEnd:
                          said:str|None, # how the previous fit trained (`path`), if it was announced
                         ) -> str:
         "Print how this fit trains (and that it changed since the last fit said); the path said."
+        if _console_bar(getattr(self, 'learn', None)): print()  # a terminal's progress bar ends without a newline: start a line
         if said is not None:
             print(f"GradientAccumulation: this fit trains otherwise than the one before ({said!r} -> {self.path!r}):")
         print(self.acc.preflight(xb))

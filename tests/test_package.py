@@ -104,3 +104,30 @@ def test_module_imports_form_no_circle():
         for d in sorted(graph[n]): visit(d, path + [n])
         state[n] = 'done'
     for n in sorted(graph): visit(n, [])
+
+def _parsers(p, path=()):
+    "Every (command path, parser) under argparse parser `p`, itself first."
+    import argparse
+    yield path, p
+    for a in p._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for name, sub in a.choices.items(): yield from _parsers(sub, path + (name,))
+
+def test_the_cli_help_reads_as_fastai_s():
+    "Every command has a first line and an example that parses; every option says what it does; the top names the demo."
+    from fastai_accum.lab.cli import _load_commands, _parser
+    _load_commands()
+    top = _parser()
+    assert 'fastai-accum demo mnist' in top.format_help()
+    for path, p in _parsers(top):
+        if not path: continue
+        assert p.description, path
+        subs = [a for a in p._actions if a.__class__.__name__ == '_SubParsersAction']
+        if subs: continue  # `bench`: its commands below each have theirs
+        assert p.epilog and p.epilog.startswith('Example:'), path
+        for line in p.epilog.splitlines()[1:]:
+            args = top.parse_args(line.split()[1:])  # parses: the example is a command this CLI takes
+            assert args.command == path[0], (line, path)
+        for a in p._actions:
+            if a.dest != 'help': assert a.help and a.help.strip(), (path, a.option_strings or a.dest)
+        assert all(len(l) <= 100 for l in p.format_help().splitlines()), path

@@ -94,3 +94,12 @@ def test_readme_is_a_front_page_whose_claims_are_the_code_s():
     said = acc.preflight(batch[:1]).split(' a window of')[0]  # the example's words, up to its numbers
     assert said.startswith("GradientAccumulation: policy 'auto' -> 'exact'") and said in flat
     assert (ROOT/'nbs'/'images'/'demo_mnist.png').exists()
+
+def test_try_it_comes_first_and_the_quick_start_is_offline_ready():
+    "A newcomer reads 'Try it' (its one command) within the first 40 lines, before the quick start; the quick start says how to run offline."
+    lines = (ROOT/'README.md').read_text().splitlines()
+    at = {l: i for i, l in enumerate(lines) if l.startswith('## ')}
+    assert at['## Try it'] < at['## Quick start: fastai v2'] < at['## The guarantee'] < at['## Results']
+    assert any('fastai-accum demo mnist' in l for l in lines[:40])
+    quick = '\n'.join(lines[at['## Quick start: fastai v2']:at['## Quick start: fastai v1']])
+    assert 'val_bs=' in quick and 'pretrained=False' in quick and 'mnist_sample().path' in quick

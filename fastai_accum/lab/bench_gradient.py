@@ -60,8 +60,8 @@ def add_gradient_args(p):
     p.add_argument('--at', default='0,50', help='comma list: measure after these many big-batch AdamW steps')
     p.add_argument('--policies', default='naive,micro,window,exact', help=f'comma list of {", ".join(check_policies)}')
     p.add_argument('--size', type=int, default=32, help='image side (digits upsampled)')
-    p.add_argument('--lr', type=float, default=1e-3)
-    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--lr', type=float, default=1e-3, help="the big-batch run's AdamW learning rate (default 1e-3)")
+    p.add_argument('--seed', type=int, default=0, help='random seed of data order and initialisation (default 0)')
     p.add_argument('--float64', action='store_true', help='measure in float64 (training stays float32)')
     p.add_argument('--layers', type=int, default=0,
                    help='also print the N modules with the lowest cosine per (model, step, policy)')

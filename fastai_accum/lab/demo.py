@@ -231,7 +231,13 @@ class DemoResults:
     curves:dict        # setting -> validation accuracy after each epoch
     config:dict        # task, data, weights and training parameters
     def plot(self, fname=None, **kwargs): return plot_results(self, fname, **kwargs)
-    def __str__(self): return self.table.to_string(index=False, formatters=_formats, na_rep='-')
+    def __str__(self):
+        "The table (a terminal's 100 columns) and, under it, what each setting is."
+        import textwrap
+        t = self.table.drop(columns='description')
+        notes = [textwrap.fill(f'{s}: {d}', 100, subsequent_indent='    ')
+                 for s, d in zip(self.table.setting, self.table.description)]
+        return '\n'.join([t.to_string(index=False, formatters=_formats, na_rep='-'), ''] + notes)
     def _repr_html_(self): return self.table.to_html(index=False, formatters=_formats, na_rep='-')
 
 _formats = dict(accuracy='{:.3f}'.format, time_s='{:.1f}'.format, forum='{:.2f}'.format)
@@ -318,7 +324,12 @@ def _train_setting(name, task, make_dls, pre, cfg, seed, mbar, say=None, row:str
     elif mbar is not None: mbar.write(line)
     forum = dict(forum=forum_accuracy.get(name, float('nan'))) if task == 'mnist' else {}
     return dict(setting=label, batch=f'{mbs*ns}' if name == 'bs64' else f'{mbs}x{ns}', accuracy=curve[-1], **forum,
-                time_s=round(secs, 1), description=demo_settings(task)[name]), curve
+                time_s=round(secs, 1), path=_path_taken(cbs), description=demo_settings(task)[name]), curve
+
+def _path_taken(cbs:list) -> str:
+    "How our callback among `cbs` trained (its pre-flight's path: 'exact', 'staged exact', 'window', ...), else ''."
+    from fastai_accum.callback import GradientAccumulation
+    return next((c.path or '' for c in cbs if isinstance(c, GradientAccumulation)), '')
 
 # %% ../../nbs/10_demo.ipynb #0ac5f0aa
 def run_experiment(task:str='mnist', # 'mnist' (MNIST_SAMPLE 3 vs 7, vgg16_bn) or 'pets' (breeds, resnet18)
@@ -450,7 +461,7 @@ def _demo(args) -> int:
     print(res)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"\nplot: {res.plot(out/f'demo_{args.task}.png')}")
+    print(f"\nplot: {Path(res.plot(out/f'demo_{args.task}.png')).resolve()}")
     return 0
 
 @command('demo', help="Train the forum's gradient-accumulation comparison (MNIST_SAMPLE from the package index, "
@@ -459,10 +470,8 @@ def _demo_args(p):
     p.add_argument('task', choices=list(demo_defaults),
                    help="mnist: MNIST_SAMPLE 3 vs 7, vgg16_bn, the forum's table; pets: breeds, resnet18")
     p.add_argument('--settings', default='quick',
-                   help=f"comma list of {', '.join(demo_settings('mnist'))} (mnist only: momentum_up ... "
-                        "resnet18_groupnorm) (or old spellings: ours-micro, ...); "
-                        f"or 'quick' (default: {', '.join(quick_settings)}), 'forum' (every row of the forum's table), "
-                        "'all'")
+                   help=f"rows to train: 'quick' ({', '.join(quick_settings)}; the default), 'forum' (the forum's "
+                        f"table), 'all', or a comma list of {', '.join(demo_settings('mnist'))}")
     p.add_argument('--epochs', type=int, help='epochs per setting (default: mnist 2, pets 4)')
     p.add_argument('--micro-bs', type=int, help='samples per micro-batch (default 2)')
     p.add_argument('--n-step', type=int, help='micro-batches per optimizer step (default: mnist 32, pets 8)')
@@ -470,7 +479,7 @@ def _demo_args(p):
     p.add_argument('--n-train', type=int, help='training images (default: mnist 512, pets 192)')
     p.add_argument('--n-valid', type=int, help='validation images (default: mnist 256, pets 48)')
     p.add_argument('--device', help="torch device, e.g. cpu or cuda (default: the GPU if there is one)")
-    p.add_argument('--seed', type=int, default=42)
+    p.add_argument('--seed', type=int, default=42, help='random seed of data order and initialisation (default 42)')
     p.add_argument('--pretrained', choices=['auto', 'yes', 'no'], default='auto',
                    help='pets: ImageNet weights if in the torch hub cache (auto), required (yes), or not (no)')
     p.add_argument('--data', help='folder for the offline stand-in and rebuilt datasets '
