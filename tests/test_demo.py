@@ -60,7 +60,34 @@ def _cli() -> list:
     found = shutil.which('fastai-accum')
     return [found] if found else [sys.executable, '-c', 'import sys; from fastai_accum.lab.cli import main; sys.exit(main())']
 
+def offline_quick_start() -> str:
+    "README's fastai v2 quick start with the edits its comments show for offline use, and nothing else."
+    readme = (ROOT/'README.md').read_text()
+    block = re.search(r'^```python\n(from fastai.vision.all import \*.*?)^```', readme, flags=re.S | re.M).group(1)
+    lines = []
+    for l in block.splitlines():
+        if '# offline, after the demo: ' in l: l = l.split('# offline, after the demo: ')[1]
+        if '# offline: pretrained=False' in l: l = l.replace('resnet18, ', 'resnet18, pretrained=False, ')
+        lines.append(l)
+    return '\n'.join(lines)
+
+# No internet socket opens; epochs cut to a few batches (fastai's ShortEpochCallback among the defaults): the code is README's.
+NO_NETWORK = '''
+import socket
+connect = socket.socket.connect
+def no_network(sock, address):  # the loader's workers talk over a local (unix) socket: allowed
+    if isinstance(address, tuple): raise OSError(f'the network is off in this test: {address}')
+    return connect(sock, address)
+socket.socket.connect = no_network
+import fastai.learner
+from fastai.callback.training import ShortEpochCallback
+class Short(ShortEpochCallback):
+    def __init__(self): super().__init__(pct=0.1)
+fastai.learner.defaults.callbacks = fastai.learner.defaults.callbacks + [Short]
+'''
+
 def test_cli_demo_mnist(offline):
+    "The demo offline: what it runs first, a row a line, a table of 100 columns naming each row's path; then README's quick start runs on its copy."
     out = offline/'out'
     env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')])}
     r = subprocess.run(_cli() + ['demo', 'mnist', '--epochs', '1', '--n-step', '4', '--n-train', '64', '--n-valid', '32',
@@ -74,3 +101,7 @@ def test_cli_demo_mnist(offline):
     assert (out/'demo_mnist.png').exists() and str(out/'demo_mnist.png') in r.stdout
     assert all(len(l) <= 100 for l in table.splitlines()), table  # a terminal of 100 columns, descriptions under it
     assert re.search(r"^\s*ours\s.*\b(exact|staged exact|window)\s*$", table, re.M), table  # the path ours took
+    code = NO_NETWORK + offline_quick_start() + "\nprint('QUICK START OK')\n"
+    q = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=600, cwd=offline, env=env)
+    assert q.returncode == 0 and 'QUICK START OK' in q.stdout, q.stdout[-3000:] + q.stderr[-3000:]
+    assert "GradientAccumulation: policy 'auto'" in q.stdout + q.stderr

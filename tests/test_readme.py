@@ -103,3 +103,14 @@ def test_try_it_comes_first_and_the_quick_start_is_offline_ready():
     assert any('fastai-accum demo mnist' in l for l in lines[:40])
     quick = '\n'.join(lines[at['## Quick start: fastai v2']:at['## Quick start: fastai v1']])
     assert 'val_bs=' in quick and 'pretrained=False' in quick and 'mnist_sample().path' in quick
+
+def test_each_result_opens_with_what_it_shows():
+    "Results: every table and figure follows a bold line saying what it shows; commit hashes live in the notebooks."
+    readme = (ROOT/'README.md').read_text()
+    results = readme[readme.index('## Results'):readme.index('\n## ', readme.index('## Results') + 1)]
+    paragraphs = results.split('\n\n')[1:]
+    claims = [p for p in paragraphs if p.startswith('**')]
+    assert len(claims) >= 5 and all(c.find('**', 2) > 2 for c in claims), claims
+    for i, p in enumerate(paragraphs):  # a table's paragraph: a claim or its continuation comes before it
+        if p.startswith('|'): assert any(q.startswith('**') for q in paragraphs[max(0, i - 2):i]), p[:80]
+    assert not re.search(r'\bcommit [0-9a-f]{7}\b|\bat [0-9a-f]{7}\b', readme), re.findall(r'commit [0-9a-f]{7}', readme)
