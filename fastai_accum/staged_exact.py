@@ -22,6 +22,7 @@ from .staged import StagedGraph, bn_graph, untraceable_reason, staged_graph, ate
 from .helpers import (_to, _tensors, random_state_kept, is_accelerator, can_pin, ReplacedForward,
                                   restore_forward, is_dropout)
 from .batchnorm import _after_norm
+from .link import Link, Copies, CudaCopies
 
 # %% auto #0
 __all__ = ['StagedStep', 'stage_grads', 'store_per_sample', 'StagedForward', 'install_staged', 'uninstall_staged',
@@ -90,6 +91,8 @@ class StagedStep(StagedGraph):
     # bytes per sample measured on its first chunk (None: the `grow` rule)
     budget = None
     _readers = None  # `_param_readers`, counted at the first backward
+    writes = None  # how the link issues its writes (`Copies`; None: a CUDA stream of their own on CUDA)
+    ledger = None  # what the last window moved between the host store and the device (`Ledger`)
     def __init__(self,
                  model:nn.Module, # the model (called through its modules; nothing is copied)
                  graph:fx.Graph, # its torch.fx graph with every BatchNorm layer a leaf (`bn_graph`)
@@ -107,6 +110,10 @@ class StagedStep(StagedGraph):
         self.inputs = [n for n in nodes if n.op == 'placeholder']
         self.output = next(n for n in nodes if n.op == 'output')
         self.nodes = [n for n in nodes if n.op not in ('placeholder', 'get_attr', 'output')]
+
+    def __repr__(self):
+        stages = f", {len(self.stages)} stages" if hasattr(self, 'stages') else ''
+        return f'{type(self).__name__}({len(self.nodes)} nodes{stages})'
 
     def _plan(self):
         "Stages from the modes the layers are in now: stage s+1 starts with the s-th training BatchNorm node."
@@ -304,12 +311,16 @@ def _xb(self, a:int, b:int, dev, grad:bool=False, s:int|None=None) -> tuple:
     "Samples a:b of the window's inputs (which may wait in host memory) on `dev`."
     # for a backward, a chunk of their own; none for a stage `s` that does not read them
     if s is not None and not self.reads_input[s]: return ()
-    return tuple((t[a:b].clone() if grad and t.device == dev else _to(t[a:b], dev)) if isinstance(t, Tensor) else t
-                 for t in self.xb)
+    return tuple(self._input(t[a:b], dev, grad) if isinstance(t, Tensor) else t for t in self.xb)
 
-def _chunk(self, n, a:int, b:int, dev) -> Tensor:
-    "Samples a:b of node `n`'s value (kept between stages, or a model input) on `dev`."
-    return self._value(n, {}, self._xb(a, b, dev)) if n.op == 'placeholder' else _to(self.kept[n][a:b], dev)
+def _input(self, t:Tensor, dev, grad:bool) -> Tensor:
+    "A chunk `t` of a window input on `dev`: through the link from host memory, else a chunk of its own for a backward."
+    if self.link.apart and t.device.type == 'cpu': return self.link.read(t, dev, 'input')
+    return t.clone() if grad and t.device == dev else _to(t, dev)
+
+def _read(self, t:Tensor, dev) -> Tensor:
+    "`t` (a part of a window-sized tensor: the store's, or the loss's gradient) on `dev`; the store's through the link."
+    return self.link.read(t, dev) if self.link.holds(t) else _to(t, dev)
 
 def _stage_inputs(self, s:int, a:int, b:int, dev, grad:bool=False) -> dict:
     "Samples a:b of the values stage `s` reads from earlier stages, on `dev`."
@@ -324,10 +335,10 @@ def _stage_inputs(self, s:int, a:int, b:int, dev, grad:bool=False) -> dict:
 
 def _kept_chunk(self, key, a:int, b:int, dev, grad:bool) -> Tensor:
     "Samples a:b of the kept tensor `key` on `dev`; for a backward, a leaf collecting its gradient."
-    v = _to(self.kept[key][a:b], dev)
-    # a chunk of its own, as on an accelerator: the store stays out of the graph
+    t = self.kept[key][a:b]
+    v = self._read(t, dev)
     # a chunk of its own, as on an accelerator: what the backward holds is the chunk, not the store it is a view of
-    if grad and v.device == self.kept[key].device: v = v.clone()
+    if grad and not self.link.holds(t) and v.device == t.device: v = v.clone()
     return v.detach().requires_grad_(v.is_floating_point()) if grad else v
 
 def _struct(self, n, a:int, b:int, tensor) -> object:
@@ -349,14 +360,41 @@ def _struct_keys(self, n, v) -> list:
     leaves, _ = tree_flatten(v)
     return [((n, i), leaves[i]) for i in self.structs[n][1]]
 
-def _keep(self, d:dict, n, v:Tensor, a:int, b:int, add:bool=False):
-    "Samples a:b of node `n`'s value (or, `add`, gradient) into the window-sized `d[n]`, in `store`."
-    if not add and b - a == self.W and (self.store is None or torch.device(self.store) == v.device):
+def _keep(self, d:dict, n, v:Tensor, a:int, b:int, kind:str='kept'):
+    "Samples a:b of node `n`'s value (`kind` 'kept') or gradient ('grad') into the window-sized `d[n]`, in `store`."
+    if b - a == self.W and not self.link.apart and (self.store is None or torch.device(self.store) == v.device):
         d[n] = v.detach()  # the whole window, where the store is: kept as it is, no copy
         return
-    if n not in d: d[n] = self._store_tensor((self.W,) + v.shape[1:], v.dtype, self.store or v.device, zero=add)
-    if add: d[n][a:b] += _to(v, d[n].device)  # read on the host: a synchronous copy
-    else: d[n][a:b].copy_(v, non_blocking=self.pin)  # into pinned memory, read back only by copies queued after it
+    if n not in d: d[n] = self._store_tensor((self.W,) + v.shape[1:], v.dtype, self.store or v.device)
+    self._put(d[n], a, b, v, kind)
+
+def _put(self, t:Tensor, a:int, b:int, v:Tensor, kind:str):
+    "Copy `v` into samples a:b of the window-sized `t`: through the link into the host store (asynchronously)."
+    if self.link.holds(t): self.link.write(t[a:b], v, kind)
+    else: t[a:b].copy_(v)
+
+def _add_grad(self, grads:dict, k, g:Tensor, a:int, b:int):
+    "Add one chunk's gradient `g` of kept value `k` (samples a:b) into the window-sized `grads[k]`."
+    # the first contribution to those samples is copied in as it is (no zero-fill, no sum on the host); a later one is
+    # summed with it on the device, then copied in
+    if k not in grads: grads[k] = self._store_tensor((self.W,) + g.shape[1:], g.dtype, self.store or g.device)
+    spans, t = self.written.setdefault(k, []), grads[k]
+    if not any(s < b and a < e for s, e in spans): self._put(t, a, b, g, 'grad')
+    elif not self.link.holds(t): t[a:b] += g  # where the device is: in place
+    else: self._put(t, a, b, self._grad_chunk(grads, k, a, b, g.device).add_(g), 'grad')  # a chunk of its own
+    spans.append((a, b))
+
+def _grad_chunk(self, grads:dict, k, a:int, b:int, dev) -> Tensor:
+    "Samples a:b of the gradient `grads[k]` on `dev`: zeros where no chunk has written one yet."
+    t, spans = grads[k], self.written.get(k)
+    if spans is None: return self._read(t[a:b], dev)  # the loss's gradient of an output: whole
+    got = sorted((max(s, a), min(e, b)) for s, e in spans if s < b and a < e)
+    if not got: return torch.zeros((b - a,) + t.shape[1:], dtype=t.dtype, device=dev)  # on the device: no copy
+    v, at = self._read(t[a:b], dev), a
+    for s, e in got + [(b, b)]:  # the samples no chunk wrote yet: zeros
+        if s > at: v[at - a:s - a].zero_()
+        at = max(at, e)
+    return v
 
 def _hold(self, n, v, a:int, b:int):
     "Keep node `n`'s value of samples a:b for later stages."
@@ -414,16 +452,15 @@ def _same(u, v) -> bool:
     try: return bool(u == v)
     except Exception: return False
 
-def _store_tensor(self, shape:tuple, dtype, device, zero:bool) -> Tensor:
-    "A window-sized tensor of the store (zeros if `zero`): one an earlier window gave back (`_recycle`), or new."
+def _store_tensor(self, shape:tuple, dtype, device) -> Tensor:
+    "A window-sized tensor of the store: one an earlier window gave back (`_recycle`), or new; the link counts it."
     # a new host tensor of hundreds of MiB costs its page faults, about 4x a copy into it (a pinned one, its pinning):
     # only host tensors are reused, so the device holds nothing between windows
     key = (tuple(shape), dtype, torch.device(device), self.pin)
     free = self.pool.get(key)
     t = free.pop() if free else torch.empty(shape, dtype=dtype, device=device, pin_memory=self.pin)
-    if zero: t.zero_()
     if key[2].type == 'cpu' and not self.shared: self.ours[id(t)] = (weakref.ref(t), key)
-    return t
+    return self.link.register(t) if key[2].type == 'cpu' else t
 
 def _recycle(self, ts):
     "Give the store's tensors among `ts` that nothing reads any more to `_store_tensor`, for the next of their shape."
@@ -435,7 +472,11 @@ StagedStep._store_tensor = _store_tensor
 StagedStep._recycle = _recycle
 StagedStep._run_stage = _run_stage
 StagedStep._xb = _xb
-StagedStep._chunk = _chunk
+StagedStep._input = _input
+StagedStep._read = _read
+StagedStep._put = _put
+StagedStep._add_grad = _add_grad
+StagedStep._grad_chunk = _grad_chunk
 StagedStep._stage_inputs = _stage_inputs
 StagedStep._keep = _keep
 StagedStep._hold = _hold
@@ -462,6 +503,9 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
     if self.W != self.pool_W: self.pool, self.ours, self.pool_W = {}, {}, self.W  # shapes of another window size
     # the store in the memory the budget counts (a CPU's): chunks get what it leaves, and nothing is pooled
     self.shared = not self.apart if self.apart is not None else self.store is None or torch.device(self.store) == dev
+    # the one door between the host store and the device, and its ledger of what crossed (this window's)
+    self.link = Link(not self.shared, self._copies(dev) if not self.shared else None)
+    self.ledger, self.finite, self.written, self.projections = self.link.ledger, [], {}, {}
     self.kept, self.carried, self.structs, self.rng, self.stats, self.count, self.spans = {}, {}, {}, {}, {}, {}, []
     self.random_chunked = []  # stages that drew random numbers chunk by chunk
     # chunks run with their graph, kept for the backward (not recomputed): the last stage's last chunk, and every chunk
@@ -471,6 +515,7 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
         self.spans.append([])
         self._stage_forward(s, dev, chunk)
     if self.random_chunked: self._say_random()
+    self._say_not_finite()
     self.store_costs[self.signature, self.autocast] = max(map(self._store_bytes, range(len(self.stages)))) / self.W
     return self._output(dev)
 
@@ -526,7 +571,9 @@ def _sized(self, s:int, cost:float, chunk:int) -> int:
 
 def _cost_key(self, s:int) -> tuple:
     "Stage `s` (its nodes, the inputs' shapes and dtypes, training's autocast): what its bytes per sample depend on."
-    return self.nodes[self.stages[s][0]].name, len(self.stages[s]), self.signature, self.autocast
+    # an empty first stage: a BatchNorm on the model's input
+    first = self.nodes[self.stages[s][0]].name if self.stages[s] else ''
+    return first, len(self.stages[s]), self.signature, self.autocast
 
 def _stage_cost(self, env:dict, n:int, saved:dict) -> float:
     "Bytes per sample one chunk of a stage holds in its backward, from its forward on `n` samples with a graph."
@@ -615,8 +662,8 @@ def _output(self, dev):
     # a dict, tuple or list: torchvision's segmentation models
     def value(n):
         if not isinstance(n, fx.Node): return n
-        if n in self.kept: return _to(self.kept[n], dev)
-        if n in self.structs: return self._struct(n, 0, self.W, lambda key: _to(self.kept[key], dev))
+        if n in self.kept: return self._read(self.kept[n], dev)
+        if n in self.structs: return self._struct(n, 0, self.W, lambda key: self._read(self.kept[key], dev))
         if n in self.carried: return self._carried(n, 0, self.W)
         return self._value(n, {}, self.xb)  # a model input returned as it is
     return _plain_containers(map_aggregate(self.output.args[0], value))
@@ -643,15 +690,34 @@ def _close(self, bar, st:ChannelStats):
     mean, var = st.mean.to(dt), st.biased_var.to(dt)
     self.stats[bar], self.count[bar] = (mean, var, torch.rsqrt(var + m.eps)), st.count
     if not (m.training and m.track_running_stats): return
-    if not bool(torch.isfinite(st.mean).all() & torch.isfinite(st.m2).all()):
-        warnings.warn(f"staged exact: {bar.target}'s window statistics are not finite (a NaN or inf in its input): "
-                      "its running statistics are not updated for this window", RuntimeWarning, stacklevel=3)
-        return
-    momentum_step(m, st.mean, st.var)
+    # a window whose statistics are not finite (a NaN or inf in the input) commits none: decided on the device, and
+    # said at the forward's end (`_say_not_finite`), so that no layer waits for the device
+    finite = torch.isfinite(st.mean).all() & torch.isfinite(st.m2).all()
+    self.finite.append((bar, finite))
+    momentum_step(m, st.mean, st.var, finite)
+
+def _say_not_finite(self):
+    "Warn about each layer whose window statistics were not finite (its running statistics kept): one sync a window."
+    if not self.finite: return
+    self.link.sync()
+    for (bar, _), ok in zip(self.finite, torch.stack([f for _, f in self.finite]).tolist()):
+        if not ok: warnings.warn(f"staged exact: {bar.target}'s window statistics are not finite (a NaN or inf in "
+                                 "its input): its running statistics are not updated for this window", RuntimeWarning,
+                                 stacklevel=4)
+    self.finite = []
+
+def _copies(self, dev) -> Copies:
+    "How the link issues its writes to the host: on a CUDA stream of their own (made once per step), else as they come."
+    if self.writes is not None: return self.writes
+    if dev.type != 'cuda': return Copies()
+    if getattr(self, '_cuda_copies', None) is None: self._cuda_copies = CudaCopies(dev)
+    return self._cuda_copies
 
 StagedStep.forward = _forward
 StagedStep._output = _output
 StagedStep._close = _close
+StagedStep._say_not_finite = _say_not_finite
+StagedStep._copies = _copies
 StagedStep._stage_forward = _stage_forward
 StagedStep._say_random = _say_random
 StagedStep._kept_bytes = _kept_bytes
@@ -677,39 +743,42 @@ def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shap
     autocast = torch.autocast(dev.type, dtype=self.autocast) if self.autocast else nullcontext()
     for s in reversed(range(len(self.stages))):
         bar = self.bars[s]
-        outs = [n for n in self.stage_out[s] if any(k in grads for k in self._keys(n))]
+        outs = [n for n in self.stage_out[s] if any(k in grads or k in self.projections for k in self._keys(n))]
         # the barrier's input gradient with its statistics held fixed (window-sized, in `store`); Σ g, Σ g·x̂
         fixed, sums = {}, None
         # autograd asked only for this stage's parameters
         used = [index[id(p)] for p in self.stage_params[s] if id(p) in index]
         affine = self._affine_sums(s, bar, index, pgrads) if bar is not None else None
+        if not outs and bar is None: continue  # no gradient reaches it (the empty stage before an input's BatchNorm)
         # chunks whose graph the forward kept first: they are not held while the others are recomputed
         for a, b in sorted(self.spans[s], key=lambda span: (s, span[0]) not in self.graphs):
             kept = self.graphs.pop((s, a), None)  # its graph, from the forward
             env, leaf = kept if kept is not None else self._recomputed(s, a, b, dev, autocast)
             self._check_carried(s, env)
-            pairs = [(t, _to(grads[k][a:b], dev)) for n in outs for k, t in self._struct_keys(n, env[n])
-                     if k in grads and t.requires_grad]
+            pairs = [(t, self._out_grad(grads, k, a, b, t)) for n in outs for k, t in self._struct_keys(n, env[n])
+                     if (k in grads or k in self.projections) and t.requires_grad]
             leaves = [(k, t) for n in self.stage_in[s] if n in env for k, t in self._struct_keys(n, env[n])
                       if t.requires_grad]
             got = self._grads(pairs, [t for _, t in leaves] + ([leaf] if leaf is not None else []), params, pgrads,
                               used)
             for k, g in zip([k for k, _ in leaves], got):  # (a loop's `_` would hold the last leaf)
-                if g is not None: self._keep(grads, k, g, a, b, add=True)
+                if g is not None: self._add_grad(grads, k, g, a, b)
             if bar is not None:
                 g = got[-1] if got and got[-1] is not None else torch.zeros_like(leaf)
                 if affine is None: sums = self._window_sums(bar, leaf.detach(), g, sums)
-                self._keep(fixed, bar, g, a, b)
+                self._keep(fixed, bar, g, a, b, 'grad')
             kept = env = leaf = pairs = leaves = got = g = None  # freed before the next chunk is recomputed
         if affine is not None: sums = affine()
         self._recycle([grads.pop(k, None) for n in outs for k in self._keys(n)])
-        if bar is not None: self._project(s, bar, fixed.get(bar), sums, grads)
-        self._recycle(fixed.values())
+        self._recycle([p[0] for n in outs for k in self._keys(n) for p in self.projections.pop(k, ())])
+        if bar is not None: self._project(s, bar, fixed.get(bar), sums)
         self._recycle([self.kept.pop(k) for n in self.freed[s] for k in self._keys(n) if k in self.kept])
     # the store's tensors, for the next window; not the output's (the model returned them)
     returned = {k for n in self.output.all_input_nodes for k in self._keys(n)}
     self._recycle([t for k, t in itertools.chain(self.kept.items(), grads.items()) if k not in returned])
-    self.kept = self.carried = self.structs = self.xb = self.graphs = None
+    self._recycle([p[0] for ps in self.projections.values() for p in ps])
+    self.link.done()  # what is computed next (the optimizer's step) waits for every write
+    self.kept = self.carried = self.structs = self.xb = self.graphs = self.projections = self.written = None
     if own:
         for p, g in zip(params, pgrads):
             if g is not None: p.grad = g if p.grad is None else p.grad + g
@@ -830,19 +899,33 @@ def _window_sums(self, bar, x:Tensor, g:Tensor, sums:Tensor|None) -> Tensor:
     return part if sums is None else sums + part
 
 @torch.no_grad()
-def _project(self, s:int, bar, fixed:Tensor, sums:Tensor, grads:dict):
-    "BatchNorm's exact backward at `bar`, chunk by chunk: dx = g - (Σ g + x̂ Σ g·x̂) / n over the window."
-    # under DDP the window is all processes' windows: one collective per layer, as SyncBatchNorm's backward
+def _project(self, s:int, bar, fixed:Tensor, sums:Tensor):
+    "BatchNorm's exact backward at `bar`, from its window sums: dx = g - (Σ g + x̂ Σ g·x̂) / n, kept for `_out_grad`."
+    # under DDP the window is all processes' windows: one collective per layer, as SyncBatchNorm's backward. dx is
+    # computed where its input is on the device already: in the backward of the stage that made it, chunk by chunk
     if world_size() > 1 and not self.local: dist.all_reduce(sums)
-    dev, n, (mean, _, invstd) = sums.device, self.count[bar], self.stats[bar]
+    x = bar.args[0]
+    if not isinstance(x, fx.Node) or x.op == 'placeholder':  # a model input: no gradient to pass on
+        return self._recycle([fixed])
+    n, (mean, _, invstd) = self.count[bar], self.stats[bar]
     shape = [1, -1] + [1] * (fixed.dim() - 2)
     s1, s2 = (sums / n).unbind(0)
-    # dx = g - s1 - (x - mean)·(invstd·s2): one temporary, in the sums' (at least float32) precision
-    mean, scale, s1 = mean.to(sums.dtype).view(shape), (invstd.to(sums.dtype) * s2).view(shape), s1.view(shape)
-    for a, b in self.spans[s]:
-        g = _to(fixed[a:b], dev)
-        dx = (mean - self._chunk(bar.args[0], a, b, dev).to(sums.dtype)).mul_(scale).add_(g).sub_(s1)
-        self._keep(grads, bar.args[0], dx.to(g.dtype), a, b, add=True)
+    scale = (invstd.to(sums.dtype) * s2).view(shape)
+    self.projections.setdefault(x, []).append((fixed, mean.to(sums.dtype).view(shape), scale, s1.view(shape)))
+
+@torch.no_grad()
+def _out_grad(self, grads:dict, k, a:int, b:int, x:Tensor) -> Tensor:
+    "The gradient of samples a:b of kept value `k`, whose chunk on the device is `x`: stored, plus BatchNorm's dx."
+    # dx = g - s1 - (x - mean)·(invstd·s2) for each BatchNorm reading `x`: one temporary, in the sums' (at least
+    # float32) precision
+    # dx is written over the fixed gradient's chunk (read for this chunk alone), so no chunk-sized gradient is added
+    # to what the chunk's backward holds
+    g = self._grad_chunk(grads, k, a, b, x.device) if k in grads else None
+    for fixed, mean, scale, s1 in self.projections.get(k, ()):
+        f = self._read(fixed[a:b], x.device)
+        f.copy_((mean - x.detach().to(mean.dtype)).mul_(scale).add_(f).sub_(s1))
+        g = f if g is None else f.add_(g)
+    return g
 
 StagedStep.backward = _backward
 StagedStep._grads = _grads
@@ -854,6 +937,7 @@ StagedStep._param_readers = _param_readers
 StagedStep._bar_params = _bar_params
 StagedStep._window_sums = _window_sums
 StagedStep._project = _project
+StagedStep._out_grad = _out_grad
 
 # %% ../nbs/02b_staged_exact.ipynb #23d35454
 class _StagedFunction(torch.autograd.Function):

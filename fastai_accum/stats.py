@@ -153,9 +153,15 @@ def all_reduce_stats(stats:list, # `ChannelStats` to merge across processes, the
 def momentum_step(bn, # a BatchNorm layer that tracks running statistics
                   mean:Tensor, # the batch's mean per channel
                   var:Tensor, # the batch's unbiased variance per channel
+                  where:Tensor|None=None, # a bool tensor: take the step only if it is True (decided on the device)
                  ):
     "One momentum step of `bn`'s running statistics toward a batch's `mean` and `var`."
-    bn.num_batches_tracked.add_(1)
-    f = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+    # with `where`, nothing waits for the device: a step not taken leaves the buffers and the count as they were
+    if where is None: bn.num_batches_tracked.add_(1)
+    else: bn.num_batches_tracked.add_(where.to(bn.num_batches_tracked.dtype))
+    if bn.momentum is not None: f = bn.momentum
+    elif where is None: f = 1.0 / float(bn.num_batches_tracked)
+    else: f = 1.0 / bn.num_batches_tracked.to(mean.dtype).clamp(min=1)
     for buf, new in ((bn.running_mean, mean), (bn.running_var, var)):
-        buf.copy_(buf.to(new.dtype) * (1 - f) + new.to(buf.device) * f)
+        stepped = buf.to(new.dtype) * (1 - f) + new.to(buf.device) * f
+        buf.copy_(stepped if where is None else torch.where(where, stepped, buf.to(new.dtype)))

@@ -101,9 +101,9 @@ def test_fp16_autocast_with_grad_scaler_through_the_staged_step(monkeypatch):
     plain fp16 autocast's error against float64 (stated tolerance; both about 1e-3 relative)."""
     from fastai_accum.staged_exact import _project
     sums = []  # the window sums each projection uses (from a pass over the chunks, or the layer's own weight and bias gradients)
-    def spy(self, s, bar, fixed, window_sums, grads):
+    def spy(self, s, bar, fixed, window_sums):
         sums.append(window_sums)
-        return _project(self, s, bar, fixed, window_sums, grads)
+        return _project(self, s, bar, fixed, window_sums)
     monkeypatch.setattr(StagedStep, '_project', spy)
     torch.manual_seed(0); ref = Unscaled().double().train()
     batches = windows(n_win=1, n_step=8, bs=4, dtype=torch.float32, scale=3., size=16)

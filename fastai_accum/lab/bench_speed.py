@@ -250,11 +250,14 @@ def fit_peak(model, x:Tensor, # the model (it trains) and a window of its inputs
 # %% ../../nbs/21_bench_speed.ipynb #e35a0005
 def _on_host_store(step, meter:LiveBytes):
     "Count what `step` keeps between stages (values, their gradients) as host memory, where an accelerator keeps it."
-    keep = step._keep
-    def kept(d, n, v, a, b, add=False):
-        with meter.as_host(): keep(d, n, v, a, b, add)
+    keep, add = step._keep, step._add_grad
+    def kept(d, n, v, a, b, kind='kept'):
+        with meter.as_host(): keep(d, n, v, a, b, kind)
         meter.to_host(d[n])
-    step._keep = kept
+    def added(grads, k, g, a, b):
+        with meter.as_host(): add(grads, k, g, a, b)
+        meter.to_host(grads[k])
+    step._keep, step._add_grad = kept, added
     return keep
 
 def _train(model, x:Tensor):
@@ -275,7 +278,7 @@ def _device_peak(fn, dev, step=None) -> int:
         own = _on_host_store(step, meter) if step is not None else None
         try: fn()
         finally:
-            if own is not None: del step._keep  # back to the class's
+            if own is not None: del step._keep, step._add_grad  # back to the class's
     return meter.peak
 
 def _fastest(fn, dev, reps:int) -> float:

@@ -44,7 +44,9 @@ def _example(*lines) -> str: return 'Example:\n' + '\n'.join(f'  fastai-accum {l
 _examples = dict(demo=_example('demo mnist', 'demo mnist --settings forum --epochs 1'),
                  bench=_example('bench speed --quick', 'bench accuracy --quick', 'bench gradient --models vision_resnet18'),
                  accuracy=_example('bench accuracy --quick'), speed=_example('bench speed --quick'),
-                 gradient=_example('bench gradient --models vision_resnet18 --at 0'))
+                 gradient=_example('bench gradient --models vision_resnet18 --at 0'),
+                 ledger=_example('bench ledger --model resnet50 --size 224 --window 16',
+                                 'bench ledger --model resnet18 --size 32 --window 8 --amp bf16'))
 _examples['build-single-file'] = _example('build-single-file fastai_accum_single.py')
 
 def _sub(sub, name:str, help:str):
@@ -64,6 +66,11 @@ def _bench_args(p):
         sp = _sub(sub, 'speed', 'Per-micro-batch overhead, memory (the step\'s and a whole fit\'s) and all-reduces per window')
         add_speed_args(sp)
         sp.set_defaults(run=speed_main)
+    from fastai_accum.lab.bench_ledger import add_ledger_args, ledger_main
+    led = _sub(sub, 'ledger', "One staged window as a GPU runs it (emulated): what crosses the host link, and a "
+                              "predicted time per window on two GPU classes")
+    add_ledger_args(led)
+    led.set_defaults(run=ledger_main)
     try: from fastai_accum.lab.bench_gradient import add_gradient_args, gradient_main
     except ImportError: return
     g = _sub(sub, 'gradient', "One window's gradient per policy against the big batch's (cosine, relative error, "

@@ -1,0 +1,114 @@
+"""The staged step's traffic between its host store and the device, as a GPU would make it (`emulated_accelerator`):
+every copy goes through the link and its ledger counts each one (a dispatch mode counting every op that touches a
+store tensor agrees), no copy blocks the host, no arithmetic runs on host tensors, one sync a window, the bytes at
+the schedule's floor; and the step is the big batch's, also when the writes run as late as a copy stream may."""
+import copy
+import pytest, torch
+from torch import nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from fastai_accum.helpers import emulated_accelerator
+from fastai_accum.link import DeferredCopies, Link
+from fastai_accum.staged_exact import StagedStep, install_staged, uninstall_staged
+
+class Residual(nn.Module):
+    "A BatchNorm on the input, a residual add (a value read by a later stage) and a BatchNorm read twice over a skip."
+    def __init__(self):
+        super().__init__()
+        self.bn0, self.conv1, self.bn1 = nn.BatchNorm2d(3), nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2, self.bn2, self.conv3 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Conv2d(8, 8, 3, padding=1)
+        self.bn3, self.head = nn.BatchNorm2d(8), nn.Linear(8, 3)
+    def forward(self, x):
+        h = F.relu(self.bn1(self.conv1(self.bn0(x))))
+        h = F.relu(self.bn2(self.conv2(h)) + h)
+        h = F.relu(self.bn3(self.conv3(h))) + h
+        return self.head(h.mean((2, 3)))
+
+def _storage(t): return t.untyped_storage().data_ptr()
+
+class StoreTraffic(TorchDispatchMode):
+    "Every op touching a host tensor of the store (or the window's inputs): copies in and out, and any other op."
+    def __init__(self, host:set):
+        super().__init__()
+        self.host, self.h2d, self.d2h, self.copies, self.math = host, 0, 0, 0, []
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view: return out
+        ts = [a for a in args if isinstance(a, torch.Tensor)]
+        on_host = [t for t in ts if _storage(t) in self.host]
+        if not on_host: return out
+        nbytes = lambda t: t.numel() * t.element_size()
+        if func is torch.ops.aten.copy_.default and _storage(ts[0]) in self.host and _storage(ts[1]) not in self.host:
+            self.d2h, self.copies = self.d2h + nbytes(ts[1]), self.copies + 1
+        elif func in (torch.ops.aten._to_copy.default, torch.ops.aten.clone.default):
+            self.h2d, self.copies = self.h2d + nbytes(ts[0]), self.copies + 1
+        else: self.math.append((str(func), sum(map(nbytes, on_host))))
+        return out
+
+def counted_window(monkeypatch, model, x, chunk=2, budget=None):
+    "One staged window of `model` on `x` under `emulated_accelerator`, every op on the store counted independently."
+    host, make = {_storage(x)}, StagedStep._store_tensor
+    def recorded(self, *a, **k):
+        t = make(self, *a, **k)
+        if t.device.type == 'cpu': host.add(_storage(t))
+        return t
+    monkeypatch.setattr(StagedStep, '_store_tensor', recorded)
+    with emulated_accelerator():
+        f = install_staged(model, chunk, budget=budget)
+        try:
+            with StoreTraffic(host) as seen: model(x).pow(2).mean().backward()
+        finally: uninstall_staged(model)
+    return f.step, seen
+
+def test_every_copy_goes_through_the_link_and_the_ledger_counts_it(monkeypatch):
+    torch.manual_seed(0)
+    model, x = Residual().double().train(), torch.randn(8, 3, 8, 8, dtype=torch.float64)
+    step, seen = counted_window(monkeypatch, model, x)
+    led = step.ledger
+    assert len(step.stages) == 5 and led.copies > 20 and repr(step).endswith('nodes, 5 stages)')
+    assert (led.h2d_bytes, led.d2h_bytes, led.copies) == (seen.h2d, seen.d2h, seen.copies)
+    assert seen.math == [] and led.host_math_bytes == 0, seen.math  # no `+=`, no zero-fill on the host
+    assert led.blocking_copies == 0 and led.syncs <= 2
+    # the inputs are read for bn0's statistics, then by the stage bn0 opens: its forward and its recompute
+    assert led.input_bytes == 3 * x.numel() * 8
+    assert led.h2d_bytes + led.d2h_bytes <= 1.05 * led.floor(), (led.h2d_bytes + led.d2h_bytes, led.floor())
+
+def test_on_a_cpu_nothing_crosses(monkeypatch):
+    "Without an accelerator the store is the device's memory: the ledger counts nothing."
+    torch.manual_seed(0)
+    model, x = Residual().double().train(), torch.randn(8, 3, 8, 8, dtype=torch.float64)
+    f = install_staged(model, 2)
+    try: model(x).pow(2).mean().backward()
+    finally: uninstall_staged(model)
+    assert f.step.ledger.copies == 0 and f.step.ledger.h2d_bytes == 0
+
+def _step(model, x, writes=None):
+    "(gradients, running statistics) after one staged window under `emulated_accelerator`, its writes issued by `writes`."
+    m = copy.deepcopy(model)
+    with emulated_accelerator():
+        f = install_staged(m, 2)
+        f.step.writes = writes
+        try: m(x).pow(2).mean().backward()
+        finally: uninstall_staged(m)
+    return [p.grad for p in m.parameters()] + [b for b in m.buffers()]
+
+def test_writes_as_late_as_a_copy_stream_may_give_the_same_step(monkeypatch):
+    """`DeferredCopies` runs each write only when a read waits for it: the step equals the one whose writes run at once,
+    and both equal the big batch (float64); a read that skipped its wait would read the store's old contents."""
+    torch.manual_seed(0)
+    model, x = Residual().double().train(), torch.randn(8, 3, 8, 8, dtype=torch.float64)
+    big = copy.deepcopy(model)
+    big(x).pow(2).mean().backward()
+    ref = [p.grad for p in big.parameters()] + list(big.buffers())
+    at_once, deferred = _step(model, x), _step(model, x, DeferredCopies())
+    for a, b, r in zip(at_once, deferred, ref):
+        assert torch.equal(a, b)
+        assert torch.allclose(a.double(), r.double(), rtol=1e-9, atol=1e-12)
+    wait = Link.read
+    def no_wait(self, t, device, kind='store'):  # the read-after-write guard removed
+        pending, self.pending = self.pending, {}
+        try: return wait(self, t, device, kind)
+        finally: self.pending = pending
+    monkeypatch.setattr(Link, 'read', no_wait)
+    broken = _step(model, x, DeferredCopies())
+    assert any(not torch.equal(a, b) for a, b in zip(at_once, broken))
