@@ -25,6 +25,7 @@ class Ledger:
     kept_bytes:int=0 # values the forward wrote to the store
     grad_bytes:int=0 # gradients the backward wrote to the store
     input_bytes:int=0 # the window's inputs copied onto the device, once per reading
+    ahead_bytes:int=0 # of `h2d_bytes`, those read ahead (`Link.prefetch`): on their own stream, beside the compute
     def floor(self) -> int:
         "The schedule's floor in bytes: each kept value written once and read twice, each gradient written and read once."
         # (the stage after it reads a kept value in its forward and again to recompute), plus the inputs as read
@@ -36,8 +37,9 @@ class Ledger:
 # %% ../nbs/01b_link.ipynb #4a2107da
 class Copies:
     "Copies done as they are issued, in order with the compute: where there is no copy stream (a CPU)."
-    def issue(self, copy, uses:tuple=()) -> object:
-        "Issue `copy()` (a function making one copy that reads the tensors `uses`); an event for `wait`, or None."
+    def issue(self, copy, uses:tuple=(), after=None) -> object:
+        "Issue `copy()` (one copy, using the tensors `uses`), after the copy behind `after`; an event for `wait`, or None."
+        if isinstance(after, _Queued): after.copies.wait(after)  # a test's copy not run yet
         copy()
     def wait(self, event):
         "What is computed from now on waits for the copy behind `event` (None: nothing to wait for)."
@@ -47,10 +49,11 @@ class Copies:
 class CudaCopies(Copies):
     "Copies on a CUDA stream of their own, each after everything the compute stream queued before it."
     def __init__(self, device): self.device, self.stream = torch.device(device), torch.cuda.Stream(device)
-    def issue(self, copy, uses:tuple=()):
+    def issue(self, copy, uses:tuple=(), after=None):
         # after the compute queued so far: the value is computed, and earlier reads of the target (a pooled
-        # tensor of the last window) are done
+        # tensor of the last window) are done; and after `after`, a copy on another stream (a write it reads)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        if after is not None: self.stream.wait_event(after)
         with torch.cuda.stream(self.stream): copy()
         for t in uses: t.record_stream(self.stream)  # its memory is not reused before the copy has read it
         return self.stream.record_event()
@@ -61,27 +64,39 @@ class CudaCopies(Copies):
 class DeferredCopies(Copies):
     "For tests on a CPU: a copy runs only when something waits for it (or for a later one), as late as a stream may."
     def __init__(self): self.queue, self.ran = [], 0
-    def issue(self, copy, uses:tuple=()):
-        self.queue.append(copy)
-        return len(self.queue)
+    def issue(self, copy, uses:tuple=(), after=None):
+        self.queue.append(lambda: (self.wait(after), copy()))
+        return _Queued(self, len(self.queue))
     def wait(self, event):
-        while event is not None and self.ran < event:
-            copy, self.queue[self.ran] = self.queue[self.ran], None
+        if event is None: return
+        copies = event.copies
+        while copies.ran < event.n:
+            copy, copies.queue[copies.ran] = copies.queue[copies.ran], None
+            copies.ran += 1
             copy()
-            self.ran += 1
-    def done(self): self.wait(len(self.queue))
+    def done(self): self.wait(_Queued(self, len(self.queue)))
+
+class _Queued:
+    "A `DeferredCopies` event: its first `n` copies."
+    def __init__(self, copies:DeferredCopies, n:int): self.copies, self.n = copies, n
 
 # %% ../nbs/01b_link.ipynb #bbf4d591
 def _storage(t:Tensor) -> int: return t.untyped_storage().data_ptr()
+
+def _part(t:Tensor) -> tuple:
+    "Which part of which storage `t` is."
+    return _storage(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
 
 class Link:
     "The one door between a staged step's host store and the device: every copy either way, counted in `ledger`."
     def __init__(self,
                  apart:bool, # the store is in memory apart from the device's (False: nothing crosses, nothing counted)
                  writes:Copies|None=None, # how device-to-host writes are issued (default: as they come, `Copies`)
+                 reads:Copies|None=None, # how reads started ahead (`prefetch`) are issued (default: `Copies`)
                 ):
-        self.apart, self.writes, self.ledger = apart, writes or Copies(), Ledger()
+        self.apart, self.writes, self.reads, self.ledger = apart, writes or Copies(), reads or Copies(), Ledger()
         self.host, self.pending = set(), {}  # the store's storages; {storage: the event of its last write}
+        self.fetched = {}  # {`_part(t)`: (event, the copy on the device)} of reads started ahead
 
     def register(self, t:Tensor) -> Tensor:
         "Count `t`, a host tensor of the store, as crossing the link when read or written."
@@ -94,14 +109,32 @@ class Link:
 
     def read(self, t:Tensor, device, kind:str='store') -> Tensor:
         "A copy of `t` (part of the store, or a window input in host memory: `kind='input'`) on `device`."
-        # after the write into its storage, if one is under way; asynchronous from pinned memory
+        # the one `prefetch` started, else one made now: after the write into its storage, if one is under way;
+        # asynchronous from pinned memory
+        hit = self.fetched.pop(_part(t), None)
+        if hit is not None:
+            self.reads.wait(hit[0])
+            return hit[1]
         self.writes.wait(self.pending.get(_storage(t)))
+        self._count_read(t, device, kind)
+        return t.to(device, copy=True, non_blocking=True)
+
+    def prefetch(self, t:Tensor, device, kind:str='store'):
+        "Start the copy `read(t, device, kind)` will hand over, on the read copies' stream (after the write into `t`)."
+        key = _part(t)
+        if key in self.fetched: return
+        self._count_read(t, device, kind)
+        self.ledger.ahead_bytes += _nbytes(t)
+        out = torch.empty(t.shape, dtype=t.dtype, device=device)
+        ev = self.reads.issue(lambda: out.copy_(t, non_blocking=True), (out,), after=self.pending.get(_storage(t)))
+        self.fetched[key] = (ev, out)
+
+    def _count_read(self, t:Tensor, device, kind:str):
         n, led = _nbytes(t), self.ledger
         led.h2d_bytes, led.copies = led.h2d_bytes + n, led.copies + 1
         if kind == 'input': led.input_bytes += n
         if torch.device(device).type == 'cuda' and not t.is_pinned():  # pageable memory: the host waits
             led.blocking_copies, led.syncs = led.blocking_copies + 1, led.syncs + 1
-        return t.to(device, copy=True, non_blocking=True)
 
     def write(self, dst:Tensor, v:Tensor, kind:str):
         "Copy `v` (on the device) into `dst`, part of a host tensor of the store; `kind`: 'kept' (a value) or 'grad'."
@@ -117,6 +150,8 @@ class Link:
         self.ledger.syncs += n
 
     def done(self):
-        "The window is over: what is computed next waits for every write."
+        "The window is over: what is computed next waits for every copy (reads started ahead and not taken dropped)."
         self.writes.done()
+        self.reads.done()
         self.pending.clear()
+        self.fetched.clear()

@@ -91,7 +91,7 @@ class StagedStep(StagedGraph):
     # bytes per sample measured on its first chunk (None: the `grow` rule)
     budget = None
     _readers = None  # `_param_readers`, counted at the first backward
-    writes = None  # how the link issues its writes (`Copies`; None: a CUDA stream of their own on CUDA)
+    writes = reads = None  # how the link issues its writes and reads ahead (`Copies`; None: on CUDA, a stream each)
     ledger = None  # what the last window moved between the host store and the device (`Ledger`)
     def __init__(self,
                  model:nn.Module, # the model (called through its modules; nothing is copied)
@@ -504,7 +504,7 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
     # the store in the memory the budget counts (a CPU's): chunks get what it leaves, and nothing is pooled
     self.shared = not self.apart if self.apart is not None else self.store is None or torch.device(self.store) == dev
     # the one door between the host store and the device, and its ledger of what crossed (this window's)
-    self.link = Link(not self.shared, self._copies(dev) if not self.shared else None)
+    self.link = Link(not self.shared, *(self._copies(dev) if not self.shared else (None, None)))
     self.ledger, self.finite, self.written, self.projections = self.link.ledger, [], {}, {}
     self.kept, self.carried, self.structs, self.rng, self.stats, self.count, self.spans = {}, {}, {}, {}, {}, {}, []
     self.random_chunked = []  # stages that drew random numbers chunk by chunk
@@ -567,7 +567,10 @@ def _sized(self, s:int, cost:float, chunk:int) -> int:
     grads = sum(_nbytes(p) for p in self.stage_params[s] if p.requires_grad)
     # where the store shares the budget's memory (a CPU), what it holds then: in this stage's forward and backward
     store = max(_nbytes(list(self.kept.values())), self._store_bytes(s)) if self.shared else 0
-    return min(self.W, max(chunk, int((self.budget - grads - store) // max(cost, 1.))))
+    # beside a chunk's own bytes, the next one's reads crossing while it computes (`_prefetch`): its inputs and its
+    # outputs' gradients
+    ahead = sum(map(self._kept_bytes, self.stage_in[s] + self.stage_out[s])) / self.W if self.link.apart else 0
+    return min(self.W, max(chunk, int((self.budget - grads - store) // max(cost + ahead, 1.))))
 
 def _cost_key(self, s:int) -> tuple:
     "Stage `s` (its nodes, the inputs' shapes and dtypes, training's autocast): what its bytes per sample depend on."
@@ -617,6 +620,7 @@ def _stage_forward(self, s:int, dev, chunk:int):
         probe, saved = measure and a == 0 and not graph, {}
         grad = graph or probe
         env, xb = self._stage_inputs(s, a, b, dev, grad=grad), self._xb(a, b, dev, grad=grad, s=s)
+        if not (measure and a == 0): self._prefetch(s, _next_span(b, c, self.W, fixed))  # crossing while this computes
         self.rng[s, a] = state = _rng_state(dev)
         with torch.set_grad_enabled(grad), self._saved_counted(saved) if probe else nullcontext():
             leaf = self._run_stage(s, env, xb, grad=grad)
@@ -633,12 +637,19 @@ def _stage_forward(self, s:int, dev, chunk:int):
         with torch.no_grad():
             for n in self.stage_out[s]: self._hold(n, env[n], a, b)
             if bar is not None: st.add(self._value(bar.args[0], env, xb))
-        if measure and a == 0: c = self._sized(s, cost, chunk)  # once its values' window-sized store is made
+        if measure and a == 0:  # once its values' window-sized store is made; then the next chunk's reads start
+            c = self._sized(s, cost, chunk)
+            self._prefetch(s, _next_span(b, c, self.W, fixed))
         if graph:  # what the backward reads: the stage's inputs (leaves) and outputs; the graph holds the rest it needs
             self.graphs[s, a] = {n: env[n] for n in self.stage_in[s] + self.stage_out[s] if n in env}, leaf
         env = xb = leaf = None  # freed before the next chunk is computed
         a = b
     if bar is not None: self._close(bar, st)
+
+def _next_span(b:int, c:int, W:int, fixed:list|None) -> tuple|None:
+    "The chunk after the one ending at `b`: chunks of `c` up to `W`, or the next of the `fixed` spans (None: none)."
+    if fixed: return next((span for span in fixed if span[0] == b), None)
+    return (b, min(b + c, W)) if b < W else None
 
 def _say_random(self):
     "Warn once that some stages drew their random numbers (dropout masks) chunk by chunk."
@@ -706,18 +717,43 @@ def _say_not_finite(self):
                                  stacklevel=4)
     self.finite = []
 
-def _copies(self, dev) -> Copies:
-    "How the link issues its writes to the host: on a CUDA stream of their own (made once per step), else as they come."
-    if self.writes is not None: return self.writes
-    if dev.type != 'cuda': return Copies()
-    if getattr(self, '_cuda_copies', None) is None: self._cuda_copies = CudaCopies(dev)
-    return self._cuda_copies
+def _copies(self, dev) -> tuple:
+    "How the link issues its writes and its reads ahead: each on a CUDA stream of its own (made once per step), else as they come."
+    if getattr(self, '_cuda_copies', None) is None and dev.type == 'cuda':
+        self._cuda_copies = CudaCopies(dev), CudaCopies(dev)
+    made = self._cuda_copies if dev.type == 'cuda' else (Copies(), Copies())
+    return self.writes or made[0], self.reads or made[1]
+
+def _prefetch(self, s:int, span, grads:dict|None=None):
+    "Start the reads of chunk `span` (a, b) of stage `s` (None: none), so they cross while this chunk computes."
+    # the forward's: its inputs kept by earlier stages and the window's inputs; the backward's (`grads`): those again
+    # for its recompute (not for a chunk whose graph the forward kept), its outputs' gradients and BatchNorm's fixed ones
+    if span is None or not self.link.apart: return
+    a, b = span
+    dev = _device(self.model, self.xb)
+    if grads is None or (s, a) not in self.graphs:
+        for n in self.stage_in[s]:
+            if n.op == 'placeholder' or (n in self.carried and n not in self.structs): continue
+            for k in self._keys(n):
+                if k in self.kept and self.link.holds(self.kept[k]): self.link.prefetch(self.kept[k][a:b], dev)
+        if self.reads_input[s]:
+            for t in self.xb:
+                if isinstance(t, Tensor) and t.device.type == 'cpu': self.link.prefetch(t[a:b], dev, 'input')
+    if grads is None: return
+    for n in self.stage_out[s]:
+        for k in self._keys(n):
+            t = grads.get(k)
+            if t is not None and self.link.holds(t) and any(u < b and a < e for u, e in self.written.get(k, ())):
+                self.link.prefetch(t[a:b], dev)
+            for fixed, *_ in self.projections.get(k, ()):
+                if self.link.holds(fixed): self.link.prefetch(fixed[a:b], dev)
 
 StagedStep.forward = _forward
 StagedStep._output = _output
 StagedStep._close = _close
 StagedStep._say_not_finite = _say_not_finite
 StagedStep._copies = _copies
+StagedStep._prefetch = _prefetch
 StagedStep._stage_forward = _stage_forward
 StagedStep._say_random = _say_random
 StagedStep._kept_bytes = _kept_bytes
@@ -751,7 +787,9 @@ def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shap
         affine = self._affine_sums(s, bar, index, pgrads) if bar is not None else None
         if not outs and bar is None: continue  # no gradient reaches it (the empty stage before an input's BatchNorm)
         # chunks whose graph the forward kept first: they are not held while the others are recomputed
-        for a, b in sorted(self.spans[s], key=lambda span: (s, span[0]) not in self.graphs):
+        order = sorted(self.spans[s], key=lambda span: (s, span[0]) not in self.graphs)
+        for i, (a, b) in enumerate(order):
+            self._prefetch(s, order[i + 1] if i + 1 < len(order) else None, grads)  # crossing while this one computes
             kept = self.graphs.pop((s, a), None)  # its graph, from the forward
             env, leaf = kept if kept is not None else self._recomputed(s, a, b, dev, autocast)
             self._check_carried(s, env)

@@ -137,11 +137,14 @@ def one_batch_window(model, opt, xs, ys, loss_func, plan, dev=None):
     loss.backward()
     opt.step(); opt.zero_grad()
 
+last_ledger = {}  # the staged step's last window: what crossed the host link (`fastai_accum.link.Ledger`)
+
 def staged_window(model, opt, xs, ys, loss_func, chunk):
     "The window as one batch through a staged exact step in chunks of `chunk` (its inputs and kept values in host memory on an accelerator)."
-    install_staged(model, chunk)
+    f = install_staged(model, chunk)
     try: one_batch_window(model, opt, xs, ys, loss_func, plan=None)
     finally: uninstall_staged(model)
+    last_ledger['staged'] = f.step.ledger
 
 def timed(fn, dev, reps):
     fn(); sync(dev)  # warm-up (cuDNN autotuning, allocator, pinned host blocks)
@@ -195,6 +198,8 @@ def main():
             est = ('' if plan is None else f'  host traffic: {fmt_bytes(2 * on_device.staged_host_needed + sum(x.nbytes for x in xs))} per window (kept values out and back, inputs in)'
                    if plan == 'staged' else f'  estimate: device {fmt_bytes(plan.device_needed)}, host {fmt_bytes(plan.host_needed)}')
             print(f'window {w:4d}  {name:20s} {secs:8.3f} s/window  peak {fmt_bytes(mem) if mem == mem else "n/a":>10s}{est}', flush=True)
+            if plan == 'staged' and 'staged' in last_ledger:  # beside the time it took: the cost model's inputs
+                print(f'window {w:4d}  {last_ledger["staged"].line()} (predicted by `fastai-accum bench ledger`)', flush=True)
         def vs(name): return res[name][0] / res['naive'][0], res[name][1] / res['naive'][1] if res['naive'][1] == res['naive'][1] and res['naive'][1] else float('nan')
         summary[w] = vs('exact, host offload') + vs('staged exact')
     print(' '.join(f'exact_time_vs_naive_w{w}={t:.2f} exact_peak_vs_naive_w{w}={m:.2f} staged_time_vs_naive_w{w}={ts:.2f} '

@@ -87,7 +87,10 @@ def predict_window(r:dict, # `ledger_window`'s result
     run = lambda flops, ops: max(flops / thr, ops * launch)
     whole = run(r['flops_naive'], r['ops_whole'])
     compute = run(r['flops_staged'], r['ops_staged'])
-    staged = max(compute, led.d2h_bytes / link) + led.h2d_bytes / link + led.syncs * g['sync_us'] * 1e-6
+    # reads ahead and writes on streams of their own, beside the compute (the link carries both ways at once); the
+    # other reads (a stage's first chunk) and the syncs in series with it
+    beside = max(compute, led.ahead_bytes / link, led.d2h_bytes / link)
+    staged = beside + (led.h2d_bytes - led.ahead_bytes) / link + led.syncs * g['sync_us'] * 1e-6
     return dict(naive=run(r['flops_naive'], r['ops_naive']), staged=staged, whole=whole,
                 offloaded=whole + 2 * r['saved_whole'] / link)
 
@@ -110,7 +113,7 @@ def ledger_report(r:dict) -> str:
                      f"naive), whole {p['whole']:.3f}, offloaded {p['offloaded']:.3f}")
         lines.append(f"    assumes {g['what']}: link {g['link_GBps']:.0f} GB/s pinned, sync {g['sync_us']:.0f} us, "
                      f"launch {g['launch_us']:.0f} us a kernel, {g['tflops'][r['amp']]} TFLOP/s effective "
-                     f"({g['fitted']}); staged writes overlap compute, reads and syncs do not")
+                     f"({g['fitted']}); staged writes and reads ahead overlap compute, other reads and syncs do not")
     return '\n'.join(lines)
 
 # %% ../../nbs/23_bench_ledger.ipynb #1139b704
