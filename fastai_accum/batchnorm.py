@@ -82,7 +82,8 @@ class WindowNormFunction(torch.autograd.Function):
         dx = (g - mean_g.view(shape) - xhat * mean_gx.view(shape)) * invstd
         dx = dx.to(x.dtype)
         if weight is None: return dx, None, None, None, None, None, None
-        return dx, (gy * xhat).sum(dims).to(weight.dtype), gy.sum(dims).to(weight.dtype), None, None, None, None
+        db = gy.sum(dims).to(weight.dtype) if ctx.needs_input_grad[2] else None  # no bias: `bias=False`
+        return dx, (gy * xhat).sum(dims).to(weight.dtype), db, None, None, None, None
 
 # %% ../nbs/01_batchnorm.ipynb #50e7f4b8
 def _after_norm(m:nn.Module, x):
@@ -281,7 +282,8 @@ def _renormalize(self:AccumulateBatchNorm, x, mean, var):
         r, d = (std_b / std_w).to(var.dtype), ((mean_b - mean.to(acc)) / std_w).to(var.dtype)
     # (x - mean_b)/std_b * r + d == (x - mean)/std_w: the forward is the window's; the fused backward projects
     # with the micro-batch's statistics, keeping BatchNorm's invariances exactly in every micro-batch
-    w, b = (self.weight * r, self.bias + self.weight * d) if self.affine else (r, d)
+    w, b = (r, d) if self.weight is None else (self.weight * r, self.weight * d)
+    if self.bias is not None: b = b + self.bias  # torch's `bias=False`: a weight without a bias
     return F.batch_norm(x, None, None, w, b, True, 0., self.eps)
 
 # %% ../nbs/01_batchnorm.ipynb #8e9e5472

@@ -85,7 +85,7 @@ def _start_fit(self:GradientAccumulation):
 @patch
 def before_train(self:GradientAccumulation):
     "Each epoch's training starts: the model is in the modes it trains in (`BnFreeze` too), in DDP if distributed."
-    if not self._fitting: self._start_fit()
+    if not self._fitting: self._check_batches(); self._start_fit()
     self._t0 = time.perf_counter()
     self.acc.use_model(self.learn.model)  # fastai's DistributedTrainer wrapped it in DDP after our before_fit
     if self.acc.needs_setup(): self._choose()
@@ -124,6 +124,17 @@ def _check_batch_size(self:GradientAccumulation):
     if self.n_acc is not None and bs and bs > self.n_acc:
         raise ValueError(f"GradientAccumulation: the training DataLoader's bs={bs} is larger than the effective batch "
                          f"n_acc={self.n_acc}; lower bs or raise n_acc")
+
+@patch
+def _check_batches(self:GradientAccumulation):
+    "Refuse a fit whose training DataLoader gives no batch (fewer samples than bs, the last batch dropped)."
+    # checked when training starts: `validate` and `get_preds` run `before_fit` too, and need no training batch
+    train = self.dls.train
+    if len(train): return
+    n, bs = len(getattr(train, 'dataset', ())), getattr(train, 'bs', None)
+    raise ValueError(f"GradientAccumulation: the training set has fewer samples ({n}) than bs={bs}, and fastai drops "
+                     "the incomplete last batch (drop_last=True): an epoch has no training batch to accumulate. "
+                     "Lower bs (and n_step/n_acc with it).")
 
 @patch
 def _check_epoch(self:GradientAccumulation):

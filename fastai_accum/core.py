@@ -12,12 +12,12 @@ from fastcore.basics import patch
 from .batchnorm import AccumulateBatchNorm, wrap_bn, bn_layers, unwrap_layer
 from .staged import untraceable_reason, bn_graph
 from .prepass import window_prepasses, bn_preflight
-from .exact import saved_on_host, release_pinned, optimizer_state, held_bytes
+from .exact import saved_on_host, release_pinned, optimizer_state, held_bytes, check_budget
 from .plan import TrainingPlan, plan_training, check_policy
 from .staged_exact import install_staged, uninstall_staged
 from .ghost import install_ghost, uninstall_ghost
 from .distributed import world_size
-from .helpers import _tensors, _batch_like, split_batch, peek_batches, place_batch
+from .helpers import _tensors, _batch_like, split_batch, peek_batches, place_batch, materialize_lazy
 from .window import (AccumulationWindow, WindowLoader, validate_window_args, _check_count, scale_grads,
                                  commit_window, drop_window, batch_size, cat_batches, window_exceeds_epoch)
 
@@ -50,6 +50,7 @@ def accumulation_options(kwargs:dict, # options a front end was given (`Accumula
     if bad: raise TypeError(f"{name}() got an unexpected keyword argument {bad[0]!r}")
     options.update(kwargs)
     options.update({k: _check_count(k, options[k]) for k in _counts})  # plain ints (numpy integers too)
+    options.update({k: check_budget(k, options[k]) for k in ('device_memory', 'host_memory')})  # bytes; '4GB'
     size = validate_window_args(options['n_step'], options['n_acc'], options['partial'], loss_reduction)
     options['n_step'], options['n_acc'] = size
     options['policy'] = check_policy(options['policy'], name, options['bn_batch'], whole_windows)
@@ -135,11 +136,13 @@ class _CorePlan:
         self.installer.uninstall_forwards(self.module)  # measuring runs the model's own forward
         self._modes = self._bn_modes()
         peek = b if callable(b) else lambda: b
+        materialize_lazy(self.module, lambda: tuple(self.inputs(peek())))  # a lazy module takes its shapes before planning
         self.how = plan_training(self.policy, self.module, lambda: tuple(self.inputs(peek())), self.n_step, self.n_acc,
                                  wrap=self.wrap, bn_batch=self.bn_batch, name=self.name, offload=self.offload,
                                  device_memory=self.device_memory, host_memory=self.host_memory, verify=self.verify,
                                  autocast=self.autocast, opt_state=optimizer_state(self.optimizer),
                                  held=held_bytes(self.module, self.optimizer))
+        if self.how.model_eval and self.how.n_bn: warnings.warn(self.how.headline())  # said with or without pre-flight
         self.find_bns()
 
     def _bn_modes(self) -> tuple: return tuple(m.training for m in bn_layers(self.module))
@@ -169,10 +172,10 @@ class _CorePreflight:
         if self.how.layers is None or self.how.exact or not self.bns: return head
         self.table = self.preflight_table(xb)
         lines = [head] if head else []
-        lines.append(_summary(self.table, self.bns[0].policy))
+        lines.append(_summary(self.table, self.bns[0].policy, self.name))
         why = untraceable_reason(self.module) if self.needs_window else None
         fx_why = bn_graph(self.module) if why else None  # torch.fx's own words, said once
-        if why and not any(fx_why in l for l in lines): lines.append(f"GradientAccumulation: {why}")
+        if why and not any(fx_why in l for l in lines): lines.append(f"{self.name}: {why}")
         return '\n'.join(lines)
 
     def preflight_table(self, xb:tuple, # one micro-batch's model inputs
@@ -193,11 +196,12 @@ _says = {'window': "each micro-batch is normalized with the whole window's stati
 
 def _summary(t, # `bn_preflight`'s table
              policy:str, # the accumulating layers' policy
+             name:str='GradientAccumulation', # the front end, who speaks
             ) -> str:
     "The pre-flight's lines for micro-batch training: what `policy` does, the layers at risk, the pre-pass."
     risk, prepass = int(t.at_risk.sum()), next((p for p in t.prepass if p != '-'), None)
     means = " (their backward uses the previous window's means)" if risk and policy == 'window' else ''
-    s = (f"GradientAccumulation: policy {policy!r} on {len(t)} BatchNorm layers: {_says.get(policy, policy)}. {risk} "
+    s = (f"{name}: policy {policy!r} on {len(t)} BatchNorm layers: {_says.get(policy, policy)}. {risk} "
          f"of them {'sees' if risk == 1 else 'see'} < 32 values per channel per micro-batch{means}")
     if prepass:
         s += f"; pre-pass: {prepass}"
@@ -433,7 +437,9 @@ class Accumulation(_CorePlan, _CorePreflight, _CoreLoop, _CorePlacing, _CoreEven
         self.merge_exact, self.name, self.optimizer = given['merge_exact'], given['name'], given['optimizer']
         self._params, self._say = given['params'], given['preflight']
         self.use_model(model)
-        self.device = given['device'] if given['device'] is not None else next(self.module.parameters()).device
+        first = next(self.module.parameters(), None)
+        if first is None: raise ValueError(f"{self.name}: the model has no parameters: no gradients to accumulate")
+        self.device = given['device'] if given['device'] is not None else first.device
         self.window = AccumulationWindow(self.n_step, self.n_acc, self.loss_reduction)
         self.installer = BatchNormInstaller(self.wrap, self.merge_exact, self.bn_batch, self.autocast)
         self.how, self.bns, self.needs_window, self.table, self._modes = None, [], False, None, None
@@ -505,7 +511,7 @@ class FrontEnd:
         "Print how this fit trains (and that it changed since the last fit said); the path said."
         if _console_bar(getattr(self, 'learn', None)): print()  # a terminal's progress bar ends without a newline: start a line
         if said is not None:
-            print(f"GradientAccumulation: this fit trains otherwise than the one before ({said!r} -> {self.path!r}):")
+            print(f"{self.acc.name}: this fit trains otherwise than the one before ({said!r} -> {self.path!r}):")
         print(self.acc.preflight(xb))
         self._table = self.acc.table  # the table behind it, for `preflight_table` after the fit
         return self.path

@@ -5,7 +5,7 @@ batch's, exactly; the window's saved activations go to host memory when the acce
 
 # %% ../nbs/02a_exact.ipynb #43c0896b
 from __future__ import annotations
-import contextlib
+import contextlib, numbers, re
 from dataclasses import dataclass
 import torch
 from torch import nn
@@ -17,8 +17,9 @@ from .distributed import world_size
 from .helpers import random_state_kept, modes_kept, is_accelerator, can_pin
 
 # %% auto #0
-__all__ = ['leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'plan_exact',
-           'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged']
+__all__ = ['leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory',
+           'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host',
+           'staging_budget', 'measure_staged']
 
 # %% ../nbs/02a_exact.ipynb #a31cf6dc
 @contextlib.contextmanager
@@ -228,6 +229,23 @@ def free_memory(device:torch.device) -> tuple:
     free, _ = torch.cuda.mem_get_info(device)
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), host  # plus torch's cache
 
+_byte_units = {'': 1, 'b': 1, 'kb': 10**3, 'mb': 10**6, 'gb': 10**9, 'tb': 10**12,
+               'kib': 2**10, 'mib': 2**20, 'gib': 2**30, 'tib': 2**40}
+
+def check_budget(name:str, # the option, named in errors: 'device_memory' or 'host_memory'
+                 value, # bytes (an int, or a float such as 4e9), a string such as '4GB' or '512 MiB', or None
+                ) -> int|None:
+    "A memory budget as a positive number of bytes (None: the default); anything else refused, naming `name`."
+    if value is None: return None
+    if isinstance(value, str):
+        m = re.fullmatch(r'\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?b|b)?\s*', value, re.IGNORECASE)
+        if m is None: raise ValueError(f"{name}={value!r}: give bytes as a number or a string such as '4GB' or '512MiB'")
+        value = float(m[1]) * _byte_units[(m[2] or '').lower()]
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name}={value!r}: give bytes as a number or a string such as '4GB' or '512MiB'")
+    if not value >= 1: raise ValueError(f"{name}={value!r}: a memory budget must be a positive number of bytes")
+    return int(value)
+
 def plan_exact(model:nn.Module, # the model to train
                xb:tuple, # one micro-batch of its inputs (measured, nothing changes)
                window:int, # samples per window
@@ -239,6 +257,7 @@ def plan_exact(model:nn.Module, # the model to train
                held:int|None=None, # bytes alive now that count against the budget (default: `held_bytes(model)`)
               ) -> ExactPlan:
     "Measure `model` on `xb` and plan training a window of `window` samples as one batch."
+    device_memory, host_memory = check_budget('device_memory', device_memory), check_budget('host_memory', host_memory)
     fp = measure_footprint(model, *xb, autocast=autocast)
     device = _device(model, xb)
     dev_free, host_free = free_memory(device)

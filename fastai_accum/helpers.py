@@ -10,12 +10,13 @@ import numpy as np
 import torch
 from torch import nn, Tensor
 from torch.nn.modules.dropout import _DropoutNd
+from torch.nn.modules.lazy import LazyModuleMixin
 from torch.fx.node import map_aggregate
 
 # %% auto #0
 __all__ = ['place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept',
            'ReplacedForward', 'restore_forward', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept',
-           'is_dropout', 'peek_batches']
+           'materialize_lazy', 'is_dropout', 'peek_batches']
 
 # %% ../nbs/00_helpers.ipynb #5f390a10
 def _batch_like(b, items:list):
@@ -132,6 +133,20 @@ def random_state_kept():
     states = rng_states()
     try: yield
     finally: restore_rng_states(states)
+
+# %% ../nbs/00_helpers.ipynb #7cb3aa33
+def materialize_lazy(model:nn.Module, # the model, in the modes it trains in
+                     peek, # called without arguments: one micro-batch of its inputs (only when needed)
+                    ) -> bool:
+    "Give a lazy module of `model` not run yet its shapes with one eval-mode, no-grad forward of `peek()`; did it run?"
+    # eval: no running statistics counted, no dropout drawn; the parameters are materialised in place, so an
+    # optimizer built on them trains them
+    lazy = [m for m in model.modules() if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()]
+    if not lazy: return False
+    with torch.no_grad(), modes_kept(model), random_state_kept():
+        model.eval()
+        model(*peek())
+    return True
 
 # %% ../nbs/00_helpers.ipynb #a1d0b002
 def is_dropout(m:nn.Module) -> bool:

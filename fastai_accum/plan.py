@@ -6,13 +6,13 @@ the pre-flight, `check_accumulation`, the benchmarks, every front end."""
 
 # %% ../nbs/02e_plan.ipynb #a1b2c3d2
 from __future__ import annotations
-import time
+import difflib, time
 from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
 from .meters import fmt_bytes
-from .batchnorm import bn_layers, bn_policies, _check_policy
+from .batchnorm import bn_layers, bn_policies
 from .staged import staged_graph, bn_graph
 from .staged_exact import samples_mixed, verify_staged
 from .distributed import world_size, collective_device
@@ -33,12 +33,12 @@ def check_policy(policy:str, # the front end's policy
                  whole_windows:bool=True, # can the front end train a window as one batch? (Lightning's cannot)
                 ) -> str:
     "`policy` checked: the policy the front end trains with."
-    if policy not in ('auto',) + whole_window_policies:
-        try: _check_policy(policy)
-        except ValueError as e:
-            hint = (", 'exact' (each window trained as one batch), 'staged' (the same, stage by stage) or 'auto' "
-                    "(the first that runs: 'exact', 'staged', 'window')")
-            raise ValueError(f"{e}{hint}") from None
+    if policy not in policies:
+        near = difflib.get_close_matches(str(policy), policies, n=1)
+        raise ValueError(f"{name}(policy={policy!r}): unknown policy"
+                         + (f" (did you mean {near[0]!r}?)" if near else '') + f". Choose one of 'auto' (the first that "
+                         "runs: 'exact', 'staged', 'window'), 'exact' (each window trained as one batch), 'staged' "
+                         f"(the same, stage by stage) or a BatchNorm policy: {', '.join(map(repr, bn_policies))}")
     if not whole_windows and policy in whole_window_policies:
         raise ValueError(f"{name}: {policy!r} is accumulate_grad_batches=1 with the window as the batch size")
     if bn_batch and policy not in ('auto', 'exact'):
@@ -175,6 +175,8 @@ class TrainingPlan:
     bn_batch:int|None=None # samples per ghost batch
     n_bn:int=0 # BatchNorm layers in the model
     window:str='' # the window's size, in words
+    name:str='GradientAccumulation' # the front end, who speaks in the headline
+    model_eval:bool=False # the whole model was in eval mode when planned (a plain loop without `model.train()`)
 
     @property
     def exact(self) -> bool: return self.path in ('exact', 'staged exact')
@@ -190,20 +192,24 @@ class TrainingPlan:
         m, k = self.memory, self.bn_batch
         if self.exact:
             bn = f"BatchNorm in ghost batches of {k} samples, exactly" if k else "BatchNorm exact"
-            return (f"GradientAccumulation: policy {self.policy!r} -> '{self.path}': each window trains as one batch "
+            return (f"{self.name}: policy {self.policy!r} -> '{self.path}': each window trains as one batch "
                     f"({bn}: forward, backward, running statistics); {m.describe()}.")
         if self.ghost_micro:
-            return (f"GradientAccumulation: bn_batch={k}: {m.describe()}, so each micro-batch of {m.micro} trains on "
+            return (f"{self.name}: bn_batch={k}: {m.describe()}, so each micro-batch of {m.micro} trains on "
                     f"its own, BatchNorm in ghost batches of {k} (exact: no ghost batch spans two micro-batches).")
+        if self.path == 'frozen BatchNorm' and self.model_eval:
+            return (f"{self.name}: the model is in eval mode, so all {self.n_bn} BatchNorm layers are frozen (eval mode) "
+                    "and dropout is off: call model.train() before training (this fit trains as a model without "
+                    "BatchNorm, micro-batch by micro-batch).")
         if self.path == 'frozen BatchNorm':
-            return (f"GradientAccumulation: all {self.n_bn} BatchNorm layers are frozen (eval mode) in this fit: it "
+            return (f"{self.name}: all {self.n_bn} BatchNorm layers are frozen (eval mode) in this fit: it "
                     "trains as a model without BatchNorm, micro-batch by micro-batch (no pre-pass; their running "
                     "statistics stay).")
         if self.path == 'no BatchNorm':
-            return (f"GradientAccumulation: no BatchNorm layer: plain accumulation, each window's gradient "
+            return (f"{self.name}: no BatchNorm layer: plain accumulation, each window's gradient "
                     f"({self.window}) is the big batch's.")
         if m is not None:
-            return (f"GradientAccumulation: policy 'auto' -> window BatchNorm: {m.describe()}; staged exact cannot "
+            return (f"{self.name}: policy 'auto' -> window BatchNorm: {m.describe()}; staged exact cannot "
                     f"run: {m.reason}.")
         return None
 
@@ -222,8 +228,8 @@ def plan_training(policy:str, # the front end's policy (`check_policy`)
     modes = [m.training for m in bn_layers(model)]
     exact, memory = choose_exact(policy, model, peek, n_step, n_acc, name=name, **kwargs)
     ghost_micro = bool(bn_batch and memory is not None) and _ghost_micro(bn_batch, exact, memory, model, name)
-    how = dict(policy=policy, memory=memory, bn_batch=bn_batch, n_bn=len(modes),
-               window=f"{n_step} micro-batches" if n_step else f"{n_acc} samples")
+    how = dict(policy=policy, memory=memory, bn_batch=bn_batch, n_bn=len(modes), name=name,
+               model_eval=not model.training, window=f"{n_step} micro-batches" if n_step else f"{n_acc} samples")
     if ghost_micro: return TrainingPlan('ghost micro-batches', **how)
     if exact and memory.staged: return TrainingPlan('staged exact', **how)
     if exact: return TrainingPlan('exact', layers='micro', **how)

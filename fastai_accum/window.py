@@ -14,8 +14,8 @@ from .distributed import world_size
 from .helpers import place_batch
 
 # %% auto #0
-__all__ = ['window_full', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window',
-           'drop_window', 'batch_size', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader']
+__all__ = ['window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads',
+           'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader']
 
 # %% ../nbs/02_window.ipynb #6b430344
 def _check_count(name, value) -> int|None:
@@ -33,6 +33,15 @@ def window_full(n_step:int|None, n_acc:int|None, # the window's size: micro-batc
                ) -> bool:
     "The one rule for a complete window: `n_step` micro-batches, or at least `n_acc` samples."
     return n_micro >= n_step if n_step is not None else n_seen >= n_acc
+
+def check_micro_bs(bs:int, # samples in a micro-batch as it is read
+                   n_acc:int|None, # samples per window, if the window is counted in samples
+                  ):
+    "The one check that a micro-batch fits the window asked for: with `n_acc`, no micro-batch holds more samples."
+    # every path calls it as it reads a micro-batch: a whole window is never assembled from a bigger one
+    if n_acc is not None and bs > n_acc:
+        raise ValueError(f"The micro-batch has {bs} samples, more than the effective batch n_acc={n_acc}: "
+                         "lower the DataLoader's bs or raise n_acc")
 
 class AccumulationWindow:
     "Counts a window's micro-batches, gives each its loss weight and the gradient correction at the step."
@@ -53,9 +62,7 @@ class AccumulationWindow:
             loss:Tensor|None=None, # its (mean) loss, to report the window's loss
            ) -> float:
         "Count a micro-batch; returns the factor its loss must be multiplied by before backward."
-        if self.n_acc is not None and bs > self.n_acc:
-            raise ValueError(f"The micro-batch has {bs} samples, more than the effective batch n_acc={self.n_acc}: "
-                             "lower the DataLoader's bs or raise n_acc")
+        check_micro_bs(bs, self.n_acc)
         if self.ref is None: self.ref = self.n_acc if self.n_acc is not None else self.n_step * bs
         self.n_micro += 1
         self.n_seen += bs
@@ -250,7 +257,9 @@ class WindowLoader:
             window, seen = [], 0
             for b in it:
                 window.append(b)
-                if self.n_acc is not None: seen += batch_size(b)  # counted as read: one pass per micro-batch
+                if self.n_acc is not None:  # counted as read: one pass per micro-batch
+                    seen += batch_size(b)
+                    check_micro_bs(batch_size(b), self.n_acc)
                 if window_full(self.n_step, self.n_acc, len(window), seen): break
             if not window: return
             yield window

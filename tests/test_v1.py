@@ -196,7 +196,7 @@ res['unpatched'] = 'on_backward_end' not in vars(learn.mp_cb)
 res['pending'] = sum(b.pending.count for b in bn_layers(learn.model, accumulating=True))
 print('RESULT', json.dumps(res))
 '''))
-    assert "Unknown BatchNorm policy 'magic'" in out['policy'] and 'prepass_bs must be at least 1' in out['prepass_bs']
+    assert "(policy='magic'): unknown policy" in out['policy'] and 'prepass_bs must be at least 1' in out['prepass_bs']
     assert 'clip_grad(clip=0.1)' in out['clip'] and 'to_fp16(clip=' in out['clip']
     assert out['restored'] and out['unpatched'] and out['pending'] == 0
 
