@@ -17,8 +17,8 @@ from .stats import ChannelStats, all_reduce_stats, momentum_step
 # %% auto #0
 __all__ = ['bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm',
            'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only',
-           'accumulating_class', 'bn_layers', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats',
-           'reset_bn_stats']
+           'accumulating_class', 'bn_layers', 'kept_running_stats', 'restore_running_stats', 'wrap_bn', 'unwrap_layer',
+           'unwrap_bn', 'update_bn_stats', 'reset_bn_stats']
 
 # %% ../nbs/01_batchnorm.ipynb #6839b6a1
 # how a layer normalizes; the front ends' 'auto' chooses among 'exact', 'staged' and 'window'
@@ -396,6 +396,23 @@ def bn_layers(model:nn.Module, accumulating:bool=False) -> list:
 def _has_stats(m) -> bool:
     "Does BatchNorm layer `m` keep running statistics?"
     return m.track_running_stats and m.running_mean is not None and m.running_var is not None
+
+# %% ../nbs/01_batchnorm.ipynb #d58096f5
+def kept_running_stats(model:nn.Module) -> list:
+    "Copies of the running statistics of `model`'s plain BatchNorm layers (those that count them in their forward)."
+    return [(m, [t.clone() for t in (m.running_mean, m.running_var, m.num_batches_tracked) if t is not None])
+            for m in bn_layers(model) if _has_stats(m) and not isinstance(m, AccumulateBatchNorm)]
+
+@torch.no_grad()
+def restore_running_stats(kept:list, # what `kept_running_stats` returned
+                         ) -> bool:
+    "Put back the running statistics `kept`; were those it replaces non-finite (a NaN or inf reached a layer)?"
+    bad = False
+    for m, ts in kept:
+        now = [t for t in (m.running_mean, m.running_var, m.num_batches_tracked) if t is not None]
+        bad = bad or not all(bool(torch.isfinite(t).all()) for t in now[:2])
+        for t, k in zip(now, ts): t.copy_(k)
+    return bad
 
 # %% ../nbs/01_batchnorm.ipynb #62dd26b4
 def wrap_bn(model:nn.Module, # any model; its BatchNorm layers are changed in place

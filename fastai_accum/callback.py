@@ -10,7 +10,7 @@ import torch
 from fastai.basics import *
 import fastai.callback.training
 from fastai.callback.fp16 import MixedPrecision
-from .window import loss_reduction, WindowLoader, _micro_per_window, window_exceeds_epoch
+from .window import loss_reduction, WindowLoader, _micro_per_window, window_exceeds_epoch, batch_size
 from .core import Accumulation, FrontEnd, option_defaults
 from .helpers import split_batch, place_batch
 from .plan import may_train_whole
@@ -236,6 +236,8 @@ def before_batch(self:GradientAccumulation):
     if self.acc.needs_window and self.window.empty: self.acc.start_window(self._window())
     last = self.learn.iter == self.learn.n_iter - 1
     self._start_micro(find_bs(self.learn.yb), last=last)  # the window rule; DDP's gradient sync
+    if self.acc.exact:  # a window trained whole: a non-finite input is named by its micro-batch
+        self.acc.window_inputs([batch_size(b) for b in self.learn.window_prefetch.loader.window], self.learn.xb)
 
 @patch
 def _window(self:GradientAccumulation) -> list:

@@ -4,12 +4,14 @@
 
 # %% ../nbs/02d_core.ipynb #d39581af
 from __future__ import annotations
-import inspect, time, warnings, weakref
+import inspect, itertools, time, warnings, weakref
+import torch
 from contextlib import nullcontext
 from torch import nn, Tensor
 from torch.nn.parallel import DistributedDataParallel
 from fastcore.basics import patch
-from .batchnorm import AccumulateBatchNorm, wrap_bn, bn_layers, unwrap_layer
+from .batchnorm import (AccumulateBatchNorm, wrap_bn, bn_layers, unwrap_layer, kept_running_stats,
+                                    restore_running_stats)
 from .staged import untraceable_reason, bn_graph
 from .prepass import window_prepasses, bn_preflight
 from .exact import saved_on_host, release_pinned, optimizer_state, held_bytes, check_budget
@@ -19,7 +21,7 @@ from .ghost import install_ghost, uninstall_ghost
 from .distributed import world_size
 from .helpers import _tensors, _batch_like, split_batch, peek_batches, place_batch, materialize_lazy
 from .window import (AccumulationWindow, WindowLoader, validate_window_args, _check_count, scale_grads,
-                                 commit_window, drop_window, batch_size, cat_batches, window_exceeds_epoch)
+                                 commit_window, drop_window, batch_size, cat_batches, window_exceeds_epoch, unjoinable)
 
 # %% auto #0
 __all__ = ['default_inputs', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd']
@@ -27,6 +29,9 @@ __all__ = ['default_inputs', 'option_defaults', 'accumulation_options', 'BatchNo
 # %% ../nbs/02d_core.ipynb #e75c5500
 def default_inputs(b) -> tuple:
     "The model inputs of batch `b`: all but the last element (the target), or `b` itself if it has one."
+    if isinstance(b, dict):
+        raise TypeError(f"Accumulation: a batch is a dict (keys {', '.join(map(repr, b))}): say which of its values the "
+                        f"model takes with inputs=, e.g. Accumulation(model, ..., inputs=lambda b: (b[{next(iter(b), 'x')!r}],))")
     return split_batch(b)[0]
 
 _open = weakref.WeakValueDictionary()  # id(model) -> the `batches` generator training it: the next `batches` closes it
@@ -131,7 +136,9 @@ class _CorePlan:
         "The parameters whose gradients accumulate."
         if self._params is not None: return list(self._params())
         return [p for p in self.module.parameters() if p.requires_grad]
-    def setup(self, b):
+    def setup(self, b,
+              unjoinable:str|None=None, # why the first window's micro-batches cannot be one batch (`unjoinable`)
+             ):
         "Plan from the BatchNorm layers' modes and the first micro-batch `b` (or a callable giving it); install it."
         self.installer.uninstall_forwards(self.module)  # measuring runs the model's own forward
         self._modes = self._bn_modes()
@@ -141,7 +148,7 @@ class _CorePlan:
                                  wrap=self.wrap, bn_batch=self.bn_batch, name=self.name, offload=self.offload,
                                  device_memory=self.device_memory, host_memory=self.host_memory, verify=self.verify,
                                  autocast=self.autocast, opt_state=optimizer_state(self.optimizer),
-                                 held=held_bytes(self.module, self.optimizer))
+                                 held=held_bytes(self.module, self.optimizer), unjoinable=unjoinable)
         if self.how.model_eval and self.how.n_bn: warnings.warn(self.how.headline())  # said with or without pre-flight
         self.find_bns()
 
@@ -232,11 +239,13 @@ class _CoreLoop:
                 if self.partial == 'drop' and not windows.is_full(window): continue
                 ready = ready or self._ready(window)
                 window = [self._placed(b) for b in window]
+                sizes = [batch_size(b) for b in window]
                 if self.exact: window = [cat_batches(window)]
                 if not self.window.empty: self._drop_unfinished()
                 self.start_window(window)
                 for i, b in enumerate(window):
                     self.start_micro(batch_size(b), i == len(window) - 1)
+                    if self.exact: self.window_inputs(sizes, tuple(self.inputs(b)))
                     yield b
         finally:
             self._exit_offload()
@@ -251,7 +260,7 @@ class _CorePlacing:
         "Before the first window: plan from its first micro-batch (again if the modes changed); say so if asked."
         first = place_batch(window[0], self.device)
         said = self.path
-        if self.needs_setup(): self.setup(first)
+        if self.needs_setup(): self.setup(first, unjoinable(window) if len(window) > 1 else None)
         else: self.find_bns()
         if self._say and self.path != said: print(self.preflight(tuple(self.inputs(first))))
         if self.inputs_on is None: window[0] = first  # placed once
@@ -308,6 +317,8 @@ class _CoreEvents:
         for m in self.bns: m._call = 0  # the micro-batch's forward calls each layer from its first call
         self._before_forward(final or drop)
         if self.exact: self._enter_offload()
+        # torch's own layers count a whole window's statistics in its forward: kept, to take back a non-finite one
+        self._kept = kept_running_stats(self.module) if self.exact and not self.plan.staged else None
 
     def _before_forward(self, final:bool):
         "Let DDP all-reduce the coming backward once per window (the flag `no_sync()` sets, read in its forward)."
@@ -343,13 +354,18 @@ class _CoreCommit:
         if not self._ends_window: return False
         self._ends_window = False
         bad = self.window.nonfinite() if self.local or world_size() == 1 else None  # under DDP: the merge's check
+        kept, self._kept = self._kept, None
         if bad is None: commit_window(self.bns, merge=not self.local)  # one momentum step with the window's statistics
         else:
             drop_window(self.bns)
-            warnings.warn(f"{self.name}: micro-batch {bad} of window {self.steps} has a non-finite loss: the window's "
+            if kept is not None: restore_running_stats(kept)
+            which = self._whole_nonfinite() if kept is not None else bad
+            which = 'a micro-batch' if which is None else f"micro-batch {which}"
+            warnings.warn(f"{self.name}: {which} of window {self.steps} has a non-finite loss: the window's "
                           "BatchNorm running statistics are not updated (the optimizer step is the training loop's "
                           "to skip)",
                           RuntimeWarning)
+        self._whole = None
         if self.window.loss is not None: self.losses.append(self.window.loss.item())
         self.steps += 1
         self.window.reset()
@@ -377,8 +393,29 @@ class _CoreCommit:
         "Drop the accumulated gradients: a partial window's, or one that ended without an optimizer step."
         for p in self.params: p.grad = None
 
+    def window_inputs(self, sizes:list, # samples in each micro-batch of a window trained whole
+                      xb:tuple, # its model inputs, joined
+                     ):
+        "A window trained whole is about to run: `end_micro` names the micro-batch of a non-finite input from these."
+        self._whole = (sizes, xb)
+
+    def _whole_nonfinite(self) -> int|None:
+        "The first micro-batch (from 0) of the window trained whole whose model inputs are not finite, or None."
+        if self._whole is None: return None
+        sizes, xb = self._whole
+        rows = [(~torch.isfinite(t)).flatten(1).any(1) if t.dim() > 1 else ~torch.isfinite(t)
+                for t in _tensors(xb) if t.is_floating_point() and t.dim()]
+        first = min((int(r.nonzero()[0]) for r in rows if bool(r.any())), default=None)
+        return None if first is None else next(i for i, end in enumerate(itertools.accumulate(sizes)) if first < end)
+
     def clear(self):
         "Drop a partial window: its accumulated gradients and pending BatchNorm statistics."
+        kept, self._kept, self._whole = self._kept, None, None
+        restored = kept is not None and restore_running_stats(kept)  # a forward that met a NaN or inf: taken back
+        if restored or (not self.window.empty and self.window.nonfinite() is not None):
+            warnings.warn(f"{self.name}: window {self.steps} was dropped before its end (the fit was cancelled, e.g. by "
+                          "TerminateOnNaNCallback) after a non-finite loss: its gradients are dropped and its BatchNorm "
+                          "running statistics not updated", RuntimeWarning)
         self._exit_offload()
         if not self.window.empty: self.drop_grads()
         drop_window(self.bns)
@@ -445,6 +482,7 @@ class Accumulation(_CorePlan, _CorePreflight, _CoreLoop, _CorePlacing, _CoreEven
         self.how, self.bns, self.needs_window, self.table, self._modes = None, [], False, None, None
         self.steps, self.losses, self.prepass_time = 0, [], 0.
         self._micro, self._offload, self._ends_window, self._input_at = None, None, False, None
+        self._kept = self._whole = None  # a window trained whole: its start's running statistics, its inputs
 
 
 # %% ../nbs/02d_core.ipynb #2f0d6a12

@@ -68,17 +68,23 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
                  autocast=None, # callable returning the autocast context training runs in (measured under it)
                  opt_state:float|None=None, # optimizer state per byte of parameters (`optimizer_state`)
                  held:int|None=None, # bytes alive now that count against the budget (`held_bytes`)
+                 unjoinable:str|None=None, # why the first window's micro-batches cannot be one batch (`unjoinable`)
                 ) -> tuple:
     "(train each window as one batch?, the `ExactPlan` or None): the rule above."
     if policy not in ('exact', 'staged', 'auto'): return False, None
     if not any(m.training for m in bn_layers(model)): return False, None  # no BatchNorm trains: plain is exact
+    if unjoinable and policy != 'auto':
+        raise ValueError(f"{name}(policy={policy!r}) trains each window as one batch, but {unjoinable}. Use "
+                         "policy='window' (or 'auto', which falls back to it).")
     xb = peek()
     window = n_acc or n_step * xb[0].shape[0]
     plan = plan_exact(model, xb, window, device_memory, host_memory, offload, autocast, opt_state, held)
     plan.chunk = plan.micro = xb[0].shape[0]
     synced = world_size() > 1 and not _syncs_itself(model)  # DDP, per-process BatchNorm: a staged step reduces it
     staged_asked = synced or policy == 'staged' or (policy == 'auto' and not auto_picks_exact(plan))
-    unfit = _not_staged(plan, model, xb, autocast) if staged_asked else None  # why a staged step would not be the big batch
+    # why a staged step would not be the big batch
+    unfit = (f"the window cannot be trained as one batch: {unjoinable}" if unjoinable
+             else _not_staged(plan, model, xb, autocast) if staged_asked else None)
     if policy == 'exact':
         if not plan.fits:
             raise ExactModeMemoryError(f"{name}(policy='exact'): {plan.describe()}. Lower n_step/n_acc, free memory, "
@@ -90,7 +96,7 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
                                              f"but {unfit} Convert BatchNorm to SyncBatchNorm or use policy='window'.")
         if synced: _whole_staged(plan)
         return True, plan
-    if staged_asked: plan.reason = unfit or _staged_memory(plan)
+    if staged_asked or unjoinable: plan.reason = unfit or _staged_memory(plan)
     if staged_asked and plan.reason is None and verify: plan.reason = _verified(plan, model, xb)
     if policy == 'staged':
         if plan.checked is None and plan.reason: raise ExactModeMemoryError(f"{name}(policy='staged'): {plan.reason}")
@@ -100,7 +106,7 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
         plan.staged, plan.offload = True, False
         return True, plan
     whole, staged, offloaded = _agreed(plan.device, auto_picks_exact(plan) and not unfit, plan.reason is None,
-                                       plan.fits and plan.offload and not synced)
+                                       plan.fits and plan.offload and not synced and not unjoinable)
     if whole:
         if synced: _whole_staged(plan)
         return True, plan

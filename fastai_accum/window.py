@@ -11,11 +11,12 @@ import torch.distributed as dist
 from torch import Tensor
 from .stats import all_reduce_stats
 from .distributed import world_size
-from .helpers import place_batch
+from .helpers import place_batch, _batch_like
 
 # %% auto #0
 __all__ = ['window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads',
-           'commit_window', 'drop_window', 'batch_size', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader']
+           'commit_window', 'drop_window', 'batch_size', 'unjoinable', 'cat_batches', 'window_exceeds_epoch',
+           'WindowLoader']
 
 # %% ../nbs/02_window.ipynb #6b430344
 def _check_count(name, value) -> int|None:
@@ -187,21 +188,49 @@ def batch_size(b) -> int:
 
 
 # %% ../nbs/02_window.ipynb #16ec58b3
-def cat_batches(batches:list, # micro-batches, each a tuple (or list) of tensors
-               ) -> tuple:
-    "One batch: `batches` concatenated along the batch dimension, element by element."
-    batches = [tuple(b) for b in batches]
+def unjoinable(batches:list, # micro-batches: tensors, or tuples, lists and dicts of them (nested)
+               where:str='a micro-batch', # what `batches` are, in the message
+              ) -> str|None:
+    "Why `batches` cannot be joined into one batch along the batch dimension (`cat_batches`), or None."
+    # the exact paths train a window as one batch: its micro-batches must agree in all but their first dimension
+    first = batches[0]
+    if isinstance(first, Tensor):
+        bad = next((p for p in batches if not isinstance(p, Tensor)), None)
+        if bad is not None: return f"{where} is a tensor in one micro-batch and a {type(bad).__name__} in another"
+        shapes = list(dict.fromkeys(tuple(p.shape[1:]) for p in batches))
+        if len(shapes) > 1 or first.dim() == 0:
+            return (f"{where} differs in shape between the window's micro-batches (per sample: "
+                    f"{', '.join(str(list(s)) for s in shapes)})")
+        return None
+    if isinstance(first, dict):
+        if any(not isinstance(p, dict) or p.keys() != first.keys() for p in batches):
+            return f"{where} is a dict with other keys in another micro-batch"
+        return next((w for k in first if (w := unjoinable([p[k] for p in batches], f"{where}[{k!r}]"))), None)
+    if isinstance(first, (tuple, list)):
+        if any(not isinstance(p, (tuple, list)) or len(p) != len(first) for p in batches):
+            return f"{where} holds different numbers of elements in different micro-batches"
+        return next((w for i, parts in enumerate(zip(*batches))
+                     if (w := unjoinable(list(parts), f"element {i} of {where}"))), None)
+    return (f"{where} is a {type(first).__name__}: a window trained as one batch joins micro-batches of tensors "
+            "(in tuples, lists and dicts) only")
+
+def _joined(batches:list):
+    "`batches` (checked by `unjoinable`) joined: tensors concatenated, containers element by element."
+    first = batches[0]
+    if isinstance(first, Tensor): return torch.cat(batches)
+    if isinstance(first, dict): return type(first)((k, _joined([p[k] for p in batches])) for k in first)
+    return _batch_like(first, [_joined(list(parts)) for parts in zip(*batches)])
+
+def cat_batches(batches:list, # micro-batches: tuples (lists, dicts) of tensors, nested
+               ):
+    "One batch: `batches` concatenated along the batch dimension, element by element (a tuple, or a dict of dicts)."
+    if not isinstance(batches[0], dict): batches = [tuple(b) for b in batches]
     if len(batches) == 1: return batches[0]
-    sizes = {len(b) for b in batches}
-    if len(sizes) > 1:
-        raise ValueError(f"cat_batches: micro-batches hold different numbers of elements {sorted(sizes)}")
-    out = []
-    for i, parts in enumerate(zip(*batches)):
-        bad = next((p for p in parts if not torch.is_tensor(p)), None)
-        if bad is not None: raise TypeError(f"cat_batches: element {i} of a micro-batch is a {type(bad).__name__}; "
-                                            "the 'exact' policy joins micro-batches of tensors only")
-        out.append(torch.cat(parts))
-    return tuple(out)
+    why = unjoinable(batches)
+    if why is not None:
+        raise ValueError(f"cat_batches: {why}. The exact paths train a window as one batch; with micro-batches that "
+                         "cannot be joined use policy='window' (or 'auto', which says so before the first window)")
+    return _joined(batches)
 
 # %% ../nbs/02_window.ipynb #6e8baaad
 def _micro_per_window(n_step:int|None, n_acc:int|None, bs:int|None) -> int:
