@@ -247,10 +247,11 @@ def window_exceeds_epoch(loader, # the training loader (fastai or PyTorch DataLo
     # in that case every epoch is one incomplete window (or none with partial='drop')
     try: n_batches = len(loader)
     except TypeError: return None
+    if n_batches == 0: return f"{name}: the training loader is empty (no batch): there is nothing to train"
     bs = getattr(loader, 'bs', None) or getattr(loader, 'batch_size', None)
     n = len(loader.dataset) if hasattr(loader, 'dataset') and hasattr(loader.dataset, '__len__') else None
     if n_step is not None and n_batches >= n_step: return None
-    if n_acc is not None and (n or n_batches * (bs or 1)) >= n_acc: return None
+    if n_acc is not None and (n is None and bs is None or (n or n_batches * bs) >= n_acc): return None  # samples unknown: said nothing
     what = f"n_step={n_step} micro-batches" if n_step is not None else f"n_acc={n_acc} samples"
     epoch = f"{n} samples in {n_batches} micro-batches" if n is not None else f"{n_batches} micro-batches"
     then = ("no optimizer step at all (partial='drop' drops it)" if partial == 'drop'
