@@ -131,6 +131,7 @@ class AccumulateBatchNorm(_BatchNorm):
         _check_policy(value)
         self._policy = value
 
+    @torch.compiler.disable  # in a compiled model: its window bookkeeping runs eagerly, never traced by dynamo
     def forward(self, x:Tensor) -> Tensor:
         alone = _norm_alone.get()  # called as an aten graph's `batch_norm` (`norm_only`): its extras are nodes there
         if not (self.training and self.track_running_stats):

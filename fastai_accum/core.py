@@ -19,7 +19,8 @@ from .plan import TrainingPlan, plan_training, check_policy
 from .staged_exact import install_staged, uninstall_staged
 from .ghost import install_ghost, uninstall_ghost
 from .distributed import world_size
-from .helpers import _tensors, _batch_like, split_batch, peek_batches, place_batch, materialize_lazy
+from .helpers import (_tensors, _batch_like, split_batch, peek_batches, place_batch, materialize_lazy,
+                                  uncompiled)
 from .window import (AccumulationWindow, WindowLoader, validate_window_args, _check_count, scale_grads,
                                  commit_window, drop_window, batch_size, cat_batches, window_exceeds_epoch, unjoinable)
 
@@ -129,7 +130,7 @@ class _CorePlan:
         "Train `model` from now on (an adapter calls this when its framework wraps the model, e.g. in DDP)."
         self.model = model
         self.ddp = model if isinstance(model, DistributedDataParallel) else None
-        self.module = model.module if self.ddp is not None else model
+        self.module = uncompiled(model.module if self.ddp is not None else model)  # planned, traced, wrapped
 
     @property
     def params(self) -> list:
@@ -150,6 +151,10 @@ class _CorePlan:
                                  autocast=self.autocast, opt_state=optimizer_state(self.optimizer),
                                  held=held_bytes(self.module, self.optimizer), unjoinable=unjoinable)
         if self.how.model_eval and self.how.n_bn: warnings.warn(self.how.headline())  # said with or without pre-flight
+        if self.exact and not self.plan.staged and self.plan.recomputed:
+            warnings.warn(f"{self.name}: the backward runs BatchNorm layer {self.plan.recomputed[0]} again (activation "
+                          "checkpointing): torch's checkpoint counts its running statistics twice per window, as it "
+                          "does for one plain batch; the gradients are the big batch's")
         self.find_bns()
 
     def _bn_modes(self) -> tuple: return tuple(m.training for m in bn_layers(self.module))

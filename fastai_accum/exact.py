@@ -14,12 +14,13 @@ from .staged_exact import _device, stage_grads, store_per_sample
 from .staged import staged_graph
 from .batchnorm import bn_layers
 from .distributed import world_size
-from .helpers import random_state_kept, modes_kept, is_accelerator, can_pin
+from .helpers import random_state_kept, modes_kept, is_accelerator, can_pin, _tensors
+from torch.nn.modules.batchnorm import _BatchNorm
 
 # %% auto #0
-__all__ = ['leaves_no_trace', 'Footprint', 'measure_footprint', 'ExactModeMemoryError', 'ExactPlan', 'free_memory',
-           'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host',
-           'staging_budget', 'measure_staged']
+__all__ = ['leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactPlan',
+           'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned',
+           'saved_on_host', 'staging_budget', 'measure_staged']
 
 # %% ../nbs/02a_exact.ipynb #a31cf6dc
 @contextlib.contextmanager
@@ -78,6 +79,36 @@ def measure_footprint(model:nn.Module, # the model (nothing in it changes)
     return Footprint(max(saved.peak - sum(other.values()), 0) / bs, layers.peak / bs, blocks,
                      saved.packed_model + sum(n for n, d0, _ in saved.packed if d0 != bs))
 
+# %% ../nbs/02a_exact.ipynb #59e96f3a
+def recomputed_bns(model:nn.Module, # the model (nothing in it changes: no gradient lands, no statistic counts)
+                   *xb, # one micro-batch of model inputs
+                   autocast=None, # callable returning the autocast context training runs in
+                  ) -> list:
+    "Names of the training BatchNorm layers of `model` its backward runs again (activation checkpointing)."
+    # one forward of `xb`, and a backward to its floating-point inputs only: no parameter's gradient is made, so it
+    # needs no more memory than a micro-batch's backward; statistics and random states are put back
+    names = {m: n for n, m in model.named_modules() if isinstance(m, _BatchNorm) and m.training}
+    if not names: return []
+    xb = tuple(t.detach().requires_grad_() if torch.is_tensor(t) and t.is_floating_point() else t for t in xb)
+    leaves = [t for t in xb if torch.is_tensor(t) and t.requires_grad]
+    again, no_graph, backward = set(), set(), False
+    def seen(m, args):
+        if backward: again.add(m)
+        elif not torch.is_grad_enabled(): no_graph.add(m)  # a reentrant checkpoint runs its forward without a graph
+    hooks = [m.register_forward_pre_hook(seen) for m in names]
+    try:
+        with leaves_no_trace(model), torch.enable_grad(), autocast() if autocast is not None else contextlib.nullcontext():
+            outs = [t for t in _tensors(model(*xb)) if t.requires_grad]
+            if not outs or not leaves: return []
+            backward = True
+            try: torch.autograd.grad(sum(t.float().sum() for t in outs), leaves, allow_unused=True)
+            except RuntimeError as e:  # a reentrant checkpoint refuses `autograd.grad`: the layers it ran without a graph
+                if 'checkpoint' not in str(e): raise
+                again |= no_graph
+    finally:
+        for h in hooks: h.remove()
+    return [names[m] for m in names if m in again]
+
 # %% ../nbs/02a_exact.ipynb #35940889
 class ExactModeMemoryError(MemoryError):
     "A window cannot be trained as one batch in the memory there is."
@@ -107,6 +138,7 @@ class ExactPlan:
     untrained:int=0       # bytes of the parameters that do not train and of the buffers
     stage_grads:int=0     # bytes of the gradients a staged chunk's backward makes at once (`stage_grads`)
     store:float|None=None # bytes per sample a staged step's store holds at most (`store_per_sample`; None: `saved`)
+    recomputed:tuple=()   # BatchNorm layers the backward runs again (activation checkpointing: `recomputed_bns`)
 
     @property
     def param_needed(self) -> int:

@@ -24,6 +24,7 @@ class GhostForward(ReplacedForward):
         super().__init__(bn)
         self.bn, self.k = bn, k
 
+    @torch.compiler.disable  # in a compiled model: ghost batches split eagerly
     def __call__(self, x:Tensor) -> Tensor:
         if not self.bn.training or x.shape[0] <= self.k: return self.own_forward(x)
         return torch.cat([self.own_forward(g) for g in torch.split(x, self.k)])

@@ -16,7 +16,7 @@ from torch.fx.node import map_aggregate
 # %% auto #0
 __all__ = ['place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept',
            'ReplacedForward', 'restore_forward', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept',
-           'materialize_lazy', 'is_dropout', 'peek_batches']
+           'materialize_lazy', 'uncompiled', 'is_dropout', 'peek_batches']
 
 # %% ../nbs/00_helpers.ipynb #5f390a10
 def _batch_like(b, items:list):
@@ -147,6 +147,13 @@ def materialize_lazy(model:nn.Module, # the model, in the modes it trains in
         model.eval()
         model(*peek())
     return True
+
+# %% ../nbs/00_helpers.ipynb #e06611e1
+def uncompiled(model:nn.Module) -> nn.Module:
+    "The module `torch.compile` wrapped in `model` (an `OptimizedModule`), or `model` itself."
+    while type(model).__name__ == 'OptimizedModule' and isinstance(getattr(model, '_orig_mod', None), nn.Module):
+        model = model._orig_mod
+    return model
 
 # %% ../nbs/00_helpers.ipynb #a1d0b002
 def is_dropout(m:nn.Module) -> bool:

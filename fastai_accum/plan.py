@@ -16,7 +16,7 @@ from .batchnorm import bn_layers, bn_policies
 from .staged import staged_graph, bn_graph
 from .staged_exact import samples_mixed, verify_staged
 from .distributed import world_size, collective_device
-from .exact import ExactPlan, ExactModeMemoryError, plan_exact, measure_staged
+from .exact import ExactPlan, ExactModeMemoryError, plan_exact, measure_staged, recomputed_bns
 from .ghost import check_ghost
 
 # %% auto #0
@@ -80,11 +80,12 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
     window = n_acc or n_step * xb[0].shape[0]
     plan = plan_exact(model, xb, window, device_memory, host_memory, offload, autocast, opt_state, held)
     plan.chunk = plan.micro = xb[0].shape[0]
+    plan.recomputed = tuple(recomputed_bns(model, *xb, autocast=autocast))
     synced = world_size() > 1 and not _syncs_itself(model)  # DDP, per-process BatchNorm: a staged step reduces it
     staged_asked = synced or policy == 'staged' or (policy == 'auto' and not auto_picks_exact(plan))
     # why a staged step would not be the big batch
     unfit = (f"the window cannot be trained as one batch: {unjoinable}" if unjoinable
-             else _not_staged(plan, model, xb, autocast) if staged_asked else None)
+             else _checkpointed(plan) or _not_staged(plan, model, xb, autocast) if staged_asked else None)
     if policy == 'exact':
         if not plan.fits:
             raise ExactModeMemoryError(f"{name}(policy='exact'): {plan.describe()}. Lower n_step/n_acc, free memory, "
@@ -146,6 +147,14 @@ def _not_staged(plan:ExactPlan, model:nn.Module, xb:tuple, autocast=None) -> str
     measure_staged(plan, model, graph, xb, autocast)
     mixed = samples_mixed(model, xb)
     return f"a staged step would not be the big batch: {mixed}." if mixed else None
+
+def _checkpointed(plan:ExactPlan) -> str|None:
+    "Why activation checkpointing keeps a staged step from being the big batch, or None."
+    if not plan.recomputed: return None
+    return (f"the backward runs BatchNorm layer {plan.recomputed[0]} again (activation checkpointing: "
+            "torch.utils.checkpoint, timm's set_grad_checkpointing), so a staged step would count its statistics "
+            "twice; a staged step bounds memory itself: turn checkpointing off (timm: "
+            "model.set_grad_checkpointing(False)) to train staged exact")
 
 def _staged_memory(plan:ExactPlan) -> str|None:
     "Why the memory budgets do not hold a staged step in chunks of the micro-batch, or None."

@@ -1059,6 +1059,7 @@ class StagedForward(ReplacedForward):
         step.budget, step.apart = self.budget, self.apart
         return step
 
+    @torch.compiler.disable  # in a compiled model (`torch.compile`): the staged step runs eagerly, stage by stage
     def __call__(self, *xb, **kwargs):
         if kwargs or not (self.model.training and torch.is_grad_enabled()):
             return self.own_forward(*xb, **kwargs)

@@ -164,3 +164,70 @@ def test_a_training_set_smaller_than_a_batch_is_refused_in_fastais_words():
     learn = Learner(dls, cnn(), loss_func=CrossEntropyLossFlat())
     with pytest.raises(ValueError, match=r'the training set has fewer samples \(6\) than bs=8'):
         with learn.no_logging(), learn.no_bar(): learn.fit(1, cbs=GradientAccumulation(n_step=2))
+
+class Deeper(nn.Module):
+    "Two BatchNorm stages and a head: a budget below the window makes 'auto' stage it."
+    def __init__(s, checkpointed=False):
+        super().__init__()
+        s.a = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        s.b = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        s.head, s.checkpointed = nn.Linear(8, 2), checkpointed
+    def forward(s, x):
+        from torch.utils.checkpoint import checkpoint
+        x = s.a(x)
+        x = checkpoint(s.b, x, use_reentrant=False) if s.checkpointed else s.b(x)
+        return s.head(x.mean((2, 3)))
+
+def deeper(checkpointed=False):
+    torch.manual_seed(0)
+    return Deeper(checkpointed).double().train()
+
+def test_a_compiled_model_trains_on_the_paths_of_its_module(capsys):
+    "torch.compile(model) under a budget: dynamo crashed on the pre-flight's hooks, the tracers refused OptimizedModule."
+    from fastai_accum.exact import staging_budget
+    data = micro_batches(8, size=16)
+    for policy in ('auto', 'staged'):
+        ours = deeper()
+        compiled = torch.compile(ours, backend='eager')
+        budget = staging_budget(ours, (data[0][0],), 8)
+        acc = loop(compiled, data, n_step=4, policy=policy, preflight=True, device_memory=budget,
+                   x_of=lambda b: b[0])
+        assert acc.path == 'staged exact' and "-> 'staged exact'" in capsys.readouterr().out
+        assert_same(ours, big_batch(deeper(), data))
+
+def test_a_compiled_model_in_a_learner():
+    "`learn.model = torch.compile(model)`: the callback plans and wraps the module inside; the step is the big batch's."
+    from fastai.learner import Learner
+    from fastai.data.core import DataLoaders, TfmdDL
+    from fastai.losses import CrossEntropyLossFlat
+    from fastai.optimizer import SGD
+    from fastai_accum.callback import GradientAccumulation
+    from fastai_accum.exact import staging_budget
+    x, y = (torch.cat(t) for t in zip(*micro_batches(8, size=16)))
+    dls = DataLoaders(TfmdDL(list(zip(x, y)), bs=2), TfmdDL(list(zip(x[:4], y[:4])), bs=2))
+    results = []
+    for compiled in (False, True):
+        net = deeper()
+        learn = Learner(dls, torch.compile(net, backend='eager') if compiled else net, loss_func=CrossEntropyLossFlat(),
+                        opt_func=SGD, lr=0.1)
+        ga = GradientAccumulation(n_step=4, device_memory=staging_budget(net, (x[:2],), 8))
+        with learn.no_logging(), learn.no_bar(): learn.fit(1, cbs=ga)
+        results.append((ga.path, net.state_dict()))
+    assert results[0][0] == results[1][0] == 'staged exact'
+    for k, v in results[0][1].items(): assert torch.allclose(v.double(), results[1][1][k].double(), atol=1e-10), k
+
+def test_activation_checkpointing_is_named():
+    "torch.utils.checkpoint inside the model: the check refused staging naming a running mean 'off by 0.3'."
+    from fastai_accum.exact import staging_budget
+    from fastai_accum.plan import StagedMismatchError
+    from fastai_accum.exact import ExactModeMemoryError
+    data = micro_batches(8, size=16)
+    budget = staging_budget(deeper(), (data[0][0],), 8)
+    with pytest.raises((ExactModeMemoryError, StagedMismatchError), match=r'runs BatchNorm layer b.1 again \(activation '
+                                                                          r'checkpointing.*set_grad_checkpointing\(False\)'):
+        loop(deeper(True), data, n_step=4, policy='staged', device_memory=budget)
+    ours = deeper(True)
+    with pytest.warns(UserWarning, match="runs BatchNorm layer b.1 again .* counts its running statistics twice"):
+        acc = loop(ours, data, n_step=4)  # the window fits: trained whole, as torch's own checkpoint trains a batch
+    assert acc.path == 'exact' and ours.b[1].num_batches_tracked.item() == 4
+    assert_same(ours, big_batch(deeper(True), data))
