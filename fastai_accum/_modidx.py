@@ -1405,8 +1405,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                         'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact._step_diffs': ( 'staged_exact.html#_step_diffs',
                                                                                       'fastai_accum/staged_exact.py'),
-                                           'fastai_accum.staged_exact._storage': ( 'staged_exact.html#_storage',
-                                                                                   'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact._store_bytes': ( 'staged_exact.html#_store_bytes',
                                                                                        'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact._store_per_sample': ( 'staged_exact.html#_store_per_sample',

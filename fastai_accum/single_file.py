@@ -87,23 +87,45 @@ def single_file_source(root:str='callback', # the module the file is built for
             'It holds every path the callback plans (ghost batches too); the tools (check_accumulation, ...) '
             'need the package.',
             '',
+            'The library runs inside a module of its own (`fastai_accum_single`, in `sys.modules`): the cell adds to the',
+            "notebook only fastai's star import and the public names fastai does not have (all under `_fastai_accum`).",
+            '',
             'Contents (line: module: classes), dependencies first:']
     stars = [n for name in order for n in trees[name].body
              if isinstance(n, ast.ImportFrom) and n.level == 0 and any(a.name == '*' for a in n.names)]
     # star imports first: as inside each module, the package's own definitions (and explicit imports) win over them
-    body = ['from __future__ import annotations'] + list(dict.fromkeys(f'from {n.module} import *' for n in stars))
+    star_lines = list(dict.fromkeys(f'from {n.module} import *' for n in stars))
     names = []
+    body = ['from __future__ import annotations'] + star_lines
     body += [_module_body(name, (pkg/f'{name}.py').read_text(), trees[name], stars, names) for name in order]
-    body.append(f'\n__all__ = {names!r}\n')
+    body.append(f'\n__all__ = {names!r}')
     lines = '\n'.join(body).split('\n')
-    first = len(head) + len(order) + 2  # the line `lines[0]` lands on, below the contents and the closing quotes
+    if any("'''" in l for l in lines): raise ValueError("single_file: a module holds ''', which ends the cell's string")
+    opening = ['from __future__ import annotations', *star_lines, _LOADER.strip('\n'), "_fastai_accum = _load_module(r'''"]
+    # fastai's names stay fastai's (its `momentum_step`, `Link`), but for the callback this file is for
+    closing = ["''')", 'globals().update({k: getattr(_fastai_accum, k) for k in _fastai_accum.__all__',
+               "                  if k not in globals() or k == 'GradientAccumulation'})",
+               'del _load_module']
+    first = len(head) + len(order) + 2 + sum(len(l.split('\n')) for l in opening)  # where `lines[0]` lands
     at = {l.split('/')[1].split('.py')[0]: first + i
           for i, l in enumerate(lines) if l.startswith('# ======== fastai_accum/')}
     head += [f'    {at[name]:5d}: {name}: '
              + (', '.join(n.name for n in trees[name].body
                           if isinstance(n, ast.ClassDef) and not n.name.startswith('_')) or '-')
              for name in order] + ['"""']
-    return '\n'.join(head + lines)
+    return '\n'.join(head + opening + lines + closing) + '\n'
+
+_LOADER = '''
+def _load_module(source, name='fastai_accum_single'):
+    "Run `source` as the module `name` (in `sys.modules`, its lines shown in tracebacks); the module."
+    import linecache, sys, types
+    module = types.ModuleType(name)
+    module.__file__ = f'<{name}>'
+    linecache.cache[module.__file__] = (len(source), None, source.splitlines(True), module.__file__)
+    sys.modules[name] = module
+    exec(compile(source, module.__file__, 'exec'), module.__dict__)
+    return module
+'''
 
 def build_single_file(dest:str|Path='fastai_accum_single.py', # where to write it
                       root:str='callback', # the module the file is built for

@@ -22,7 +22,7 @@ from .staged import StagedGraph, bn_graph, untraceable_reason, staged_graph, ate
 from .helpers import (_to, _tensors, random_state_kept, is_accelerator, can_pin, ReplacedForward,
                                   restore_forward, is_dropout)
 from .batchnorm import _after_norm
-from .link import Link, Copies, CudaCopies
+from .link import Link, Copies, CudaCopies, _storage
 
 # %% auto #0
 __all__ = ['StagedStep', 'stage_grads', 'store_per_sample', 'StagedForward', 'install_staged', 'uninstall_staged',
@@ -910,7 +910,6 @@ def _owns(g:Tensor, shared:set) -> bool:
     whole = g.untyped_storage().nbytes() == g.numel() * g.element_size()
     return whole and _storage(g) not in shared and all(st or n == 1 for st, n in zip(g.stride(), g.shape))
 
-def _storage(t:Tensor) -> int: return t.untyped_storage().data_ptr()
 
 def _shared_storages(outs:list, got) -> set:
     "Storages a gradient in `got` shares with the output gradients `outs` (the store's chunks) or another in `got`."

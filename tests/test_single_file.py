@@ -1,5 +1,5 @@
 "The copy-paste file: in sync with the modules, and alone (fastai_accum not importable) bit for bit the package's callback."
-import subprocess, sys, textwrap
+import ast, subprocess, sys, textwrap
 from pathlib import Path
 import pytest, torch
 from fastai_accum.single_file import single_file_source
@@ -21,7 +21,7 @@ if source == 'file':
     except ImportError: pass
     else: raise SystemExit('fastai_accum is importable')
     exec(compile(open('fastai_accum_single.py').read(), 'fastai_accum_single.py', 'exec'))  # as a pasted notebook cell
-    assert 'fastai_accum' not in str(GradientAccumulation.__module__)
+    assert GradientAccumulation.__module__ == 'fastai_accum_single'  # the pasted cell's own module
 else:
     from fastai_accum.callback import GradientAccumulation
 from torch import nn
@@ -88,5 +88,33 @@ def test_readme_states_the_length_and_where_the_callback_starts():
     n = int(re.search(r'([\d,]+) lines; its docstring lists', readme).group(1).replace(',', ''))
     first = re.search(r'the first class is `(\w+)`', readme).group(1)
     at = int(re.search(r'`GradientAccumulation` starts at line ([\d,]+)', readme).group(1).replace(',', ''))
-    classes = [c for c in ast.parse(src).body if isinstance(c, ast.ClassDef)]
-    assert (n, first, at) == (len(src.splitlines()), classes[0].name, next(c.lineno for c in classes if c.name == 'GradientAccumulation'))
+    inner = next(c for c in ast.walk(ast.parse(src)) if isinstance(c, ast.Constant) and isinstance(c.value, str)
+                 and 'class GradientAccumulation' in c.value)  # the library's source, run as a module of its own
+    classes = [c for c in ast.parse(inner.value).body if isinstance(c, ast.ClassDef)]
+    line = lambda c: inner.lineno + c.lineno - 1  # its lines in the file
+    assert (n, first, at) == (len(src.splitlines()), classes[0].name, next(line(c) for c in classes if c.name == 'GradientAccumulation'))
+    assert src.splitlines()[at - 1].startswith('class GradientAccumulation(')
+
+NAMESPACE = '''
+import sys
+sys.modules['fastai_accum'] = None  # the package is not installed
+from fastai.vision.all import *  # a notebook's usual first cell
+before = dict(globals())
+exec(compile(open('fastai_accum_single.py').read(), 'fastai_accum_single.py', 'exec'))  # the pasted cell
+new = sorted(k for k in globals() if k not in before and k != 'before' and not k.startswith('__'))
+changed = sorted(k for k in before if not k.startswith('__') and globals()[k] is not before[k])
+print('NEW', new); print('CHANGED', changed)
+print('PRIVATE', [k for k in new if k.startswith('_') and k != '_fastai_accum'])
+print('COPY', copy([1]) == [1])
+'''
+
+def test_the_pasted_cell_leaves_the_notebook_namespace_alone(tmp_path):
+    "It added 317 names (186 private) and rebound fastai's `copy` to the `copy` module; now: its public names, one module."
+    (tmp_path/'fastai_accum_single.py').write_text(FILE.read_text())
+    r = subprocess.run([sys.executable, '-I', '-c', NAMESPACE], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = dict(l.split(' ', 1) for l in r.stdout.splitlines() if l.split(' ', 1)[0] in ('NEW', 'CHANGED', 'PRIVATE', 'COPY'))
+    public = set(ast.literal_eval(said['NEW'])) - {'_fastai_accum'}
+    assert 'Accumulation' in public and 'wrap_bn' in public and 'copy' not in public
+    assert said['PRIVATE'] == '[]' and said['COPY'] == 'True'
+    assert ast.literal_eval(said['CHANGED']) == ['GradientAccumulation'], said['CHANGED']  # ours, in place of fastai's
