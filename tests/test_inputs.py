@@ -231,3 +231,13 @@ def test_activation_checkpointing_is_named():
         acc = loop(ours, data, n_step=4)  # the window fits: trained whole, as torch's own checkpoint trains a batch
     assert acc.path == 'exact' and ours.b[1].num_batches_tracked.item() == 4
     assert_same(ours, big_batch(deeper(True), data))
+
+def test_a_micro_batch_sliced_from_a_larger_tensor_is_measured_by_its_own_bytes():
+    "`x[i:i+2]` of one big tensor: its footprint was its storage's (112 KiB a sample for 19), and 'auto' staged a window that fits."
+    from fastai_accum.exact import measure_footprint
+    big = torch.randn(64, 3, 16, 16, dtype=torch.float64)
+    model = deeper()
+    sliced, own = measure_footprint(model, big[4:6]), measure_footprint(model, big[4:6].clone())
+    assert (sliced.saved, sliced.working) == (own.saved, own.working)
+    data = [(big[i:i + 2], torch.randint(0, 2, (2,))) for i in range(0, 16, 2)]
+    assert loop(deeper(), data, n_step=4).path == 'exact'
