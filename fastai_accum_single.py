@@ -4235,7 +4235,7 @@ class _CorePlan:
                                  autocast=self.autocast, opt_state=optimizer_state(self.optimizer),
                                  held=held_bytes(self.module, self.optimizer), unjoinable=unjoinable)
         if self.how.model_eval and self.how.n_bn: warnings.warn(self.how.headline())  # said with or without pre-flight
-        if self.exact and not self.plan.staged and self.plan.recomputed:
+        if self.exact and self.plan is not None and not self.plan.staged and self.plan.recomputed:
             warnings.warn(f"{self.name}: the backward runs BatchNorm layer {self.plan.recomputed[0]} again (activation "
                           "checkpointing): torch's checkpoint counts its running statistics twice per window, as it "
                           "does for one plain batch; the gradients are the big batch's")
@@ -4407,7 +4407,7 @@ class _CoreEvents:
         self._before_forward(final or drop)
         if self.exact: self._enter_offload()
         # torch's own layers count a whole window's statistics in its forward: kept, to take back a non-finite one
-        self._kept = kept_running_stats(self.module) if self.exact and not self.plan.staged else None
+        self._kept = kept_running_stats(self.module) if self.exact and not getattr(self.plan, 'staged', False) else None
 
     def _before_forward(self, final:bool):
         "Let DDP all-reduce the coming backward once per window (the flag `no_sync()` sets, read in its forward)."
