@@ -16,17 +16,17 @@ Contents (line: module: classes), dependencies first:
       209: distributed: -
       244: helpers: ReplacedForward
       414: window: AccumulationWindow, WindowLoader
-      710: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
-     1169: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
-     1342: staged: StagedGraph
-     1643: prepass: PrepassPlan, PreflightTable
-     1850: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
-     2002: staged_exact: StagedStep, StagedForward
-     3419: exact: Footprint, ExactModeMemoryError, ExactPlan
-     3798: ghost: GhostForward
-     3853: plan: StagedMismatchError, TrainingPlan
-     4103: core: BatchNormInstaller, Accumulation, FrontEnd
-     4657: callback: WindowPrefetch, GradientAccumulation
+      734: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
+     1193: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
+     1366: staged: StagedGraph
+     1667: prepass: PrepassPlan, PreflightTable
+     1874: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
+     2026: staged_exact: StagedStep, StagedForward
+     3443: exact: Footprint, ExactModeMemoryError, ExactPlan
+     3822: ghost: GhostForward
+     3877: plan: StagedMismatchError, TrainingPlan
+     4127: core: BatchNormInstaller, Accumulation, FrontEnd
+     4681: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -548,6 +548,30 @@ def loss_reduction(loss_func) -> str:
         r = getattr(f, 'reduction', None)
         if r is not None: return 'sum' if r == 'sum' else 'mean'
     return 'mean'
+
+# %% ../nbs/02_window.ipynb #862b7484
+def _half(v, a:int, b:int):
+    "Samples `a:b` of `v`: tensors sliced along their first dimension, inside tuples, lists and dicts."
+    if isinstance(v, Tensor): return v[a:b] if v.dim() else v
+    if isinstance(v, dict): return type(v)((k, _half(o, a, b)) for k, o in v.items())
+    if isinstance(v, (list, tuple)): return _batch_like(v, [_half(o, a, b) for o in v])
+    return v
+
+@torch.no_grad()
+def loss_couples(loss_func, # the training loss, called as `loss_func(pred, *ys)`
+                 pred, # a micro-batch's predictions (already computed)
+                 ys:tuple, # its targets
+                 loss:Tensor, # `loss_func(pred, *ys)` as training computed it
+                ) -> bool|None:
+    "Does `loss_func` couple the samples of a batch? (None: cannot tell, e.g. a micro-batch of one sample.)"
+    n = batch_size(pred)
+    if n < 2 or not isinstance(loss, Tensor) or loss.dim(): return None
+    h = n // 2
+    try: halves = [loss_func(_half(pred, a, b), *_half(tuple(ys), a, b)) for a, b in ((0, h), (h, n))]
+    except Exception: return None  # a loss that takes no half batch says nothing
+    if loss_reduction(loss_func) == 'sum': joined = halves[0] + halves[1]
+    else: joined = (halves[0] * h + halves[1] * (n - h)) / n
+    return not torch.allclose(joined.double(), loss.double(), rtol=1e-4, atol=1e-7)
 
 # %% ../nbs/02_window.ipynb #59ee1a5c
 @torch.no_grad()
@@ -4705,7 +4729,7 @@ class GradientAccumulation(Callback, FrontEnd):
         if n_step is None and n_acc is None: n_acc = 32  # fastai's default
         self._take_args(n_step, n_acc, preflight, kwargs, 'GradientAccumulation')
         self._args = dict(n_acc=n_acc, n_step=n_step, preflight=preflight, **kwargs)  # what an export rebuilds it from
-        self.train_time, self._said = 0., None
+        self.train_time, self._said, self._coupling_checked = 0., None, True
         self._fitting, self._nested = False, 0  # a fit has started training; `validate` calls inside it
 
 # %% ../nbs/03_callback.ipynb #3d19dae1
@@ -4727,6 +4751,7 @@ def _start_fit(self:GradientAccumulation):
     self.acc = self._core(self.learn.model, loss_reduction=loss_reduction(self.learn.loss_func), inputs=self._inputs,
                           autocast=self._autocast, optimizer=self.learn.opt)
     self.train_time, self._final, self._drop, self._announce, self._fitting = 0., False, False, False, True
+    self._coupling_checked = False  # the loss's coupling of samples: looked at on the fit's first micro-batch
 
 @patch
 def before_train(self:GradientAccumulation):
@@ -4770,6 +4795,20 @@ def _check_batch_size(self:GradientAccumulation):
     if self.n_acc is not None and bs and bs > self.n_acc:
         raise ValueError(f"GradientAccumulation: the training DataLoader's bs={bs} is larger than the effective batch "
                          f"n_acc={self.n_acc}; lower bs or raise n_acc")
+
+@patch
+def _check_coupling(self:GradientAccumulation):
+    "On a path that computes the loss per micro-batch, say if it couples the samples of a batch (`loss_couples`)."
+    # once per fit, on its first micro-batch's outputs: no forward runs
+    self._coupling_checked = True
+    if self.acc.exact or rank_distrib(): return  # the window's outputs: the loss is the big batch's
+    learn = self.learn
+    if not loss_couples(learn.loss_func, learn.pred, learn.yb, learn.loss): return
+    warnings.warn(f"GradientAccumulation: the loss couples the samples of a batch (on a micro-batch it differs from "
+                  f"the mean of its halves' losses: in-batch negatives, a similarity matrix, ...). On the "
+                  f"'{self.acc.path}' path it is computed per micro-batch of {find_bs(learn.yb)}, not over the window "
+                  f"of {self.acc.how.window}: train the window as one batch (policy 'exact', or 'staged' under a "
+                  "budget) to compute it over the window.", stacklevel=2)
 
 @patch
 def _check_batches(self:GradientAccumulation):
@@ -4892,6 +4931,7 @@ def _window(self:GradientAccumulation) -> list:
 
 @patch
 def after_loss(self:GradientAccumulation):
+    if not self._coupling_checked: self._check_coupling()
     f = self.acc.loss_factor(self.learn.loss)  # the micro-batch's weight; at the window's end also the correction
     if f != 1.: self.learn.loss_grad = self.learn.loss_grad * f
 
@@ -4962,7 +5002,7 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'materialize_lazy', 'uncompiled', 'is_dropout', 'peek_batches', 'window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'unjoinable', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only', 'accumulating_class', 'bn_layers', 'kept_running_stats', 'restore_running_stats', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'staged_graph', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'Ledger', 'Copies', 'CudaCopies', 'DeferredCopies', 'Link', 'StagedStep', 'stage_grads', 'store_per_sample', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'materialize_lazy', 'uncompiled', 'is_dropout', 'peek_batches', 'window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'loss_couples', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'unjoinable', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only', 'accumulating_class', 'bn_layers', 'kept_running_stats', 'restore_running_stats', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'staged_graph', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'Ledger', 'Copies', 'CudaCopies', 'DeferredCopies', 'Link', 'StagedStep', 'stage_grads', 'store_per_sample', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
 ''')
 globals().update({k: getattr(_fastai_accum, k) for k in _fastai_accum.__all__
                   if k not in globals() or k == 'GradientAccumulation'})

@@ -10,7 +10,7 @@ import torch
 from fastai.basics import *
 import fastai.callback.training
 from fastai.callback.fp16 import MixedPrecision
-from .window import loss_reduction, WindowLoader, _micro_per_window, window_exceeds_epoch, batch_size
+from .window import loss_reduction, WindowLoader, _micro_per_window, window_exceeds_epoch, batch_size, loss_couples
 from .core import Accumulation, FrontEnd, option_defaults
 from .helpers import split_batch, place_batch
 from .plan import may_train_whole
@@ -59,7 +59,7 @@ class GradientAccumulation(Callback, FrontEnd):
         if n_step is None and n_acc is None: n_acc = 32  # fastai's default
         self._take_args(n_step, n_acc, preflight, kwargs, 'GradientAccumulation')
         self._args = dict(n_acc=n_acc, n_step=n_step, preflight=preflight, **kwargs)  # what an export rebuilds it from
-        self.train_time, self._said = 0., None
+        self.train_time, self._said, self._coupling_checked = 0., None, True
         self._fitting, self._nested = False, 0  # a fit has started training; `validate` calls inside it
 
 # %% ../nbs/03_callback.ipynb #3d19dae1
@@ -81,6 +81,7 @@ def _start_fit(self:GradientAccumulation):
     self.acc = self._core(self.learn.model, loss_reduction=loss_reduction(self.learn.loss_func), inputs=self._inputs,
                           autocast=self._autocast, optimizer=self.learn.opt)
     self.train_time, self._final, self._drop, self._announce, self._fitting = 0., False, False, False, True
+    self._coupling_checked = False  # the loss's coupling of samples: looked at on the fit's first micro-batch
 
 @patch
 def before_train(self:GradientAccumulation):
@@ -124,6 +125,20 @@ def _check_batch_size(self:GradientAccumulation):
     if self.n_acc is not None and bs and bs > self.n_acc:
         raise ValueError(f"GradientAccumulation: the training DataLoader's bs={bs} is larger than the effective batch "
                          f"n_acc={self.n_acc}; lower bs or raise n_acc")
+
+@patch
+def _check_coupling(self:GradientAccumulation):
+    "On a path that computes the loss per micro-batch, say if it couples the samples of a batch (`loss_couples`)."
+    # once per fit, on its first micro-batch's outputs: no forward runs
+    self._coupling_checked = True
+    if self.acc.exact or rank_distrib(): return  # the window's outputs: the loss is the big batch's
+    learn = self.learn
+    if not loss_couples(learn.loss_func, learn.pred, learn.yb, learn.loss): return
+    warnings.warn(f"GradientAccumulation: the loss couples the samples of a batch (on a micro-batch it differs from "
+                  f"the mean of its halves' losses: in-batch negatives, a similarity matrix, ...). On the "
+                  f"'{self.acc.path}' path it is computed per micro-batch of {find_bs(learn.yb)}, not over the window "
+                  f"of {self.acc.how.window}: train the window as one batch (policy 'exact', or 'staged' under a "
+                  "budget) to compute it over the window.", stacklevel=2)
 
 @patch
 def _check_batches(self:GradientAccumulation):
@@ -246,6 +261,7 @@ def _window(self:GradientAccumulation) -> list:
 
 @patch
 def after_loss(self:GradientAccumulation):
+    if not self._coupling_checked: self._check_coupling()
     f = self.acc.loss_factor(self.learn.loss)  # the micro-batch's weight; at the window's end also the correction
     if f != 1.: self.learn.loss_grad = self.learn.loss_grad * f
 
