@@ -15,18 +15,18 @@ Contents (line: module: classes), dependencies first:
        46: stats: ChannelStats
       209: distributed: -
       244: helpers: ReplacedForward
-      414: window: AccumulationWindow, WindowLoader
-      734: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
-     1193: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
-     1366: staged: StagedGraph
-     1667: prepass: PrepassPlan, PreflightTable
-     1874: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
-     2026: staged_exact: StagedStep, StagedForward
-     3443: exact: Footprint, ExactModeMemoryError, ExactPlan
-     3822: ghost: GhostForward
-     3877: plan: StagedMismatchError, TrainingPlan
-     4127: core: BatchNormInstaller, Accumulation, FrontEnd
-     4681: callback: WindowPrefetch, GradientAccumulation
+      420: window: AccumulationWindow, WindowLoader
+      740: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
+     1199: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
+     1372: staged: StagedGraph
+     1672: prepass: PrepassPlan, PreflightTable
+     1879: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
+     2031: staged_exact: StagedStep, StagedForward
+     3445: exact: Footprint, ExactModeMemoryError, ExactPlan
+     3824: ghost: GhostForward
+     3879: plan: StagedMismatchError, TrainingPlan
+     4129: core: BatchNormInstaller, Accumulation, FrontEnd
+     4683: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -390,6 +390,12 @@ def uncompiled(model:nn.Module) -> nn.Module:
     while type(model).__name__ == 'OptimizedModule' and isinstance(getattr(model, '_orig_mod', None), nn.Module):
         model = model._orig_mod
     return model
+
+# %% ../nbs/00_helpers.ipynb #291f83fb
+def plain_tensor(t):
+    "`t` as a plain `Tensor` (anything else as it is)."
+    # a subclass such as fastai's `TensorImage` would make every op dispatch through it
+    return t.as_subclass(Tensor) if isinstance(t, Tensor) and type(t) is not Tensor else t
 
 # %% ../nbs/00_helpers.ipynb #a1d0b002
 def is_dropout(m:nn.Module) -> bool:
@@ -980,7 +986,7 @@ def _normalize_window(self:AccumulateBatchNorm, x):
     if x.numel() // x.shape[1] >= GradPool.min_micro: return self._renormalize(x, mean, var)
     # plain tensors in: a tensor subclass (fastai's TensorImage, also in statistics pooled from it) would make the
     # output a view of the Function's, which an in-place activation after this layer (fastai's head) may not modify
-    x, mean, var = (t.as_subclass(Tensor) if type(t) is not Tensor else t for t in (x, mean, var))
+    x, mean, var = map(plain_tensor, (x, mean, var))
     return WindowNormFunction.apply(x, self.weight, self.bias, mean, var, self, self._pool(i))
 
 @patch
@@ -1543,7 +1549,6 @@ def _signature(xb:tuple) -> tuple:
     "What an aten-level graph is specialised to: every input's shape but the batch's, its dtype and device."
     return tuple((tuple(t.shape[1:]), t.dtype, t.device.type) if isinstance(t, Tensor) else repr(t) for t in xb)
 
-def _plain_tensor(t): return t.as_subclass(Tensor) if isinstance(t, Tensor) and type(t) is not Tensor else t
 
 def _trace_aten(model:nn.Module, xb:tuple):
     "(make_fx graph of `model` on `xb`, names of its parameters and buffers, modules returning a tensor subclass)."
@@ -1561,7 +1566,7 @@ def _trace_aten(model:nn.Module, xb:tuple):
     dev = next(iter(params.values())).device.type if params else 'cpu'
     try:
         with random_state_kept(), torch.autocast(dev, enabled=False), torch.no_grad():
-            gm = make_fx(run, tracing_mode='real', pre_dispatch=True)(params, bufs, *map(_plain_tensor, xb))
+            gm = make_fx(run, tracing_mode='real', pre_dispatch=True)(params, bufs, *map(plain_tensor, xb))
     finally:
         for m, own in swapped:
             if own is None: del m.__dict__['forward']
@@ -2043,10 +2048,7 @@ def _is_barrier(m) -> bool:
     # it couples samples
     return isinstance(m, _BatchNorm) and (m.training or m.running_mean is None)
 
-def _plain(t):
-    "`t` as a plain `Tensor`."
-    # a subclass such as fastai's `TensorImage` would make every op dispatch through it
-    return t.as_subclass(Tensor) if isinstance(t, Tensor) and type(t) is not Tensor else t
+_plain = plain_tensor  # a subclass such as fastai's `TensorImage` would make every op dispatch through it
 
 def _rng_state(dev):
     return torch.get_rng_state(), (torch.cuda.get_rng_state(dev) if dev.type == 'cuda' else None)
@@ -4792,9 +4794,7 @@ def _check_alone(self:GradientAccumulation):
 @patch
 def _check_batch_size(self:GradientAccumulation):
     bs = getattr(getattr(self.dls, 'train', None), 'bs', None)
-    if self.n_acc is not None and bs and bs > self.n_acc:
-        raise ValueError(f"GradientAccumulation: the training DataLoader's bs={bs} is larger than the effective batch "
-                         f"n_acc={self.n_acc}; lower bs or raise n_acc")
+    if bs: check_micro_bs(bs, self.n_acc)  # before the fit, from the DataLoader's bs; as every path checks a micro-batch
 
 @patch
 def _check_coupling(self:GradientAccumulation):
@@ -5002,7 +5002,7 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'materialize_lazy', 'uncompiled', 'is_dropout', 'peek_batches', 'window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'loss_couples', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'unjoinable', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only', 'accumulating_class', 'bn_layers', 'kept_running_stats', 'restore_running_stats', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'staged_graph', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'Ledger', 'Copies', 'CudaCopies', 'DeferredCopies', 'Link', 'StagedStep', 'stage_grads', 'store_per_sample', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'materialize_lazy', 'uncompiled', 'plain_tensor', 'is_dropout', 'peek_batches', 'window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'loss_couples', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'unjoinable', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only', 'accumulating_class', 'bn_layers', 'kept_running_stats', 'restore_running_stats', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'staged_graph', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'Ledger', 'Copies', 'CudaCopies', 'DeferredCopies', 'Link', 'StagedStep', 'stage_grads', 'store_per_sample', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
 ''')
 globals().update({k: getattr(_fastai_accum, k) for k in _fastai_accum.__all__
                   if k not in globals() or k == 'GradientAccumulation'})

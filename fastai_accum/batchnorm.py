@@ -13,6 +13,7 @@ from torch.nn.modules._functions import SyncBatchNorm as sync_batch_norm
 import torch.distributed as dist
 from fastcore.basics import patch
 from .stats import ChannelStats, all_reduce_stats, momentum_step
+from .helpers import plain_tensor
 
 # %% auto #0
 __all__ = ['bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm',
@@ -256,7 +257,7 @@ def _normalize_window(self:AccumulateBatchNorm, x):
     if x.numel() // x.shape[1] >= GradPool.min_micro: return self._renormalize(x, mean, var)
     # plain tensors in: a tensor subclass (fastai's TensorImage, also in statistics pooled from it) would make the
     # output a view of the Function's, which an in-place activation after this layer (fastai's head) may not modify
-    x, mean, var = (t.as_subclass(Tensor) if type(t) is not Tensor else t for t in (x, mean, var))
+    x, mean, var = map(plain_tensor, (x, mean, var))
     return WindowNormFunction.apply(x, self.weight, self.bias, mean, var, self, self._pool(i))
 
 @patch

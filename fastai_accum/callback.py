@@ -10,7 +10,7 @@ import torch
 from fastai.basics import *
 import fastai.callback.training
 from fastai.callback.fp16 import MixedPrecision
-from .window import loss_reduction, WindowLoader, _micro_per_window, window_exceeds_epoch, batch_size, loss_couples
+from .window import loss_reduction, WindowLoader, _micro_per_window, window_exceeds_epoch, batch_size, loss_couples, check_micro_bs
 from .core import Accumulation, FrontEnd, option_defaults
 from .helpers import split_batch, place_batch
 from .plan import may_train_whole
@@ -122,9 +122,7 @@ def _check_alone(self:GradientAccumulation):
 @patch
 def _check_batch_size(self:GradientAccumulation):
     bs = getattr(getattr(self.dls, 'train', None), 'bs', None)
-    if self.n_acc is not None and bs and bs > self.n_acc:
-        raise ValueError(f"GradientAccumulation: the training DataLoader's bs={bs} is larger than the effective batch "
-                         f"n_acc={self.n_acc}; lower bs or raise n_acc")
+    if bs: check_micro_bs(bs, self.n_acc)  # before the fit, from the DataLoader's bs; as every path checks a micro-batch
 
 @patch
 def _check_coupling(self:GradientAccumulation):

@@ -16,7 +16,7 @@ from torch.fx.node import map_aggregate
 # %% auto #0
 __all__ = ['place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept',
            'ReplacedForward', 'restore_forward', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept',
-           'materialize_lazy', 'uncompiled', 'is_dropout', 'peek_batches']
+           'materialize_lazy', 'uncompiled', 'plain_tensor', 'is_dropout', 'peek_batches']
 
 # %% ../nbs/00_helpers.ipynb #5f390a10
 def _batch_like(b, items:list):
@@ -154,6 +154,12 @@ def uncompiled(model:nn.Module) -> nn.Module:
     while type(model).__name__ == 'OptimizedModule' and isinstance(getattr(model, '_orig_mod', None), nn.Module):
         model = model._orig_mod
     return model
+
+# %% ../nbs/00_helpers.ipynb #291f83fb
+def plain_tensor(t):
+    "`t` as a plain `Tensor` (anything else as it is)."
+    # a subclass such as fastai's `TensorImage` would make every op dispatch through it
+    return t.as_subclass(Tensor) if isinstance(t, Tensor) and type(t) is not Tensor else t
 
 # %% ../nbs/00_helpers.ipynb #a1d0b002
 def is_dropout(m:nn.Module) -> bool:

@@ -15,7 +15,7 @@ from torch.fx.node import map_aggregate
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_unflatten
 from .meters import ByteMeter, _tensors
-from .helpers import _to, random_state_kept
+from .helpers import _to, random_state_kept, plain_tensor
 from .batchnorm import norm_only
 
 # %% auto #0
@@ -188,7 +188,6 @@ def _signature(xb:tuple) -> tuple:
     "What an aten-level graph is specialised to: every input's shape but the batch's, its dtype and device."
     return tuple((tuple(t.shape[1:]), t.dtype, t.device.type) if isinstance(t, Tensor) else repr(t) for t in xb)
 
-def _plain_tensor(t): return t.as_subclass(Tensor) if isinstance(t, Tensor) and type(t) is not Tensor else t
 
 def _trace_aten(model:nn.Module, xb:tuple):
     "(make_fx graph of `model` on `xb`, names of its parameters and buffers, modules returning a tensor subclass)."
@@ -206,7 +205,7 @@ def _trace_aten(model:nn.Module, xb:tuple):
     dev = next(iter(params.values())).device.type if params else 'cpu'
     try:
         with random_state_kept(), torch.autocast(dev, enabled=False), torch.no_grad():
-            gm = make_fx(run, tracing_mode='real', pre_dispatch=True)(params, bufs, *map(_plain_tensor, xb))
+            gm = make_fx(run, tracing_mode='real', pre_dispatch=True)(params, bufs, *map(plain_tensor, xb))
     finally:
         for m, own in swapped:
             if own is None: del m.__dict__['forward']

@@ -20,7 +20,7 @@ from .stats import ChannelStats, all_reduce_stats, momentum_step
 from .distributed import world_size
 from .staged import StagedGraph, bn_graph, untraceable_reason, staged_graph, aten_graph, _signature
 from .helpers import (_to, _tensors, random_state_kept, is_accelerator, can_pin, ReplacedForward,
-                                  restore_forward, is_dropout)
+                                  restore_forward, is_dropout, plain_tensor)
 from .batchnorm import _after_norm
 from .link import Link, Copies, CudaCopies, _storage
 
@@ -34,10 +34,7 @@ def _is_barrier(m) -> bool:
     # it couples samples
     return isinstance(m, _BatchNorm) and (m.training or m.running_mean is None)
 
-def _plain(t):
-    "`t` as a plain `Tensor`."
-    # a subclass such as fastai's `TensorImage` would make every op dispatch through it
-    return t.as_subclass(Tensor) if isinstance(t, Tensor) and type(t) is not Tensor else t
+_plain = plain_tensor  # a subclass such as fastai's `TensorImage` would make every op dispatch through it
 
 def _rng_state(dev):
     return torch.get_rng_state(), (torch.cuda.get_rng_state(dev) if dev.type == 'cuda' else None)
