@@ -398,40 +398,44 @@ class _CoreCommit:
         "Drop the accumulated gradients: a partial window's, or one that ended without an optimizer step."
         for p in self.params: p.grad = None
 
-    def window_inputs(self, sizes:list, # samples in each micro-batch of a window trained whole
-                      xb:tuple, # its model inputs, joined
-                     ):
-        "A window trained whole is about to run: `end_micro` names the micro-batch of a non-finite input from these."
-        self._whole = (sizes, xb)
-
-    def _whole_nonfinite(self) -> int|None:
-        "The first micro-batch (from 0) of the window trained whole whose model inputs are not finite, or None."
-        if self._whole is None: return None
-        sizes, xb = self._whole
-        rows = [(~torch.isfinite(t)).flatten(1).any(1) if t.dim() > 1 else ~torch.isfinite(t)
-                for t in _tensors(xb) if t.is_floating_point() and t.dim()]
-        first = min((int(r.nonzero()[0]) for r in rows if bool(r.any())), default=None)
-        return None if first is None else next(i for i, end in enumerate(itertools.accumulate(sizes)) if first < end)
-
-    def clear(self):
-        "Drop a partial window: its accumulated gradients and pending BatchNorm statistics."
-        kept, self._kept, self._whole = self._kept, None, None
-        restored = kept is not None and restore_running_stats(kept)  # a forward that met a NaN or inf: taken back
-        if restored or (not self.window.empty and self.window.nonfinite() is not None):
-            warnings.warn(f"{self.name}: window {self.steps} was dropped before its end (the fit was cancelled, e.g. by "
-                          "TerminateOnNaNCallback) after a non-finite loss: its gradients are dropped and its BatchNorm "
-                          "running statistics not updated", RuntimeWarning)
-        self._exit_offload()
-        if not self.window.empty: self.drop_grads()
-        drop_window(self.bns)
-        self.window.reset()
-        self._micro, self._ends_window = None, False
-
     def __repr__(self):
         how = 'chosen at the first window' if self.how is None else self.path
         if self.exact: how += f': {self.plan.describe()}'
         size = f'n_step={self.n_step}, n_acc={self.n_acc}'
         return f'{type(self).__name__}({size}, policy={self.policy!r}, steps={self.steps}; {how})'
+
+# %% ../nbs/02d_core.ipynb #2cccebf6
+@patch
+def window_inputs(self:_CoreCommit, sizes:list, # samples in each micro-batch of a window trained whole
+                  xb:tuple, # its model inputs, joined
+                 ):
+    "A window trained whole is about to run: `end_micro` names the micro-batch of a non-finite input from these."
+    self._whole = (sizes, xb)
+
+@patch
+def _whole_nonfinite(self:_CoreCommit) -> int|None:
+    "The first micro-batch (from 0) of the window trained whole whose model inputs are not finite, or None."
+    if self._whole is None: return None
+    sizes, xb = self._whole
+    rows = [(~torch.isfinite(t)).flatten(1).any(1) if t.dim() > 1 else ~torch.isfinite(t)
+            for t in _tensors(xb) if t.is_floating_point() and t.dim()]
+    first = min((int(r.nonzero()[0]) for r in rows if bool(r.any())), default=None)
+    return None if first is None else next(i for i, end in enumerate(itertools.accumulate(sizes)) if first < end)
+
+@patch
+def clear(self:_CoreCommit):
+    "Drop a partial window: its accumulated gradients and pending BatchNorm statistics."
+    kept, self._kept, self._whole = self._kept, None, None
+    restored = kept is not None and restore_running_stats(kept)  # a forward that met a NaN or inf: taken back
+    if restored or (not self.window.empty and self.window.nonfinite() is not None):
+        warnings.warn(f"{self.name}: window {self.steps} was dropped before its end (the fit was cancelled, e.g. by "
+                      "TerminateOnNaNCallback) after a non-finite loss: its gradients are dropped and its BatchNorm "
+                      "running statistics not updated", RuntimeWarning)
+    self._exit_offload()
+    if not self.window.empty: self.drop_grads()
+    drop_window(self.bns)
+    self.window.reset()
+    self._micro, self._ends_window = None, False
 
 # %% ../nbs/02d_core.ipynb #c0e1a007
 class Accumulation(_CorePlan, _CorePreflight, _CoreLoop, _CorePlacing, _CoreEvents, _CoreCommit):
