@@ -88,7 +88,7 @@ def test_readme_is_a_front_page_whose_claims_are_the_code_s():
     from torch import nn
     from fastai_accum.core import Accumulation
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(2))
-    acc = Accumulation(model, n_step=2)
+    acc = Accumulation(model, n_step=2, name='GradientAccumulation')  # as the callback speaks
     batch = (torch.randn(2, 1, 8, 8), torch.zeros(2, dtype=torch.long))
     next(iter(acc.batches([batch] * 2)))
     said = acc.preflight(batch[:1]).split(' a window of')[0]  # the example's words, up to its numbers
