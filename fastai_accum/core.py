@@ -4,7 +4,7 @@
 
 # %% ../nbs/02d_core.ipynb #d39581af
 from __future__ import annotations
-import inspect, itertools, time, warnings, weakref
+import inspect, itertools, numbers, time, warnings, weakref
 import torch
 from contextlib import nullcontext
 from torch import nn, Tensor
@@ -57,6 +57,12 @@ def accumulation_options(kwargs:dict, # options a front end was given (`Accumula
     options.update(kwargs)
     options.update({k: _check_count(k, options[k]) for k in _counts})  # plain ints (numpy integers too)
     options.update({k: check_budget(k, options[k]) for k in ('device_memory', 'host_memory')})  # bytes; '4GB'
+    for k in ('offload', 'verify', 'wrap', 'sync_each_batch'):  # flags: a bool (offload: or None, the plan's choice)
+        v = options[k]
+        if v is None and k == 'offload': continue
+        if not (isinstance(v, numbers.Integral) and v in (0, 1)):
+            raise ValueError(f"{name}({k}={v!r}): give True or False" + (" (or None: the plan decides)" if k == 'offload' else ''))
+        options[k] = bool(v)
     size = validate_window_args(options['n_step'], options['n_acc'], options['partial'], loss_reduction)
     options['n_step'], options['n_acc'] = size
     options['policy'] = check_policy(options['policy'], name, options['bn_batch'], whole_windows)
@@ -480,6 +486,10 @@ class Accumulation(_CorePlan, _CorePreflight, _CoreLoop, _CorePlacing, _CoreEven
         given = {**defaults, **given}
         self.__dict__.update(options)
         self.loss_reduction, self.inputs, self.autocast = given['loss_reduction'], given['inputs'], given['autocast']
+        if self.inputs is None: self.inputs = default_inputs
+        if not callable(self.inputs):
+            raise TypeError(f"{given['name']}(inputs={self.inputs!r}): give a function of a batch returning the model's "
+                            "inputs as a tuple, e.g. inputs=lambda b: (b[0],)")
         self.merge_exact, self.name, self.optimizer = given['merge_exact'], given['name'], given['optimizer']
         self._params, self._say = given['params'], given['preflight']
         self.use_model(model)

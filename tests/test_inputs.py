@@ -241,3 +241,12 @@ def test_a_micro_batch_sliced_from_a_larger_tensor_is_measured_by_its_own_bytes(
     assert (sliced.saved, sliced.working) == (own.saved, own.working)
     data = [(big[i:i + 2], torch.randint(0, 2, (2,))) for i in range(0, 16, 2)]
     assert loop(deeper(), data, n_step=4).path == 'exact'
+
+@pytest.mark.parametrize('option, said', [(dict(offload='yes'), r"offload='yes'\): give True or False"),
+                                          (dict(verify='no'), r"verify='no'\): give True or False"),
+                                          (dict(inputs='x'), r"inputs='x'\): give a function of a batch")])
+def test_flags_and_inputs_are_checked_where_given(option, said):
+    with pytest.raises((ValueError, TypeError), match=said): Accumulation(cnn(), n_step=4, **option)
+
+def test_inputs_none_is_the_default():
+    assert loop(cnn().train(), micro_batches(), n_step=4, inputs=None).path == 'exact'
