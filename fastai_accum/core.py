@@ -370,7 +370,7 @@ class _CoreCommit:
         else:
             drop_window(self.bns)
             if kept is not None: restore_running_stats(kept)
-            which = self._whole_nonfinite() if kept is not None else bad
+            which = self._whole_nonfinite() if self._whole is not None else bad  # a window trained whole: its inputs say
             which = 'a micro-batch' if which is None else f"micro-batch {which}"
             warnings.warn(f"{self.name}: {which} of window {self.steps} has a non-finite loss: the window's "
                           "BatchNorm running statistics are not updated (the optimizer step is the training loop's "
