@@ -23,10 +23,10 @@ Contents (line: module: classes), dependencies first:
      1879: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
      2031: staged_exact: StagedStep, StagedForward
      3445: exact: Footprint, ExactModeMemoryError, ExactPlan
-     3824: ghost: GhostForward
-     3879: plan: StagedMismatchError, TrainingPlan
-     4129: core: BatchNormInstaller, Accumulation, FrontEnd
-     4697: callback: WindowPrefetch, GradientAccumulation
+     3826: ghost: GhostForward
+     3881: plan: StagedMismatchError, TrainingPlan
+     4131: core: BatchNormInstaller, Accumulation, FrontEnd
+     4699: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -3519,6 +3519,8 @@ def recomputed_bns(model:nn.Module, # the model (nothing in it changes: no gradi
     # needs no more memory than a micro-batch's backward; statistics and random states are put back
     names = {m: n for n, m in model.named_modules() if isinstance(m, _BatchNorm) and m.training}
     if not names: return []
+    if xb and torch.is_tensor(xb[0]) and xb[0].dim() and xb[0].shape[0] < 2:  # BatchNorm needs 2 values to train
+        xb = tuple(torch.cat([t, t]) if torch.is_tensor(t) and t.dim() else t for t in xb)
     xb = tuple(t.detach().requires_grad_() if torch.is_tensor(t) and t.is_floating_point() else t for t in xb)
     leaves = [t for t in xb if torch.is_tensor(t) and t.requires_grad]
     again, no_graph, backward = set(), set(), False

@@ -89,6 +89,8 @@ def recomputed_bns(model:nn.Module, # the model (nothing in it changes: no gradi
     # needs no more memory than a micro-batch's backward; statistics and random states are put back
     names = {m: n for n, m in model.named_modules() if isinstance(m, _BatchNorm) and m.training}
     if not names: return []
+    if xb and torch.is_tensor(xb[0]) and xb[0].dim() and xb[0].shape[0] < 2:  # BatchNorm needs 2 values to train
+        xb = tuple(torch.cat([t, t]) if torch.is_tensor(t) and t.dim() else t for t in xb)
     xb = tuple(t.detach().requires_grad_() if torch.is_tensor(t) and t.is_floating_point() else t for t in xb)
     leaves = [t for t in xb if torch.is_tensor(t) and t.requires_grad]
     again, no_graph, backward = set(), set(), False
