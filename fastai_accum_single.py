@@ -555,30 +555,6 @@ def loss_reduction(loss_func) -> str:
         if r is not None: return 'sum' if r == 'sum' else 'mean'
     return 'mean'
 
-# %% ../nbs/02_window.ipynb #862b7484
-def _half(v, a:int, b:int):
-    "Samples `a:b` of `v`: tensors sliced along their first dimension, inside tuples, lists and dicts."
-    if isinstance(v, Tensor): return v[a:b] if v.dim() else v
-    if isinstance(v, dict): return type(v)((k, _half(o, a, b)) for k, o in v.items())
-    if isinstance(v, (list, tuple)): return _batch_like(v, [_half(o, a, b) for o in v])
-    return v
-
-@torch.no_grad()
-def loss_couples(loss_func, # the training loss, called as `loss_func(pred, *ys)`
-                 pred, # a micro-batch's predictions (already computed)
-                 ys:tuple, # its targets
-                 loss:Tensor, # `loss_func(pred, *ys)` as training computed it
-                ) -> bool|None:
-    "Does `loss_func` couple the samples of a batch? (None: cannot tell, e.g. a micro-batch of one sample.)"
-    n = batch_size(pred)
-    if n < 2 or not isinstance(loss, Tensor) or loss.dim(): return None
-    h = n // 2
-    try: halves = [loss_func(_half(pred, a, b), *_half(tuple(ys), a, b)) for a, b in ((0, h), (h, n))]
-    except Exception: return None  # a loss that takes no half batch says nothing
-    if loss_reduction(loss_func) == 'sum': joined = halves[0] + halves[1]
-    else: joined = (halves[0] * h + halves[1] * (n - h)) / n
-    return not torch.allclose(joined.double(), loss.double(), rtol=1e-4, atol=1e-7)
-
 # %% ../nbs/02_window.ipynb #59ee1a5c
 @torch.no_grad()
 def scale_grads(params, # parameters (those without a gradient are skipped)
@@ -618,6 +594,30 @@ def batch_size(b) -> int:
         else: return len(b)
     return b.shape[0]
 
+
+# %% ../nbs/02_window.ipynb #862b7484
+def _half(v, a:int, b:int):
+    "Samples `a:b` of `v`: tensors sliced along their first dimension, inside tuples, lists and dicts."
+    if isinstance(v, Tensor): return v[a:b] if v.dim() else v
+    if isinstance(v, dict): return type(v)((k, _half(o, a, b)) for k, o in v.items())
+    if isinstance(v, (list, tuple)): return _batch_like(v, [_half(o, a, b) for o in v])
+    return v
+
+@torch.no_grad()
+def loss_couples(loss_func, # the training loss, called as `loss_func(pred, *ys)`
+                 pred, # a micro-batch's predictions (already computed)
+                 ys:tuple, # its targets
+                 loss:Tensor, # `loss_func(pred, *ys)` as training computed it
+                ) -> bool|None:
+    "Does `loss_func` couple the samples of a batch? (None: cannot tell, e.g. a micro-batch of one sample.)"
+    n = batch_size(pred)
+    if n < 2 or not isinstance(loss, Tensor) or loss.dim(): return None
+    h = n // 2
+    try: halves = [loss_func(_half(pred, a, b), *_half(tuple(ys), a, b)) for a, b in ((0, h), (h, n))]
+    except Exception: return None  # a loss that takes no half batch says nothing
+    if loss_reduction(loss_func) == 'sum': joined = halves[0] + halves[1]
+    else: joined = (halves[0] * h + halves[1] * (n - h)) / n
+    return not torch.allclose(joined.double(), loss.double(), rtol=1e-4, atol=1e-7)
 
 # %% ../nbs/02_window.ipynb #16ec58b3
 def unjoinable(batches:list, # micro-batches: tensors, or tuples, lists and dicts of them (nested)
@@ -5018,7 +5018,7 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'materialize_lazy', 'uncompiled', 'plain_tensor', 'is_dropout', 'peek_batches', 'window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'loss_couples', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'unjoinable', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only', 'accumulating_class', 'bn_layers', 'kept_running_stats', 'restore_running_stats', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'staged_graph', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'Ledger', 'Copies', 'CudaCopies', 'DeferredCopies', 'Link', 'StagedStep', 'stage_grads', 'store_per_sample', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'materialize_lazy', 'uncompiled', 'plain_tensor', 'is_dropout', 'peek_batches', 'window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'loss_couples', 'unjoinable', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only', 'accumulating_class', 'bn_layers', 'kept_running_stats', 'restore_running_stats', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'staged_graph', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'Ledger', 'Copies', 'CudaCopies', 'DeferredCopies', 'Link', 'StagedStep', 'stage_grads', 'store_per_sample', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
 ''')
 globals().update({k: getattr(_fastai_accum, k) for k in _fastai_accum.__all__
                   if k not in globals() or k == 'GradientAccumulation'})

@@ -14,8 +14,8 @@ from .distributed import world_size
 from .helpers import place_batch, _batch_like
 
 # %% auto #0
-__all__ = ['window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'loss_couples',
-           'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'unjoinable', 'cat_batches',
+__all__ = ['window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads',
+           'commit_window', 'drop_window', 'batch_size', 'loss_couples', 'unjoinable', 'cat_batches',
            'window_exceeds_epoch', 'WindowLoader']
 
 # %% ../nbs/02_window.ipynb #6b430344
@@ -147,30 +147,6 @@ def loss_reduction(loss_func) -> str:
         if r is not None: return 'sum' if r == 'sum' else 'mean'
     return 'mean'
 
-# %% ../nbs/02_window.ipynb #862b7484
-def _half(v, a:int, b:int):
-    "Samples `a:b` of `v`: tensors sliced along their first dimension, inside tuples, lists and dicts."
-    if isinstance(v, Tensor): return v[a:b] if v.dim() else v
-    if isinstance(v, dict): return type(v)((k, _half(o, a, b)) for k, o in v.items())
-    if isinstance(v, (list, tuple)): return _batch_like(v, [_half(o, a, b) for o in v])
-    return v
-
-@torch.no_grad()
-def loss_couples(loss_func, # the training loss, called as `loss_func(pred, *ys)`
-                 pred, # a micro-batch's predictions (already computed)
-                 ys:tuple, # its targets
-                 loss:Tensor, # `loss_func(pred, *ys)` as training computed it
-                ) -> bool|None:
-    "Does `loss_func` couple the samples of a batch? (None: cannot tell, e.g. a micro-batch of one sample.)"
-    n = batch_size(pred)
-    if n < 2 or not isinstance(loss, Tensor) or loss.dim(): return None
-    h = n // 2
-    try: halves = [loss_func(_half(pred, a, b), *_half(tuple(ys), a, b)) for a, b in ((0, h), (h, n))]
-    except Exception: return None  # a loss that takes no half batch says nothing
-    if loss_reduction(loss_func) == 'sum': joined = halves[0] + halves[1]
-    else: joined = (halves[0] * h + halves[1] * (n - h)) / n
-    return not torch.allclose(joined.double(), loss.double(), rtol=1e-4, atol=1e-7)
-
 # %% ../nbs/02_window.ipynb #59ee1a5c
 @torch.no_grad()
 def scale_grads(params, # parameters (those without a gradient are skipped)
@@ -210,6 +186,30 @@ def batch_size(b) -> int:
         else: return len(b)
     return b.shape[0]
 
+
+# %% ../nbs/02_window.ipynb #862b7484
+def _half(v, a:int, b:int):
+    "Samples `a:b` of `v`: tensors sliced along their first dimension, inside tuples, lists and dicts."
+    if isinstance(v, Tensor): return v[a:b] if v.dim() else v
+    if isinstance(v, dict): return type(v)((k, _half(o, a, b)) for k, o in v.items())
+    if isinstance(v, (list, tuple)): return _batch_like(v, [_half(o, a, b) for o in v])
+    return v
+
+@torch.no_grad()
+def loss_couples(loss_func, # the training loss, called as `loss_func(pred, *ys)`
+                 pred, # a micro-batch's predictions (already computed)
+                 ys:tuple, # its targets
+                 loss:Tensor, # `loss_func(pred, *ys)` as training computed it
+                ) -> bool|None:
+    "Does `loss_func` couple the samples of a batch? (None: cannot tell, e.g. a micro-batch of one sample.)"
+    n = batch_size(pred)
+    if n < 2 or not isinstance(loss, Tensor) or loss.dim(): return None
+    h = n // 2
+    try: halves = [loss_func(_half(pred, a, b), *_half(tuple(ys), a, b)) for a, b in ((0, h), (h, n))]
+    except Exception: return None  # a loss that takes no half batch says nothing
+    if loss_reduction(loss_func) == 'sum': joined = halves[0] + halves[1]
+    else: joined = (halves[0] * h + halves[1] * (n - h)) / n
+    return not torch.allclose(joined.double(), loss.double(), rtol=1e-4, atol=1e-7)
 
 # %% ../nbs/02_window.ipynb #16ec58b3
 def unjoinable(batches:list, # micro-batches: tensors, or tuples, lists and dicts of them (nested)

@@ -72,7 +72,7 @@ print('RESULT', json.dumps(dict(n_batches=len(learn.data.train_dl), steps=len(st
     assert out['tracked'] == [windows]                  # every BN layer committed once per optimizer step
     assert out['restored']
     assert out['prepasses'] == [8, 2]                   # one pre-pass per window, over the whole window
-    assert r.stdout.count("GradientAccumulation: policy 'window' on 22 BatchNorm layers: each micro-batch is normalized with the whole window's statistics") == 1  # the pre-flight, once
+    assert r.stdout.count("GradientAccumulationV1: policy 'window' on 22 BatchNorm layers: each micro-batch is normalized with the whole window's statistics") == 1  # the pre-flight, once, in the adapter's name
 
 _MLP = '''
 import json, warnings; warnings.simplefilter('ignore')
