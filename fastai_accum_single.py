@@ -16,17 +16,17 @@ Contents (line: module: classes), dependencies first:
       209: distributed: -
       244: helpers: ReplacedForward
       420: window: AccumulationWindow, WindowLoader
-      740: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
-     1199: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
-     1372: staged: StagedGraph
-     1672: prepass: PrepassPlan, PreflightTable
-     1879: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
-     2031: staged_exact: StagedStep, StagedForward
-     3445: exact: Footprint, ExactModeMemoryError, ExactPlan
-     3826: ghost: GhostForward
-     3881: plan: StagedMismatchError, TrainingPlan
-     4131: core: BatchNormInstaller, Accumulation, FrontEnd
-     4699: callback: WindowPrefetch, GradientAccumulation
+      746: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
+     1205: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
+     1378: staged: StagedGraph
+     1678: prepass: PrepassPlan, PreflightTable
+     1885: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
+     2037: staged_exact: StagedStep, StagedForward
+     3451: exact: Footprint, ExactModeMemoryError, ExactPlan
+     3832: ghost: GhostForward
+     3887: plan: StagedMismatchError, TrainingPlan
+     4137: core: BatchNormInstaller, Accumulation, FrontEnd
+     4705: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -422,7 +422,7 @@ def peek_batches(dl, # a fastai or PyTorch DataLoader
 import math, numbers
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import nn, Tensor
 
 # %% auto #0
 
@@ -613,8 +613,14 @@ def loss_couples(loss_func, # the training loss, called as `loss_func(pred, *ys)
     n = batch_size(pred)
     if n < 2 or not isinstance(loss, Tensor) or loss.dim(): return None
     h = n // 2
-    try: halves = [loss_func(_half(pred, a, b), *_half(tuple(ys), a, b)) for a, b in ((0, h), (h, n))]
+    # a loss with state (a queue of negatives in its buffers) and random draws: both as they were after
+    state = [(t, t.clone()) for t in loss_func.buffers()] if isinstance(loss_func, nn.Module) else []
+    try:
+        with random_state_kept():
+            halves = [loss_func(_half(pred, a, b), *_half(tuple(ys), a, b)) for a, b in ((0, h), (h, n))]
     except Exception: return None  # a loss that takes no half batch says nothing
+    finally:
+        for t, saved in state: t.copy_(saved)
     if loss_reduction(loss_func) == 'sum': joined = halves[0] + halves[1]
     else: joined = (halves[0] * h + halves[1] * (n - h)) / n
     return not torch.allclose(joined.double(), loss.double(), rtol=1e-4, atol=1e-7)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import math, numbers
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import nn, Tensor
 from .stats import all_reduce_stats
 from .distributed import world_size
-from .helpers import place_batch, _batch_like
+from .helpers import place_batch, _batch_like, random_state_kept
 
 # %% auto #0
 __all__ = ['window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads',
@@ -205,8 +205,14 @@ def loss_couples(loss_func, # the training loss, called as `loss_func(pred, *ys)
     n = batch_size(pred)
     if n < 2 or not isinstance(loss, Tensor) or loss.dim(): return None
     h = n // 2
-    try: halves = [loss_func(_half(pred, a, b), *_half(tuple(ys), a, b)) for a, b in ((0, h), (h, n))]
+    # a loss with state (a queue of negatives in its buffers) and random draws: both as they were after
+    state = [(t, t.clone()) for t in loss_func.buffers()] if isinstance(loss_func, nn.Module) else []
+    try:
+        with random_state_kept():
+            halves = [loss_func(_half(pred, a, b), *_half(tuple(ys), a, b)) for a, b in ((0, h), (h, n))]
     except Exception: return None  # a loss that takes no half batch says nothing
+    finally:
+        for t, saved in state: t.copy_(saved)
     if loss_reduction(loss_func) == 'sum': joined = halves[0] + halves[1]
     else: joined = (halves[0] * h + halves[1] * (n - h)) / n
     return not torch.allclose(joined.double(), loss.double(), rtol=1e-4, atol=1e-7)
