@@ -16,17 +16,17 @@ Contents (line: module: classes), dependencies first:
       209: distributed: -
       244: helpers: ReplacedForward
       420: window: AccumulationWindow, WindowLoader
-      746: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
-     1205: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
-     1378: staged: StagedGraph
-     1678: prepass: PrepassPlan, PreflightTable
-     1885: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
-     2037: staged_exact: StagedStep, StagedForward
-     3451: exact: Footprint, ExactModeMemoryError, ExactPlan
-     3832: ghost: GhostForward
-     3887: plan: StagedMismatchError, TrainingPlan
-     4137: core: BatchNormInstaller, Accumulation, FrontEnd
-     4705: callback: WindowPrefetch, GradientAccumulation
+      745: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
+     1204: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
+     1377: staged: StagedGraph
+     1677: prepass: PrepassPlan, PreflightTable
+     1884: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
+     2036: staged_exact: StagedStep, StagedForward
+     3450: exact: Footprint, ExactModeMemoryError, ExactPlan
+     3834: ghost: GhostForward
+     3889: plan: StagedMismatchError, TrainingPlan
+     4139: core: BatchNormInstaller, Accumulation, FrontEnd
+     4707: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -423,6 +423,7 @@ import math, numbers
 import torch
 import torch.distributed as dist
 from torch import nn, Tensor
+from torch.utils._pytree import tree_map
 
 # %% auto #0
 
@@ -598,10 +599,7 @@ def batch_size(b) -> int:
 # %% ../nbs/02_window.ipynb #862b7484
 def _half(v, a:int, b:int):
     "Samples `a:b` of `v`: tensors sliced along their first dimension, inside tuples, lists and dicts."
-    if isinstance(v, Tensor): return v[a:b] if v.dim() else v
-    if isinstance(v, dict): return type(v)((k, _half(o, a, b)) for k, o in v.items())
-    if isinstance(v, (list, tuple)): return _batch_like(v, [_half(o, a, b) for o in v])
-    return v
+    return tree_map(lambda t: t[a:b] if isinstance(t, Tensor) and t.dim() else t, v)
 
 @torch.no_grad()
 def loss_couples(loss_func, # the training loss, called as `loss_func(pred, *ys)`
@@ -726,8 +724,9 @@ class WindowLoader:
             for b in it:
                 window.append(b)
                 if self.n_acc is not None:  # counted as read: one pass per micro-batch
-                    seen += batch_size(b)
-                    check_micro_bs(batch_size(b), self.n_acc)
+                    bs = batch_size(b)
+                    check_micro_bs(bs, self.n_acc)
+                    seen += bs
                 if window_full(self.n_step, self.n_acc, len(window), seen): break
             if not window: return
             yield window
@@ -3493,6 +3492,11 @@ class Footprint:
 
 def _pinned_block(n:int) -> int: return 1 << max(n - 1, 0).bit_length()  # the pinned block a request of `n` bytes takes
 
+def _two_samples(xb:tuple) -> tuple:
+    "`xb`, its tensors repeated to 2 samples if it holds 1: BatchNorm needs 2 values to train."
+    if not (xb and torch.is_tensor(xb[0]) and xb[0].dim() and xb[0].shape[0] < 2): return xb
+    return tuple(torch.cat([t, t]) if torch.is_tensor(t) and t.dim() else t for t in xb)
+
 def measure_footprint(model:nn.Module, # the model (nothing in it changes)
                       *xb, # one micro-batch of model inputs
                       autocast=None, # callable returning the autocast context training runs in
@@ -3501,9 +3505,8 @@ def measure_footprint(model:nn.Module, # the model (nothing in it changes)
     # the forward runs as training runs it: under `autocast`
     # a micro-batch's own bytes: a view (`x[i:i+2]` of a larger tensor) would count its whole storage where it is saved
     xb = tuple(t.clone() if torch.is_tensor(t) and t.untyped_storage().nbytes() > _nbytes(t) else t for t in xb)
+    xb = _two_samples(xb)
     bs = xb[0].shape[0]
-    # BatchNorm needs 2 values to train
-    if bs < 2: xb, bs = tuple(torch.cat([t, t]) if torch.is_tensor(t) else t for t in xb), 2
     saved, layers = SavedTensorMeter(exclude=model, record=True), LayerMeter(model)
     with (layers, leaves_no_trace(model), torch.enable_grad(), saved,
           autocast() if autocast is not None else contextlib.nullcontext()):
@@ -3525,8 +3528,7 @@ def recomputed_bns(model:nn.Module, # the model (nothing in it changes: no gradi
     # needs no more memory than a micro-batch's backward; statistics and random states are put back
     names = {m: n for n, m in model.named_modules() if isinstance(m, _BatchNorm) and m.training}
     if not names: return []
-    if xb and torch.is_tensor(xb[0]) and xb[0].dim() and xb[0].shape[0] < 2:  # BatchNorm needs 2 values to train
-        xb = tuple(torch.cat([t, t]) if torch.is_tensor(t) and t.dim() else t for t in xb)
+    xb = _two_samples(xb)
     xb = tuple(t.detach().requires_grad_() if torch.is_tensor(t) and t.is_floating_point() else t for t in xb)
     leaves = [t for t in xb if torch.is_tensor(t) and t.requires_grad]
     again, no_graph, backward = set(), set(), False

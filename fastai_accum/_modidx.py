@@ -568,6 +568,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                     'fastai_accum.exact.Footprint.__repr__': ('exact.html#footprint.__repr__', 'fastai_accum/exact.py'),
                                     'fastai_accum.exact.Footprint.offloaded': ('exact.html#footprint.offloaded', 'fastai_accum/exact.py'),
                                     'fastai_accum.exact._pinned_block': ('exact.html#_pinned_block', 'fastai_accum/exact.py'),
+                                    'fastai_accum.exact._two_samples': ('exact.html#_two_samples', 'fastai_accum/exact.py'),
                                     'fastai_accum.exact._wrapped': ('exact.html#_wrapped', 'fastai_accum/exact.py'),
                                     'fastai_accum.exact.check_budget': ('exact.html#check_budget', 'fastai_accum/exact.py'),
                                     'fastai_accum.exact.free_memory': ('exact.html#free_memory', 'fastai_accum/exact.py'),

@@ -57,6 +57,11 @@ class Footprint:
 
 def _pinned_block(n:int) -> int: return 1 << max(n - 1, 0).bit_length()  # the pinned block a request of `n` bytes takes
 
+def _two_samples(xb:tuple) -> tuple:
+    "`xb`, its tensors repeated to 2 samples if it holds 1: BatchNorm needs 2 values to train."
+    if not (xb and torch.is_tensor(xb[0]) and xb[0].dim() and xb[0].shape[0] < 2): return xb
+    return tuple(torch.cat([t, t]) if torch.is_tensor(t) and t.dim() else t for t in xb)
+
 def measure_footprint(model:nn.Module, # the model (nothing in it changes)
                       *xb, # one micro-batch of model inputs
                       autocast=None, # callable returning the autocast context training runs in
@@ -65,9 +70,8 @@ def measure_footprint(model:nn.Module, # the model (nothing in it changes)
     # the forward runs as training runs it: under `autocast`
     # a micro-batch's own bytes: a view (`x[i:i+2]` of a larger tensor) would count its whole storage where it is saved
     xb = tuple(t.clone() if torch.is_tensor(t) and t.untyped_storage().nbytes() > _nbytes(t) else t for t in xb)
+    xb = _two_samples(xb)
     bs = xb[0].shape[0]
-    # BatchNorm needs 2 values to train
-    if bs < 2: xb, bs = tuple(torch.cat([t, t]) if torch.is_tensor(t) else t for t in xb), 2
     saved, layers = SavedTensorMeter(exclude=model, record=True), LayerMeter(model)
     with (layers, leaves_no_trace(model), torch.enable_grad(), saved,
           autocast() if autocast is not None else contextlib.nullcontext()):
@@ -89,8 +93,7 @@ def recomputed_bns(model:nn.Module, # the model (nothing in it changes: no gradi
     # needs no more memory than a micro-batch's backward; statistics and random states are put back
     names = {m: n for n, m in model.named_modules() if isinstance(m, _BatchNorm) and m.training}
     if not names: return []
-    if xb and torch.is_tensor(xb[0]) and xb[0].dim() and xb[0].shape[0] < 2:  # BatchNorm needs 2 values to train
-        xb = tuple(torch.cat([t, t]) if torch.is_tensor(t) and t.dim() else t for t in xb)
+    xb = _two_samples(xb)
     xb = tuple(t.detach().requires_grad_() if torch.is_tensor(t) and t.is_floating_point() else t for t in xb)
     leaves = [t for t in xb if torch.is_tensor(t) and t.requires_grad]
     again, no_graph, backward = set(), set(), False

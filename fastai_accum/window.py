@@ -9,6 +9,7 @@ import math, numbers
 import torch
 import torch.distributed as dist
 from torch import nn, Tensor
+from torch.utils._pytree import tree_map
 from .stats import all_reduce_stats
 from .distributed import world_size
 from .helpers import place_batch, _batch_like, random_state_kept
@@ -190,10 +191,7 @@ def batch_size(b) -> int:
 # %% ../nbs/02_window.ipynb #862b7484
 def _half(v, a:int, b:int):
     "Samples `a:b` of `v`: tensors sliced along their first dimension, inside tuples, lists and dicts."
-    if isinstance(v, Tensor): return v[a:b] if v.dim() else v
-    if isinstance(v, dict): return type(v)((k, _half(o, a, b)) for k, o in v.items())
-    if isinstance(v, (list, tuple)): return _batch_like(v, [_half(o, a, b) for o in v])
-    return v
+    return tree_map(lambda t: t[a:b] if isinstance(t, Tensor) and t.dim() else t, v)
 
 @torch.no_grad()
 def loss_couples(loss_func, # the training loss, called as `loss_func(pred, *ys)`
@@ -318,8 +316,9 @@ class WindowLoader:
             for b in it:
                 window.append(b)
                 if self.n_acc is not None:  # counted as read: one pass per micro-batch
-                    seen += batch_size(b)
-                    check_micro_bs(batch_size(b), self.n_acc)
+                    bs = batch_size(b)
+                    check_micro_bs(bs, self.n_acc)
+                    seen += bs
                 if window_full(self.n_step, self.n_acc, len(window), seen): break
             if not window: return
             yield window
