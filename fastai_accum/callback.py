@@ -4,7 +4,7 @@
 
 # %% ../nbs/03_callback.ipynb #61a32000
 from __future__ import annotations
-import ast, sys, time, warnings
+import importlib, importlib.util, sys, time, warnings
 from contextlib import nullcontext
 import torch
 from fastai.basics import *
@@ -132,11 +132,15 @@ def _check_coupling(self:GradientAccumulation):
     if self.acc.exact or rank_distrib(): return  # the window's outputs: the loss is the big batch's
     learn = self.learn
     if not loss_couples(learn.loss_func, learn.pred, learn.yb, learn.loss): return
+    # 'auto' trains the window as one batch wherever it can: where it did not, its plan says why
+    plan = self.acc.how.memory
+    why = plan and plan.reason and f"{plan.describe()}; {plan.reason.rstrip('.')}"
+    fix = (f"'auto' could not train the window as one batch ({why})" if why else "train the window as one batch "
+           "(policy 'exact', or 'staged' under a budget) to compute it over the window")
     warnings.warn(f"GradientAccumulation: the loss couples the samples of a batch (on a micro-batch it differs from "
                   f"the mean of its halves' losses: in-batch negatives, a similarity matrix, ...). On the "
                   f"'{self.acc.path}' path it is computed per micro-batch of {find_bs(learn.yb)}, not over the window "
-                  f"of {self.acc.how.window}: train the window as one batch (policy 'exact', or 'staged' under a "
-                  "budget) to compute it over the window.", stacklevel=2)
+                  f"of {self.acc.how.window}: {fix.rstrip('.')}.", stacklevel=2)
 
 @patch
 def _check_batches(self:GradientAccumulation):
@@ -277,16 +281,28 @@ def after_batch(self:GradientAccumulation):
     if self.acc.end_micro() and not self._stepped: self.acc.drop_grads()
 
 # %% ../nbs/03_callback.ipynb #ac820318
-def _rebuild_expression(args:dict) -> str|None:
-    "An expression giving `GradientAccumulation(**args)` with fastai_accum installed, else a plain `Callback`."
-    # None if an argument is not a literal
-    try:
-        if any(ast.literal_eval(repr(v)) != v for v in args.values()): return None
-    except (ValueError, SyntaxError): return None
-    kw = ', '.join(f'{k}={v!r}' for k, v in args.items())
-    return (f"__import__('fastai_accum.callback', fromlist=['_']).GradientAccumulation({kw}) "
-            f"if __import__('importlib.util', fromlist=['_']).find_spec('fastai_accum') is not None "
-            f"else __import__('fastai.callback.core', fromlist=['_']).Callback()")
+def _plain_data(v) -> bool:
+    "Is `v` None, a bool, number or string, or a list, tuple, set or dict of them: loadable with nothing imported?"
+    if v is None or type(v) in (bool, int, float, complex, str, bytes): return True
+    if type(v) in (list, tuple, set, frozenset): return all(map(_plain_data, v))
+    return type(v) is dict and all(_plain_data(k) and _plain_data(x) for k, x in v.items())
+
+class _Call:
+    "`f(*args)` as a pickle carries it: unpickling makes the call (an argument may be a `_Call` too); or call `value`."
+    def __init__(self, f, *args): self.f, self.args = f, args
+    def __reduce__(self): return self.f, self.args
+    def value(self): return self.f(*(a.value() if isinstance(a, _Call) else a for a in self.args))
+    def __call__(self, *args): return self.value()(*args)  # as `copy.deepcopy` rebuilds with it
+
+def _unpickled() -> GradientAccumulation:
+    "A bare `GradientAccumulation`, which `__setstate__` builds from the arguments an export pickled."
+    return GradientAccumulation.__new__(GradientAccumulation)
+
+def _portable_factory() -> _Call:
+    "`_unpickled` where fastai_accum can be imported at load time, else fastai's plain `Callback`."
+    # `find_spec` gives None without the package: then `fastai.callback` is searched, which has no `_unpickled`
+    package = _Call(getattr, _Call(importlib.util.find_spec, 'fastai_accum'), 'name', 'fastai')
+    return _Call(getattr, _Call(importlib.import_module, '.callback', package), '_unpickled', Callback)
 
 @patch
 def _live_args(self:GradientAccumulation) -> dict:
@@ -298,10 +314,17 @@ def _live_args(self:GradientAccumulation) -> dict:
 
 @patch
 def __reduce_ex__(self:GradientAccumulation, protocol):
-    expression = _rebuild_expression(self._live_args())
-    if expression is None:  # pickled by name: loading needs the package
+    "An export loads without this package (a plain `Callback`), and with it as this callback, rebuilt from its arguments."
+    args = self._live_args()
+    if not _plain_data(args):  # pickled by name: loading needs the package
         return super(GradientAccumulation, self).__reduce_ex__(protocol)
-    return eval, (expression,), {'learn': self.learn}
+    return _portable_factory(), (), {'accum_args': args, 'learn': self.learn}
+
+@patch
+def __setstate__(self:GradientAccumulation, state:dict):
+    if set(state) != {'accum_args', 'learn'}: return super(GradientAccumulation, self).__setstate__(state)
+    self.__init__(**state['accum_args'])
+    self.learn = state['learn']
 
 # %% ../nbs/03_callback.ipynb #580ee8b7
 _fastai_gradient_accumulation = fastai.callback.training.GradientAccumulation  # fastai's own, left where it lives

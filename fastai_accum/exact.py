@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from .meters import SavedTensorMeter, LayerMeter, fmt_bytes, _nbytes
-from .staged_exact import _device, stage_grads, store_per_sample
+from .staged_exact import _device, stage_grads, store_per_sample, batch_layouts
 from .staged import staged_graph
 from .batchnorm import bn_layers
 from .distributed import world_size
@@ -77,11 +77,16 @@ def measure_footprint(model:nn.Module, # the model (nothing in it changes)
           autocast() if autocast is not None else contextlib.nullcontext()):
         model.train()
         model(*xb)  # the output is dropped at once: the meter's peak is what this forward saved
-    # saved tensors that do not grow with the batch (a frozen weight's cast)
-    other = {k: n for n, d0, k in saved.packed if d0 != bs}
-    blocks = tuple(n / bs for n, d0, _ in saved.packed if d0 == bs)
+    # saved tensors that do not grow with the batch (a frozen weight's cast); those growing k rows a sample fold k
+    # views into the batch (SimCLR's `x.flatten(0, 1)`), as the tracer's probe finds (`batch_layouts`), asked only
+    # where a saved tensor's rows are a multiple of the batch's
+    rows = {bs}
+    if any(d0 > bs and d0 % bs == 0 for _, d0, _ in saved.packed) and not isinstance(staged_graph(model, xb), str):
+        rows |= {k * bs for k, _ in batch_layouts(model, xb).values()}
+    other = {k: n for n, d0, k in saved.packed if d0 not in rows}
+    blocks = tuple(n / bs for n, d0, _ in saved.packed if d0 in rows)
     return Footprint(max(saved.peak - sum(other.values()), 0) / bs, layers.peak / bs, blocks,
-                     saved.packed_model + sum(n for n, d0, _ in saved.packed if d0 != bs))
+                     saved.packed_model + sum(other.values()))
 
 # %% ../nbs/02a_exact.ipynb #59e96f3a
 def recomputed_bns(model:nn.Module, # the model (nothing in it changes: no gradient lands, no statistic counts)

@@ -6,7 +6,7 @@ channel."""
 
 # %% ../nbs/02b_staged_exact.ipynb #bc1cb743
 from __future__ import annotations
-import contextlib, copy, functools, gc, itertools, operator, warnings, weakref
+import contextlib, copy, functools, gc, itertools, operator, types, warnings, weakref
 from contextlib import nullcontext
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ from .link import Link, Copies, CudaCopies, _storage
 
 # %% auto #0
 __all__ = ['StagedStep', 'stage_grads', 'store_per_sample', 'StagedForward', 'install_staged', 'uninstall_staged',
-           'samples_mixed', 'verify_staged']
+           'samples_mixed', 'batch_layouts', 'verify_staged']
 
 # %% ../nbs/02b_staged_exact.ipynb #47a3cd82
 def _is_barrier(m) -> bool:
@@ -103,6 +103,7 @@ class StagedStep(StagedGraph):
         # window-sized host tensors of the store the last window no longer reads, by (shape, dtype, device, pinned),
         # and those in use ({id: (weakref, key)}): `_store_tensor`, `_recycle`
         self.pool, self.ours = {}, {}
+        self.layout_cache = {}  # {input signature: `_find_layouts`'s}
         nodes = list(graph.nodes)
         self.inputs = [n for n in nodes if n.op == 'placeholder']
         self.output = next(n for n in nodes if n.op == 'output')
@@ -181,12 +182,13 @@ def _size_kind(n, sizes:dict):
         kind = 'shape' if dim is None else 'int' if dim == 0 else None
     elif n.op == 'call_function' and f is getattr and args[1] == 'shape': kind = 'shape'
     elif n.op == 'call_function' and f is len: kind = 'int'
-    elif n.op == 'call_function' and f is operator.getitem and sizes.get(args[0]) == 'shape':
+    elif n.op == 'call_function' and f is operator.getitem and sizes.get(args[0], (None,))[0] == 'shape':
         i = args[1]
         kind = ('int' if i == 0 else 'shape' if isinstance(i, slice) and i.start in (None, 0) and i.step in (None, 1)
                 else None)
     else: kind = None
-    if kind: sizes[n] = kind
+    # the tensor whose size it is (a folded value's size counts its views: `_carried`)
+    if kind: sizes[n] = kind, (sizes[args[0]][1] if f is operator.getitem else args[0])
 
 def _params_of(self, nodes:list) -> list:
     "The parameters `nodes` use, once each: their modules' and those they read (`get_attr`)."
@@ -239,7 +241,8 @@ def _store_per_sample(model:nn.Module, graph:fx.Graph, xb:tuple) -> float:
     step._plan()
     xb = tuple(_plain(t) for t in xb)
     n = xb[0].shape[0]
-    per_sample = lambda v: sum(_nbytes(t) for t in _tensors(v) if t.dim() and t.shape[0] == n) / n  # batch tensors
+    rows = {n} | {k * n for k, _ in batch_layouts(model, xb).values()}  # k rows a sample: views folded into the batch
+    per_sample = lambda v: sum(_nbytes(t) for t in _tensors(v) if t.dim() and t.shape[0] in rows) / n  # batch tensors
     with random_state_kept(): sizes = {m: per_sample(vs[0]) for m, vs, _ in _node_values(step, [xb], {})}
     def size(m): return per_sample(xb[step.inputs.index(m)]) if m.op == 'placeholder' else sizes.get(m, 0.)
     return max((step._store_bytes(s, size) for s in range(len(step.stages))), default=0.)
@@ -333,9 +336,9 @@ def _stage_inputs(self, s:int, a:int, b:int, dev, grad:bool=False) -> dict:
 def _kept_chunk(self, key, a:int, b:int, dev, grad:bool) -> Tensor:
     "Samples a:b of the kept tensor `key` on `dev`; for a backward, a leaf collecting its gradient."
     t = self.kept[key][a:b]
-    v = self._read(t, dev)
+    v = self._unstored(key, self._read(t, dev), b - a)
     # a chunk of its own, as on an accelerator: what the backward holds is the chunk, not the store it is a view of
-    if grad and not self.link.holds(t) and v.device == t.device: v = v.clone()
+    if grad and _storage(v) == _storage(t): v = v.clone()
     return v.detach().requires_grad_(v.is_floating_point()) if grad else v
 
 def _struct(self, n, a:int, b:int, tensor) -> object:
@@ -359,6 +362,7 @@ def _struct_keys(self, n, v) -> list:
 
 def _keep(self, d:dict, n, v:Tensor, a:int, b:int, kind:str='kept'):
     "Samples a:b of node `n`'s value (`kind` 'kept') or gradient ('grad') into the window-sized `d[n]`, in `store`."
+    v = self._stored(n, v, b - a)
     if b - a == self.W and not self.link.apart and (self.store is None or torch.device(self.store) == v.device):
         d[n] = v.detach()  # the whole window, where the store is: kept as it is, no copy
         return
@@ -374,6 +378,7 @@ def _add_grad(self, grads:dict, k, g:Tensor, a:int, b:int):
     "Add one chunk's gradient `g` of kept value `k` (samples a:b) into the window-sized `grads[k]`."
     # the first contribution to those samples is copied in as it is (no zero-fill, no sum on the host); a later one is
     # summed with it on the device, then copied in
+    g = self._stored(k, g, b - a)
     if k not in grads: grads[k] = self._store_tensor((self.W,) + g.shape[1:], g.dtype, self.store or g.device)
     spans, t = self.written.setdefault(k, []), grads[k]
     if not any(s < b and a < e for s, e in spans): self._put(t, a, b, g, 'grad')
@@ -400,25 +405,29 @@ def _hold(self, n, v, a:int, b:int):
     if self._batched(n, v, a, b): return self._keep(self.kept, n, v, a, b)
     if isinstance(v, (list, tuple, dict)):  # a container of batch tensors (a namedtuple of outputs, a list of features)
         leaves, spec = tree_flatten(v)
-        idx = [i for i, t in enumerate(leaves) if self._batched(n, t, a, b)]
+        idx = [i for i, t in enumerate(leaves) if self._batched((n, i), t, a, b)]
         if idx:
             self.structs[n] = (spec, idx)
             for i in idx: self._keep(self.kept, (n, i), leaves[i], a, b)
             v = [None if i in idx else t for i, t in enumerate(leaves)]  # the rest, carried
     self.carried.setdefault(n, {})[a, b] = v
 
-def _batched(self, n, v, a:int, b:int) -> bool:
-    "Is `v`, node `n`'s value on samples a:b, a batch tensor: from the inputs, one row per sample?"
-    return isinstance(v, Tensor) and n in self.from_input and v.dim() > 0 and v.shape[0] == b - a
+def _batched(self, key, v, a:int, b:int) -> bool:
+    "Is `v`, the value of `key` (a node, or a container's (node, i)) on samples a:b, a batch tensor from the inputs?"
+    # one row per sample, or k (`_factor`: views folded into the batch)
+    n = key[0] if isinstance(key, tuple) else key
+    return (isinstance(v, Tensor) and n in self.from_input and v.dim() > 0
+            and v.shape[0] == self._factor(key) * (b - a))
 
 def _carried(self, n, a:int, b:int):
     "Node `n`'s non-batch-tensor value for samples a:b: that chunk's, or the one every chunk gave."
     vals = self.carried[n]
     if (a, b) in vals: return vals[a, b]
     first = next(iter(vals.values()))
-    kind = self.sizes.get(n)
-    if kind == 'int': return b - a
-    if kind == 'shape': return type(first)((b - a,) + tuple(first[1:]))
+    kind, of = self.sizes.get(n, (None, None))
+    rows = self._factor(of) * (b - a)  # a value with views folded into the batch: k rows a sample
+    if kind == 'int': return rows
+    if kind == 'shape': return type(first)((rows,) + tuple(first[1:]))
     if all(_same(v, first) for v in vals.values()): return first
     # values that differ only by multiples of their chunk's size (`x.size(0) * 5`)
     forms = [_form(v, e - s) for (s, e), v in vals.items()]
@@ -484,6 +493,43 @@ StagedStep._struct = _struct
 StagedStep._struct_keys = _struct_keys
 StagedStep._keys = _keys
 
+# %% ../nbs/02b_staged_exact.ipynb #c2294600
+def _factor(self, key) -> int:
+    "Rows a sample has in the value of `key` (a node, or (node, i)): k where k views are folded into the batch, else 1."
+    return self.layouts.get(key, (1, None))[0] if self.layouts else 1
+
+def _stored(self, key, v:Tensor, n:int) -> Tensor:
+    "`v`, the value of `key` on `n` samples, in the store's form: `(n, k, ...)` where it folds k views, else as it is."
+    k, how = self.layouts.get(key, (1, None)) if self.layouts else (1, None)
+    if k == 1: return v
+    return v.unflatten(0, (n, k)) if how == 'sample' else v.unflatten(0, (k, n)).transpose(0, 1)
+
+def _unstored(self, key, t:Tensor, n:int) -> Tensor:
+    "The value of `key` on `n` samples from `t`, their part of the store (`_stored`'s inverse)."
+    k, how = self.layouts.get(key, (1, None)) if self.layouts else (1, None)
+    if k == 1: return t
+    return (t if how == 'sample' else t.transpose(0, 1)).flatten(0, 1)
+
+def _folds(self, env:dict, n:int) -> bool:
+    "Might a value in `env` (a chunk of `n` samples) fold views into the batch: rows from the inputs a multiple of `n`?"
+    return any(t.dim() and t.shape[0] != n and t.shape[0] % n == 0
+               for m, v in env.items() if m in self.from_input for t in _tensors(v))
+
+def _find_layouts(self, dev) -> dict:
+    "`batch_layouts` of this window's inputs by node (and (node, i)), found once per input signature."
+    xb = tuple(_to(t[:2], dev) if isinstance(t, Tensor) else t for t in self.xb)
+    nodes = {n.name: n for n in self.nodes}
+    node = lambda k: nodes.get(k) if isinstance(k, str) else (nodes[k[0]], k[1]) if k[0] in nodes else None
+    found = {node(k): f for k, f in batch_layouts(self.model, xb).items() if node(k) is not None}
+    self.layout_cache[self.signature] = found
+    return found
+
+StagedStep._factor = _factor
+StagedStep._stored = _stored
+StagedStep._unstored = _unstored
+StagedStep._folds = _folds
+StagedStep._find_layouts = _find_layouts
+
 # %% ../nbs/02b_staged_exact.ipynb #b06b8998
 def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
             chunk:int, # samples per chunk
@@ -497,6 +543,7 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
     self.pin = self.store is not None and torch.device(self.store).type == 'cpu' and dev.type != 'cpu' and can_pin()
     self.autocast = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
     self.signature = tuple((tuple(t.shape[1:]), t.dtype) for t in self.xb if isinstance(t, Tensor))
+    self.layouts = self.layout_cache.get(self.signature)  # views folded into the batch (`_find_layouts`)
     if self.W != self.pool_W: self.pool, self.ours, self.pool_W = {}, {}, self.W  # shapes of another window size
     # the store in the memory the budget counts (a CPU's): chunks get what it leaves, and nothing is pooled
     self.shared = not self.apart if self.apart is not None else self.store is None or torch.device(self.store) == dev
@@ -580,9 +627,9 @@ def _stage_cost(self, env:dict, n:int, saved:dict) -> float:
     # every batch tensor it computed or read (`env`), those autograd saved besides (`saved`, {data_ptr: bytes}: the
     # input an in-place activation copies), plus twice the largest (the gradient being computed and the one it comes
     # from)
-    sizes = dict(saved)
+    sizes, rows = dict(saved), {n} | {k * n for k, _ in (self.layouts or {}).values()}  # k rows a sample: folded views
     for t in _tensors(list(env.values())):
-        if t.dim() and t.shape[0] == n: sizes[t.data_ptr()] = max(sizes.get(t.data_ptr(), 0), _nbytes(t))
+        if t.dim() and t.shape[0] in rows: sizes[t.data_ptr()] = max(sizes.get(t.data_ptr(), 0), _nbytes(t))
     return (sum(sizes.values()) + 2 * max(sizes.values(), default=0)) / n
 
 @contextlib.contextmanager
@@ -621,6 +668,7 @@ def _stage_forward(self, s:int, dev, chunk:int):
         self.rng[s, a] = state = _rng_state(dev)
         with torch.set_grad_enabled(grad), self._saved_counted(saved) if probe else nullcontext():
             leaf = self._run_stage(s, env, xb, grad=grad)
+        if self.layouts is None and self._folds(env, b - a): self.layouts = self._find_layouts(dev)
         if measure and a == 0:  # the stage's bytes per sample, measured once: the other chunks as large as they fit
             self.costs[self._cost_key(s)] = cost = self._stage_cost(env, b - a, saved)
         if a == 0 and b < self.W and not _same_state(state, _rng_state(dev)):  # it draws random numbers
@@ -670,8 +718,9 @@ def _output(self, dev):
     # a dict, tuple or list: torchvision's segmentation models
     def value(n):
         if not isinstance(n, fx.Node): return n
-        if n in self.kept: return self._read(self.kept[n], dev)
-        if n in self.structs: return self._struct(n, 0, self.W, lambda key: self._read(self.kept[key], dev))
+        whole = lambda key: self._unstored(key, self._read(self.kept[key], dev), self.W)
+        if n in self.kept: return whole(n)
+        if n in self.structs: return self._struct(n, 0, self.W, whole)
         if n in self.carried: return self._carried(n, 0, self.W)
         return self._value(n, {}, self.xb)  # a model input returned as it is
     return _plain_containers(map_aggregate(self.output.args[0], value))
@@ -882,7 +931,9 @@ def _output_grads(self, grad) -> dict:
     gs, _ = tree_flatten(grad)
     grads = {}
     for k, g in zip(keys, gs):
-        if isinstance(k, _Key) and isinstance(g, Tensor): grads[k.key] = g if k.key not in grads else grads[k.key] + g
+        if not (isinstance(k, _Key) and isinstance(g, Tensor)): continue
+        g = self._stored(k.key, g, self.W)
+        grads[k.key] = g if k.key not in grads else grads[k.key] + g
     return grads
 
 class _Key:
@@ -942,7 +993,7 @@ def _project(self, s:int, bar, fixed:Tensor, sums:Tensor):
     if not isinstance(x, fx.Node) or x.op == 'placeholder':  # a model input: no gradient to pass on
         return self._recycle([fixed])
     n, (mean, _, invstd) = self.count[bar], self.stats[bar]
-    shape = [1, -1] + [1] * (fixed.dim() - 2)
+    shape = [1, -1] + [1] * (fixed.dim() - 2 - (self._factor(x) > 1))  # (the store's (W, k, ...) of folded views)
     s1, s2 = (sums / n).unbind(0)
     scale = (invstd.to(sums.dtype) * s2).view(shape)
     self.projections.setdefault(x, []).append((fixed, mean.to(sums.dtype).view(shape), scale, s1.view(shape)))
@@ -954,9 +1005,9 @@ def _out_grad(self, grads:dict, k, a:int, b:int, x:Tensor) -> Tensor:
     # float32) precision
     # dx is written over the fixed gradient's chunk (read for this chunk alone), so no chunk-sized gradient is added
     # to what the chunk's backward holds
-    g = self._grad_chunk(grads, k, a, b, x.device) if k in grads else None
+    g = self._unstored(k, self._grad_chunk(grads, k, a, b, x.device), b - a) if k in grads else None
     for fixed, mean, scale, s1 in self.projections.get(k, ()):
-        f = self._read(fixed[a:b], x.device)
+        f = self._unstored(k, self._read(fixed[a:b], x.device), b - a)
         f.copy_((mean - x.detach().to(mean.dtype)).mul_(scale).add_(f).sub_(s1))
         g = f if g is None else f.add_(g)
     return g
@@ -1131,7 +1182,7 @@ def _mixes(x:Tensor, y:Tensor, random:bool) -> bool:
     return not _close_values(x, y.narrow(d, 0, x.shape[d]))
 
 @torch.no_grad()
-def _node_values(step:StagedStep, batches:list, stats:dict):
+def _node_values(step:StagedStep, batches:list, stats:dict, layouts:dict|None=None):
     "Each node in turn with its values on each of `batches` (as computed) and whether they are random; nothing changes."
     # a value lives until its last reader has run: the frontier of the forward on each batch, not every value
     # (a graph's values kept whole for two batches reached 1.3x a DDP fit's budget at plan time)
@@ -1157,15 +1208,20 @@ def _node_values(step:StagedStep, batches:list, stats:dict):
                     random.add(n.args[0])  # filled in place
             elif any(a in random for a in n.all_input_nodes): random.add(n)
         yield n, vs, n in random
-        if n not in random:
-            for env in envs[1:]: env[n] = _anchored(env[n], envs[0][n])
+        if n not in random:  # (`layouts`: those the caller found by now, by node name: views folded into the batch)
+            for env in envs[1:]: env[n] = _anchored(env[n], envs[0][n], (layouts or {}).get(n.name))
         for a in n.all_input_nodes:  # read for the last time
             if last[a] == i:
                 for env in envs: env.pop(a, None)
 
-def _anchored(v, a):
+def _anchored(v, a, layout:tuple|None=None):
     "`v` (on the batch plus other samples) with its batch part set to `a` (on the batch alone), where shapes say how."
+    # `layout`: (k, 'view') for views folded into the batch one after the other (`_folded`)
     if not (isinstance(v, Tensor) and isinstance(a, Tensor) and v.is_floating_point()): return v
+    if layout is not None and layout[1] == 'view' and v.shape[0] == 2 * a.shape[0]:
+        parts = v.unflatten(0, (layout[0], -1)).clone()
+        parts[:, :a.shape[0] // layout[0]] = a.to(v.dtype).unflatten(0, (layout[0], -1))
+        return parts.flatten(0, 1)
     d = _grown_dim(a.shape, v.shape)
     if d is None: return v
     k = a.shape[d]
@@ -1185,23 +1241,55 @@ def samples_mixed(model:nn.Module, # a model a tracer handles (`staged_graph`), 
                   xb:tuple, # one micro-batch of its inputs
                  ) -> str|None:
     "The first op outside BatchNorm whose output mixes samples, or None."
-    return _once('mixed', model, xb, lambda: _samples_mixed(model, xb))
+    return _probed(model, xb)[0]
 
-def _samples_mixed(model:nn.Module, xb:tuple) -> str|None:
+def batch_layouts(model:nn.Module, # a model a tracer handles (`staged_graph`), in the modes it trains in
+                  xb:tuple, # one micro-batch of its inputs
+                 ) -> dict:
+    "{node name, or (name, i) for a container's i-th tensor: (k, how)} of the values folding k views into the batch."
+    # `how`: 'sample' (a sample's k rows side by side: `flatten(0, 1)`, `repeat_interleave`) or 'view' (the batch's
+    # rows view after view: `cat` of the views, `repeat`); found with `samples_mixed`, from the same two forwards
+    return _probed(model, xb)[1]
+
+def _probed(model:nn.Module, xb:tuple) -> tuple:
+    return _once('probe', model, xb, lambda: _probe(model, xb))
+
+def _probe(model:nn.Module, xb:tuple) -> tuple:
+    "(`samples_mixed`'s answer, `batch_layouts`'), from two forwards without a graph: on the batch and with as many more."
     # mixing samples: other samples change the batch's own values
-    graph = staged_graph(model, xb)
-    if isinstance(graph, str): return None
+    graph, layouts = staged_graph(model, xb), {}
+    if isinstance(graph, str): return None, layouts
     step = StagedStep(model, graph)
     xb = tuple(_plain(t) for t in xb)
     # at least 2 samples: a `squeeze()` keeps the batch dimension
     a = xb if xb[0].shape[0] >= 2 else _cat(xb, _perturbed(xb))
     b = _cat(a, _perturbed(a))
-    dev = a[0].device
-    with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []):
-        for n, (x, y), random in _node_values(step, [a, b], {}):
-            if not (isinstance(x, Tensor) and isinstance(y, Tensor)): continue
-            if _mixes(x, y, random):
-                return f"{n.name} ({n.op} {getattr(n.target, '__name__', n.target)}) combines the samples of a batch"
+    dev, na = a[0].device, a[0].shape[0]
+    with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []), torch.autocast(dev.type, enabled=False):
+        for n, (x, y), random in _node_values(step, [a, b], {}, layouts):
+            if not (isinstance(x, Tensor) and isinstance(y, Tensor)):  # a container: its tensors' layouts
+                xs, ys = tree_flatten(x)[0], tree_flatten(y)[0]
+                if len(xs) == len(ys):
+                    layouts.update(((n.name, i), f) for i, (u, v) in enumerate(zip(xs, ys))
+                                   if (f := _folded(u, v, na, random)))
+                continue
+            inherited = next((layouts[m.name] for m in n.all_input_nodes if m.name in layouts), None)
+            if (f := _folded(x, y, na, random, inherited)): layouts[n.name] = f
+            elif _mixes(x, y, random):
+                return (f"{n.name} ({n.op} {getattr(n.target, '__name__', n.target)}) combines the samples of a batch",
+                        layouts)
+    return None, layouts
+
+def _folded(x, y, na:int, random:bool, inherited:tuple|None=None) -> tuple|None:
+    "(k, how) of a tensor whose value folds k views of each sample into the batch (`batch_layouts`), or None."
+    # `x` on `na` samples, `y` on those and as many more; a random value (dropout) shows only its shape: it keeps the
+    # layout of the value it comes from (`inherited`)
+    if not (isinstance(x, Tensor) and isinstance(y, Tensor)) or not x.dim() or x.shape[1:] != y.shape[1:]: return None
+    k, rest = divmod(x.shape[0], na)
+    if k < 2 or rest or y.shape[0] != 2 * x.shape[0]: return None
+    if random: return inherited if inherited is not None and inherited[0] == k else (k, 'sample')
+    if _close_values(x, y[:x.shape[0]]): return k, 'sample'
+    if _close_values(x.unflatten(0, (k, na)), y.unflatten(0, (k, 2 * na))[:, :na]): return k, 'view'
     return None
 
 # %% ../nbs/02b_staged_exact.ipynb #5b1e0c22
@@ -1212,20 +1300,28 @@ def _check_copy(model:nn.Module, dtype, device) -> nn.Module:
     for t in itertools.chain(model.parameters(), model.buffers()):
         c = t.detach().to(device, dtype if t.is_floating_point() else t.dtype, copy=True)
         memo[id(t)] = nn.Parameter(c, t.requires_grad) if isinstance(t, nn.Parameter) else c
-    with _activations_detached(): return copy.deepcopy(model, memo)
+    memo.update((id(t), t.detach().clone()) for t in _activations(model))  # copied detached
+    return copy.deepcopy(model, memo)
 
-@contextlib.contextmanager
-def _activations_detached():
-    "Inside, `copy.deepcopy` copies a tensor autograd made (an activation a hook keeps) detached."
-    # torch refuses to deep-copy a non-leaf tensor; fastai's DynamicUnet keeps its encoder's outputs in hooks
-    own = Tensor.__deepcopy__
-    def deepcopy(self, memo):
-        if self.is_leaf: return own(self, memo)
-        memo[id(self)] = c = self.detach().clone()
-        return c
-    Tensor.__deepcopy__ = deepcopy
-    try: yield
-    finally: Tensor.__deepcopy__ = own
+def _activations(root) -> list:
+    "Tensors autograd made (not leaves) that `copy.deepcopy(root)` would reach: an activation a hook keeps."
+    # torch refuses to deep-copy them; fastai's DynamicUnet keeps its encoder's outputs in hooks (reached through the
+    # bound methods in its modules' hook dicts). The walk follows what deepcopy copies: containers, objects' attributes,
+    # a bound method's object, a partial's arguments; not functions, classes or modules
+    found, seen, todo = [], set(), [root]
+    while todo:
+        o = todo.pop()
+        if id(o) in seen: continue
+        seen.add(id(o))
+        if isinstance(o, Tensor):
+            if not o.is_leaf: found.append(o)
+        elif isinstance(o, dict): todo.extend(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)): todo.extend(o)
+        elif isinstance(o, types.MethodType): todo.append(o.__self__)
+        elif isinstance(o, functools.partial): todo.extend((o.args, o.keywords))
+        elif hasattr(o, '__dict__') and not isinstance(o, (type, types.FunctionType, types.ModuleType)):
+            todo.append(vars(o))
+    return found
 
 def _hold_random(model:nn.Module, xb:tuple):
     "Put the innermost modules whose training forward draws random numbers in eval mode; returns them."
@@ -1396,6 +1492,8 @@ def _rounding_floor(work:nn.Module, x:tuple, bufs:list) -> tuple:
     grads = {}
     def landed(n, g): grads[n] = _diff(first.pop(n, None), g)
     n = x[0].shape[0]
+    # an output with views folded into the batch cannot be put back in order: no floor (the check as strict as in float64)
+    if any(o.dim() and o.shape[0] != n for o in ref[0]): return {}, {}, {}
     again = _one_step(work, x, landed=landed, order=torch.arange(n - 1, -1, -1))
     restore()
     per_sample = [o.dim() and o.shape[0] == n for o in ref[0]]  # only those are put back in order: the others not
