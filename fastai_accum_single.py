@@ -13,20 +13,20 @@ notebook only fastai's star import and the public names fastai does not have (al
 
 Contents (line: module: classes), dependencies first:
        46: stats: ChannelStats
-      209: distributed: -
-      244: helpers: ReplacedForward
-      420: window: AccumulationWindow, WindowLoader
-      745: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
-     1204: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
-     1377: staged: StagedGraph
-     1677: prepass: PrepassPlan, PreflightTable
-     1884: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
-     2036: staged_exact: StagedStep, StagedForward
-     3450: exact: Footprint, ExactModeMemoryError, ExactPlan
-     3834: ghost: GhostForward
-     3889: plan: StagedMismatchError, TrainingPlan
-     4139: core: BatchNormInstaller, Accumulation, FrontEnd
-     4707: callback: WindowPrefetch, GradientAccumulation
+      255: distributed: -
+      290: helpers: ReplacedForward
+      466: window: AccumulationWindow, WindowLoader
+      794: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
+     1247: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
+     1421: staged: StagedGraph
+     1727: prepass: PrepassPlan, PreflightTable
+     1936: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
+     2094: staged_exact: StagedStep, StagedForward
+     3646: exact: Footprint, ExactModeMemoryError, ExactPlan
+     4051: ghost: GhostForward
+     4106: plan: StagedMismatchError, TrainingPlan
+     4366: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     4959: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -48,6 +48,7 @@ from fastai.basics import *
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from fastcore.basics import patch
 
 # %% auto #0
 
@@ -121,41 +122,44 @@ class ChannelStats:
         _, self._mean, self._m2 = merge_moments(torch.tensor(counts, dtype=dt, device=dev), means, m2s)
         self._count = int(sum(counts))
 
-    @property
-    def count(self) -> int:
-        "Elements per channel seen so far."
-        return self._count + sum(p[0] for p in self._parts)
-
-    @property
-    def mean(self) -> Tensor|None:
-        "Per-channel mean (float64), `None` before any data."
-        self._fold()
-        return self._mean
-
-    @property
-    def m2(self) -> Tensor|None:
-        "Per-channel sum of squared deviations from the mean (float64)."
-        self._fold()
-        return self._m2
-
-    @property
-    def var(self) -> Tensor|None:
-        "Per-channel unbiased variance, `M2/(n-1)`: what BatchNorm stores in `running_var`."
-        m2 = self.m2
-        return None if m2 is None else m2 / max(self._count - 1, 1)
-
-    @property
-    def biased_var(self) -> Tensor|None:
-        "Per-channel biased variance, `M2/n`: what BatchNorm normalizes with."
-        m2 = self.m2
-        return None if m2 is None else m2 / self._count
-
-    def merge(self, other:ChannelStats) -> ChannelStats:
-        "Add everything `other` has seen to `self` (exact) and return `self`."
-        if other.count: self.add_moments(other.count, other.mean, other.var)
-        return self
-
     def __repr__(self): return f'{type(self).__name__}(count={self.count})'
+
+# %% ../nbs/00_stats.ipynb #04593852
+@patch(as_prop=True)
+def count(self:ChannelStats) -> int:
+    "Elements per channel seen so far."
+    return self._count + sum(p[0] for p in self._parts)
+
+@patch(as_prop=True)
+def mean(self:ChannelStats) -> Tensor|None:
+    "Per-channel mean (float64), `None` before any data."
+    self._fold()
+    return self._mean
+
+@patch(as_prop=True)
+def m2(self:ChannelStats) -> Tensor|None:
+    "Per-channel sum of squared deviations from the mean (float64)."
+    self._fold()
+    return self._m2
+
+@patch(as_prop=True)
+def var(self:ChannelStats) -> Tensor|None:
+    "Per-channel unbiased variance, `M2/(n-1)`: what BatchNorm stores in `running_var`."
+    m2 = self.m2
+    return None if m2 is None else m2 / max(self._count - 1, 1)
+
+@patch(as_prop=True)
+def biased_var(self:ChannelStats) -> Tensor|None:
+    "Per-channel biased variance, `M2/n`: what BatchNorm normalizes with."
+    m2 = self.m2
+    return None if m2 is None else m2 / self._count
+
+# %% ../nbs/00_stats.ipynb #0d040ec3
+@patch
+def merge(self:ChannelStats, other:ChannelStats) -> ChannelStats:
+    "Add everything `other` has seen to `self` (exact) and return `self`."
+    if other.count: self.add_moments(other.count, other.mean, other.var)
+    return self
 
 # %% ../nbs/00_stats.ipynb #da4b9c1c
 def all_reduce_stats(stats:list, # `ChannelStats` to merge across processes, the same list on every process
@@ -205,6 +209,48 @@ def momentum_step(bn, # a BatchNorm layer that tracks running statistics
     for buf, new in ((bn.running_mean, mean), (bn.running_var, var)):
         stepped = buf.to(new.dtype) * (1 - f) + new.to(buf.device) * f
         buf.copy_(stepped if where is None else torch.where(where, stepped, buf.to(new.dtype)))
+
+# %% ../nbs/00_stats.ipynb #57dc2bf7
+def stats_finite(st:ChannelStats) -> Tensor:
+    "A bool tensor on the statistics' device: are the window statistics `st` finite (no NaN or inf in the input)?"
+    return torch.isfinite(st.mean).all() & torch.isfinite(st.m2).all()
+
+def commit_stats(bn, # a BatchNorm layer that tracks running statistics
+                 st:ChannelStats, # the window statistics of one call of the layer
+                 wait:bool=True, # decide now (one sync); False: on the device, nothing waits
+                ):
+    "One momentum step of `bn`'s running statistics toward `st` where they are finite; whether they were."
+    # a bool, or (`wait=False`) a bool tensor on the device: the caller says which layer kept its statistics
+    ok = stats_finite(st)
+    if not wait:
+        momentum_step(bn, st.mean, st.var, ok)
+        return ok
+    ok = bool(ok)
+    if ok: momentum_step(bn, st.mean, st.var)
+    return ok
+
+def channel_sums(g:Tensor, # a gradient at BatchNorm: w.r.t. its output (times the weight), or its input's with fixed statistics
+                 x:Tensor, # BatchNorm's input
+                 mean:Tensor, # the mean per channel it normalized `x` with
+                 invstd:Tensor, # and 1/sqrt(var + eps)
+                ) -> Tensor:
+    "Per channel (Σ g, Σ g·x̂), x̂ = (x - mean)·invstd, in at least float32 (an fp16 sum over a window overflows)."
+    dims, acc, shape = [0] + list(range(2, x.dim())), torch.promote_types(g.dtype, torch.float32), [1, -1] + [1] * (x.dim() - 2)
+    g = g.to(acc)
+    centred = x.to(acc) - mean.to(acc).view(shape)  # one temporary
+    return torch.stack([g.sum(dims), centred.mul_(g).sum(dims) * invstd.to(acc)])
+
+def project_(f:Tensor, # BatchNorm's input gradient with its statistics held fixed (dy·weight·invstd): overwritten
+             x:Tensor, # BatchNorm's input
+             mean:Tensor, # the mean per channel it normalized `x` with
+             invstd:Tensor, # and 1/sqrt(var + eps)
+             mean_f:Tensor, # the mean of `f` per channel over the batch the statistics are of
+             mean_fx:Tensor, # and the mean of f·x̂
+            ) -> Tensor:
+    "BatchNorm's exact input gradient, written over `f`: f - mean(f) - x̂·mean(f·x̂), in `mean_f`'s precision."
+    shape, dt = [1, -1] + [1] * (f.dim() - 2), mean_f.dtype
+    scale = (invstd.to(dt) * mean_fx).view(shape)
+    return f.copy_((mean.to(dt).view(shape) - x.to(dt)).mul_(scale).add_(f).sub_(mean_f.view(shape)))
 
 # ======== fastai_accum/distributed.py ========
 # %% ../nbs/03b_distributed.ipynb #9359139a
@@ -453,6 +499,7 @@ def check_micro_bs(bs:int, # samples in a micro-batch as it is read
         raise ValueError(f"The micro-batch has {bs} samples, more than the effective batch n_acc={n_acc}: "
                          "lower the DataLoader's bs or raise n_acc")
 
+# %% ../nbs/02_window.ipynb #86207a61
 class AccumulationWindow:
     "Counts a window's micro-batches, gives each its loss weight and the gradient correction at the step."
     def __init__(self,
@@ -491,24 +538,10 @@ class AccumulationWindow:
         if loss is not None: self.loss_sum, self.micro_losses = loss.detach().float() * bs, [loss.detach()]
         return 1.
 
-    @property
-    def empty(self) -> bool: return self.n_micro == 0
-
-    @property
-    def full(self) -> bool:
-        "True once the window holds `n_step` micro-batches (or at least `n_acc` samples)."
-        return window_full(self.n_step, self.n_acc, self.n_micro, self.n_seen)
-
     def fills(self, bs:int, # samples in the coming micro-batch
              ) -> bool:
         "Will the coming micro-batch of `bs` samples make the window `full`? (Known before its forward.)"
         return window_full(self.n_step, self.n_acc, self.n_micro + 1, self.n_seen + bs)
-
-    @property
-    def grad_correction(self) -> float:
-        "Factor making the accumulated gradients the mean over the `n_seen` samples actually in the window."
-        if self.loss_reduction == 'sum' or self.empty or self.n_seen == self.ref: return 1.
-        return self.ref / self.n_seen
 
     def correction(self, group=None, device=None) -> float:
         "`grad_correction` across processes: makes DDP's average of local gradients the global mean."
@@ -519,11 +552,6 @@ class AccumulationWindow:
         dist.all_reduce(total, group=group)
         return world * self.ref / total.item()
 
-    @property
-    def loss(self) -> Tensor|None:
-        "Mean loss over the window's samples (what one big batch would report); `None` if none was recorded."
-        return None if self.empty or not torch.is_tensor(self.loss_sum) else self.loss_sum / self.n_seen
-
     def nonfinite(self) -> int|None:
         "The first micro-batch (from 0) whose loss is NaN or infinite, or None."
         # one check of the window's loss, then a search
@@ -531,6 +559,26 @@ class AccumulationWindow:
         return next((i for i, l in enumerate(self.micro_losses) if not bool(torch.isfinite(l).all())), None)
 
     def __repr__(self): return f'{type(self).__name__}(n_micro={self.n_micro}, n_seen={self.n_seen}, full={self.full})'
+
+# %% ../nbs/02_window.ipynb #78a43522
+def _window_empty(self) -> bool: return self.n_micro == 0
+
+def _window_full(self) -> bool:
+    "True once the window holds `n_step` micro-batches (or at least `n_acc` samples)."
+    return window_full(self.n_step, self.n_acc, self.n_micro, self.n_seen)
+
+def _window_grad_correction(self) -> float:
+    "Factor making the accumulated gradients the mean over the `n_seen` samples actually in the window."
+    if self.loss_reduction == 'sum' or self.empty or self.n_seen == self.ref: return 1.
+    return self.ref / self.n_seen
+
+def _window_loss(self) -> Tensor|None:
+    "Mean loss over the window's samples (what one big batch would report); `None` if none was recorded."
+    return None if self.empty or not torch.is_tensor(self.loss_sum) else self.loss_sum / self.n_seen
+
+AccumulationWindow.empty, AccumulationWindow.full = property(_window_empty), property(_window_full)
+AccumulationWindow.grad_correction = property(_window_grad_correction)
+AccumulationWindow.loss = property(_window_loss)
 
 # %% ../nbs/02_window.ipynb #516f34cd
 def validate_window_args(n_step, n_acc, # the window's size: micro-batches, or samples (exactly one)
@@ -694,6 +742,7 @@ def window_exceeds_epoch(loader, # the training loader (fastai or PyTorch DataLo
             else "one optimizer step per epoch, on that part")
     return f"{name}: one window ({what}) is more than an epoch ({epoch}): each epoch is part of one window, {then}"
 
+# %% ../nbs/02_window.ipynb #cb3579e9
 class WindowLoader:
     "Iterate `dl` reading one accumulation window ahead; `window` holds the current window's batches."
     def __init__(self, dl, # the training DataLoader
@@ -803,22 +852,17 @@ class WindowNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x, weight, mean, var = ctx.saved_tensors
-        shape = [1, -1] + [1] * (x.dim() - 2)
-        dims = [0] + list(range(2, x.dim()))
-        n = x.numel() // x.shape[1]
-        pool = ctx.pool
         acc = torch.promote_types(x.dtype, torch.float32)  # at least float32, float64 stays float64
-        invstd = torch.rsqrt(var.to(acc) + ctx.layer.eps).view(shape)
-        xf = x.to(acc)
-        xhat = (xf - mean.to(acc).view(shape)) * invstd
-        gy = gy.to(acc)
-        g = gy if weight is None else gy * weight.to(acc).view(shape)
-        mean_g, mean_gx = pool.pooled(g.sum(dims), (g * xhat).sum(dims), n)
-        dx = (g - mean_g.view(shape) - xhat * mean_gx.view(shape)) * invstd
-        dx = dx.to(x.dtype)
+        invstd = torch.rsqrt(var.to(acc) + ctx.layer.eps)
+        w = weight.to(acc) if weight is not None else torch.ones_like(invstd)
+        sums = channel_sums(gy, x, mean, invstd)  # Σ dy, Σ dy·x̂: the bias's and the weight's gradients
+        # the window means of g = dy·w and of g·x̂ to project with (`GradPool`), then BatchNorm's exact backward
+        mean_g, mean_gx = ctx.pool.pooled(sums[0] * w, sums[1] * w, x.numel() // x.shape[1])
+        f = gy.to(acc) * (w * invstd).view([1, -1] + [1] * (x.dim() - 2))  # the gradient with fixed statistics
+        dx = project_(f, x, mean, invstd, mean_g * invstd, mean_gx * invstd).to(x.dtype)
         if weight is None: return dx, None, None, None, None, None, None
-        db = gy.sum(dims).to(weight.dtype) if ctx.needs_input_grad[2] else None  # no bias: `bias=False`
-        return dx, (gy * xhat).sum(dims).to(weight.dtype), db, None, None, None, None
+        db = sums[0].to(weight.dtype) if ctx.needs_input_grad[2] else None  # no bias: `bias=False`
+        return dx, sums[1].to(weight.dtype), db, None, None, None, None
 
 # %% ../nbs/01_batchnorm.ipynb #50e7f4b8
 def _after_norm(m:nn.Module, x):
@@ -829,6 +873,7 @@ def _after_norm(m:nn.Module, x):
         if sub is not None: x = sub(x)
     return x
 
+# %% ../nbs/01_batchnorm.ipynb #b91d3b5f
 class AccumulateBatchNorm(_BatchNorm):
     "BatchNorm whose running statistics are committed once per accumulation window by `update_stats`."
     plain_class = _BatchNorm # the standard class this layer is the accumulating counterpart of
@@ -1055,6 +1100,7 @@ def _close_prepass(self:AccumulateBatchNorm, st:ChannelStats|None=None):
     if st.count: self.window_stats = (st.mean.to(self.running_mean.dtype), st.biased_var.to(self.running_mean.dtype))
     self._call_stats().merge(st)
 
+# %% ../nbs/01_batchnorm.ipynb #5299857c
 @patch
 def _end_prepass(self:AccumulateBatchNorm):
     calls, self._prepass, self._prepass_stats, self._chunk_stats, self._call = self._prepass_stats, None, None, None, 0
@@ -1107,12 +1153,9 @@ def _commit(self:AccumulateBatchNorm, st:ChannelStats):
         st.reset()
         raise ValueError(f"{self.layer_name}: the window had 1 value per channel; its variance is undefined. "
                          "Accumulate at least 2 samples per window.")
-    if not bool(torch.isfinite(st.mean).all() & torch.isfinite(st.m2).all()):
-        st.reset()
+    if not commit_stats(self, st):
         warnings.warn(f"{self.layer_name}: the window's statistics are not finite (a NaN or inf in its input): "
                       "its running statistics are not updated for this window", RuntimeWarning)
-        return
-    momentum_step(self, st.mean, st.var)
     st.reset()
 
 @patch
@@ -1258,6 +1301,7 @@ def _cast_of(t:torch.Tensor, keys:set) -> bool:
         if hasattr(f, 'variable'): return _storage_key(f.variable)[0] in keys
     return False
 
+# %% ../nbs/00_meters.ipynb #ebae4536
 class SavedTensorMeter:
     "Live and peak bytes of the distinct storages autograd saves for backward, via saved-tensor hooks."
     def __init__(self, exclude:nn.Module|None=None, # a model whose parameters and buffers are not counted
@@ -1384,6 +1428,7 @@ from torch import Tensor
 from torch.fx.node import map_aggregate
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_unflatten
+from fastcore.basics import patch
 
 # %% auto #0
 
@@ -1474,72 +1519,77 @@ class StagedGraph:
         if n.op == 'call_method': return getattr(args[0], n.target)(*args[1:], **kwargs)
         raise RuntimeError(f'StagedGraph: unexpected node {n.op} {n.target}')
 
-    @torch.no_grad()
-    def run(self,
-            chunks:list, # the window's inputs, chunk by chunk: each a tuple of model inputs
-            observe, # `observe(module, x)`: one chunk of a barrier's input (all chunks, in order, before `close`)
-            close, # `close(module)`: the barrier has seen its whole window; it runs on the chunks after this
-            store=None, # device for values living across a barrier (e.g. 'cpu' for a CUDA model); None: left in place
-            meter:ByteMeter|None=None, # counts a stage's activations on the device (not values kept across barriers)
-            stored:ByteMeter|None=None, # counts the values kept across barriers (in `store`)
+# %% ../nbs/00a_staged.ipynb #b29316c9
+@patch
+@torch.no_grad()
+def run(self:StagedGraph,
+        chunks:list, # the window's inputs, chunk by chunk: each a tuple of model inputs
+        observe, # `observe(module, x)`: one chunk of a barrier's input (all chunks, in order, before `close`)
+        close, # `close(module)`: the barrier has seen its whole window; it runs on the chunks after this
+        store=None, # device for values living across a barrier (e.g. 'cpu' for a CUDA model); None: left in place
+        meter:ByteMeter|None=None, # counts a stage's activations on the device (not values kept across barriers)
+        stored:ByteMeter|None=None, # counts the values kept across barriers (in `store`)
+       ):
+    "Run every node once per sample; a barrier `observe`s every chunk of its input, `close`s, then runs."
+    kept = [dict() for _ in chunks]  # per chunk: values a later stage needs
+    ends = self.barriers + [len(self.nodes)]
+    start = 0
+    for end in ends:
+        for c, xb in enumerate(chunks):
+            dev = next((t.device for t in _tensors(tuple(xb))), None)
+            env = {}
+            for n in [n for n in kept[c] if any(start <= u <= end for u in self.uses[n])]:  # used in this stage
+                v = kept[c].pop(n)
+                if stored: stored.drop(v)
+                env[n] = _to(v, dev) if store is not None else v
+                if meter: meter.hold(env[n])
+            for i in range(start, min(end + 1, len(self.nodes))):
+                n = self.nodes[i]
+                if i == end:  # the next barrier: it sees this chunk's input now and runs in the next stage
+                    observe(self.modules[n.target], self._value(n.args[0], env, xb))
+                    break
+                env[n] = v = self._run_node(n, env, xb)
+                if meter: meter.hold(v)
+                for a in n.all_input_nodes:  # free what no later node needs
+                    if a in env and self.uses[a][-1] <= i:
+                        if meter: meter.drop(env[a])
+                        del env[a]
+            for n, v in env.items():  # what a later stage needs leaves the device
+                if meter: meter.drop(v)
+                if not self.uses[n] or self.uses[n][-1] < end: continue
+                kept[c][n] = v = _to(v, store) if store is not None else v
+                if stored: stored.hold(v)
+            del env
+        if end < len(self.nodes): close(self.modules[self.nodes[end].target])
+        start = end
+
+# %% ../nbs/00a_staged.ipynb #b3dcf0e9
+@patch
+@torch.no_grad()
+def forward(self:StagedGraph,
+            xb:tuple, # one batch of model inputs
+            meter:ByteMeter|None=None, # counts the activations held, freed after their last use
            ):
-        "Run every node once per sample; a barrier `observe`s every chunk of its input, `close`s, then runs."
-        kept = [dict() for _ in chunks]  # per chunk: values a later stage needs
-        ends = self.barriers + [len(self.nodes)]
-        start = 0
-        for end in ends:
-            for c, xb in enumerate(chunks):
-                dev = next((t.device for t in _tensors(tuple(xb))), None)
-                env = {}
-                for n in [n for n in kept[c] if any(start <= u <= end for u in self.uses[n])]:  # used in this stage
-                    v = kept[c].pop(n)
-                    if stored: stored.drop(v)
-                    env[n] = _to(v, dev) if store is not None else v
-                    if meter: meter.hold(env[n])
-                for i in range(start, min(end + 1, len(self.nodes))):
-                    n = self.nodes[i]
-                    if i == end:  # the next barrier: it sees this chunk's input now and runs in the next stage
-                        observe(self.modules[n.target], self._value(n.args[0], env, xb))
-                        break
-                    env[n] = v = self._run_node(n, env, xb)
-                    if meter: meter.hold(v)
-                    for a in n.all_input_nodes:  # free what no later node needs
-                        if a in env and self.uses[a][-1] <= i:
-                            if meter: meter.drop(env[a])
-                            del env[a]
-                for n, v in env.items():  # what a later stage needs leaves the device
-                    if meter: meter.drop(v)
-                    if not self.uses[n] or self.uses[n][-1] < end: continue
-                    kept[c][n] = v = _to(v, store) if store is not None else v
-                    if stored: stored.hold(v)
-                del env
-            if end < len(self.nodes): close(self.modules[self.nodes[end].target])
-            start = end
+    "A plain forward through the nodes (up to the last barrier), as the model's own forward runs them."
+    env = {}
+    for i, n in enumerate(self.nodes):
+        env[n] = v = self._run_node(n, env, xb)
+        if meter: meter.hold(v)
+        for a in n.all_input_nodes:
+            if a in env and self.uses[a][-1] <= i:
+                v = env.pop(a)
+                if meter: meter.drop(v)
 
-    @torch.no_grad()
-    def forward(self,
-                xb:tuple, # one batch of model inputs
-                meter:ByteMeter|None=None, # counts the activations held, freed after their last use
-               ):
-        "A plain forward through the nodes (up to the last barrier), as the model's own forward runs them."
-        env = {}
-        for i, n in enumerate(self.nodes):
-            env[n] = v = self._run_node(n, env, xb)
-            if meter: meter.hold(v)
-            for a in n.all_input_nodes:
-                if a in env and self.uses[a][-1] <= i:
-                    v = env.pop(a)
-                    if meter: meter.drop(v)
-
-    def measure(self,
-                xb:tuple, # one batch of model inputs
-               ) -> tuple[int, int]:
-        "Peak activation bytes of a plain forward of `xb` and of `xb` run as one staged chunk."
-        # in the model's current mode (eval mode changes no state)
-        whole, stage = ByteMeter(), ByteMeter()
-        self.forward(xb, whole)
-        self.run([xb], lambda m, x: None, lambda m: None, meter=stage)
-        return whole.peak, stage.peak
+@patch
+def measure(self:StagedGraph,
+            xb:tuple, # one batch of model inputs
+           ) -> tuple[int, int]:
+    "Peak activation bytes of a plain forward of `xb` and of `xb` run as one staged chunk."
+    # in the model's current mode (eval mode changes no state)
+    whole, stage = ByteMeter(), ByteMeter()
+    self.forward(xb, whole)
+    self.run([xb], lambda m, x: None, lambda m: None, meter=stage)
+    return whole.peak, stage.peak
 
 def _get_attr(model, target:str):
     obj = model
@@ -1749,6 +1799,7 @@ class PrepassPlan:
 
     def __repr__(self): return f'{type(self).__name__}({self.describe()})'
 
+# %% ../nbs/01a_prepass.ipynb #7b7ca11b
 def _largest_activation(model, xb) -> int:
     "Largest leaf-module input + output in one forward: a lower bound on what a forward holds."
     # for models torch.fx cannot trace
@@ -1813,6 +1864,7 @@ def _prepass_mode(model, layers, xbs, chunk, memory) -> tuple:
         return 'whole', None, None
     return mode, chunk, sg
 
+# %% ../nbs/01a_prepass.ipynb #bbe7705b
 def _run_prepass(model, xbs, mode, chunk, sg, store, meter, info):
     "The pre-pass forward(s): the whole window at once, or staged over chunks."
     # with `meter`, the activation bytes go into `info`
@@ -1886,6 +1938,7 @@ class PreflightTable(pd.DataFrame):
 from dataclasses import dataclass, asdict
 import torch
 from torch import Tensor
+from fastcore.basics import patch
 
 # %% auto #0
 
@@ -1964,6 +2017,7 @@ def _part(t:Tensor) -> tuple:
     "Which part of which storage `t` is."
     return _storage(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
 
+# %% ../nbs/01b_link.ipynb #2c8cb3d5
 class Link:
     "The one door between a staged step's host store and the device: every copy either way, counted in `ledger`."
     def __init__(self,
@@ -2013,29 +2067,33 @@ class Link:
         if torch.device(device).type == 'cuda' and not t.is_pinned():  # pageable memory: the host waits
             led.blocking_copies, led.syncs = led.blocking_copies + 1, led.syncs + 1
 
-    def write(self, dst:Tensor, v:Tensor, kind:str):
-        "Copy `v` (on the device) into `dst`, part of a host tensor of the store; `kind`: 'kept' (a value) or 'grad'."
-        n, led = _nbytes(v), self.ledger
-        led.d2h_bytes, led.copies = led.d2h_bytes + n, led.copies + 1
-        if kind == 'kept': led.kept_bytes += n
-        else: led.grad_bytes += n
-        v = v.detach()
-        self.pending[_storage(dst)] = self.writes.issue(lambda: dst.copy_(v, non_blocking=True), (v,))
+# %% ../nbs/01b_link.ipynb #beeaa352
+@patch
+def write(self:Link, dst:Tensor, v:Tensor, kind:str):
+    "Copy `v` (on the device) into `dst`, part of a host tensor of the store; `kind`: 'kept' (a value) or 'grad'."
+    n, led = _nbytes(v), self.ledger
+    led.d2h_bytes, led.copies = led.d2h_bytes + n, led.copies + 1
+    if kind == 'kept': led.kept_bytes += n
+    else: led.grad_bytes += n
+    v = v.detach()
+    self.pending[_storage(dst)] = self.writes.issue(lambda: dst.copy_(v, non_blocking=True), (v,))
 
-    def sync(self, n:int=1):
-        "Count `n` waits of the host for the device made elsewhere (reading a device value on the host)."
-        self.ledger.syncs += n
+@patch
+def sync(self:Link, n:int=1):
+    "Count `n` waits of the host for the device made elsewhere (reading a device value on the host)."
+    self.ledger.syncs += n
 
-    def done(self):
-        "The window is over: what is computed next waits for every copy (reads started ahead and not taken dropped)."
-        self.writes.done()
-        self.reads.done()
-        self.pending.clear()
-        self.fetched.clear()
+@patch
+def done(self:Link):
+    "The window is over: what is computed next waits for every copy (reads started ahead and not taken dropped)."
+    self.writes.done()
+    self.reads.done()
+    self.pending.clear()
+    self.fetched.clear()
 
 # ======== fastai_accum/staged_exact.py ========
 # %% ../nbs/02b_staged_exact.ipynb #bc1cb743
-import contextlib, copy, functools, gc, itertools, operator, warnings, weakref
+import contextlib, copy, functools, gc, itertools, operator, types, warnings, weakref
 from contextlib import nullcontext
 import torch
 import torch.distributed as dist
@@ -2122,6 +2180,7 @@ class StagedStep(StagedGraph):
         # window-sized host tensors of the store the last window no longer reads, by (shape, dtype, device, pinned),
         # and those in use ({id: (weakref, key)}): `_store_tensor`, `_recycle`
         self.pool, self.ours = {}, {}
+        self.layout_cache = {}  # {input signature: `_find_layouts`'s}
         nodes = list(graph.nodes)
         self.inputs = [n for n in nodes if n.op == 'placeholder']
         self.output = next(n for n in nodes if n.op == 'output')
@@ -2131,48 +2190,52 @@ class StagedStep(StagedGraph):
         stages = f", {len(self.stages)} stages" if hasattr(self, 'stages') else ''
         return f'{type(self).__name__}({len(self.nodes)} nodes{stages})'
 
-    def _plan(self):
-        "Stages from the modes the layers are in now: stage s+1 starts with the s-th training BatchNorm node."
-        bars = [i for i, n in enumerate(self.nodes) if n.op == 'call_module' and _is_barrier(self.modules[n.target])]
-        # the last stage is cut before its first random op (a head's dropout): what comes before runs in chunks,
-        # the rest whole, so its masks are the big batch's without the whole window of the ops before it
-        cut = next((i for i in range(bars[-1] + 1, len(self.nodes)) if _draws(self.nodes[i], self.modules)),
-                   None) if bars else None
-        bounds = [0] + bars + ([cut] if cut else []) + [len(self.nodes)]
-        self.stages = [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
-        self.bars = [None] + [self.nodes[i] if i != cut else None for i in bounds[1:-1]]  # the barrier opening each
-        # a stage cut before a random op that writes in place (`Dropout(inplace=True)`) runs on copies of its inputs:
-        # they are chunks of the store (which the backward reads again), or leaves, which autograd does not let an op
-        # modify
-        self.copies = [cut is not None and s == len(self.stages) - 1 and
-                       any(_writes_in_place(self.nodes[i], self.modules) for i in idx)
-                       for s, idx in enumerate(self.stages)]
-        self.from_input = set(self.inputs)  # nodes computed from the model's inputs: their tensors hold the batch
-        for n in self.nodes:
-            if any(a in self.from_input for a in n.all_input_nodes): self.from_input.add(n)
-        owner = {self.nodes[i]: s for s, idx in enumerate(self.stages) for i in idx}
-        owner.update({p: -1 for p in self.inputs})
-        for s in range(1, len(self.stages)): self.stages[s] = self._recomputing(s, owner)
-        members = [{self.nodes[i] for i in idx} for idx in self.stages]
-        reads = [{a for u in mem for a in u.all_input_nodes if a in owner and a not in mem} for mem in members]
-        for s, bar in enumerate(self.bars[1:]):  # the BatchNorm ending stage s takes its statistics there
-            x = bar.args[0] if bar is not None else None  # it may come from an earlier stage (a U-Net's skip)
-            if isinstance(x, fx.Node) and x in owner and x not in members[s]: reads[s].add(x)
-        outs = set(self.output.all_input_nodes)
-        self.stage_in = [[n for n in owner if n in reads[s]] for s in range(len(self.stages))]
-        self.stage_out = [[self.nodes[i] for i in idx if owner[self.nodes[i]] == s and
-                           (self.nodes[i] in outs or any(self.nodes[i] in r for r in reads[s + 1:]))]
-                          for s, idx in enumerate(self.stages)]
-        self.stage_params = [_params_of(self, [self.nodes[i] for i in idx]) for idx in self.stages]
-        opens = self.bars[1:] + [None]  # the barrier that ends each stage
-        self.reads_input = [any(n.op == 'placeholder' for n in self.stage_in[s])
-                            or (b is not None and b.args[0].op == 'placeholder')
-                            for s, b in enumerate(opens)]  # only these stages copy the window's inputs to the device
-        # nodes holding the batch's size: 'int' (`x.size(0)`, `len(x)`) or 'shape' (`x.shape`, batch first)
-        self.sizes = {}
-        for n in self.nodes: _size_kind(n, self.sizes)
-        self._store_plan()
+# %% ../nbs/02b_staged_exact.ipynb #fb8ff1e8
+def _plan(self):
+    "Stages from the modes the layers are in now: stage s+1 starts with the s-th training BatchNorm node."
+    bars = [i for i, n in enumerate(self.nodes) if n.op == 'call_module' and _is_barrier(self.modules[n.target])]
+    # the last stage is cut before its first random op (a head's dropout): what comes before runs in chunks,
+    # the rest whole, so its masks are the big batch's without the whole window of the ops before it
+    cut = next((i for i in range(bars[-1] + 1, len(self.nodes)) if _draws(self.nodes[i], self.modules)),
+               None) if bars else None
+    bounds = [0] + bars + ([cut] if cut else []) + [len(self.nodes)]
+    self.stages = [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    self.bars = [None] + [self.nodes[i] if i != cut else None for i in bounds[1:-1]]  # the barrier opening each
+    # a stage cut before a random op that writes in place (`Dropout(inplace=True)`) runs on copies of its inputs:
+    # they are chunks of the store (which the backward reads again), or leaves, which autograd does not let an op
+    # modify
+    self.copies = [cut is not None and s == len(self.stages) - 1 and
+                   any(_writes_in_place(self.nodes[i], self.modules) for i in idx)
+                   for s, idx in enumerate(self.stages)]
+    self.from_input = set(self.inputs)  # nodes computed from the model's inputs: their tensors hold the batch
+    for n in self.nodes:
+        if any(a in self.from_input for a in n.all_input_nodes): self.from_input.add(n)
+    owner = {self.nodes[i]: s for s, idx in enumerate(self.stages) for i in idx}
+    owner.update({p: -1 for p in self.inputs})
+    for s in range(1, len(self.stages)): self.stages[s] = self._recomputing(s, owner)
+    members = [{self.nodes[i] for i in idx} for idx in self.stages]
+    reads = [{a for u in mem for a in u.all_input_nodes if a in owner and a not in mem} for mem in members]
+    for s, bar in enumerate(self.bars[1:]):  # the BatchNorm ending stage s takes its statistics there
+        x = bar.args[0] if bar is not None else None  # it may come from an earlier stage (a U-Net's skip)
+        if isinstance(x, fx.Node) and x in owner and x not in members[s]: reads[s].add(x)
+    outs = set(self.output.all_input_nodes)
+    self.stage_in = [[n for n in owner if n in reads[s]] for s in range(len(self.stages))]
+    self.stage_out = [[self.nodes[i] for i in idx if owner[self.nodes[i]] == s and
+                       (self.nodes[i] in outs or any(self.nodes[i] in r for r in reads[s + 1:]))]
+                      for s, idx in enumerate(self.stages)]
+    self.stage_params = [_params_of(self, [self.nodes[i] for i in idx]) for idx in self.stages]
+    opens = self.bars[1:] + [None]  # the barrier that ends each stage
+    self.reads_input = [any(n.op == 'placeholder' for n in self.stage_in[s])
+                        or (b is not None and b.args[0].op == 'placeholder')
+                        for s, b in enumerate(opens)]  # only these stages copy the window's inputs to the device
+    # nodes holding the batch's size: 'int' (`x.size(0)`, `len(x)`) or 'shape' (`x.shape`, batch first)
+    self.sizes = {}
+    for n in self.nodes: _size_kind(n, self.sizes)
+    self._store_plan()
 
+StagedStep._plan = _plan
+
+# %% ../nbs/02b_staged_exact.ipynb #f2f1bedf
 def _recomputing(self, s:int, owner:dict) -> list:
     "Stage `s`'s node indices, plus the parameter-only nodes of earlier stages it reads, recomputed."
     # the nodes of earlier stages it reads that are computed from parameters and constants alone
@@ -2191,6 +2254,7 @@ def _recomputing(self, s:int, owner:dict) -> list:
 
 StagedStep._recomputing = _recomputing
 
+# %% ../nbs/02b_staged_exact.ipynb #6fce0b9d
 def _size_kind(n, sizes:dict):
     "Note in `sizes` whether node `n` holds the batch's size: 'int' or 'shape'."
     # 'int': `x.size(0)`, `len(x)`; 'shape': `x.shape`, `x.size()` or a slice of them from the front
@@ -2200,12 +2264,13 @@ def _size_kind(n, sizes:dict):
         kind = 'shape' if dim is None else 'int' if dim == 0 else None
     elif n.op == 'call_function' and f is getattr and args[1] == 'shape': kind = 'shape'
     elif n.op == 'call_function' and f is len: kind = 'int'
-    elif n.op == 'call_function' and f is operator.getitem and sizes.get(args[0]) == 'shape':
+    elif n.op == 'call_function' and f is operator.getitem and sizes.get(args[0], (None,))[0] == 'shape':
         i = args[1]
         kind = ('int' if i == 0 else 'shape' if isinstance(i, slice) and i.start in (None, 0) and i.step in (None, 1)
                 else None)
     else: kind = None
-    if kind: sizes[n] = kind
+    # the tensor whose size it is (a folded value's size counts its views: `_carried`)
+    if kind: sizes[n] = kind, (sizes[args[0]][1] if f is operator.getitem else args[0])
 
 def _params_of(self, nodes:list) -> list:
     "The parameters `nodes` use, once each: their modules' and those they read (`get_attr`)."
@@ -2258,7 +2323,8 @@ def _store_per_sample(model:nn.Module, graph:fx.Graph, xb:tuple) -> float:
     step._plan()
     xb = tuple(_plain(t) for t in xb)
     n = xb[0].shape[0]
-    per_sample = lambda v: sum(_nbytes(t) for t in _tensors(v) if t.dim() and t.shape[0] == n) / n  # batch tensors
+    rows = {n} | {k * n for k, _ in batch_layouts(model, xb).values()}  # k rows a sample: views folded into the batch
+    per_sample = lambda v: sum(_nbytes(t) for t in _tensors(v) if t.dim() and t.shape[0] in rows) / n  # batch tensors
     with random_state_kept(): sizes = {m: per_sample(vs[0]) for m, vs, _ in _node_values(step, [xb], {})}
     def size(m): return per_sample(xb[step.inputs.index(m)]) if m.op == 'placeholder' else sizes.get(m, 0.)
     return max((step._store_bytes(s, size) for s in range(len(step.stages))), default=0.)
@@ -2323,6 +2389,9 @@ def _run_stage(self, s:int, env:dict, xb:tuple, grad:bool):
         env[n] = _extras(m, n, F.batch_norm(x, mean, var, m.weight, m.bias, False, 0., m.eps))
     return leaf
 
+StagedStep._run_stage = _run_stage
+
+# %% ../nbs/02b_staged_exact.ipynb #96d4120c
 def _xb(self, a:int, b:int, dev, grad:bool=False, s:int|None=None) -> tuple:
     "Samples a:b of the window's inputs (which may wait in host memory) on `dev`."
     # for a backward, a chunk of their own; none for a stage `s` that does not read them
@@ -2352,11 +2421,18 @@ def _stage_inputs(self, s:int, a:int, b:int, dev, grad:bool=False) -> dict:
 def _kept_chunk(self, key, a:int, b:int, dev, grad:bool) -> Tensor:
     "Samples a:b of the kept tensor `key` on `dev`; for a backward, a leaf collecting its gradient."
     t = self.kept[key][a:b]
-    v = self._read(t, dev)
+    v = self._unstored(key, self._read(t, dev), b - a)
     # a chunk of its own, as on an accelerator: what the backward holds is the chunk, not the store it is a view of
-    if grad and not self.link.holds(t) and v.device == t.device: v = v.clone()
+    if grad and _storage(v) == _storage(t): v = v.clone()
     return v.detach().requires_grad_(v.is_floating_point()) if grad else v
 
+StagedStep._xb = _xb
+StagedStep._input = _input
+StagedStep._read = _read
+StagedStep._stage_inputs = _stage_inputs
+StagedStep._kept_chunk = _kept_chunk
+
+# %% ../nbs/02b_staged_exact.ipynb #549cdd9c
 def _struct(self, n, a:int, b:int, tensor) -> object:
     "Node `n`'s container value (a tuple, list or dict holding batch tensors) for samples a:b."
     # its batch tensors from `tensor((n, i))`
@@ -2378,6 +2454,7 @@ def _struct_keys(self, n, v) -> list:
 
 def _keep(self, d:dict, n, v:Tensor, a:int, b:int, kind:str='kept'):
     "Samples a:b of node `n`'s value (`kind` 'kept') or gradient ('grad') into the window-sized `d[n]`, in `store`."
+    v = self._stored(n, v, b - a)
     if b - a == self.W and not self.link.apart and (self.store is None or torch.device(self.store) == v.device):
         d[n] = v.detach()  # the whole window, where the store is: kept as it is, no copy
         return
@@ -2389,10 +2466,18 @@ def _put(self, t:Tensor, a:int, b:int, v:Tensor, kind:str):
     if self.link.holds(t): self.link.write(t[a:b], v, kind)
     else: t[a:b].copy_(v)
 
+StagedStep._put = _put
+StagedStep._keep = _keep
+StagedStep._struct = _struct
+StagedStep._struct_keys = _struct_keys
+StagedStep._keys = _keys
+
+# %% ../nbs/02b_staged_exact.ipynb #1da44b7a
 def _add_grad(self, grads:dict, k, g:Tensor, a:int, b:int):
     "Add one chunk's gradient `g` of kept value `k` (samples a:b) into the window-sized `grads[k]`."
     # the first contribution to those samples is copied in as it is (no zero-fill, no sum on the host); a later one is
     # summed with it on the device, then copied in
+    g = self._stored(k, g, b - a)
     if k not in grads: grads[k] = self._store_tensor((self.W,) + g.shape[1:], g.dtype, self.store or g.device)
     spans, t = self.written.setdefault(k, []), grads[k]
     if not any(s < b and a < e for s, e in spans): self._put(t, a, b, g, 'grad')
@@ -2419,25 +2504,34 @@ def _hold(self, n, v, a:int, b:int):
     if self._batched(n, v, a, b): return self._keep(self.kept, n, v, a, b)
     if isinstance(v, (list, tuple, dict)):  # a container of batch tensors (a namedtuple of outputs, a list of features)
         leaves, spec = tree_flatten(v)
-        idx = [i for i, t in enumerate(leaves) if self._batched(n, t, a, b)]
+        idx = [i for i, t in enumerate(leaves) if self._batched((n, i), t, a, b)]
         if idx:
             self.structs[n] = (spec, idx)
             for i in idx: self._keep(self.kept, (n, i), leaves[i], a, b)
             v = [None if i in idx else t for i, t in enumerate(leaves)]  # the rest, carried
     self.carried.setdefault(n, {})[a, b] = v
 
-def _batched(self, n, v, a:int, b:int) -> bool:
-    "Is `v`, node `n`'s value on samples a:b, a batch tensor: from the inputs, one row per sample?"
-    return isinstance(v, Tensor) and n in self.from_input and v.dim() > 0 and v.shape[0] == b - a
+StagedStep._add_grad = _add_grad
+StagedStep._grad_chunk = _grad_chunk
+StagedStep._hold = _hold
+
+# %% ../nbs/02b_staged_exact.ipynb #a5754f9f
+def _batched(self, key, v, a:int, b:int) -> bool:
+    "Is `v`, the value of `key` (a node, or a container's (node, i)) on samples a:b, a batch tensor from the inputs?"
+    # one row per sample, or k (`_factor`: views folded into the batch)
+    n = key[0] if isinstance(key, tuple) else key
+    return (isinstance(v, Tensor) and n in self.from_input and v.dim() > 0
+            and v.shape[0] == self._factor(key) * (b - a))
 
 def _carried(self, n, a:int, b:int):
     "Node `n`'s non-batch-tensor value for samples a:b: that chunk's, or the one every chunk gave."
     vals = self.carried[n]
     if (a, b) in vals: return vals[a, b]
     first = next(iter(vals.values()))
-    kind = self.sizes.get(n)
-    if kind == 'int': return b - a
-    if kind == 'shape': return type(first)((b - a,) + tuple(first[1:]))
+    kind, of = self.sizes.get(n, (None, None))
+    rows = self._factor(of) * (b - a)  # a value with views folded into the batch: k rows a sample
+    if kind == 'int': return rows
+    if kind == 'shape': return type(first)((rows,) + tuple(first[1:]))
     if all(_same(v, first) for v in vals.values()): return first
     # values that differ only by multiples of their chunk's size (`x.size(0) * 5`)
     forms = [_form(v, e - s) for (s, e), v in vals.items()]
@@ -2445,6 +2539,10 @@ def _carried(self, n, a:int, b:int):
     raise RuntimeError(f"staged exact: {n.name} (a {type(first).__name__}) differs from chunk to chunk "
                        "and is read by a stage chunked otherwise")
 
+StagedStep._carried = _carried
+StagedStep._batched = _batched
+
+# %% ../nbs/02b_staged_exact.ipynb #38865ca7
 class _Sized(int):
     "Where a value held `k` times its chunk's size."
 
@@ -2468,6 +2566,7 @@ def _same(u, v) -> bool:
     try: return bool(u == v)
     except Exception: return False
 
+# %% ../nbs/02b_staged_exact.ipynb #0ad7c6be
 def _store_tensor(self, shape:tuple, dtype, device) -> Tensor:
     "A window-sized tensor of the store: one an earlier window gave back (`_recycle`), or new; the link counts it."
     # a new host tensor of hundreds of MiB costs its page faults, about 4x a copy into it (a pinned one, its pinning):
@@ -2486,22 +2585,43 @@ def _recycle(self, ts):
 
 StagedStep._store_tensor = _store_tensor
 StagedStep._recycle = _recycle
-StagedStep._run_stage = _run_stage
-StagedStep._xb = _xb
-StagedStep._input = _input
-StagedStep._read = _read
-StagedStep._put = _put
-StagedStep._add_grad = _add_grad
-StagedStep._grad_chunk = _grad_chunk
-StagedStep._stage_inputs = _stage_inputs
-StagedStep._keep = _keep
-StagedStep._hold = _hold
-StagedStep._carried = _carried
-StagedStep._batched = _batched
-StagedStep._kept_chunk = _kept_chunk
-StagedStep._struct = _struct
-StagedStep._struct_keys = _struct_keys
-StagedStep._keys = _keys
+
+# %% ../nbs/02b_staged_exact.ipynb #c2294600
+def _factor(self, key) -> int:
+    "Rows a sample has in the value of `key` (a node, or (node, i)): k where k views are folded into the batch, else 1."
+    return self.layouts.get(key, (1, None))[0] if self.layouts else 1
+
+def _stored(self, key, v:Tensor, n:int) -> Tensor:
+    "`v`, the value of `key` on `n` samples, in the store's form: `(n, k, ...)` where it folds k views, else as it is."
+    k, how = self.layouts.get(key, (1, None)) if self.layouts else (1, None)
+    if k == 1: return v
+    return v.unflatten(0, (n, k)) if how == 'sample' else v.unflatten(0, (k, n)).transpose(0, 1)
+
+def _unstored(self, key, t:Tensor, n:int) -> Tensor:
+    "The value of `key` on `n` samples from `t`, their part of the store (`_stored`'s inverse)."
+    k, how = self.layouts.get(key, (1, None)) if self.layouts else (1, None)
+    if k == 1: return t
+    return (t if how == 'sample' else t.transpose(0, 1)).flatten(0, 1)
+
+def _folds(self, env:dict, n:int) -> bool:
+    "Might a value in `env` (a chunk of `n` samples) fold views into the batch: rows from the inputs a multiple of `n`?"
+    return any(t.dim() and t.shape[0] != n and t.shape[0] % n == 0
+               for m, v in env.items() if m in self.from_input for t in _tensors(v))
+
+def _find_layouts(self, dev) -> dict:
+    "`batch_layouts` of this window's inputs by node (and (node, i)), found once per input signature."
+    xb = tuple(_to(t[:2], dev) if isinstance(t, Tensor) else t for t in self.xb)
+    nodes = {n.name: n for n in self.nodes}
+    node = lambda k: nodes.get(k) if isinstance(k, str) else (nodes[k[0]], k[1]) if k[0] in nodes else None
+    found = {node(k): f for k, f in batch_layouts(self.model, xb).items() if node(k) is not None}
+    self.layout_cache[self.signature] = found
+    return found
+
+StagedStep._factor = _factor
+StagedStep._stored = _stored
+StagedStep._unstored = _unstored
+StagedStep._folds = _folds
+StagedStep._find_layouts = _find_layouts
 
 # %% ../nbs/02b_staged_exact.ipynb #b06b8998
 def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
@@ -2516,6 +2636,7 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
     self.pin = self.store is not None and torch.device(self.store).type == 'cpu' and dev.type != 'cpu' and can_pin()
     self.autocast = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
     self.signature = tuple((tuple(t.shape[1:]), t.dtype) for t in self.xb if isinstance(t, Tensor))
+    self.layouts = self.layout_cache.get(self.signature)  # views folded into the batch (`_find_layouts`)
     if self.W != self.pool_W: self.pool, self.ours, self.pool_W = {}, {}, self.W  # shapes of another window size
     # the store in the memory the budget counts (a CPU's): chunks get what it leaves, and nothing is pooled
     self.shared = not self.apart if self.apart is not None else self.store is None or torch.device(self.store) == dev
@@ -2535,6 +2656,9 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
     self.store_costs[self.signature, self.autocast] = max(map(self._store_bytes, range(len(self.stages)))) / self.W
     return self._output(dev)
 
+StagedStep.forward = _forward
+
+# %% ../nbs/02b_staged_exact.ipynb #603fc20b
 def _producer_spans(self, s:int) -> list|None:
     "The chunks of the stage that made a value stage `s` reads whose size arithmetic is unknown (`x.size(0) * 5`)."
     # seen at one chunk size only, such a value cannot be told from a constant: stage `s` runs in the same chunks
@@ -2563,6 +2687,10 @@ def _kept_from(self) -> int:
         first = s
     return first
 
+StagedStep._kept_from = _kept_from
+StagedStep._producer_spans = _producer_spans
+
+# %% ../nbs/02b_staged_exact.ipynb #1660e087
 def _first_chunk(self, s:int, chunk:int) -> tuple:
     "(samples per chunk of stage `s`, whether its first chunk measures the stage's bytes per sample)."
     key = self._cost_key(s)
@@ -2594,14 +2722,19 @@ def _cost_key(self, s:int) -> tuple:
     first = self.nodes[self.stages[s][0]].name if self.stages[s] else ''
     return first, len(self.stages[s]), self.signature, self.autocast
 
+StagedStep._first_chunk = _first_chunk
+StagedStep._sized = _sized
+StagedStep._cost_key = _cost_key
+
+# %% ../nbs/02b_staged_exact.ipynb #927e133c
 def _stage_cost(self, env:dict, n:int, saved:dict) -> float:
     "Bytes per sample one chunk of a stage holds in its backward, from its forward on `n` samples with a graph."
     # every batch tensor it computed or read (`env`), those autograd saved besides (`saved`, {data_ptr: bytes}: the
     # input an in-place activation copies), plus twice the largest (the gradient being computed and the one it comes
     # from)
-    sizes = dict(saved)
+    sizes, rows = dict(saved), {n} | {k * n for k, _ in (self.layouts or {}).values()}  # k rows a sample: folded views
     for t in _tensors(list(env.values())):
-        if t.dim() and t.shape[0] == n: sizes[t.data_ptr()] = max(sizes.get(t.data_ptr(), 0), _nbytes(t))
+        if t.dim() and t.shape[0] in rows: sizes[t.data_ptr()] = max(sizes.get(t.data_ptr(), 0), _nbytes(t))
     return (sum(sizes.values()) + 2 * max(sizes.values(), default=0)) / n
 
 @contextlib.contextmanager
@@ -2620,6 +2753,11 @@ def _kept_bytes(self, n) -> int:
     if n in self.kept: return _nbytes(self.kept[n])
     return sum(_nbytes(self.kept[n, i]) for i in self.structs[n][1]) if n in self.structs else 0
 
+StagedStep._kept_bytes = _kept_bytes
+StagedStep._stage_cost = _stage_cost
+StagedStep._saved_counted = _saved_counted
+
+# %% ../nbs/02b_staged_exact.ipynb #a372d4ea
 def _stage_forward(self, s:int, dev, chunk:int):
     "Run stage `s` over the window chunk by chunk, no graph; keep what later stages and the output read."
     # the last stage reruns in one chunk if it draws random numbers (dropout): its masks are then the big batch's (the
@@ -2640,6 +2778,7 @@ def _stage_forward(self, s:int, dev, chunk:int):
         self.rng[s, a] = state = _rng_state(dev)
         with torch.set_grad_enabled(grad), self._saved_counted(saved) if probe else nullcontext():
             leaf = self._run_stage(s, env, xb, grad=grad)
+        if self.layouts is None and self._folds(env, b - a): self.layouts = self._find_layouts(dev)
         if measure and a == 0:  # the stage's bytes per sample, measured once: the other chunks as large as they fit
             self.costs[self._cost_key(s)] = cost = self._stage_cost(env, b - a, saved)
         if a == 0 and b < self.W and not _same_state(state, _rng_state(dev)):  # it draws random numbers
@@ -2667,6 +2806,9 @@ def _next_span(b:int, c:int, W:int, fixed:list|None) -> tuple|None:
     if fixed: return next((span for span in fixed if span[0] == b), None)
     return (b, min(b + c, W)) if b < W else None
 
+StagedStep._stage_forward = _stage_forward
+
+# %% ../nbs/02b_staged_exact.ipynb #195244bf
 def _say_random(self):
     "Warn once that some stages drew their random numbers (dropout masks) chunk by chunk."
     if self._said_random: return
@@ -2689,8 +2831,9 @@ def _output(self, dev):
     # a dict, tuple or list: torchvision's segmentation models
     def value(n):
         if not isinstance(n, fx.Node): return n
-        if n in self.kept: return self._read(self.kept[n], dev)
-        if n in self.structs: return self._struct(n, 0, self.W, lambda key: self._read(self.kept[key], dev))
+        whole = lambda key: self._unstored(key, self._read(self.kept[key], dev), self.W)
+        if n in self.kept: return whole(n)
+        if n in self.structs: return self._struct(n, 0, self.W, whole)
         if n in self.carried: return self._carried(n, 0, self.W)
         return self._value(n, {}, self.xb)  # a model input returned as it is
     return _plain_containers(map_aggregate(self.output.args[0], value))
@@ -2703,6 +2846,10 @@ def _plain_containers(o):
     if isinstance(o, (list, tuple)): return (list if isinstance(o, list) else tuple)(_plain_containers(v) for v in o)
     return o
 
+StagedStep._output = _output
+StagedStep._say_random = _say_random
+
+# %% ../nbs/02b_staged_exact.ipynb #eee4099d
 @torch.no_grad()
 def _close(self, bar, st:ChannelStats):
     "Barrier node `bar` has seen its window: fix its statistics, commit its module's running statistics."
@@ -2719,9 +2866,7 @@ def _close(self, bar, st:ChannelStats):
     if not (m.training and m.track_running_stats): return
     # a window whose statistics are not finite (a NaN or inf in the input) commits none: decided on the device, and
     # said at the forward's end (`_say_not_finite`), so that no layer waits for the device
-    finite = torch.isfinite(st.mean).all() & torch.isfinite(st.m2).all()
-    self.finite.append((bar, finite))
-    momentum_step(m, st.mean, st.var, finite)
+    self.finite.append((bar, commit_stats(m, st, wait=False)))
 
 def _say_not_finite(self):
     "Warn about each layer whose window statistics were not finite (its running statistics kept): one sync a window."
@@ -2733,6 +2878,10 @@ def _say_not_finite(self):
                                  stacklevel=4)
     self.finite = []
 
+StagedStep._close = _close
+StagedStep._say_not_finite = _say_not_finite
+
+# %% ../nbs/02b_staged_exact.ipynb #8f741383
 def _copies(self, dev) -> tuple:
     "How the link issues its writes and its reads ahead: each on a CUDA stream of its own (made once per step), else as they come."
     if getattr(self, '_cuda_copies', None) is None and dev.type == 'cuda':
@@ -2764,22 +2913,8 @@ def _prefetch(self, s:int, span, grads:dict|None=None):
             for fixed, *_ in self.projections.get(k, ()):
                 if self.link.holds(fixed): self.link.prefetch(fixed[a:b], dev)
 
-StagedStep.forward = _forward
-StagedStep._output = _output
-StagedStep._close = _close
-StagedStep._say_not_finite = _say_not_finite
 StagedStep._copies = _copies
 StagedStep._prefetch = _prefetch
-StagedStep._stage_forward = _stage_forward
-StagedStep._say_random = _say_random
-StagedStep._kept_bytes = _kept_bytes
-StagedStep._first_chunk = _first_chunk
-StagedStep._kept_from = _kept_from
-StagedStep._producer_spans = _producer_spans
-StagedStep._sized = _sized
-StagedStep._cost_key = _cost_key
-StagedStep._stage_cost = _stage_cost
-StagedStep._saved_counted = _saved_counted
 
 # %% ../nbs/02b_staged_exact.ipynb #1494d3bf
 def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shaped as the output: a tensor, a dict, ...)
@@ -2838,6 +2973,9 @@ def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shap
             if g is not None: p.grad = g if p.grad is None else p.grad + g
     return pgrads
 
+StagedStep.backward = _backward
+
+# %% ../nbs/02b_staged_exact.ipynb #59c3ea96
 def _affine_sums(self, s:int, bar, index:dict, pgrads:list):
     "A function giving barrier `bar`'s window sums from its weight's and bias's gradients, where they hold them."
     # BatchNorm with fixed statistics: g = dy·w·invstd, so Σ g = w·invstd·Σ dy (the bias's gradient) and
@@ -2875,6 +3013,11 @@ def _reads(self, n) -> set:
     if n.op == 'get_attr': return {id(self._value(n, {}, ()))}
     return set()
 
+StagedStep._affine_sums = _affine_sums
+StagedStep._param_readers = _param_readers
+StagedStep._bar_params = _bar_params
+
+# %% ../nbs/02b_staged_exact.ipynb #cb12f709
 def _recomputed(self, s:int, a:int, b:int, dev, autocast) -> tuple:
     "(values, BatchNorm input leaf) of stage `s` on samples a:b, run again with a graph, the forward's random state."
     env = self._stage_inputs(s, a, b, dev, grad=True)
@@ -2901,9 +3044,16 @@ def _output_grads(self, grad) -> dict:
     gs, _ = tree_flatten(grad)
     grads = {}
     for k, g in zip(keys, gs):
-        if isinstance(k, _Key) and isinstance(g, Tensor): grads[k.key] = g if k.key not in grads else grads[k.key] + g
+        if not (isinstance(k, _Key) and isinstance(g, Tensor)): continue
+        g = self._stored(k.key, g, self.W)
+        grads[k.key] = g if k.key not in grads else grads[k.key] + g
     return grads
 
+StagedStep._output_grads = _output_grads
+StagedStep._check_carried = _check_carried
+StagedStep._recomputed = _recomputed
+
+# %% ../nbs/02b_staged_exact.ipynb #838034c4
 class _Key:
     "A key of `grads` (a node, or (node, i) for a container's i-th tensor), whole where pytree flattens."
     def __init__(self, key): self.key = key
@@ -2938,17 +3088,17 @@ def _shared_storages(outs:list, got) -> set:
         seen.add(k)
     return shared
 
+StagedStep._grads = _grads
+
+# %% ../nbs/02b_staged_exact.ipynb #314cf5d5
 @torch.no_grad()
 def _window_sums(self, bar, x:Tensor, g:Tensor, sums:Tensor|None) -> Tensor:
     "`sums` plus one chunk's per-channel Σ g and Σ g·x̂, in at least float32."
     # g: the input gradient with the statistics held fixed; at least float32 as BatchNorm's own backward: an fp16 sum
     # over a window of scaled gradients overflows
     # Σ g·x̂ = invstd · Σ g·(x - mean): one temporary
-    dims, acc = [0] + list(range(2, x.dim())), torch.promote_types(g.dtype, torch.float32)
     mean, _, invstd = self.stats[bar]
-    g = g.to(acc)
-    centred = x.to(acc) - mean.to(acc).view([1, -1] + [1] * (x.dim() - 2))
-    part = torch.stack([g.sum(dims), centred.mul_(g).sum(dims) * invstd.to(acc)])
+    part = channel_sums(g, x, mean, invstd)
     return part if sums is None else sums + part
 
 @torch.no_grad()
@@ -2961,10 +3111,8 @@ def _project(self, s:int, bar, fixed:Tensor, sums:Tensor):
     if not isinstance(x, fx.Node) or x.op == 'placeholder':  # a model input: no gradient to pass on
         return self._recycle([fixed])
     n, (mean, _, invstd) = self.count[bar], self.stats[bar]
-    shape = [1, -1] + [1] * (fixed.dim() - 2)
-    s1, s2 = (sums / n).unbind(0)
-    scale = (invstd.to(sums.dtype) * s2).view(shape)
-    self.projections.setdefault(x, []).append((fixed, mean.to(sums.dtype).view(shape), scale, s1.view(shape)))
+    mean_f, mean_fx = (sums / n).unbind(0)
+    self.projections.setdefault(x, []).append((fixed, mean, invstd, mean_f, mean_fx))
 
 @torch.no_grad()
 def _out_grad(self, grads:dict, k, a:int, b:int, x:Tensor) -> Tensor:
@@ -2973,21 +3121,12 @@ def _out_grad(self, grads:dict, k, a:int, b:int, x:Tensor) -> Tensor:
     # float32) precision
     # dx is written over the fixed gradient's chunk (read for this chunk alone), so no chunk-sized gradient is added
     # to what the chunk's backward holds
-    g = self._grad_chunk(grads, k, a, b, x.device) if k in grads else None
-    for fixed, mean, scale, s1 in self.projections.get(k, ()):
-        f = self._read(fixed[a:b], x.device)
-        f.copy_((mean - x.detach().to(mean.dtype)).mul_(scale).add_(f).sub_(s1))
+    g = self._unstored(k, self._grad_chunk(grads, k, a, b, x.device), b - a) if k in grads else None
+    for fixed, *stats in self.projections.get(k, ()):
+        f = project_(self._unstored(k, self._read(fixed[a:b], x.device), b - a), x.detach(), *stats)
         g = f if g is None else f.add_(g)
     return g
 
-StagedStep.backward = _backward
-StagedStep._grads = _grads
-StagedStep._output_grads = _output_grads
-StagedStep._check_carried = _check_carried
-StagedStep._recomputed = _recomputed
-StagedStep._affine_sums = _affine_sums
-StagedStep._param_readers = _param_readers
-StagedStep._bar_params = _bar_params
 StagedStep._window_sums = _window_sums
 StagedStep._project = _project
 StagedStep._out_grad = _out_grad
@@ -3038,6 +3177,7 @@ def _rebuilt(ctx_out:tuple, step) -> object:
     for i, t in zip(step.out_where, ctx_out): leaves[i] = t
     return tree_unflatten(leaves, step.out_spec)
 
+# %% ../nbs/02b_staged_exact.ipynb #6127ae52
 class StagedForward(ReplacedForward):
     "A model's `forward` training a window as the big batch, staged; the model's own when not training."
     def __init__(self, model:nn.Module, # a model torch.fx or the second tracer can trace (`staged_graph`)
@@ -3087,6 +3227,7 @@ class StagedForward(ReplacedForward):
     def __reduce__(self):
         return (getattr, (self.model, 'forward')) if self.own is None else (copy.copy, (self.own,))
 
+# %% ../nbs/02b_staged_exact.ipynb #3da7ac96
 def _converts_to_fp32(f) -> bool:
     "Does forward `f`, set on a model, return float32 outputs (Accelerate's mixed-precision wrapper)?"
     # the wrapper is a class or a closure, by Accelerate version
@@ -3149,8 +3290,9 @@ def _mixes(x:Tensor, y:Tensor, random:bool) -> bool:
     # per sample: the batch's own samples must keep their values
     return not _close_values(x, y.narrow(d, 0, x.shape[d]))
 
+# %% ../nbs/02b_staged_exact.ipynb #0009ad79
 @torch.no_grad()
-def _node_values(step:StagedStep, batches:list, stats:dict):
+def _node_values(step:StagedStep, batches:list, stats:dict, layouts:dict|None=None):
     "Each node in turn with its values on each of `batches` (as computed) and whether they are random; nothing changes."
     # a value lives until its last reader has run: the frontier of the forward on each batch, not every value
     # (a graph's values kept whole for two batches reached 1.3x a DDP fit's budget at plan time)
@@ -3176,15 +3318,20 @@ def _node_values(step:StagedStep, batches:list, stats:dict):
                     random.add(n.args[0])  # filled in place
             elif any(a in random for a in n.all_input_nodes): random.add(n)
         yield n, vs, n in random
-        if n not in random:
-            for env in envs[1:]: env[n] = _anchored(env[n], envs[0][n])
+        if n not in random:  # (`layouts`: those the caller found by now, by node name: views folded into the batch)
+            for env in envs[1:]: env[n] = _anchored(env[n], envs[0][n], (layouts or {}).get(n.name))
         for a in n.all_input_nodes:  # read for the last time
             if last[a] == i:
                 for env in envs: env.pop(a, None)
 
-def _anchored(v, a):
+def _anchored(v, a, layout:tuple|None=None):
     "`v` (on the batch plus other samples) with its batch part set to `a` (on the batch alone), where shapes say how."
+    # `layout`: (k, 'view') for views folded into the batch one after the other (`_folded`)
     if not (isinstance(v, Tensor) and isinstance(a, Tensor) and v.is_floating_point()): return v
+    if layout is not None and layout[1] == 'view' and v.shape[0] == 2 * a.shape[0]:
+        parts = v.unflatten(0, (layout[0], -1)).clone()
+        parts[:, :a.shape[0] // layout[0]] = a.to(v.dtype).unflatten(0, (layout[0], -1))
+        return parts.flatten(0, 1)
     d = _grown_dim(a.shape, v.shape)
     if d is None: return v
     k = a.shape[d]
@@ -3200,27 +3347,60 @@ def _fixed_norm(m:_BatchNorm, x:Tensor, stats:dict, n) -> Tensor:
     dt = m.weight.dtype if m.weight is not None else x.dtype  # under autocast x may be lower precision: as BatchNorm
     return _extras(m, n, F.batch_norm(x, *(s.to(dt) for s in stats[n]), m.weight, m.bias, False, 0., m.eps))
 
+# %% ../nbs/02b_staged_exact.ipynb #f1510eb8
 def samples_mixed(model:nn.Module, # a model a tracer handles (`staged_graph`), in the modes it trains in
                   xb:tuple, # one micro-batch of its inputs
                  ) -> str|None:
     "The first op outside BatchNorm whose output mixes samples, or None."
-    return _once('mixed', model, xb, lambda: _samples_mixed(model, xb))
+    return _probed(model, xb)[0]
 
-def _samples_mixed(model:nn.Module, xb:tuple) -> str|None:
+def batch_layouts(model:nn.Module, # a model a tracer handles (`staged_graph`), in the modes it trains in
+                  xb:tuple, # one micro-batch of its inputs
+                 ) -> dict:
+    "{node name, or (name, i) for a container's i-th tensor: (k, how)} of the values folding k views into the batch."
+    # `how`: 'sample' (a sample's k rows side by side: `flatten(0, 1)`, `repeat_interleave`) or 'view' (the batch's
+    # rows view after view: `cat` of the views, `repeat`); found with `samples_mixed`, from the same two forwards
+    return _probed(model, xb)[1]
+
+def _probed(model:nn.Module, xb:tuple) -> tuple:
+    return _once('probe', model, xb, lambda: _probe(model, xb))
+
+def _probe(model:nn.Module, xb:tuple) -> tuple:
+    "(`samples_mixed`'s answer, `batch_layouts`'), from two forwards without a graph: on the batch and with as many more."
     # mixing samples: other samples change the batch's own values
-    graph = staged_graph(model, xb)
-    if isinstance(graph, str): return None
+    graph, layouts = staged_graph(model, xb), {}
+    if isinstance(graph, str): return None, layouts
     step = StagedStep(model, graph)
     xb = tuple(_plain(t) for t in xb)
     # at least 2 samples: a `squeeze()` keeps the batch dimension
     a = xb if xb[0].shape[0] >= 2 else _cat(xb, _perturbed(xb))
     b = _cat(a, _perturbed(a))
-    dev = a[0].device
-    with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []):
-        for n, (x, y), random in _node_values(step, [a, b], {}):
-            if not (isinstance(x, Tensor) and isinstance(y, Tensor)): continue
-            if _mixes(x, y, random):
-                return f"{n.name} ({n.op} {getattr(n.target, '__name__', n.target)}) combines the samples of a batch"
+    dev, na = a[0].device, a[0].shape[0]
+    with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []), torch.autocast(dev.type, enabled=False):
+        for n, (x, y), random in _node_values(step, [a, b], {}, layouts):
+            if not (isinstance(x, Tensor) and isinstance(y, Tensor)):  # a container: its tensors' layouts
+                xs, ys = tree_flatten(x)[0], tree_flatten(y)[0]
+                if len(xs) == len(ys):
+                    layouts.update(((n.name, i), f) for i, (u, v) in enumerate(zip(xs, ys))
+                                   if (f := _folded(u, v, na, random)))
+                continue
+            inherited = next((layouts[m.name] for m in n.all_input_nodes if m.name in layouts), None)
+            if (f := _folded(x, y, na, random, inherited)): layouts[n.name] = f
+            elif _mixes(x, y, random):
+                return (f"{n.name} ({n.op} {getattr(n.target, '__name__', n.target)}) combines the samples of a batch",
+                        layouts)
+    return None, layouts
+
+def _folded(x, y, na:int, random:bool, inherited:tuple|None=None) -> tuple|None:
+    "(k, how) of a tensor whose value folds k views of each sample into the batch (`batch_layouts`), or None."
+    # `x` on `na` samples, `y` on those and as many more; a random value (dropout) shows only its shape: it keeps the
+    # layout of the value it comes from (`inherited`)
+    if not (isinstance(x, Tensor) and isinstance(y, Tensor)) or not x.dim() or x.shape[1:] != y.shape[1:]: return None
+    k, rest = divmod(x.shape[0], na)
+    if k < 2 or rest or y.shape[0] != 2 * x.shape[0]: return None
+    if random: return inherited if inherited is not None and inherited[0] == k else (k, 'sample')
+    if _close_values(x, y[:x.shape[0]]): return k, 'sample'
+    if _close_values(x.unflatten(0, (k, na)), y.unflatten(0, (k, 2 * na))[:, :na]): return k, 'view'
     return None
 
 # %% ../nbs/02b_staged_exact.ipynb #5b1e0c22
@@ -3231,20 +3411,28 @@ def _check_copy(model:nn.Module, dtype, device) -> nn.Module:
     for t in itertools.chain(model.parameters(), model.buffers()):
         c = t.detach().to(device, dtype if t.is_floating_point() else t.dtype, copy=True)
         memo[id(t)] = nn.Parameter(c, t.requires_grad) if isinstance(t, nn.Parameter) else c
-    with _activations_detached(): return copy.deepcopy(model, memo)
+    memo.update((id(t), t.detach().clone()) for t in _activations(model))  # copied detached
+    return copy.deepcopy(model, memo)
 
-@contextlib.contextmanager
-def _activations_detached():
-    "Inside, `copy.deepcopy` copies a tensor autograd made (an activation a hook keeps) detached."
-    # torch refuses to deep-copy a non-leaf tensor; fastai's DynamicUnet keeps its encoder's outputs in hooks
-    own = Tensor.__deepcopy__
-    def deepcopy(self, memo):
-        if self.is_leaf: return own(self, memo)
-        memo[id(self)] = c = self.detach().clone()
-        return c
-    Tensor.__deepcopy__ = deepcopy
-    try: yield
-    finally: Tensor.__deepcopy__ = own
+def _activations(root) -> list:
+    "Tensors autograd made (not leaves) that `copy.deepcopy(root)` would reach: an activation a hook keeps."
+    # torch refuses to deep-copy them; fastai's DynamicUnet keeps its encoder's outputs in hooks (reached through the
+    # bound methods in its modules' hook dicts). The walk follows what deepcopy copies: containers, objects' attributes,
+    # a bound method's object, a partial's arguments; not functions, classes or modules
+    found, seen, todo = [], set(), [root]
+    while todo:
+        o = todo.pop()
+        if id(o) in seen: continue
+        seen.add(id(o))
+        if isinstance(o, Tensor):
+            if not o.is_leaf: found.append(o)
+        elif isinstance(o, dict): todo.extend(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)): todo.extend(o)
+        elif isinstance(o, types.MethodType): todo.append(o.__self__)
+        elif isinstance(o, functools.partial): todo.extend((o.args, o.keywords))
+        elif hasattr(o, '__dict__') and not isinstance(o, (type, types.FunctionType, types.ModuleType)):
+            todo.append(vars(o))
+    return found
 
 def _hold_random(model:nn.Module, xb:tuple):
     "Put the innermost modules whose training forward draws random numbers in eval mode; returns them."
@@ -3262,6 +3450,7 @@ def _hold_random(model:nn.Module, xb:tuple):
     for m in inner: m.training = False  # this module only: BatchNorm layers inside keep their mode
     return inner
 
+# %% ../nbs/02b_staged_exact.ipynb #2f9273c6
 def _one_step(model:nn.Module, xb:tuple, chunk:int|None=None, landed=None, order:Tensor|None=None) -> tuple:
     "(output, gradients, buffers) by name after one training step of `model` on `xb` from torch seed 0."
     # plain, or staged in chunks of `chunk` (every stage, no collective); `landed(name, grad)`: called with each
@@ -3298,6 +3487,7 @@ def _hand_over(name:str, landed, p:Tensor):
     landed(name, p.grad)
     p.grad = None
 
+# %% ../nbs/02b_staged_exact.ipynb #7f8f41ad
 # (relative, absolute as a fraction of the largest value)
 _check_tol = {torch.float64: (1e-8, 1e-11), torch.float32: (5e-3, 1e-4)}
 
@@ -3328,6 +3518,7 @@ def _first_diff(ref:dict, got:dict, dtype, floor:dict|None=None) -> tuple|None:
     "(name, relative difference) of the first tensor in `got` not within tolerance of `ref`, or None; `got` is spent."
     return _first_over({name: _diff(r, got.get(name)) for name, r in ref.items()}, dtype, floor)
 
+# %% ../nbs/02b_staged_exact.ipynb #ac6951ed
 def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothing in it changes)
                   xb:tuple, # one micro-batch of its inputs
                   memory:int|None=None, # host bytes the check may hold: its copy, gradients, activations (None: any)
@@ -3346,6 +3537,7 @@ def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothi
     if verdict[1] is None or verdict[1].startswith('checked'): known[key] = verdict  # not "not checked": room may come
     return verdict
 
+# %% ../nbs/02b_staged_exact.ipynb #aa5bf466
 def _checked_copy(model:nn.Module, xb:tuple, dt) -> tuple:
     "`verify_staged`'s verdict from one step on a window of 4 of `xb`'s samples, staged in chunks of 2 and plain."
     # on a `dt` copy in host memory; the staged step's gradients wait, the plain step's are compared one by one as
@@ -3392,6 +3584,7 @@ def _checked_copy(model:nn.Module, xb:tuple, dt) -> tuple:
                                  buf and f"{buf[0]} off by {buf[1]:.2g}") if s)
     return f"checked on this model, the staged step is not the big batch ({how}): {what}", None
 
+# %% ../nbs/02b_staged_exact.ipynb #c04321af
 def _step_diffs(ref:tuple, got:tuple, grads:dict) -> tuple:
     "(outputs, gradients, buffers) of two `_one_step`s as `_diff`s by name; `grads`: the gradients' already."
     # `got` is spent
@@ -3415,6 +3608,8 @@ def _rounding_floor(work:nn.Module, x:tuple, bufs:list) -> tuple:
     grads = {}
     def landed(n, g): grads[n] = _diff(first.pop(n, None), g)
     n = x[0].shape[0]
+    # an output with views folded into the batch cannot be put back in order: no floor (the check as strict as in float64)
+    if any(o.dim() and o.shape[0] != n for o in ref[0]): return {}, {}, {}
     again = _one_step(work, x, landed=landed, order=torch.arange(n - 1, -1, -1))
     restore()
     per_sample = [o.dim() and o.shape[0] == n for o in ref[0]]  # only those are put back in order: the others not
@@ -3425,6 +3620,7 @@ def _said(e:BaseException, n:int|None=None) -> str:
     "The exception's type and message on one line (its first `n` characters of message)."
     return f"{type(e).__name__}: {' '.join(str(e).split())[:n]}"
 
+# %% ../nbs/02b_staged_exact.ipynb #eb4af89c
 # parameters larger than this are not differentiated in the check (a VGG classifier's 100M weights)
 _check_max_numel = 2 ** 22
 
@@ -3451,6 +3647,7 @@ def _no_cuda_autocast():
 # %% ../nbs/02a_exact.ipynb #43c0896b
 import contextlib, numbers, re
 from dataclasses import dataclass
+from fastcore.basics import patch
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -3512,11 +3709,16 @@ def measure_footprint(model:nn.Module, # the model (nothing in it changes)
           autocast() if autocast is not None else contextlib.nullcontext()):
         model.train()
         model(*xb)  # the output is dropped at once: the meter's peak is what this forward saved
-    # saved tensors that do not grow with the batch (a frozen weight's cast)
-    other = {k: n for n, d0, k in saved.packed if d0 != bs}
-    blocks = tuple(n / bs for n, d0, _ in saved.packed if d0 == bs)
+    # saved tensors that do not grow with the batch (a frozen weight's cast); those growing k rows a sample fold k
+    # views into the batch (SimCLR's `x.flatten(0, 1)`), as the tracer's probe finds (`batch_layouts`), asked only
+    # where a saved tensor's rows are a multiple of the batch's
+    rows = {bs}
+    if any(d0 > bs and d0 % bs == 0 for _, d0, _ in saved.packed) and not isinstance(staged_graph(model, xb), str):
+        rows |= {k * bs for k, _ in batch_layouts(model, xb).values()}
+    other = {k: n for n, d0, k in saved.packed if d0 not in rows}
+    blocks = tuple(n / bs for n, d0, _ in saved.packed if d0 in rows)
     return Footprint(max(saved.peak - sum(other.values()), 0) / bs, layers.peak / bs, blocks,
-                     saved.packed_model + sum(n for n, d0, _ in saved.packed if d0 != bs))
+                     saved.packed_model + sum(other.values()))
 
 # %% ../nbs/02a_exact.ipynb #59e96f3a
 def recomputed_bns(model:nn.Module, # the model (nothing in it changes: no gradient lands, no statistic counts)
@@ -3603,94 +3805,106 @@ class ExactPlan:
         "Bytes needed on the training device (on CPU: everything, which is host memory)."
         per = 2 * self.footprint.working + (0 if self.offload and self.on_accelerator else self.footprint.saved)
         return int(self.window * per + self.model_needed)
-    @property
-    def host_needed(self) -> int:
-        "Bytes of host memory: the offloaded saved activations (on CPU, everything)."
-        if not self.on_accelerator: return self.device_needed
-        return self.footprint.offloaded(self.window, self.pinned) if self.offload else 0
-    @property
-    def fits(self) -> bool:
-        "The whole window as one batch fits (on CPU also within `device_budget` when one was given)."
-        device_ok = self.device_budget is None or self.device_needed <= self.device_budget
-        if not self.on_accelerator: return self.host_needed <= self.host_budget and device_ok
-        return device_ok and self.host_needed <= self.host_budget
-    @property
-    def chunk_needed(self) -> int:
-        "Bytes one chunk of the micro-batch's size holds in its backward: its activations and working set."
-        return int((self.chunk or 1) * (self.footprint.saved + 2 * self.footprint.working))
-    @property
-    def staged_device_needed(self) -> int:
-        "Bytes a staged step needs on the device: training at one chunk (on a CPU, the kept values too)."
-        store = 0 if self.on_accelerator else self.staged_host_needed
-        return self.chunk_needed + self.stage_grads + self.model_needed + store
-    @property
-    def check_memory(self) -> int:
-        "Bytes the check of a staged step (`verify_staged`) may hold, beside what is alive when it runs."
-        # on a CPU with a device budget: that budget, less what is alive (one memory); else within host memory
-        if self.on_accelerator or self.device_budget is None: return self.host_budget // 2
-        return max(self.device_budget - self.held, 0)
-    @property
-    def chunk_budget(self) -> int|None:
-        "Device bytes the chunks of a stage may hold: the budget less the parameters, their gradients and state."
-        # a staged step sizes each stage's chunks from it (None: the whole window in one chunk, under DDP); on a CPU the
-        # store shares this memory: the step leaves what it holds there at each stage (`StagedStep._sized`)
-        if self.whole: return None
-        budget = self.device_budget if self.device_budget is not None else self.host_budget
-        return max(int(budget - self.model_needed), 0)
-    @property
-    def staged_host_needed(self) -> int:
-        "Bytes of values (and gradients) a staged step keeps between stages: measured, or the saved activations."
-        return int(self.window * (self.footprint.saved if self.store is None else self.store))
 
-    def describe(self) -> str:
-        "What this plan does and the numbers it rests on; whether part of the model was frozen when measured."
-        # a frozen body saves fewer activations: the estimate grows when it is unfrozen
-        s = self._what() + ("; measured with part of the model frozen (unfrozen, it saves more)" if self.frozen else '')
-        if self.opt_state is None and self.device_budget is not None:
-            s += "; the optimizer's state assumed 1x the parameters (unknown optimizer)"
-        return s
+# %% ../nbs/02a_exact.ipynb #c0afbcb2
+@patch(as_prop=True)
+def host_needed(self:ExactPlan) -> int:
+    "Bytes of host memory: the offloaded saved activations (on CPU, everything)."
+    if not self.on_accelerator: return self.device_needed
+    return self.footprint.offloaded(self.window, self.pinned) if self.offload else 0
 
-    def _what(self) -> str:
-        if self.staged and self.whole:
-            return (f"a window of {self.window} samples as one batch per process, each BatchNorm layer normalizing "
-                    f"over all {world_size()} processes' windows (SyncBatchNorm's semantics: 2 collectives per layer), "
-                    f"needs {fmt_bytes(self.device_needed)}{self._checked}")
-        if self.staged:
-            return (f"a window of {self.window} samples as one batch would need {fmt_bytes(self.device_needed)} "
-                    f"({self._budget}), so it trains as one batch stage by stage in chunks of {self.chunk} or more "
-                    f"{self._staged_memory}{self._checked}")
-        if not self.on_accelerator:
-            return (f"a window of {self.window} samples as one batch needs {fmt_bytes(self.host_needed)} "
-                    f"({self._budget})")
-        where = f"in host memory{' (pinned)' if self.pinned else ''}" if self.offload else 'on the accelerator'
-        s = (f"a window of {self.window} samples as one batch, saved activations {where}, needs "
-             f"{fmt_bytes(self.device_needed)} of accelerator memory"
-             + (f" (budget {fmt_bytes(self.device_budget)})" if self.device_budget is not None else ''))
-        if self.offload:
-            s += f" and {fmt_bytes(self.host_needed)} of host memory (budget {fmt_bytes(self.host_budget)})"
-        return s
+@patch(as_prop=True)
+def fits(self:ExactPlan) -> bool:
+    "The whole window as one batch fits (on CPU also within `device_budget` when one was given)."
+    device_ok = self.device_budget is None or self.device_needed <= self.device_budget
+    if not self.on_accelerator: return self.host_needed <= self.host_budget and device_ok
+    return device_ok and self.host_needed <= self.host_budget
 
-    @property
-    def _staged_memory(self) -> str:
-        "Where a staged step's bytes go: its chunks on the device, the values kept between stages (on a CPU, beside)."
-        kept = f"about {fmt_bytes(self.staged_host_needed)} of values kept between stages"
-        if not self.on_accelerator:
-            return (f"(each stage's as large as the budget leaves beside the parameters and the values kept, "
-                    f"measured): at most {fmt_bytes(self.chunk_budget + self.model_needed)} in all, {kept} included")
-        return (f"(each stage's as large as {fmt_bytes(self.chunk_budget)} holds, measured): at most about "
-                f"{fmt_bytes(self.chunk_budget + self.model_needed)} on the device and {kept} in host memory")
+@patch(as_prop=True)
+def chunk_needed(self:ExactPlan) -> int:
+    "Bytes one chunk of the micro-batch's size holds in its backward: its activations and working set."
+    return int((self.chunk or 1) * (self.footprint.saved + 2 * self.footprint.working))
 
-    @property
-    def _checked(self) -> str:
-        by = "; staged over an aten-level trace (torch.fx cannot trace the model)" if self.traced == 'aten' else ''
-        took = f" in {self.check_time:.1f} s" if self.check_time >= 0.05 else ''  # not a verdict read from a fit before
-        return (f"; {self.checked}{took}" if self.checked and self.reason is None else '') + by
+@patch(as_prop=True)
+def staged_device_needed(self:ExactPlan) -> int:
+    "Bytes a staged step needs on the device: training at one chunk (on a CPU, the kept values too)."
+    store = 0 if self.on_accelerator else self.staged_host_needed
+    return self.chunk_needed + self.stage_grads + self.model_needed + store
 
-    @property
-    def _budget(self) -> str:
-        "The budget the whole window is held against: the device's if given (even on a CPU), else the host's."
-        if self.device_budget is not None: return f"device budget {fmt_bytes(self.device_budget)}"
-        return f"host budget {fmt_bytes(self.host_budget)}"
+@patch(as_prop=True)
+def check_memory(self:ExactPlan) -> int:
+    "Bytes the check of a staged step (`verify_staged`) may hold, beside what is alive when it runs."
+    # on a CPU with a device budget: that budget, less what is alive (one memory); else within host memory
+    if self.on_accelerator or self.device_budget is None: return self.host_budget // 2
+    return max(self.device_budget - self.held, 0)
+
+@patch(as_prop=True)
+def chunk_budget(self:ExactPlan) -> int|None:
+    "Device bytes the chunks of a stage may hold: the budget less the parameters, their gradients and state."
+    # a staged step sizes each stage's chunks from it (None: the whole window in one chunk, under DDP); on a CPU the
+    # store shares this memory: the step leaves what it holds there at each stage (`StagedStep._sized`)
+    if self.whole: return None
+    budget = self.device_budget if self.device_budget is not None else self.host_budget
+    return max(int(budget - self.model_needed), 0)
+
+@patch(as_prop=True)
+def staged_host_needed(self:ExactPlan) -> int:
+    "Bytes of values (and gradients) a staged step keeps between stages: measured, or the saved activations."
+    return int(self.window * (self.footprint.saved if self.store is None else self.store))
+
+# %% ../nbs/02a_exact.ipynb #bb31445a
+@patch
+def describe(self:ExactPlan) -> str:
+    "What this plan does and the numbers it rests on; whether part of the model was frozen when measured."
+    # a frozen body saves fewer activations: the estimate grows when it is unfrozen
+    s = self._what() + ("; measured with part of the model frozen (unfrozen, it saves more)" if self.frozen else '')
+    if self.opt_state is None and self.device_budget is not None:
+        s += "; the optimizer's state assumed 1x the parameters (unknown optimizer)"
+    return s
+
+@patch
+def _what(self:ExactPlan) -> str:
+    if self.staged and self.whole:
+        return (f"a window of {self.window} samples as one batch per process, each BatchNorm layer normalizing "
+                f"over all {world_size()} processes' windows (SyncBatchNorm's semantics: 2 collectives per layer), "
+                f"needs {fmt_bytes(self.device_needed)}{self._checked}")
+    if self.staged:
+        return (f"a window of {self.window} samples as one batch would need {fmt_bytes(self.device_needed)} "
+                f"({self._budget}), so it trains as one batch stage by stage in chunks of {self.chunk} or more "
+                f"{self._staged_memory}{self._checked}")
+    if not self.on_accelerator:
+        return (f"a window of {self.window} samples as one batch needs {fmt_bytes(self.host_needed)} "
+                f"({self._budget})")
+    where = f"in host memory{' (pinned)' if self.pinned else ''}" if self.offload else 'on the accelerator'
+    s = (f"a window of {self.window} samples as one batch, saved activations {where}, needs "
+         f"{fmt_bytes(self.device_needed)} of accelerator memory"
+         + (f" (budget {fmt_bytes(self.device_budget)})" if self.device_budget is not None else ''))
+    if self.offload:
+        s += f" and {fmt_bytes(self.host_needed)} of host memory (budget {fmt_bytes(self.host_budget)})"
+    return s
+
+# %% ../nbs/02a_exact.ipynb #36b8c134
+@patch(as_prop=True)
+def _staged_memory(self:ExactPlan) -> str:
+    "Where a staged step's bytes go: its chunks on the device, the values kept between stages (on a CPU, beside)."
+    kept = f"about {fmt_bytes(self.staged_host_needed)} of values kept between stages"
+    if not self.on_accelerator:
+        return (f"(each stage's as large as the budget leaves beside the parameters and the values kept, "
+                f"measured): at most {fmt_bytes(self.chunk_budget + self.model_needed)} in all, {kept} included")
+    return (f"(each stage's as large as {fmt_bytes(self.chunk_budget)} holds, measured): at most about "
+            f"{fmt_bytes(self.chunk_budget + self.model_needed)} on the device and {kept} in host memory")
+
+@patch(as_prop=True)
+def _checked(self:ExactPlan) -> str:
+    by = "; staged over an aten-level trace (torch.fx cannot trace the model)" if self.traced == 'aten' else ''
+    took = f" in {self.check_time:.1f} s" if self.check_time >= 0.05 else ''  # not a verdict read from a fit before
+    return (f"; {self.checked}{took}" if self.checked and self.reason is None else '') + by
+
+@patch(as_prop=True)
+def _budget(self:ExactPlan) -> str:
+    "The budget the whole window is held against: the device's if given (even on a CPU), else the host's."
+    if self.device_budget is not None: return f"device budget {fmt_bytes(self.device_budget)}"
+    return f"host budget {fmt_bytes(self.host_budget)}"
 
 # %% ../nbs/02a_exact.ipynb #7daaaa2c
 def free_memory(device:torch.device) -> tuple:
@@ -3718,6 +3932,7 @@ def check_budget(name:str, # the option, named in errors: 'device_memory' or 'ho
     if not value >= 1: raise ValueError(f"{name}={value!r}: a memory budget must be a positive number of bytes")
     return int(value)
 
+# %% ../nbs/02a_exact.ipynb #16ccb1c3
 def plan_exact(model:nn.Module, # the model to train
                xb:tuple, # one micro-batch of its inputs (measured, nothing changes)
                window:int, # samples per window
@@ -3746,6 +3961,7 @@ def plan_exact(model:nn.Module, # the model to train
     if offload is None and plan.on_accelerator and not plan.fits: plan.offload = True
     return plan
 
+# %% ../nbs/02a_exact.ipynb #765bed7f
 # torch's, before a step
 _state_per_param = dict(Adam=2, AdamW=2, Adamax=2, NAdam=2, RAdam=2, Adadelta=2, Adagrad=1, ASGD=2, Rprop=2, LBFGS=2)
 # fastai `Optimizer` callbacks that keep one parameter-sized tensor each
@@ -3778,6 +3994,7 @@ def optimizer_state(opt) -> float|None:
         return float(bool(d.get('momentum')) + (name == 'RMSprop') + bool(d.get('centered')))
     return float(_state_per_param[name]) if name in _state_per_param else None
 
+# %% ../nbs/02a_exact.ipynb #0d1e9dfb
 def held_bytes(model:nn.Module, # the model
                opt=None, # its optimizer (torch's, fastai's, or a wrapper of one), whose state is counted
               ) -> int:
@@ -3928,6 +4145,7 @@ def auto_picks_exact(plan:ExactPlan) -> bool:
     "The default policy's rule: train windows as one batch when that fits the budgets without offload."
     return plan.fits and not plan.offload
 
+# %% ../nbs/02e_plan.ipynb #4e6c94ed
 def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' or a BatchNorm policy
                  model:nn.Module, # the model to train
                  peek, # called without arguments: one training micro-batch's model inputs (only when needed)
@@ -4053,7 +4271,7 @@ def _agreed(device, # this process's training device (NCCL reduces there)
     return [bool(v) for v in t.tolist()]
 
 # %% ../nbs/02e_plan.ipynb #a1b2c3e1
-@dataclass
+@dataclass(frozen=True)
 class TrainingPlan:
     "How a fit trains: the path, the policy the accumulating layers take, the memory plan behind it, and why."
     path:str # 'exact', 'staged exact', 'ghost micro-batches', 'frozen BatchNorm', 'no BatchNorm', or a BatchNorm policy
@@ -4065,6 +4283,8 @@ class TrainingPlan:
     window:str='' # the window's size, in words
     name:str='GradientAccumulation' # the front end, who speaks in the headline
     model_eval:bool=False # the whole model was in eval mode when planned (a plain loop without `model.train()`)
+    wrap_plain:bool=False # plain BatchNorm layers become `AccumulateBatchNorm` (the user's wrapped ones accumulate anyway)
+    inputs_on:str|None=None # where a window's model inputs wait: 'cpu' (host memory) for a staged step on an accelerator
 
     @property
     def exact(self) -> bool: return self.path in ('exact', 'staged exact')
@@ -4072,6 +4292,10 @@ class TrainingPlan:
     def staged(self) -> bool: return self.path == 'staged exact'
     @property
     def ghost_micro(self) -> bool: return self.path == 'ghost micro-batches'
+    @property
+    def reads_ahead(self) -> bool:
+        "Does a front end read each window ahead: whole windows, or window BN's pre-pass over the window?"
+        return self.exact or self.path == 'window'
     @property
     def reason(self) -> str|None: return self.memory.reason if self.memory is not None else None
 
@@ -4107,7 +4331,8 @@ def plan_training(policy:str, # the front end's policy (`check_policy`)
                   peek, # called without arguments: one micro-batch's model inputs (only when needed)
                   n_step:int|None=None, # micro-batches per window
                   n_acc:int|None=None, # or: samples per window
-                  wrap:bool=True, # plain BatchNorm layers will be wrapped (else only wrapped layers accumulate)
+                  wrap:bool=True, # plain BatchNorm layers may be wrapped (else only wrapped layers accumulate)
+                  merge_exact:bool=True, # a whole window under DDP: wrap, so that running statistics merge
                   bn_batch:int|None=None, # samples per ghost batch
                   name:str='GradientAccumulation', # the front end, named in errors
                   **kwargs, # budgets, `offload`, `verify`, `autocast`, `opt_state`: as `choose_exact`
@@ -4119,12 +4344,14 @@ def plan_training(policy:str, # the front end's policy (`check_policy`)
     how = dict(policy=policy, memory=memory, bn_batch=bn_batch, n_bn=len(modes), name=name,
                model_eval=not model.training, window=f"{n_step} micro-batches" if n_step else f"{n_acc} samples")
     if ghost_micro: return TrainingPlan('ghost micro-batches', **how)
-    if exact and memory.staged: return TrainingPlan('staged exact', **how)
-    if exact: return TrainingPlan('exact', layers='micro', **how)
+    if exact and memory.staged:  # on an accelerator the window's inputs wait in host memory, read chunk by chunk
+        wait = 'cpu' if not memory.whole and memory.on_accelerator else None
+        return TrainingPlan('staged exact', inputs_on=wait, **how)
+    if exact: return TrainingPlan('exact', layers='micro', wrap_plain=wrap and merge_exact and world_size() > 1, **how)
     if modes and not any(modes): return TrainingPlan('frozen BatchNorm', **how)
     layers = policy if policy in bn_policies else 'window'  # 'auto' (and a whole-window policy with nothing to do)
     accumulates = bn_layers(model, accumulating=True) or (wrap and modes)
-    return TrainingPlan(layers if accumulates else 'no BatchNorm', layers=layers, **how)
+    return TrainingPlan(layers if accumulates else 'no BatchNorm', layers=layers, wrap_plain=wrap, **how)
 
 def _ghost_micro(k:int, exact:bool, memory:ExactPlan, model:nn.Module, name:str) -> bool:
     "Do ghost batches of `k` train micro-batch by micro-batch? (Not whole windows, and micro-batches hold whole ones.)"
@@ -4138,7 +4365,8 @@ def _ghost_micro(k:int, exact:bool, memory:ExactPlan, model:nn.Module, name:str)
 
 # ======== fastai_accum/core.py ========
 # %% ../nbs/02d_core.ipynb #d39581af
-import inspect, itertools, numbers, time, warnings, weakref
+import itertools, numbers, time, warnings, weakref
+from dataclasses import dataclass, fields
 import torch
 from contextlib import nullcontext
 from torch import nn, Tensor
@@ -4158,45 +4386,80 @@ def default_inputs(b) -> tuple:
 _open = weakref.WeakValueDictionary()  # id(model) -> the `batches` generator training it: the next `batches` closes it
 
 # %% ../nbs/02d_core.ipynb #c0e1a002
+@dataclass
+class AccumulationOptions:
+    "The core's options and their defaults: `Accumulation(model, ..., **options)` and every front end take them."
+    n_step:int|None=None # micro-batches per optimizer step
+    n_acc:int|None=None # or: samples per optimizer step (the effective batch size)
+    policy:str='auto' # 'auto', 'exact', 'staged' or a BatchNorm policy (`bn_policies`)
+    partial:str='step' # an epoch's incomplete last window: 'step' (scaled exactly) or 'drop'
+    wrap:bool=True # wrap the model's BatchNorm layers as `AccumulateBatchNorm`
+    prepass_bs:int|None=None # 'window': samples per chunk of a staged pre-pass
+    prepass_memory:int|None=None # 'window': bytes the pre-pass may hold on the device
+    sync_each_batch:bool=False # under DDP, all-reduce gradients after every micro-batch
+    offload:bool|None=None # whole windows: saved activations in host memory (`plan_exact`)
+    device_memory:int|str|None=None # device bytes a window may use (`plan_exact`), or '4GB'
+    host_memory:int|str|None=None # host bytes a window may use (`plan_exact`), or '16 GiB'
+    bn_batch:int|None=None # ghost batches: samples BatchNorm normalizes together
+    verify:bool=True # check a staged step against the big batch before choosing it
+    # what a front end (fastai's callbacks) fills in itself:
+    device:object=None # where `batches` puts each batch (default: the parameters' device)
+    params:object=None # callable giving the parameters whose gradients accumulate (default: the trainable ones)
+    merge_exact:bool=True # whole windows under DDP: merge running statistics across processes
+    name:str|None=None # who speaks in errors and the pre-flight (default: the core's class name)
+
+_front_end_fills = ('device', 'params', 'merge_exact', 'name')
 _counts = ('prepass_bs', 'bn_batch')
 
 def option_defaults() -> dict:
-    "The core's options a front end passes on, with their defaults (`Accumulation`'s signature)."
-    own = {'model', *Accumulation.adapter_args}
-    return {k: p.default for k, p in inspect.signature(Accumulation).parameters.items() if k not in own}
+    "The options a front end takes and passes on to the core, with their defaults (`AccumulationOptions`)."
+    return {f.name: f.default for f in fields(AccumulationOptions) if f.name not in _front_end_fills}
 
-def accumulation_options(kwargs:dict, # options a front end was given (`Accumulation`'s, but those it fills in itself)
+
+# %% ../nbs/02d_core.ipynb #362d6dad
+@patch
+def checked(self:AccumulationOptions,
+            name:str, # who speaks in errors
+            whole_windows:bool=True, # can the front end train a window as one batch? (`check_policy`)
+            loss_reduction:str='mean', # the loss's reduction (a front end reads it from the loss itself)
+           ) -> AccumulationOptions:
+    "These options checked: counts as plain ints, budgets in bytes, flags, the window's size, `partial`, the policy."
+    o = dict(vars(self))
+    o.update({k: _check_count(k, o[k]) for k in _counts})  # plain ints (numpy integers too)
+    o.update({k: check_budget(k, o[k]) for k in ('device_memory', 'host_memory')})  # bytes; '4GB'
+    for k in ('offload', 'verify', 'wrap', 'sync_each_batch'):  # flags: a bool (offload: or None, the plan's choice)
+        v = o[k]
+        if v is None and k == 'offload': continue
+        if not (isinstance(v, numbers.Integral) and v in (0, 1)):
+            raise ValueError(f"{name}({k}={v!r}): give True or False" + (" (or None: the plan decides)" if k == 'offload' else ''))
+        o[k] = bool(v)
+    o['n_step'], o['n_acc'] = validate_window_args(o['n_step'], o['n_acc'], o['partial'], loss_reduction)
+    o['policy'] = check_policy(o['policy'], name, o['bn_batch'], whole_windows)
+    return AccumulationOptions(**o)
+
+def accumulation_options(kwargs:dict, # options a front end was given (`option_defaults`' names)
                          name:str, # the front end, named in errors
                          whole_windows:bool=True, # can the front end train a window as one batch? (`check_policy`)
                          loss_reduction:str='mean', # the loss's reduction (a front end reads it from the loss itself)
                         ) -> dict:
-    "The core's options: the defaults updated by `kwargs`, checked."
-    options = option_defaults()
-    bad = [k for k in kwargs if k not in options]
+    "The options a front end takes: the defaults updated by `kwargs`, checked (`AccumulationOptions.checked`)."
+    _check_names(kwargs, option_defaults(), name)
+    o = AccumulationOptions(**kwargs).checked(name, whole_windows, loss_reduction)
+    return {k: getattr(o, k) for k in option_defaults()}
+
+def _check_names(kwargs:dict, known, name:str):
+    "Refuse an option `known` does not name, as Python refuses an unexpected keyword argument."
+    bad = [k for k in kwargs if k not in known]
     if bad: raise TypeError(f"{name}() got an unexpected keyword argument {bad[0]!r}")
-    options.update(kwargs)
-    options.update({k: _check_count(k, options[k]) for k in _counts})  # plain ints (numpy integers too)
-    options.update({k: check_budget(k, options[k]) for k in ('device_memory', 'host_memory')})  # bytes; '4GB'
-    for k in ('offload', 'verify', 'wrap', 'sync_each_batch'):  # flags: a bool (offload: or None, the plan's choice)
-        v = options[k]
-        if v is None and k == 'offload': continue
-        if not (isinstance(v, numbers.Integral) and v in (0, 1)):
-            raise ValueError(f"{name}({k}={v!r}): give True or False" + (" (or None: the plan decides)" if k == 'offload' else ''))
-        options[k] = bool(v)
-    size = validate_window_args(options['n_step'], options['n_acc'], options['partial'], loss_reduction)
-    options['n_step'], options['n_acc'] = size
-    options['policy'] = check_policy(options['policy'], name, options['bn_batch'], whole_windows)
-    return options
+
 
 # %% ../nbs/02d_core.ipynb #c0e1a004
 class BatchNormInstaller:
     "Puts a model's BatchNorm layers in place for a `TrainingPlan`; `release` hands them back."
-    def __init__(self, wrap:bool=True, # wrap plain BatchNorm layers (else only layers the user wrapped accumulate)
-                 merge_exact:bool=True, # a whole window under DDP: wrap, so that running statistics merge
-                 bn_batch:int|None=None, # samples per ghost batch
+    def __init__(self, bn_batch:int|None=None, # samples per ghost batch
                  autocast=None, # callable giving the training autocast context (the staged step runs under it)
                 ):
-        self.wrap, self.merge_exact, self.bn_batch, self.autocast = wrap, merge_exact, bn_batch, autocast
+        self.bn_batch, self.autocast = bn_batch, autocast
         self.wrapped, self.own_policy, self.pools = [], {}, {}
 
     def install(self, module:nn.Module, how:TrainingPlan) -> list:
@@ -4207,8 +4470,7 @@ class BatchNormInstaller:
                            budget=m.chunk_budget)
         elif how.ghost_micro: install_ghost(module, self.bn_batch)  # plain layers, each micro-batch in ghost batches
         elif how.layers is not None:
-            new = self.wrap and (not how.exact or self.merge_exact and world_size() > 1)
-            self._wrap(module, how.layers, new)
+            self._wrap(module, how.layers, how.wrap_plain)
             if how.exact and self.bn_batch: install_ghost(module, self.bn_batch)
         bns = bn_layers(module, accumulating=True)
         for b in bns: b.count_calls = True  # `start_micro` restarts their count: a layer called k times commits k steps
@@ -4244,85 +4506,129 @@ class BatchNormInstaller:
         for m in bns: m.__dict__.pop('count_calls', None)  # layers the user wrapped count no calls outside the core
         self.wrapped, self.own_policy = [], {}
 
+# %% ../nbs/02d_core.ipynb #c0e1a007
+class Accumulation:
+    "Gradient accumulation with exact BatchNorm for any training loop (its other options: `AccumulationOptions`)."
+    local = False  # this process's window alone (`check_accumulation`): no all-reduce, no merge of statistics
+    def __init__(self, model:nn.Module, # the model (or its DDP wrapper); its BatchNorm layers are wrapped in place
+                 n_step:int|None=None, # micro-batches per optimizer step
+                 n_acc:int|None=None,  # or: samples per optimizer step (the effective batch size)
+                 policy:str='auto',    # 'auto', 'exact', 'staged' or a BatchNorm policy (`bn_policies`)
+                 inputs=default_inputs, # batch -> tuple of positional model inputs
+                 loss_reduction:str='mean', # the loss's reduction: 'mean' (weighted by samples) or 'sum'
+                 autocast=None,        # callable returning the training forward's autocast context
+                 optimizer=None,       # the optimizer, whose state the memory plan counts (`optimizer_state`)
+                 preflight:bool=False, # print how training runs when the first window starts
+                 **options,            # `AccumulationOptions`: `device_memory`, `partial`, `offload`, `bn_batch`, ...
+                ):
+        name = options.get('name') or type(self).__name__
+        _check_names(options, {f.name for f in fields(AccumulationOptions)} - {'n_step', 'n_acc', 'policy'}, name)
+        self.options = o = AccumulationOptions(n_step, n_acc, policy, **{**options, 'name': name}).checked(
+            name, loss_reduction=loss_reduction)
+        # the options as attributes (`acc.policy`, `acc.device_memory`, ...); the parameters and device below
+        self.__dict__.update({k: v for k, v in vars(o).items() if k not in ('params', 'device')})
+        self.loss_reduction, self.autocast, self.optimizer = loss_reduction, autocast, optimizer
+        self.inputs = inputs if inputs is not None else default_inputs
+        if not callable(self.inputs):
+            raise TypeError(f"{name}(inputs={self.inputs!r}): give a function of a batch returning the model's "
+                            "inputs as a tuple, e.g. inputs=lambda b: (b[0],)")
+        self._params, self._say = o.params, preflight
+        self.use_model(model)
+        first = next(self.module.parameters(), None)
+        if first is None: raise ValueError(f"{name}: the model has no parameters: no gradients to accumulate")
+        self.device = o.device if o.device is not None else first.device
+        self.window = AccumulationWindow(self.n_step, self.n_acc, self.loss_reduction)
+        self.installer = BatchNormInstaller(self.bn_batch, self.autocast)
+        self.how, self.bns, self.needs_window, self.table, self._modes = None, [], False, None, None
+        self.steps, self.losses, self.prepass_time = 0, [], 0.
+        self._micro, self._offload, self._ends_window, self._input_at = None, None, False, None
+        self._kept = self._whole = None  # a window trained whole: its start's running statistics, its inputs
+
+
 # %% ../nbs/02d_core.ipynb #c0e1a009
-class _CorePlan:
-    "The plan made and installed: `setup`, `find_bns`, `release` (part of `Accumulation`)."
-    exact = property(lambda self: None if self.how is None else self.how.exact)  # windows trained whole
-    plan = property(lambda self: None if self.how is None else self.how.memory)  # the memory plan, if made
-    path = property(lambda self: None if self.how is None else self.how.path)  # how training runs, in a word
+Accumulation.exact = property(lambda self: None if self.how is None else self.how.exact)  # windows trained whole
+Accumulation.plan = property(lambda self: None if self.how is None else self.how.memory)  # the memory plan, if made
+Accumulation.path = property(lambda self: None if self.how is None else self.how.path)  # how training runs, in a word
 
-    def use_model(self, model:nn.Module, # the model or its DDP wrapper
-                 ):
-        "Train `model` from now on (an adapter calls this when its framework wraps the model, e.g. in DDP)."
-        self.model = model
-        self.ddp = model if isinstance(model, DistributedDataParallel) else None
-        self.module = uncompiled(model.module if self.ddp is not None else model)  # planned, traced, wrapped
-
-    @property
-    def params(self) -> list:
-        "The parameters whose gradients accumulate."
-        if self._params is not None: return list(self._params())
-        return [p for p in self.module.parameters() if p.requires_grad]
-    def setup(self, b,
-              unjoinable:str|None=None, # why the first window's micro-batches cannot be one batch (`unjoinable`)
+@patch
+def use_model(self:Accumulation, model:nn.Module, # the model or its DDP wrapper
              ):
-        "Plan from the BatchNorm layers' modes and the first micro-batch `b` (or a callable giving it); install it."
-        self.installer.uninstall_forwards(self.module)  # measuring runs the model's own forward
-        self._modes = self._bn_modes()
-        peek = b if callable(b) else lambda: b
-        materialize_lazy(self.module, lambda: tuple(self.inputs(peek())))  # a lazy module takes its shapes before planning
-        self.how = plan_training(self.policy, self.module, lambda: tuple(self.inputs(peek())), self.n_step, self.n_acc,
-                                 wrap=self.wrap, bn_batch=self.bn_batch, name=self.name, offload=self.offload,
-                                 device_memory=self.device_memory, host_memory=self.host_memory, verify=self.verify,
-                                 autocast=self.autocast, opt_state=optimizer_state(self.optimizer),
-                                 held=held_bytes(self.module, self.optimizer), unjoinable=unjoinable)
-        if self.how.model_eval and self.how.n_bn: warnings.warn(self.how.headline())  # said with or without pre-flight
-        if self.exact and self.plan is not None and not self.plan.staged and self.plan.recomputed:
-            warnings.warn(f"{self.name}: the backward runs BatchNorm layer {self.plan.recomputed[0]} again (activation "
-                          "checkpointing): torch's checkpoint counts its running statistics twice per window, as it "
-                          "does for one plain batch; the gradients are the big batch's")
-        self.find_bns()
+    "Train `model` from now on (an adapter calls this when its framework wraps the model, e.g. in DDP)."
+    self.model = model
+    self.ddp = model if isinstance(model, DistributedDataParallel) else None
+    self.module = uncompiled(model.module if self.ddp is not None else model)  # planned, traced, wrapped
 
-    def _bn_modes(self) -> tuple: return tuple(m.training for m in bn_layers(self.module))
+@patch(as_prop=True)
+def params(self:Accumulation) -> list:
+    "The parameters whose gradients accumulate."
+    if self._params is not None: return list(self._params())
+    return [p for p in self.module.parameters() if p.requires_grad]
+@patch
+def setup(self:Accumulation, b,
+          unjoinable:str|None=None, # why the first window's micro-batches cannot be one batch (`unjoinable`)
+         ):
+    "Plan from the BatchNorm layers' modes and the first micro-batch `b` (or a callable giving it); install it."
+    self.installer.uninstall_forwards(self.module)  # measuring runs the model's own forward
+    self._modes = self._bn_modes()
+    peek = b if callable(b) else lambda: b
+    materialize_lazy(self.module, lambda: tuple(self.inputs(peek())))  # a lazy module takes its shapes before planning
+    self.how = plan_training(self.policy, self.module, lambda: tuple(self.inputs(peek())), self.n_step, self.n_acc,
+                             wrap=self.wrap, merge_exact=self.merge_exact, bn_batch=self.bn_batch, name=self.name,
+                             offload=self.offload,
+                             device_memory=self.device_memory, host_memory=self.host_memory, verify=self.verify,
+                             autocast=self.autocast, opt_state=optimizer_state(self.optimizer),
+                             held=held_bytes(self.module, self.optimizer), unjoinable=unjoinable)
+    if self.how.model_eval and self.how.n_bn: warnings.warn(self.how.headline())  # said with or without pre-flight
+    if self.exact and self.plan is not None and not self.plan.staged and self.plan.recomputed:
+        warnings.warn(f"{self.name}: the backward runs BatchNorm layer {self.plan.recomputed[0]} again (activation "
+                      "checkpointing): torch's checkpoint counts its running statistics twice per window, as it "
+                      "does for one plain batch; the gradients are the big batch's")
+    self.find_bns()
 
-    def needs_setup(self) -> bool:
-        "Must `setup` plan (again)? Before the first window, and when other BatchNorm layers train (a freeze)."
-        return self.how is None or self._bn_modes() != self._modes
+@patch
+def _bn_modes(self:Accumulation) -> tuple: return tuple(m.training for m in bn_layers(self.module))
 
-    def find_bns(self):
-        "Install the plan and collect the accumulating BatchNorm layers."
-        self.bns = self.installer.install(self.module, self.how)
-        self.needs_window = any(m.policy == 'window' and m.training for m in self.bns)
+@patch
+def needs_setup(self:Accumulation) -> bool:
+    "Must `setup` plan (again)? Before the first window, and when other BatchNorm layers train (a freeze)."
+    return self.how is None or self._bn_modes() != self._modes
 
-    def release(self):
-        "Hand the model back with plain torch BatchNorm layers (`BatchNormInstaller.release`)."
-        self.clear()
-        self.installer.release(self.module, self.bns)
-        self.bns, self.needs_window = [], False
+@patch
+def find_bns(self:Accumulation):
+    "Install the plan and collect the accumulating BatchNorm layers."
+    self.bns = self.installer.install(self.module, self.how)
+    self.needs_window = any(m.policy == 'window' and m.training for m in self.bns)
+
+@patch
+def release(self:Accumulation):
+    "Hand the model back with plain torch BatchNorm layers (`BatchNormInstaller.release`)."
+    self.clear()
+    self.installer.release(self.module, self.bns)
+    self.bns, self.needs_window = [], False
 
 # %% ../nbs/02d_core.ipynb #c0e1a00b
-class _CorePreflight:
-    "What the pre-flight prints (part of `Accumulation`)."
-    def preflight(self, xb:tuple, # one micro-batch's model inputs
-                 ) -> str:
-        "What training does, as the pre-flight prints it: the plan's headline, and the BatchNorm table's summary."
-        head = self.how.headline()
-        if self.how.layers is None or self.how.exact or not self.bns: return head
-        self.table = self.preflight_table(xb)
-        lines = [head] if head else []
-        lines.append(_summary(self.table, self.bns[0].policy, self.name))
-        why = untraceable_reason(self.module) if self.needs_window else None
-        fx_why = bn_graph(self.module) if why else None  # torch.fx's own words, said once
-        if why and not any(fx_why in l for l in lines): lines.append(f"{self.name}: {why}")
-        return '\n'.join(lines)
+@patch
+def preflight(self:Accumulation, xb:tuple, # one micro-batch's model inputs
+             ) -> str:
+    "What training does, as the pre-flight prints it: the plan's headline, and the BatchNorm table's summary."
+    head = self.how.headline()
+    if self.how.layers is None or self.how.exact or not self.bns: return head
+    self.table = self.preflight_table(xb)
+    lines = [head] if head else []
+    lines.append(_summary(self.table, self.bns[0].policy, self.name))
+    why = untraceable_reason(self.module) if self.needs_window else None
+    fx_why = bn_graph(self.module) if why else None  # torch.fx's own words, said once
+    if why and not any(fx_why in l for l in lines): lines.append(f"{self.name}: {why}")
+    return '\n'.join(lines)
 
-    def preflight_table(self, xb:tuple, # one micro-batch's model inputs
-                       ):
-        "The pre-flight's table: every BatchNorm layer, its values per channel, its policy, the pre-pass."
-        with warnings.catch_warnings():
-            warnings.simplefilter('ignore')  # a model torch.fx cannot trace: the pre-flight says it once
-            window = self.n_acc or self.n_step * batch_size(xb)
-            return bn_preflight(self.module, *xb, window=window, memory=self.prepass_memory)
+@patch
+def preflight_table(self:Accumulation, xb:tuple, # one micro-batch's model inputs
+                   ):
+    "The pre-flight's table: every BatchNorm layer, its values per channel, its policy, the pre-pass."
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')  # a model torch.fx cannot trace: the pre-flight says it once
+        window = self.n_acc or self.n_step * batch_size(xb)
+        return bn_preflight(self.module, *xb, window=window, memory=self.prepass_memory)
 
 _says = {'window': "each micro-batch is normalized with the whole window's statistics (a no-grad pre-pass over the "
                    "window first) and the window's statistics are committed; the backward maps each micro-batch's "
@@ -4346,200 +4652,209 @@ def _summary(t, # `bn_preflight`'s table
     return s + ". Every layer: `preflight_table()`."
 
 # %% ../nbs/02d_core.ipynb #c0e1a00d
-class _CoreLoop:
-    "The window loop: `batches` (part of `Accumulation`)."
-    def batches(self, loader):
-        "Iterate `loader` one window ahead: micro-batches, or whole windows (an unfinished one is closed first)."
-        self.close()
-        self.clear()
-        self._input_at = None
-        warning = window_exceeds_epoch(loader, self.n_step, self.n_acc, self.partial, self.name)
-        if warning: warnings.warn(warning, stacklevel=2)
-        _open[id(self.module)] = gen = self._batches(loader)
-        return gen
+@patch
+def batches(self:Accumulation, loader):
+    "Iterate `loader` one window ahead: micro-batches, or whole windows (an unfinished one is closed first)."
+    self.close()
+    self.clear()
+    self._input_at = None
+    warning = window_exceeds_epoch(loader, self.n_step, self.n_acc, self.partial, self.name)
+    if warning: warnings.warn(warning, stacklevel=2)
+    _open[id(self.module)] = gen = self._batches(loader)
+    return gen
 
-    def close(self):
-        "Close an unfinished `batches` on this model: its window dropped, BatchNorm handed back."
-        gen = _open.pop(id(self.module), None)
-        if gen is not None: gen.close()
+@patch
+def close(self:Accumulation):
+    "Close an unfinished `batches` on this model: its window dropped, BatchNorm handed back."
+    gen = _open.pop(id(self.module), None)
+    if gen is not None: gen.close()
 
-    def _batches(self, loader):
-        try:
-            windows, ready = WindowLoader(loader, self.n_step, self.n_acc), False
-            for window in windows.windows():
-                if self.partial == 'drop' and not windows.is_full(window): continue
-                ready = ready or self._ready(window)
-                window = [self._placed(b) for b in window]
-                sizes = [batch_size(b) for b in window]
-                if self.exact: window = [cat_batches(window)]
-                if not self.window.empty: self._drop_unfinished()
-                self.start_window(window)
-                for i, b in enumerate(window):
-                    self.start_micro(batch_size(b), i == len(window) - 1)
-                    if self.exact: self.window_inputs(sizes, tuple(self.inputs(b)))
-                    yield b
-        finally:
-            self._exit_offload()
-            release_pinned(self.plan)
-            if self.ddp is not None: self.ddp.require_backward_grad_sync = True
-            self.release()  # between epochs the model holds plain torch BatchNorm layers
+@patch
+def _batches(self:Accumulation, loader):
+    try:
+        windows, ready = WindowLoader(loader, self.n_step, self.n_acc), False
+        for window in windows.windows():
+            if self.partial == 'drop' and not windows.is_full(window): continue
+            ready = ready or self._ready(window)
+            window = [self._placed(b) for b in window]
+            sizes = [batch_size(b) for b in window]
+            if self.exact: window = [cat_batches(window)]
+            if not self.window.empty: self._drop_unfinished()
+            self.start_window(window)
+            for i, b in enumerate(window):
+                self.start_micro(batch_size(b), i == len(window) - 1)
+                if self.exact: self.window_inputs(sizes, tuple(self.inputs(b)))
+                yield b
+    finally:
+        self._exit_offload()
+        release_pinned(self.plan)
+        if self.ddp is not None: self.ddp.require_backward_grad_sync = True
+        self.release()  # between epochs the model holds plain torch BatchNorm layers
 
 # %% ../nbs/02d_core.ipynb #c0e1a014
-class _CorePlacing:
-    "Before the first window, and each micro-batch placed (part of `Accumulation`)."
-    def _ready(self, window:list) -> bool:
-        "Before the first window: plan from its first micro-batch (again if the modes changed); say so if asked."
-        first = place_batch(window[0], self.device)
-        said = self.path
-        if self.needs_setup(): self.setup(first, unjoinable(window) if len(window) > 1 else None)
-        else: self.find_bns()
-        if self._say and self.path != said: print(self.preflight(tuple(self.inputs(first))))
-        if self.inputs_on is None: window[0] = first  # placed once
-        return True
+@patch
+def _ready(self:Accumulation, window:list) -> bool:
+    "Before the first window: plan from its first micro-batch (again if the modes changed); say so if asked."
+    first = place_batch(window[0], self.device)
+    said = self.path
+    if self.needs_setup(): self.setup(first, unjoinable(window) if len(window) > 1 else None)
+    else: self.find_bns()
+    if self._say and self.path != said: print(self.preflight(tuple(self.inputs(first))))
+    if self.inputs_on is None: window[0] = first  # placed once
+    return True
 
-    def _drop_unfinished(self):
-        "The window before ended without its last backward (skipped, cancelled): drop its gradients."
-        warnings.warn(f"{self.name}: a window's last micro-batch had no backward (skipped or cancelled): the window's "
-                      f"{self.window.n_micro} micro-batches of gradients are dropped, not carried into the next window",
-                      RuntimeWarning)
-        self.clear()
+@patch
+def _drop_unfinished(self:Accumulation):
+    "The window before ended without its last backward (skipped, cancelled): drop its gradients."
+    warnings.warn(f"{self.name}: a window's last micro-batch had no backward (skipped or cancelled): the window's "
+                  f"{self.window.n_micro} micro-batches of gradients are dropped, not carried into the next window",
+                  RuntimeWarning)
+    self.clear()
 
-    @property
-    def inputs_on(self):
-        "Where a window's model inputs wait: host memory for a staged step on an accelerator, else None."
-        p = self.plan
-        return 'cpu' if self.exact and p.staged and not p.whole and p.on_accelerator else None
+@patch(as_prop=True)
+def inputs_on(self:Accumulation):
+    "Where a window's model inputs wait: host memory for a staged step on an accelerator, else None."
+    return None if self.how is None else self.how.inputs_on
 
-    def _placed(self, b):
-        "Micro-batch `b` on the device, the elements its model inputs come from where `inputs_on` says."
-        on = self.inputs_on
-        if on is not None and self._input_at is None and isinstance(b, (tuple, list)):
-            self._input_at = _input_elements(self.inputs, b)
-        return place_batch(b, self.device, on, self._input_at)
+@patch
+def _placed(self:Accumulation, b):
+    "Micro-batch `b` on the device, the elements its model inputs come from where `inputs_on` says."
+    on = self.inputs_on
+    if on is not None and self._input_at is None and isinstance(b, (tuple, list)):
+        self._input_at = _input_elements(self.inputs, b)
+    return place_batch(b, self.device, on, self._input_at)
 
 # %% ../nbs/02d_core.ipynb #c0e1a00f
-class _CoreEvents:
-    "The events before a micro-batch's backward (part of `Accumulation`)."
-    def start_window(self, window:list):
-        "A window starts: `window` holds its micro-batches on the device ('window' policy: the pre-pass over them)."
-        if self.how is None: self.setup(window[0])
-        if not self.needs_window or self.exact: return
-        t = time.perf_counter()
-        with self.autocast() if self.autocast else nullcontext():  # the pre-pass runs as training's forward does
-            xbs = [tuple(self.inputs(b)) for b in window]
-            window_prepasses(self.module, xbs, chunk=self.prepass_bs, memory=self.prepass_memory)
-        self.prepass_time += time.perf_counter() - t
+@patch
+def start_window(self:Accumulation, window:list):
+    "A window starts: `window` holds its micro-batches on the device ('window' policy: the pre-pass over them)."
+    if self.how is None: self.setup(window[0])
+    if not self.needs_window or self.exact: return
+    t = time.perf_counter()
+    with self.autocast() if self.autocast else nullcontext():  # the pre-pass runs as training's forward does
+        xbs = [tuple(self.inputs(b)) for b in window]
+        window_prepasses(self.module, xbs, chunk=self.prepass_bs, memory=self.prepass_memory)
+    self.prepass_time += time.perf_counter() - t
 
-    def ends(self, bs:int, # samples in the micro-batch about to run forward
-             last:bool=False, # it is the epoch's last micro-batch
-            ) -> tuple[bool, bool]:
-        "Before a micro-batch's forward: (the optimizer steps after it, its window is dropped)."
-        fills = bool(self.exact) or self.window.fills(bs)  # full (`window_full`), or a window trained whole
-        drop = last and not fills and self.partial == 'drop'
-        return (fills or last) and not drop, drop
+@patch
+def ends(self:Accumulation, bs:int, # samples in the micro-batch about to run forward
+         last:bool=False, # it is the epoch's last micro-batch
+        ) -> tuple[bool, bool]:
+    "Before a micro-batch's forward: (the optimizer steps after it, its window is dropped)."
+    fills = bool(self.exact) or self.window.fills(bs)  # full (`window_full`), or a window trained whole
+    drop = last and not fills and self.partial == 'drop'
+    return (fills or last) and not drop, drop
 
-    def start_micro(self, bs:int, # samples in the micro-batch about to run forward
-                    final:bool, # does it end its window? (`ends`)
-                    drop:bool=False, # does it end a dropped window? (its gradients still all-reduce under DDP)
-                   ):
-        "Before a micro-batch's forward: set DDP's gradient sync, enter the plan's offload."
-        final = final or bool(self.exact)
-        self._micro = (bs, final)
-        for m in self.bns: m._call = 0  # the micro-batch's forward calls each layer from its first call
-        self._before_forward(final or drop)
-        if self.exact: self._enter_offload()
-        # torch's own layers count a whole window's statistics in its forward: kept, to take back a non-finite one
-        self._kept = kept_running_stats(self.module) if self.exact and not getattr(self.plan, 'staged', False) else None
+@patch
+def start_micro(self:Accumulation, bs:int, # samples in the micro-batch about to run forward
+                final:bool, # does it end its window? (`ends`)
+                drop:bool=False, # does it end a dropped window? (its gradients still all-reduce under DDP)
+               ):
+    "Before a micro-batch's forward: set DDP's gradient sync, enter the plan's offload."
+    final = final or bool(self.exact)
+    self._micro = (bs, final)
+    for m in self.bns: m._call = 0  # the micro-batch's forward calls each layer from its first call
+    self._before_forward(final or drop)
+    if self.exact: self._enter_offload()
+    # torch's own layers count a whole window's statistics in its forward: kept, to take back a non-finite one
+    self._kept = kept_running_stats(self.module) if self.exact and not getattr(self.plan, 'staged', False) else None
 
-    def _before_forward(self, final:bool):
-        "Let DDP all-reduce the coming backward once per window (the flag `no_sync()` sets, read in its forward)."
-        if self.ddp is not None: self.ddp.require_backward_grad_sync = self.sync_each_batch or final
+@patch
+def _before_forward(self:Accumulation, final:bool):
+    "Let DDP all-reduce the coming backward once per window (the flag `no_sync()` sets, read in its forward)."
+    if self.ddp is not None: self.ddp.require_backward_grad_sync = self.sync_each_batch or final
 
-    def loss_factor(self, loss:Tensor|None=None, # the micro-batch's loss (recorded for the window's mean)
-                   ) -> float:
-        "The micro-batch's loss weight for its backward (at the window's end earlier gradients are rescaled)."
-        if self._micro is None:
-            raise RuntimeError("Accumulation: backward() without a micro-batch from batches() (or start_micro)")
-        self._exit_offload()  # the backward unpacks what the forward saved
-        bs, final = self._micro
-        if self.exact:  # the window, trained as one batch, is one micro-batch of weight 1
-            self._ends_window = True
-            return self.window.add_whole(bs, loss)
-        w = self.window.add(bs, loss)
-        if final:  # before the last backward: under DDP the all-reduced gradient is then the global mean
-            device = loss.device if loss is not None else None
-            f = self.window.grad_correction if self.local else self.window.correction(device=device)
-            if f != 1.:
-                scale_grads(self.params, f)
-                w *= f
-            self._ends_window = True
-        return w
+@patch
+def loss_factor(self:Accumulation, loss:Tensor|None=None, # the micro-batch's loss (recorded for the window's mean)
+               ) -> float:
+    "The micro-batch's loss weight for its backward (at the window's end earlier gradients are rescaled)."
+    if self._micro is None:
+        raise RuntimeError("Accumulation: backward() without a micro-batch from batches() (or start_micro)")
+    self._exit_offload()  # the backward unpacks what the forward saved
+    bs, final = self._micro
+    if self.exact:  # the window, trained as one batch, is one micro-batch of weight 1
+        self._ends_window = True
+        return self.window.add_whole(bs, loss)
+    w = self.window.add(bs, loss)
+    if final:  # before the last backward: under DDP the all-reduced gradient is then the global mean
+        device = loss.device if loss is not None else None
+        f = self.window.grad_correction if self.local else self.window.correction(device=device)
+        if f != 1.:
+            scale_grads(self.params, f)
+            w *= f
+        self._ends_window = True
+    return w
 
 # %% ../nbs/02d_core.ipynb #c0e1a010
-class _CoreCommit:
-    "The events after a micro-batch's backward (part of `Accumulation`)."
-    def end_micro(self) -> bool:
-        "After the micro-batch's backward: at the window's end commit BatchNorm statistics; True: step now."
-        self._exit_offload()  # if no `loss_factor` came (the micro-batch was cancelled)
-        self._micro = None
-        if not self._ends_window: return False
-        self._ends_window = False
-        bad = self.window.nonfinite() if self.local or world_size() == 1 else None  # under DDP: the merge's check
-        kept, self._kept = self._kept, None
-        if bad is None: commit_window(self.bns, merge=not self.local)  # one momentum step with the window's statistics
-        else:
-            drop_window(self.bns)
-            if kept is not None: restore_running_stats(kept)
-            which = self._whole_nonfinite() if self._whole is not None else bad  # a window trained whole: its inputs say
-            which = 'a micro-batch' if which is None else f"micro-batch {which}"
-            warnings.warn(f"{self.name}: {which} of window {self.steps} has a non-finite loss: the window's "
-                          "BatchNorm running statistics are not updated (the optimizer step is the training loop's "
-                          "to skip)",
-                          RuntimeWarning)
-        self._whole = None
-        if self.window.loss is not None: self.losses.append(self.window.loss.item())
-        self.steps += 1
-        self.window.reset()
-        return True
+@patch
+def end_micro(self:Accumulation) -> bool:
+    "After the micro-batch's backward: at the window's end commit BatchNorm statistics; True: step now."
+    self._exit_offload()  # if no `loss_factor` came (the micro-batch was cancelled)
+    self._micro = None
+    if not self._ends_window: return False
+    self._ends_window = False
+    bad = self.window.nonfinite() if self.local or world_size() == 1 else None  # under DDP: the merge's check
+    kept, self._kept = self._kept, None
+    if bad is None: commit_window(self.bns, merge=not self.local)  # one momentum step with the window's statistics
+    else:
+        drop_window(self.bns)
+        if kept is not None: restore_running_stats(kept)
+        which = self._whole_nonfinite() if self._whole is not None else bad  # a window trained whole: its inputs say
+        which = 'a micro-batch' if which is None else f"micro-batch {which}"
+        warnings.warn(f"{self.name}: {which} of window {self.steps} has a non-finite loss: the window's "
+                      "BatchNorm running statistics are not updated (the optimizer step is the training loop's "
+                      "to skip)",
+                      RuntimeWarning)
+    self._whole = None
+    if self.window.loss is not None: self.losses.append(self.window.loss.item())
+    self.steps += 1
+    self.window.reset()
+    return True
 
-    def backward(self, loss:Tensor, # the micro-batch's loss (mean over its samples, or sum with loss_reduction='sum')
-                 **kwargs, # passed on to the backward
-                ) -> bool:
-        "Back-propagate `loss` weighted by samples; True when the window is complete: step then."
-        f = self.loss_factor(loss)
-        self._backward(loss * f if f != 1. else loss, **kwargs)
-        return self.end_micro()
+@patch
+def backward(self:Accumulation, loss:Tensor, # the micro-batch's loss (mean over its samples, or sum with loss_reduction='sum')
+             **kwargs, # passed on to the backward
+            ) -> bool:
+    "Back-propagate `loss` weighted by samples; True when the window is complete: step then."
+    f = self.loss_factor(loss)
+    self._loss_backward(loss * f if f != 1. else loss, **kwargs)
+    return self.end_micro()
 
-    def _backward(self, loss, **kwargs): loss.backward(**kwargs)
+@patch
+def _loss_backward(self:Accumulation, loss, **kwargs): loss.backward(**kwargs)
 
-    def _enter_offload(self):
-        self._offload = saved_on_host(self.plan)
-        self._offload.__enter__()
+@patch
+def _enter_offload(self:Accumulation):
+    self._offload = saved_on_host(self.plan)
+    self._offload.__enter__()
 
-    def _exit_offload(self):
-        offload, self._offload = self._offload, None
-        if offload is not None: offload.__exit__(None, None, None)
+@patch
+def _exit_offload(self:Accumulation):
+    offload, self._offload = self._offload, None
+    if offload is not None: offload.__exit__(None, None, None)
 
-    def drop_grads(self):
-        "Drop the accumulated gradients: a partial window's, or one that ended without an optimizer step."
-        for p in self.params: p.grad = None
+@patch
+def drop_grads(self:Accumulation):
+    "Drop the accumulated gradients: a partial window's, or one that ended without an optimizer step."
+    for p in self.params: p.grad = None
 
-    def __repr__(self):
-        how = 'chosen at the first window' if self.how is None else self.path
-        if self.exact: how += f': {self.plan.describe()}'
-        size = f'n_step={self.n_step}, n_acc={self.n_acc}'
-        return f'{type(self).__name__}({size}, policy={self.policy!r}, steps={self.steps}; {how})'
+@patch
+def __repr__(self:Accumulation):
+    how = 'chosen at the first window' if self.how is None else self.path
+    if self.exact: how += f': {self.plan.describe()}'
+    size = f'n_step={self.n_step}, n_acc={self.n_acc}'
+    return f'{type(self).__name__}({size}, policy={self.policy!r}, steps={self.steps}; {how})'
 
 # %% ../nbs/02d_core.ipynb #2cccebf6
 @patch
-def window_inputs(self:_CoreCommit, sizes:list, # samples in each micro-batch of a window trained whole
+def window_inputs(self:Accumulation, sizes:list, # samples in each micro-batch of a window trained whole
                   xb:tuple, # its model inputs, joined
                  ):
     "A window trained whole is about to run: `end_micro` names the micro-batch of a non-finite input from these."
     self._whole = (sizes, xb)
 
 @patch
-def _whole_nonfinite(self:_CoreCommit) -> int|None:
+def _whole_nonfinite(self:Accumulation) -> int|None:
     "The first micro-batch (from 0) of the window trained whole whose model inputs are not finite, or None."
     if self._whole is None: return None
     sizes, xb = self._whole
@@ -4549,7 +4864,7 @@ def _whole_nonfinite(self:_CoreCommit) -> int|None:
     return None if first is None else next(i for i, end in enumerate(itertools.accumulate(sizes)) if first < end)
 
 @patch
-def clear(self:_CoreCommit):
+def clear(self:Accumulation):
     "Drop a partial window: its accumulated gradients and pending BatchNorm statistics."
     kept, self._kept, self._whole = self._kept, None, None
     restored = kept is not None and restore_running_stats(kept)  # a forward that met a NaN or inf: taken back
@@ -4562,67 +4877,6 @@ def clear(self:_CoreCommit):
     drop_window(self.bns)
     self.window.reset()
     self._micro, self._ends_window = None, False
-
-# %% ../nbs/02d_core.ipynb #c0e1a007
-class Accumulation(_CorePlan, _CorePreflight, _CoreLoop, _CorePlacing, _CoreEvents, _CoreCommit):
-    "Gradient accumulation with exact BatchNorm for any training loop."
-    adapter_args = ['model', 'loss_reduction', 'inputs', 'device', 'autocast', 'params', 'merge_exact', 'name',
-                    'preflight', 'optimizer']  # what a front end (fastai's callbacks) fills in itself
-    local = False  # this process's window alone (`check_accumulation`): no all-reduce, no merge of statistics
-    def __init__(self, model:nn.Module, # the model (or its DDP wrapper); its BatchNorm layers are wrapped in place
-                 n_step:int|None=None, # micro-batches per optimizer step
-                 n_acc:int|None=None,  # or: samples per optimizer step (the effective batch size)
-                 policy:str='auto',    # 'auto', 'exact', 'staged' or a BatchNorm policy (`bn_policies`)
-                 partial:str='step',   # an epoch's incomplete last window: 'step' (scaled exactly) or 'drop'
-                 loss_reduction:str='mean', # the loss's reduction: 'mean' (weighted by samples) or 'sum'
-                 inputs=default_inputs, # batch -> tuple of positional model inputs
-                 device=None,          # where `batches` puts each batch (default: the parameters' device)
-                 autocast=None,        # callable returning the training forward's autocast context
-                 wrap:bool=True,       # wrap the model's BatchNorm layers as `AccumulateBatchNorm`
-                 prepass_bs:int|None=None, # 'window': samples per chunk of a staged pre-pass
-                 prepass_memory:int|None=None, # 'window': bytes the pre-pass may hold on the device
-                 sync_each_batch:bool=False, # under DDP, all-reduce gradients after every micro-batch
-                 offload:bool|None=None, # whole windows: saved activations in host memory (`plan_exact`)
-                 device_memory:int|None=None, # device bytes a window may use (`plan_exact`)
-                 host_memory:int|None=None, # host bytes a window may use (`plan_exact`)
-                 bn_batch:int|None=None, # ghost batches: samples BatchNorm normalizes together
-                 params=None,          # callable giving the parameters whose gradients accumulate
-                 verify:bool=True,     # check a staged step against the big batch before choosing it
-                 merge_exact:bool=True, # whole windows under DDP: merge running statistics across processes
-                 name:str|None=None,   # who speaks in errors and the pre-flight (default: the class name)
-                 preflight:bool=False, # print how training runs when the first window starts
-                 optimizer=None,       # the optimizer, whose state the memory plan counts (`optimizer_state`)
-                ):
-        args = {k: v for k, v in locals().items() if k not in ('self', 'model', '__class__')}
-        given = {k: args.pop(k) for k in self.adapter_args if k in args}
-        given['name'] = name or type(self).__name__
-        options = accumulation_options(args, given['name'], loss_reduction=given.get('loss_reduction', 'mean'))
-        self._start(model, options, given)
-
-    def _start(self, model:nn.Module, options:dict, given:dict):
-        "Keep the checked `options` and what the front end filled in (`given`); an empty state."
-        signature = inspect.signature(Accumulation).parameters
-        defaults = {k: p.default for k, p in signature.items() if k in self.adapter_args}
-        given = {**defaults, **given}
-        self.__dict__.update(options)
-        self.loss_reduction, self.inputs, self.autocast = given['loss_reduction'], given['inputs'], given['autocast']
-        if self.inputs is None: self.inputs = default_inputs
-        if not callable(self.inputs):
-            raise TypeError(f"{given['name']}(inputs={self.inputs!r}): give a function of a batch returning the model's "
-                            "inputs as a tuple, e.g. inputs=lambda b: (b[0],)")
-        self.merge_exact, self.name, self.optimizer = given['merge_exact'], given['name'], given['optimizer']
-        self._params, self._say = given['params'], given['preflight']
-        self.use_model(model)
-        first = next(self.module.parameters(), None)
-        if first is None: raise ValueError(f"{self.name}: the model has no parameters: no gradients to accumulate")
-        self.device = given['device'] if given['device'] is not None else first.device
-        self.window = AccumulationWindow(self.n_step, self.n_acc, self.loss_reduction)
-        self.installer = BatchNormInstaller(self.wrap, self.merge_exact, self.bn_batch, self.autocast)
-        self.how, self.bns, self.needs_window, self.table, self._modes = None, [], False, None, None
-        self.steps, self.losses, self.prepass_time = 0, [], 0.
-        self._micro, self._offload, self._ends_window, self._input_at = None, None, False, None
-        self._kept = self._whole = None  # a window trained whole: its start's running statistics, its inputs
-
 
 # %% ../nbs/02d_core.ipynb #2f0d6a12
 def _input_elements(inputs, # the core's `inputs`: batch -> model inputs
@@ -4661,10 +4915,8 @@ class FrontEnd:
 
     def _core(self, model:nn.Module, **kwargs) -> Accumulation:
         "The core for a fit of `model`, from the checked options; `kwargs`: what the framework fills in."
-        acc = Accumulation.__new__(Accumulation)
         options = {k: getattr(self, k) for k in ('n_step', 'n_acc', *self._options)}
-        acc._start(model, options, dict(merge_exact=False, name=self._name, **kwargs))
-        return acc
+        return Accumulation(model, **options, merge_exact=False, name=self._name, **kwargs)
 
     def _start_micro(self, bs:int, # samples in the micro-batch about to run forward
                      last:bool, # it is the epoch's last micro-batch
@@ -4706,7 +4958,9 @@ class FrontEnd:
 
 # ======== fastai_accum/callback.py ========
 # %% ../nbs/03_callback.ipynb #61a32000
-import ast, sys, time, warnings
+import sys, time, warnings
+from importlib import import_module
+from importlib.util import find_spec
 from contextlib import nullcontext
 import torch
 import fastai.callback.training
@@ -4726,7 +4980,7 @@ class WindowPrefetch(Callback):
     def before_train(self):
         acc, on = getattr(self.ga, 'acc', None), None
         if acc is not None:
-            if not (acc.exact or acc.needs_window):  # micro-batch by micro-batch: nothing to read ahead
+            if not acc.how.reads_ahead:  # micro-batch by micro-batch: nothing to read ahead
                 self.loader = None
                 return
             self.exact, on = acc.exact, acc.inputs_on
@@ -4741,7 +4995,7 @@ class WindowPrefetch(Callback):
         return place_batch(b, device, self.loader.inputs_on, range(self.loader.n_inp))
 
 # %% ../nbs/03_callback.ipynb #957a3b99
-@delegates(Accumulation.__init__, but=Accumulation.adapter_args)
+@delegates(AccumulationOptions, but=_front_end_fills)
 class GradientAccumulation(Callback, FrontEnd):
     "Accumulate gradients over windows of micro-batches, weighting by samples, with exact BatchNorm statistics"
     order,run_valid = MixedPrecision.order-4,False
@@ -4804,6 +5058,7 @@ def _peek_batch(self:GradientAccumulation):
 @patch
 def _train_dl(self:GradientAccumulation): return self.dls.train
 
+# %% ../nbs/03_callback.ipynb #5f312748
 @patch
 def _check_alone(self:GradientAccumulation):
     "Two accumulation callbacks on one Learner would each scale and step: refuse before either changes anything."
@@ -4828,12 +5083,17 @@ def _check_coupling(self:GradientAccumulation):
     if self.acc.exact or rank_distrib(): return  # the window's outputs: the loss is the big batch's
     learn = self.learn
     if not loss_couples(learn.loss_func, learn.pred, learn.yb, learn.loss): return
+    # 'auto' trains the window as one batch wherever it can: where it did not, its plan says why
+    plan = self.acc.how.memory
+    why = plan and plan.reason and f"{plan.describe()}; {plan.reason.rstrip('.')}"
+    fix = (f"'auto' could not train the window as one batch ({why})" if why else "train the window as one batch "
+           "(policy 'exact', or 'staged' under a budget) to compute it over the window")
     warnings.warn(f"GradientAccumulation: the loss couples the samples of a batch (on a micro-batch it differs from "
                   f"the mean of its halves' losses: in-batch negatives, a similarity matrix, ...). On the "
                   f"'{self.acc.path}' path it is computed per micro-batch of {find_bs(learn.yb)}, not over the window "
-                  f"of {self.acc.how.window}: train the window as one batch (policy 'exact', or 'staged' under a "
-                  "budget) to compute it over the window.", stacklevel=2)
+                  f"of {self.acc.how.window}: {fix.rstrip('.')}.", stacklevel=2)
 
+# %% ../nbs/03_callback.ipynb #dd943acc
 @patch
 def _check_batches(self:GradientAccumulation):
     "Refuse a fit whose training DataLoader gives no batch (fewer samples than bs, the last batch dropped)."
@@ -4852,6 +5112,7 @@ def _check_epoch(self:GradientAccumulation):
     warning = window_exceeds_epoch(train, self.n_step, self.n_acc, self.partial, 'GradientAccumulation')
     if warning: warnings.warn(warning, stacklevel=3)
 
+# %% ../nbs/03_callback.ipynb #01dc41f1
 @patch
 def preflight_table(self:GradientAccumulation):
     "The table behind the micro-batch pre-flight: each BatchNorm layer, its values per channel, policy, pre-pass."
@@ -4872,6 +5133,7 @@ def _autocast(self:GradientAccumulation):
     if ac is None or not getattr(ac, '_enabled', False): return nullcontext()
     return torch.autocast(ac.device, dtype=ac.fast_dtype)
 
+# %% ../nbs/03_callback.ipynb #56a93e6f
 _cancels = (CancelBatchException, CancelStepException, CancelBackwardException, CancelEpochException,
             CancelTrainException, CancelValidException, CancelFitException)
 
@@ -4896,6 +5158,7 @@ def _guard_interrupts(self:GradientAccumulation):
             raise
     learn._do_epoch = _do_epoch
 
+# %% ../nbs/03_callback.ipynb #f8d7765a
 @patch
 def _lengthen_lr_find(self:GradientAccumulation):
     "Windows trained whole make each `lr_find` iteration a window: give it epochs enough for `num_it` windows."
@@ -4973,16 +5236,28 @@ def after_batch(self:GradientAccumulation):
     if self.acc.end_micro() and not self._stepped: self.acc.drop_grads()
 
 # %% ../nbs/03_callback.ipynb #ac820318
-def _rebuild_expression(args:dict) -> str|None:
-    "An expression giving `GradientAccumulation(**args)` with fastai_accum installed, else a plain `Callback`."
-    # None if an argument is not a literal
-    try:
-        if any(ast.literal_eval(repr(v)) != v for v in args.values()): return None
-    except (ValueError, SyntaxError): return None
-    kw = ', '.join(f'{k}={v!r}' for k, v in args.items())
-    return (f"__import__('fastai_accum.callback', fromlist=['_']).GradientAccumulation({kw}) "
-            f"if __import__('importlib.util', fromlist=['_']).find_spec('fastai_accum') is not None "
-            f"else __import__('fastai.callback.core', fromlist=['_']).Callback()")
+def _plain_data(v) -> bool:
+    "Is `v` None, a bool, number or string, or a list, tuple, set or dict of them: loadable with nothing imported?"
+    if v is None or type(v) in (bool, int, float, complex, str, bytes): return True
+    if type(v) in (list, tuple, set, frozenset): return all(map(_plain_data, v))
+    return type(v) is dict and all(_plain_data(k) and _plain_data(x) for k, x in v.items())
+
+class _Call:
+    "`f(*args)` as a pickle carries it: unpickling makes the call (an argument may be a `_Call` too); or call `value`."
+    def __init__(self, f, *args): self.f, self.args = f, args
+    def __reduce__(self): return self.f, self.args
+    def value(self): return self.f(*(a.value() if isinstance(a, _Call) else a for a in self.args))
+    def __call__(self, *args): return self.value()(*args)  # as `copy.deepcopy` rebuilds with it
+
+def _unpickled() -> GradientAccumulation:
+    "A bare `GradientAccumulation`, which `__setstate__` builds from the arguments an export pickled."
+    return GradientAccumulation.__new__(GradientAccumulation)
+
+def _portable_factory() -> _Call:
+    "`_unpickled` where fastai_accum can be imported at load time, else fastai's plain `Callback`."
+    # `find_spec` gives None without the package: then `fastai.callback` is searched, which has no `_unpickled`
+    package = _Call(getattr, _Call(find_spec, 'fastai_accum'), 'name', 'fastai')
+    return _Call(getattr, _Call(import_module, '.callback', package), '_unpickled', Callback)
 
 @patch
 def _live_args(self:GradientAccumulation) -> dict:
@@ -4994,10 +5269,17 @@ def _live_args(self:GradientAccumulation) -> dict:
 
 @patch
 def __reduce_ex__(self:GradientAccumulation, protocol):
-    expression = _rebuild_expression(self._live_args())
-    if expression is None:  # pickled by name: loading needs the package
+    "An export loads without this package (a plain `Callback`), and with it as this callback, rebuilt from its arguments."
+    args = self._live_args()
+    if not _plain_data(args):  # pickled by name: loading needs the package
         return super(GradientAccumulation, self).__reduce_ex__(protocol)
-    return eval, (expression,), {'learn': self.learn}
+    return _portable_factory(), (), {'accum_args': args, 'learn': self.learn}
+
+@patch
+def __setstate__(self:GradientAccumulation, state:dict):
+    if set(state) != {'accum_args', 'learn'}: return super(GradientAccumulation, self).__setstate__(state)
+    self.__init__(**state['accum_args'])
+    self.learn = state['learn']
 
 # %% ../nbs/03_callback.ipynb #580ee8b7
 _fastai_gradient_accumulation = fastai.callback.training.GradientAccumulation  # fastai's own, left where it lives
@@ -5026,7 +5308,7 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'materialize_lazy', 'uncompiled', 'plain_tensor', 'is_dropout', 'peek_batches', 'window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'loss_couples', 'unjoinable', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only', 'accumulating_class', 'bn_layers', 'kept_running_stats', 'restore_running_stats', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'staged_graph', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'Ledger', 'Copies', 'CudaCopies', 'DeferredCopies', 'Link', 'StagedStep', 'stage_grads', 'store_per_sample', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'stats_finite', 'commit_stats', 'channel_sums', 'project_', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'materialize_lazy', 'uncompiled', 'plain_tensor', 'is_dropout', 'peek_batches', 'window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'loss_couples', 'unjoinable', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only', 'accumulating_class', 'bn_layers', 'kept_running_stats', 'restore_running_stats', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'staged_graph', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'Ledger', 'Copies', 'CudaCopies', 'DeferredCopies', 'Link', 'StagedStep', 'stage_grads', 'store_per_sample', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'batch_layouts', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'AccumulationOptions', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
 ''')
 globals().update({k: getattr(_fastai_accum, k) for k in _fastai_accum.__all__
                   if k not in globals() or k == 'GradientAccumulation'})

@@ -47,7 +47,7 @@ class AcceleratedAccumulation(Accumulation):
         gas = self.accelerator.gradient_accumulation_steps
         self.accelerator.step = gas - 1 if final else 0
 
-    def _backward(self, loss, **kwargs):
+    def _loss_backward(self, loss, **kwargs):
         "`accelerator.backward` of `loss`, already weighted by samples by `Accumulation.backward`."
         # accelerate's 1/`gradient_accumulation_steps` is undone below
         gas = self.accelerator.gradient_accumulation_steps

@@ -12,7 +12,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules._functions import SyncBatchNorm as sync_batch_norm
 import torch.distributed as dist
 from fastcore.basics import patch
-from .stats import ChannelStats, all_reduce_stats, momentum_step
+from .stats import ChannelStats, all_reduce_stats, commit_stats, channel_sums, project_
 from .helpers import plain_tensor
 
 # %% auto #0
@@ -69,22 +69,17 @@ class WindowNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x, weight, mean, var = ctx.saved_tensors
-        shape = [1, -1] + [1] * (x.dim() - 2)
-        dims = [0] + list(range(2, x.dim()))
-        n = x.numel() // x.shape[1]
-        pool = ctx.pool
         acc = torch.promote_types(x.dtype, torch.float32)  # at least float32, float64 stays float64
-        invstd = torch.rsqrt(var.to(acc) + ctx.layer.eps).view(shape)
-        xf = x.to(acc)
-        xhat = (xf - mean.to(acc).view(shape)) * invstd
-        gy = gy.to(acc)
-        g = gy if weight is None else gy * weight.to(acc).view(shape)
-        mean_g, mean_gx = pool.pooled(g.sum(dims), (g * xhat).sum(dims), n)
-        dx = (g - mean_g.view(shape) - xhat * mean_gx.view(shape)) * invstd
-        dx = dx.to(x.dtype)
+        invstd = torch.rsqrt(var.to(acc) + ctx.layer.eps)
+        w = weight.to(acc) if weight is not None else torch.ones_like(invstd)
+        sums = channel_sums(gy, x, mean, invstd)  # Σ dy, Σ dy·x̂: the bias's and the weight's gradients
+        # the window means of g = dy·w and of g·x̂ to project with (`GradPool`), then BatchNorm's exact backward
+        mean_g, mean_gx = ctx.pool.pooled(sums[0] * w, sums[1] * w, x.numel() // x.shape[1])
+        f = gy.to(acc) * (w * invstd).view([1, -1] + [1] * (x.dim() - 2))  # the gradient with fixed statistics
+        dx = project_(f, x, mean, invstd, mean_g * invstd, mean_gx * invstd).to(x.dtype)
         if weight is None: return dx, None, None, None, None, None, None
-        db = gy.sum(dims).to(weight.dtype) if ctx.needs_input_grad[2] else None  # no bias: `bias=False`
-        return dx, (gy * xhat).sum(dims).to(weight.dtype), db, None, None, None, None
+        db = sums[0].to(weight.dtype) if ctx.needs_input_grad[2] else None  # no bias: `bias=False`
+        return dx, sums[1].to(weight.dtype), db, None, None, None, None
 
 # %% ../nbs/01_batchnorm.ipynb #50e7f4b8
 def _after_norm(m:nn.Module, x):
@@ -95,6 +90,7 @@ def _after_norm(m:nn.Module, x):
         if sub is not None: x = sub(x)
     return x
 
+# %% ../nbs/01_batchnorm.ipynb #b91d3b5f
 class AccumulateBatchNorm(_BatchNorm):
     "BatchNorm whose running statistics are committed once per accumulation window by `update_stats`."
     plain_class = _BatchNorm # the standard class this layer is the accumulating counterpart of
@@ -321,6 +317,7 @@ def _close_prepass(self:AccumulateBatchNorm, st:ChannelStats|None=None):
     if st.count: self.window_stats = (st.mean.to(self.running_mean.dtype), st.biased_var.to(self.running_mean.dtype))
     self._call_stats().merge(st)
 
+# %% ../nbs/01_batchnorm.ipynb #5299857c
 @patch
 def _end_prepass(self:AccumulateBatchNorm):
     calls, self._prepass, self._prepass_stats, self._chunk_stats, self._call = self._prepass_stats, None, None, None, 0
@@ -373,12 +370,9 @@ def _commit(self:AccumulateBatchNorm, st:ChannelStats):
         st.reset()
         raise ValueError(f"{self.layer_name}: the window had 1 value per channel; its variance is undefined. "
                          "Accumulate at least 2 samples per window.")
-    if not bool(torch.isfinite(st.mean).all() & torch.isfinite(st.m2).all()):
-        st.reset()
+    if not commit_stats(self, st):
         warnings.warn(f"{self.layer_name}: the window's statistics are not finite (a NaN or inf in its input): "
                       "its running statistics are not updated for this window", RuntimeWarning)
-        return
-    momentum_step(self, st.mean, st.var)
     st.reset()
 
 @patch

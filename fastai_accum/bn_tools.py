@@ -55,6 +55,7 @@ def _pooling(model:nn.Module, layers:list, train_mode:bool):
         for h in hooks: h.remove()
         for m, t in tracking.items(): m.track_running_stats = t
 
+# %% ../nbs/04_bn_tools.ipynb #eb5fd310
 def _feed(model:nn.Module, dl, n_batches:int|None, n_inp:int, show_progress:bool, parent) -> int:
     "Run at most `n_batches` batches of `dl` through `model` (on its device); returns how many ran."
     # with a progress bar if `show_progress`
@@ -243,18 +244,6 @@ class FrozenBatchNorm(nn.Module):
         f.num_batches_tracked = bn.num_batches_tracked
         return f.train(bn.training)
 
-    def to_bn(self) -> _BatchNorm:
-        "The `bn_class` layer sharing this layer's parameters and buffers (affine `requires_grad` restored)."
-        bn = self.bn_class(self.num_features, self.eps, self.momentum, self.affine, True, device='meta')
-        if self.affine:
-            bn.weight, bn.bias = self.weight, self.bias
-            if self.affine_requires_grad is not None:
-                self.weight.requires_grad_(self.affine_requires_grad[0])
-                self.bias.requires_grad_(self.affine_requires_grad[1])
-        bn.running_mean, bn.running_var, bn.num_batches_tracked = (self.running_mean, self.running_var,
-                                                                   self.num_batches_tracked)
-        return bn.train(self.training)
-
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
                               missing_keys, unexpected_keys, error_msgs):
         # checkpoints without `num_batches_tracked` (torchvision's FrozenBatchNorm2d, BN before torch 0.4.1) load too
@@ -264,6 +253,20 @@ class FrozenBatchNorm(nn.Module):
                                       missing_keys, unexpected_keys, error_msgs)
 
     def extra_repr(self): return f'{self.num_features}, eps={self.eps}, affine={self.affine}'
+
+# %% ../nbs/04_bn_tools.ipynb #f9040e65
+@patch
+def to_bn(self:FrozenBatchNorm) -> _BatchNorm:
+    "The `bn_class` layer sharing this layer's parameters and buffers (affine `requires_grad` restored)."
+    bn = self.bn_class(self.num_features, self.eps, self.momentum, self.affine, True, device='meta')
+    if self.affine:
+        bn.weight, bn.bias = self.weight, self.bias
+        if self.affine_requires_grad is not None:
+            self.weight.requires_grad_(self.affine_requires_grad[0])
+            self.bias.requires_grad_(self.affine_requires_grad[1])
+    bn.running_mean, bn.running_var, bn.num_batches_tracked = (self.running_mean, self.running_var,
+                                                               self.num_batches_tracked)
+    return bn.train(self.training)
 
 # %% ../nbs/04_bn_tools.ipynb #33da4e33
 def bn_to_frozen(model:nn.Module, # changed in place

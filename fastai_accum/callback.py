@@ -4,14 +4,16 @@
 
 # %% ../nbs/03_callback.ipynb #61a32000
 from __future__ import annotations
-import importlib, importlib.util, sys, time, warnings
+import sys, time, warnings
+from importlib import import_module
+from importlib.util import find_spec
 from contextlib import nullcontext
 import torch
 from fastai.basics import *
 import fastai.callback.training
 from fastai.callback.fp16 import MixedPrecision
 from .window import loss_reduction, WindowLoader, _micro_per_window, window_exceeds_epoch, batch_size, loss_couples, check_micro_bs
-from .core import Accumulation, FrontEnd, option_defaults
+from .core import Accumulation, AccumulationOptions, FrontEnd, option_defaults, _front_end_fills
 from .helpers import split_batch, place_batch
 from .plan import may_train_whole
 
@@ -30,7 +32,7 @@ class WindowPrefetch(Callback):
     def before_train(self):
         acc, on = getattr(self.ga, 'acc', None), None
         if acc is not None:
-            if not (acc.exact or acc.needs_window):  # micro-batch by micro-batch: nothing to read ahead
+            if not acc.how.reads_ahead:  # micro-batch by micro-batch: nothing to read ahead
                 self.loader = None
                 return
             self.exact, on = acc.exact, acc.inputs_on
@@ -45,7 +47,7 @@ class WindowPrefetch(Callback):
         return place_batch(b, device, self.loader.inputs_on, range(self.loader.n_inp))
 
 # %% ../nbs/03_callback.ipynb #957a3b99
-@delegates(Accumulation.__init__, but=Accumulation.adapter_args)
+@delegates(AccumulationOptions, but=_front_end_fills)
 class GradientAccumulation(Callback, FrontEnd):
     "Accumulate gradients over windows of micro-batches, weighting by samples, with exact BatchNorm statistics"
     order,run_valid = MixedPrecision.order-4,False
@@ -108,6 +110,7 @@ def _peek_batch(self:GradientAccumulation):
 @patch
 def _train_dl(self:GradientAccumulation): return self.dls.train
 
+# %% ../nbs/03_callback.ipynb #5f312748
 @patch
 def _check_alone(self:GradientAccumulation):
     "Two accumulation callbacks on one Learner would each scale and step: refuse before either changes anything."
@@ -142,6 +145,7 @@ def _check_coupling(self:GradientAccumulation):
                   f"'{self.acc.path}' path it is computed per micro-batch of {find_bs(learn.yb)}, not over the window "
                   f"of {self.acc.how.window}: {fix.rstrip('.')}.", stacklevel=2)
 
+# %% ../nbs/03_callback.ipynb #dd943acc
 @patch
 def _check_batches(self:GradientAccumulation):
     "Refuse a fit whose training DataLoader gives no batch (fewer samples than bs, the last batch dropped)."
@@ -160,6 +164,7 @@ def _check_epoch(self:GradientAccumulation):
     warning = window_exceeds_epoch(train, self.n_step, self.n_acc, self.partial, 'GradientAccumulation')
     if warning: warnings.warn(warning, stacklevel=3)
 
+# %% ../nbs/03_callback.ipynb #01dc41f1
 @patch
 def preflight_table(self:GradientAccumulation):
     "The table behind the micro-batch pre-flight: each BatchNorm layer, its values per channel, policy, pre-pass."
@@ -180,6 +185,7 @@ def _autocast(self:GradientAccumulation):
     if ac is None or not getattr(ac, '_enabled', False): return nullcontext()
     return torch.autocast(ac.device, dtype=ac.fast_dtype)
 
+# %% ../nbs/03_callback.ipynb #56a93e6f
 _cancels = (CancelBatchException, CancelStepException, CancelBackwardException, CancelEpochException,
             CancelTrainException, CancelValidException, CancelFitException)
 
@@ -204,6 +210,7 @@ def _guard_interrupts(self:GradientAccumulation):
             raise
     learn._do_epoch = _do_epoch
 
+# %% ../nbs/03_callback.ipynb #f8d7765a
 @patch
 def _lengthen_lr_find(self:GradientAccumulation):
     "Windows trained whole make each `lr_find` iteration a window: give it epochs enough for `num_it` windows."
@@ -301,8 +308,8 @@ def _unpickled() -> GradientAccumulation:
 def _portable_factory() -> _Call:
     "`_unpickled` where fastai_accum can be imported at load time, else fastai's plain `Callback`."
     # `find_spec` gives None without the package: then `fastai.callback` is searched, which has no `_unpickled`
-    package = _Call(getattr, _Call(importlib.util.find_spec, 'fastai_accum'), 'name', 'fastai')
-    return _Call(getattr, _Call(importlib.import_module, '.callback', package), '_unpickled', Callback)
+    package = _Call(getattr, _Call(find_spec, 'fastai_accum'), 'name', 'fastai')
+    return _Call(getattr, _Call(import_module, '.callback', package), '_unpickled', Callback)
 
 @patch
 def _live_args(self:GradientAccumulation) -> dict:

@@ -8,6 +8,7 @@ import functools, os, sys
 from pathlib import Path
 import torch
 from torch.nn.utils import parameters_to_vector
+from fastcore.basics import patch
 from .window import WindowLoader, loss_reduction, scale_grads, batch_size
 from .core import FrontEnd
 from .helpers import modes_kept
@@ -88,112 +89,10 @@ class GradientAccumulationV1(FrontEnd):
         self._patch(self.mp, self._mp_backward_end)
         self._patch(clip, self._clip_backward_end)
         # read each window ahead (restored in on_train_end, which v1 runs however the fit ends)
-        if self.acc.needs_window or self.exact:
+        if self.acc.how.reads_ahead:
             # v1 batches: (xb, yb)
             self.loader = learn.data.train_dl = WindowLoader(self._train_dl(), self.n_step, self.n_acc, self.exact,
                                                              self.partial, inputs_on=self.acc.inputs_on)
-
-    def _choose(self):
-        "Choose how this fit trains, from the modes it trains in."
-        # the modes: v1 calls `model.train()` at each epoch, then `BnFreeze` (if used) puts BatchNorm layers without
-        # trainable parameters in eval mode
-        model, learn = self.learn.model, self.learn
-        with modes_kept(model):
-            model.train()
-            if _uses_callback(learn, 'BnFreeze'):
-                from fastai.torch_core import set_bn_eval  # fastai v1's, as its BnFreeze calls it
-                set_bn_eval(model)
-            # 'exact' or not (measuring a peeked micro-batch only if it must), wrap BatchNorm
-            self.acc.setup(self._peek)
-        # the callback is built anew for each fit: kept on the learner
-        said = getattr(learn, '_gradient_accumulation_said', None)
-        self._announce = self.preflight and self.acc.path not in ('no BatchNorm', said)
-
-    def _train_dl(self):
-        "The training DataLoader under any `WindowLoader`."
-        # a `WindowLoader` is left behind by a fit that failed before it started
-        dl = self.learn.data.train_dl
-        while isinstance(dl, WindowLoader): dl = dl.dl
-        return dl
-
-    def _params(self) -> list:
-        "The parameters whose gradients accumulate: under `to_fp16`, the fp32 master copies."
-        if self.mp is None: return [p for p in self.learn.model.parameters() if p.requires_grad]
-        return [p for group in self.mp.master_params for p in group]
-
-    def _patch(self, cb, method):
-        "Replace `cb.on_backward_end` by `method` for this fit."
-        if cb is None: return
-        cb.on_backward_end = functools.partial(method, cb)
-        self._patched.append(cb)
-
-    def on_batch_begin(self, last_input, last_target, num_batch, train=True, **kwargs):
-        if not train: return
-        if self._announce:
-            self._announce = False
-            xb = list(last_input) if isinstance(last_input, (list, tuple)) else [last_input]
-            self.learn._gradient_accumulation_said = self._print_preflight(
-                xb, getattr(self.learn, '_gradient_accumulation_said', None))
-        if self.acc.needs_window and self.window.empty:
-            self.acc.start_window([(last_input, last_target)]
-                                  + (self.loader.window[1:] if self.loader is not None else []))
-        # the window rule
-        self._start_micro(batch_size(last_target), last=num_batch == len(self.learn.data.train_dl) - 1)
-
-    def on_backward_begin(self, last_loss, train=True, **kwargs):
-        if not train: return
-        f = self.acc.loss_factor(last_loss)  # the micro-batch's weight; at the window's end also the correction
-        if f != 1.: return {'last_loss': last_loss * f}
-
-    def on_backward_end(self, train=True, **kwargs):
-        if not train: return
-        if self._drop: self._clear()
-        if not self._final: return {'skip_step': True, 'skip_zero': True}
-
-    def _mp_backward_end(self, mp, skip_step=False, **kwargs):
-        "v1 `MixedPrecision.on_backward_end` under accumulation: add to the master gradients."
-        # then unscale, check and clip once per window
-        # a window starts from no gradient (flat masters start uninitialised)
-        if self.window.n_micro == 1: self._clear_master()
-        _add_model_grads(mp)
-        if skip_step: return
-        masters = [p for group in mp.master_params for p in group]
-        scale_grads(masters, 1. / mp.loss_scale)
-        if mp.dynamic and sys.modules[type(mp).__module__].grad_overflow(mp.master_params) and mp.loss_scale > 1:
-            mp.loss_scale /= 2
-            mp.noskip = 0
-            for p in masters: p.grad = None  # as v1: the step runs without gradients and changes nothing
-            return
-        if mp.clip is not None:
-            for group in mp.master_params: torch.nn.utils.clip_grad_norm_(group, mp.clip)
-        if not mp.dynamic: return
-        mp.noskip += 1
-        if mp.noskip >= mp.max_noskip and mp.loss_scale < mp.max_scale:
-            mp.loss_scale *= 2
-            mp.noskip = 0
-
-    def _clip_backward_end(self, clip, skip_step=False, **kwargs):
-        "v1 `GradientClipping` clips the accumulated gradient, once per window."
-        if not skip_step: type(clip).on_backward_end(clip, skip_step=skip_step, **kwargs)
-
-    def on_step_end(self, **kwargs):
-        if self.acc is not None: self.acc.end_micro()  # at the window's end: commit BatchNorm statistics
-
-    def jump_to_epoch(self, epoch): pass
-
-    def on_epoch_end(self, **kwargs): self._clear()
-
-    def on_train_end(self, **kwargs):
-        self._clear()
-        if self.acc is not None: self.acc.release()  # plain torch BatchNorm layers between fits
-        if self.loader is not None and self.learn.data.train_dl is self.loader:
-            self.learn.data.train_dl = self.loader.dl
-        for cb in self._patched: cb.__dict__.pop('on_backward_end', None)
-        self.loader, self._patched = None, []
-
-    def _clear_master(self):
-        for group in getattr(self.mp, 'master_params', None) or []:
-            for p in group: p.grad = None
 
     def _clear(self):
         "Drop any partial window: its accumulated gradients and pending statistics."
@@ -201,6 +100,126 @@ class GradientAccumulationV1(FrontEnd):
         if self.acc is not None and not self.window.empty:
             for p in self.learn.model.parameters(): p.grad = None
         super()._clear()
+
+# %% ../nbs/03a_callback_v1.ipynb #67b8bcd0
+@patch
+def _choose(self:GradientAccumulationV1):
+    "Choose how this fit trains, from the modes it trains in."
+    # the modes: v1 calls `model.train()` at each epoch, then `BnFreeze` (if used) puts BatchNorm layers without
+    # trainable parameters in eval mode
+    model, learn = self.learn.model, self.learn
+    with modes_kept(model):
+        model.train()
+        if _uses_callback(learn, 'BnFreeze'):
+            from fastai.torch_core import set_bn_eval  # fastai v1's, as its BnFreeze calls it
+            set_bn_eval(model)
+        # 'exact' or not (measuring a peeked micro-batch only if it must), wrap BatchNorm
+        self.acc.setup(self._peek)
+    # the callback is built anew for each fit: kept on the learner
+    said = getattr(learn, '_gradient_accumulation_said', None)
+    self._announce = self.preflight and self.acc.path not in ('no BatchNorm', said)
+
+@patch
+def _train_dl(self:GradientAccumulationV1):
+    "The training DataLoader under any `WindowLoader`."
+    # a `WindowLoader` is left behind by a fit that failed before it started
+    dl = self.learn.data.train_dl
+    while isinstance(dl, WindowLoader): dl = dl.dl
+    return dl
+
+@patch
+def _params(self:GradientAccumulationV1) -> list:
+    "The parameters whose gradients accumulate: under `to_fp16`, the fp32 master copies."
+    if self.mp is None: return [p for p in self.learn.model.parameters() if p.requires_grad]
+    return [p for group in self.mp.master_params for p in group]
+
+@patch
+def _patch(self:GradientAccumulationV1, cb, method):
+    "Replace `cb.on_backward_end` by `method` for this fit."
+    if cb is None: return
+    cb.on_backward_end = functools.partial(method, cb)
+    self._patched.append(cb)
+
+# %% ../nbs/03a_callback_v1.ipynb #acfdc6c6
+@patch
+def on_batch_begin(self:GradientAccumulationV1, last_input, last_target, num_batch, train=True, **kwargs):
+    if not train: return
+    if self._announce:
+        self._announce = False
+        xb = list(last_input) if isinstance(last_input, (list, tuple)) else [last_input]
+        self.learn._gradient_accumulation_said = self._print_preflight(
+            xb, getattr(self.learn, '_gradient_accumulation_said', None))
+    if self.acc.needs_window and self.window.empty:
+        self.acc.start_window([(last_input, last_target)]
+                              + (self.loader.window[1:] if self.loader is not None else []))
+    # the window rule
+    self._start_micro(batch_size(last_target), last=num_batch == len(self.learn.data.train_dl) - 1)
+
+@patch
+def on_backward_begin(self:GradientAccumulationV1, last_loss, train=True, **kwargs):
+    if not train: return
+    f = self.acc.loss_factor(last_loss)  # the micro-batch's weight; at the window's end also the correction
+    if f != 1.: return {'last_loss': last_loss * f}
+
+@patch
+def on_backward_end(self:GradientAccumulationV1, train=True, **kwargs):
+    if not train: return
+    if self._drop: self._clear()
+    if not self._final: return {'skip_step': True, 'skip_zero': True}
+
+# %% ../nbs/03a_callback_v1.ipynb #177b3be2
+@patch
+def _mp_backward_end(self:GradientAccumulationV1, mp, skip_step=False, **kwargs):
+    "v1 `MixedPrecision.on_backward_end` under accumulation: add to the master gradients."
+    # then unscale, check and clip once per window
+    # a window starts from no gradient (flat masters start uninitialised)
+    if self.window.n_micro == 1: self._clear_master()
+    _add_model_grads(mp)
+    if skip_step: return
+    masters = [p for group in mp.master_params for p in group]
+    scale_grads(masters, 1. / mp.loss_scale)
+    if mp.dynamic and sys.modules[type(mp).__module__].grad_overflow(mp.master_params) and mp.loss_scale > 1:
+        mp.loss_scale /= 2
+        mp.noskip = 0
+        for p in masters: p.grad = None  # as v1: the step runs without gradients and changes nothing
+        return
+    if mp.clip is not None:
+        for group in mp.master_params: torch.nn.utils.clip_grad_norm_(group, mp.clip)
+    if not mp.dynamic: return
+    mp.noskip += 1
+    if mp.noskip >= mp.max_noskip and mp.loss_scale < mp.max_scale:
+        mp.loss_scale *= 2
+        mp.noskip = 0
+
+@patch
+def _clip_backward_end(self:GradientAccumulationV1, clip, skip_step=False, **kwargs):
+    "v1 `GradientClipping` clips the accumulated gradient, once per window."
+    if not skip_step: type(clip).on_backward_end(clip, skip_step=skip_step, **kwargs)
+
+# %% ../nbs/03a_callback_v1.ipynb #f097bb40
+@patch
+def on_step_end(self:GradientAccumulationV1, **kwargs):
+    if self.acc is not None: self.acc.end_micro()  # at the window's end: commit BatchNorm statistics
+
+@patch
+def jump_to_epoch(self:GradientAccumulationV1, epoch): pass
+
+@patch
+def on_epoch_end(self:GradientAccumulationV1, **kwargs): self._clear()
+
+@patch
+def on_train_end(self:GradientAccumulationV1, **kwargs):
+    self._clear()
+    if self.acc is not None: self.acc.release()  # plain torch BatchNorm layers between fits
+    if self.loader is not None and self.learn.data.train_dl is self.loader:
+        self.learn.data.train_dl = self.loader.dl
+    for cb in self._patched: cb.__dict__.pop('on_backward_end', None)
+    self.loader, self._patched = None, []
+
+@patch
+def _clear_master(self:GradientAccumulationV1):
+    for group in getattr(self.mp, 'master_params', None) or []:
+        for p in group: p.grad = None
 
 # %% ../nbs/03a_callback_v1.ipynb #01ee3691
 def mnist_v1(path=None, # an MNIST_SAMPLE-style folder (`None`: fastai's MNIST_SAMPLE if on disk, else the stand-in)

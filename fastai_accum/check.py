@@ -117,29 +117,6 @@ class AccumulationReport:
         return self.max_rel_diff <= self.tol
 
     def __bool__(self): return self.ok
-
-    @property
-    def layers(self) -> pd.DataFrame:
-        "`rows` aggregated per module, largest gradient difference first."
-        r = self.rows[self.rows.module != '<loss>']
-        g, s = r[r.kind == 'grad'], r[r.kind.isin(_STAT_KINDS)]
-        out = pd.DataFrame({'layer': r.groupby('module', sort=False).layer.first(),
-                            'n_params': g.groupby('module', sort=False).numel.sum(),
-                            'grad_rel_diff': g.groupby('module', sort=False).rel_diff.max(),
-                            'bn_eval_rel_diff': g.groupby('module', sort=False).rel_diff_bn_eval.max(),
-                            'stats_rel_diff': s.groupby('module', sort=False).rel_diff.max(),
-                            'bn_forward': g.groupby('module', sort=False).bn_forward.any(),
-                            'bn_backward': g.groupby('module', sort=False).bn_backward.any()})
-        out['n_params'] = out.n_params.fillna(0).astype(int)
-        out['grad_l2_err'] = [self.grad_layers.get(m, (math.nan, math.nan))[0] for m in out.index]
-        out['grad_cosine'] = [self.grad_layers.get(m, (math.nan, math.nan))[1] for m in out.index]
-        worst = out[['grad_rel_diff', 'stats_rel_diff']].max(axis=1)
-        return out.loc[worst.sort_values(ascending=False, kind='stable').index].rename_axis('module').reset_index()
-
-    def top(self, k:int=5) -> pd.DataFrame:
-        "The `k` modules that differ most."
-        return self.layers.head(k)
-
     def lines(self) -> list:
         "The summary as lines of text."
         verdict = 'matches' if self.ok else 'differs'
@@ -157,6 +134,30 @@ class AccumulationReport:
         head, diag, *notes = self.lines()  # the whole-gradient line goes with the notes
         return '\n\n'.join([f'**{head}**', diag] + ['\n'.join(f'- {n}' for n in notes)] * bool(notes) +
                            ['Modules that differ most:', _md_table(self.top())])
+
+# %% ../nbs/06_check.ipynb #e4752179
+@patch(as_prop=True)
+def layers(self:AccumulationReport) -> pd.DataFrame:
+    "`rows` aggregated per module, largest gradient difference first."
+    r = self.rows[self.rows.module != '<loss>']
+    g, s = r[r.kind == 'grad'], r[r.kind.isin(_STAT_KINDS)]
+    out = pd.DataFrame({'layer': r.groupby('module', sort=False).layer.first(),
+                        'n_params': g.groupby('module', sort=False).numel.sum(),
+                        'grad_rel_diff': g.groupby('module', sort=False).rel_diff.max(),
+                        'bn_eval_rel_diff': g.groupby('module', sort=False).rel_diff_bn_eval.max(),
+                        'stats_rel_diff': s.groupby('module', sort=False).rel_diff.max(),
+                        'bn_forward': g.groupby('module', sort=False).bn_forward.any(),
+                        'bn_backward': g.groupby('module', sort=False).bn_backward.any()})
+    out['n_params'] = out.n_params.fillna(0).astype(int)
+    out['grad_l2_err'] = [self.grad_layers.get(m, (math.nan, math.nan))[0] for m in out.index]
+    out['grad_cosine'] = [self.grad_layers.get(m, (math.nan, math.nan))[1] for m in out.index]
+    worst = out[['grad_rel_diff', 'stats_rel_diff']].max(axis=1)
+    return out.loc[worst.sort_values(ascending=False, kind='stable').index].rename_axis('module').reset_index()
+
+@patch
+def top(self:AccumulationReport, k:int=5) -> pd.DataFrame:
+    "The `k` modules that differ most."
+    return self.layers.head(k)
 
 # %% ../nbs/06_check.ipynb #c7a1e0b2
 # what `check_accumulation` can run: the callback's 'auto' and 'exact', BatchNorm policies, fastai's plain
@@ -263,6 +264,7 @@ class _Setup:
     has_bn = property(lambda self: bool(bn_layers(self.model)))
     drops = property(lambda self: [n for n, _ in _dropouts(self.model)])
 
+# %% ../nbs/06_check.ipynb #96026480
 def _resolve(learn_or_model, batch=None, n_step=None, loss_func=None, policy=None, dtype=torch.float64, seed=0,
              dropout=False, n_inp=None, prepass_bs=None, loss_weight_fn=None, previous=None) -> _Setup:
     "Step 1: the arguments checked and completed; 'auto' resolved as the callback would."
@@ -428,6 +430,7 @@ def _accumulate(acc:_CopyAccumulation, micro:list, s:_Setup) -> float:
             acc.end_micro()  # at the window's end: the BatchNorm statistics committed
     return objective
 
+# %% ../nbs/06_check.ipynb #59057917
 def _run_window(model, s:_Setup, quiet:bool=False) -> float:
     "(a): one accumulated window over `s.micro` under `s.policy`; returns the weighted loss."
     # after the `previous` window if given
@@ -623,6 +626,7 @@ def _window_text(g:pd.DataFrame, tol:float, micro_bs:int) -> str:
             f"statistics (micro-batches of {micro_bs}; layers with fewer than 32 values per channel use the previous "
             "window's means), so the parameters before a BatchNorm differ.")
 
+# %% ../nbs/06_check.ipynb #7eaf5d1a
 def _stats_text(stats:pd.DataFrame, policy:str, tol:float) -> str:
     "What the running statistics `stats` add (layers after another BatchNorm; 'frozen' updates none)."
     if not len(stats) or stats.rel_diff.max() <= tol or policy == 'naive': return ''

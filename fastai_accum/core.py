@@ -4,7 +4,8 @@
 
 # %% ../nbs/02d_core.ipynb #d39581af
 from __future__ import annotations
-import inspect, itertools, numbers, time, warnings, weakref
+import itertools, numbers, time, warnings, weakref
+from dataclasses import dataclass, fields
 import torch
 from contextlib import nullcontext
 from torch import nn, Tensor
@@ -25,7 +26,8 @@ from .window import (AccumulationWindow, WindowLoader, validate_window_args, _ch
                                  commit_window, drop_window, batch_size, cat_batches, window_exceeds_epoch, unjoinable)
 
 # %% auto #0
-__all__ = ['default_inputs', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd']
+__all__ = ['default_inputs', 'AccumulationOptions', 'option_defaults', 'accumulation_options', 'BatchNormInstaller',
+           'Accumulation', 'FrontEnd']
 
 # %% ../nbs/02d_core.ipynb #e75c5500
 def default_inputs(b) -> tuple:
@@ -38,45 +40,80 @@ def default_inputs(b) -> tuple:
 _open = weakref.WeakValueDictionary()  # id(model) -> the `batches` generator training it: the next `batches` closes it
 
 # %% ../nbs/02d_core.ipynb #c0e1a002
+@dataclass
+class AccumulationOptions:
+    "The core's options and their defaults: `Accumulation(model, ..., **options)` and every front end take them."
+    n_step:int|None=None # micro-batches per optimizer step
+    n_acc:int|None=None # or: samples per optimizer step (the effective batch size)
+    policy:str='auto' # 'auto', 'exact', 'staged' or a BatchNorm policy (`bn_policies`)
+    partial:str='step' # an epoch's incomplete last window: 'step' (scaled exactly) or 'drop'
+    wrap:bool=True # wrap the model's BatchNorm layers as `AccumulateBatchNorm`
+    prepass_bs:int|None=None # 'window': samples per chunk of a staged pre-pass
+    prepass_memory:int|None=None # 'window': bytes the pre-pass may hold on the device
+    sync_each_batch:bool=False # under DDP, all-reduce gradients after every micro-batch
+    offload:bool|None=None # whole windows: saved activations in host memory (`plan_exact`)
+    device_memory:int|str|None=None # device bytes a window may use (`plan_exact`), or '4GB'
+    host_memory:int|str|None=None # host bytes a window may use (`plan_exact`), or '16 GiB'
+    bn_batch:int|None=None # ghost batches: samples BatchNorm normalizes together
+    verify:bool=True # check a staged step against the big batch before choosing it
+    # what a front end (fastai's callbacks) fills in itself:
+    device:object=None # where `batches` puts each batch (default: the parameters' device)
+    params:object=None # callable giving the parameters whose gradients accumulate (default: the trainable ones)
+    merge_exact:bool=True # whole windows under DDP: merge running statistics across processes
+    name:str|None=None # who speaks in errors and the pre-flight (default: the core's class name)
+
+_front_end_fills = ('device', 'params', 'merge_exact', 'name')
 _counts = ('prepass_bs', 'bn_batch')
 
 def option_defaults() -> dict:
-    "The core's options a front end passes on, with their defaults (`Accumulation`'s signature)."
-    own = {'model', *Accumulation.adapter_args}
-    return {k: p.default for k, p in inspect.signature(Accumulation).parameters.items() if k not in own}
+    "The options a front end takes and passes on to the core, with their defaults (`AccumulationOptions`)."
+    return {f.name: f.default for f in fields(AccumulationOptions) if f.name not in _front_end_fills}
 
-def accumulation_options(kwargs:dict, # options a front end was given (`Accumulation`'s, but those it fills in itself)
+
+# %% ../nbs/02d_core.ipynb #362d6dad
+@patch
+def checked(self:AccumulationOptions,
+            name:str, # who speaks in errors
+            whole_windows:bool=True, # can the front end train a window as one batch? (`check_policy`)
+            loss_reduction:str='mean', # the loss's reduction (a front end reads it from the loss itself)
+           ) -> AccumulationOptions:
+    "These options checked: counts as plain ints, budgets in bytes, flags, the window's size, `partial`, the policy."
+    o = dict(vars(self))
+    o.update({k: _check_count(k, o[k]) for k in _counts})  # plain ints (numpy integers too)
+    o.update({k: check_budget(k, o[k]) for k in ('device_memory', 'host_memory')})  # bytes; '4GB'
+    for k in ('offload', 'verify', 'wrap', 'sync_each_batch'):  # flags: a bool (offload: or None, the plan's choice)
+        v = o[k]
+        if v is None and k == 'offload': continue
+        if not (isinstance(v, numbers.Integral) and v in (0, 1)):
+            raise ValueError(f"{name}({k}={v!r}): give True or False" + (" (or None: the plan decides)" if k == 'offload' else ''))
+        o[k] = bool(v)
+    o['n_step'], o['n_acc'] = validate_window_args(o['n_step'], o['n_acc'], o['partial'], loss_reduction)
+    o['policy'] = check_policy(o['policy'], name, o['bn_batch'], whole_windows)
+    return AccumulationOptions(**o)
+
+def accumulation_options(kwargs:dict, # options a front end was given (`option_defaults`' names)
                          name:str, # the front end, named in errors
                          whole_windows:bool=True, # can the front end train a window as one batch? (`check_policy`)
                          loss_reduction:str='mean', # the loss's reduction (a front end reads it from the loss itself)
                         ) -> dict:
-    "The core's options: the defaults updated by `kwargs`, checked."
-    options = option_defaults()
-    bad = [k for k in kwargs if k not in options]
+    "The options a front end takes: the defaults updated by `kwargs`, checked (`AccumulationOptions.checked`)."
+    _check_names(kwargs, option_defaults(), name)
+    o = AccumulationOptions(**kwargs).checked(name, whole_windows, loss_reduction)
+    return {k: getattr(o, k) for k in option_defaults()}
+
+def _check_names(kwargs:dict, known, name:str):
+    "Refuse an option `known` does not name, as Python refuses an unexpected keyword argument."
+    bad = [k for k in kwargs if k not in known]
     if bad: raise TypeError(f"{name}() got an unexpected keyword argument {bad[0]!r}")
-    options.update(kwargs)
-    options.update({k: _check_count(k, options[k]) for k in _counts})  # plain ints (numpy integers too)
-    options.update({k: check_budget(k, options[k]) for k in ('device_memory', 'host_memory')})  # bytes; '4GB'
-    for k in ('offload', 'verify', 'wrap', 'sync_each_batch'):  # flags: a bool (offload: or None, the plan's choice)
-        v = options[k]
-        if v is None and k == 'offload': continue
-        if not (isinstance(v, numbers.Integral) and v in (0, 1)):
-            raise ValueError(f"{name}({k}={v!r}): give True or False" + (" (or None: the plan decides)" if k == 'offload' else ''))
-        options[k] = bool(v)
-    size = validate_window_args(options['n_step'], options['n_acc'], options['partial'], loss_reduction)
-    options['n_step'], options['n_acc'] = size
-    options['policy'] = check_policy(options['policy'], name, options['bn_batch'], whole_windows)
-    return options
+
 
 # %% ../nbs/02d_core.ipynb #c0e1a004
 class BatchNormInstaller:
     "Puts a model's BatchNorm layers in place for a `TrainingPlan`; `release` hands them back."
-    def __init__(self, wrap:bool=True, # wrap plain BatchNorm layers (else only layers the user wrapped accumulate)
-                 merge_exact:bool=True, # a whole window under DDP: wrap, so that running statistics merge
-                 bn_batch:int|None=None, # samples per ghost batch
+    def __init__(self, bn_batch:int|None=None, # samples per ghost batch
                  autocast=None, # callable giving the training autocast context (the staged step runs under it)
                 ):
-        self.wrap, self.merge_exact, self.bn_batch, self.autocast = wrap, merge_exact, bn_batch, autocast
+        self.bn_batch, self.autocast = bn_batch, autocast
         self.wrapped, self.own_policy, self.pools = [], {}, {}
 
     def install(self, module:nn.Module, how:TrainingPlan) -> list:
@@ -87,8 +124,7 @@ class BatchNormInstaller:
                            budget=m.chunk_budget)
         elif how.ghost_micro: install_ghost(module, self.bn_batch)  # plain layers, each micro-batch in ghost batches
         elif how.layers is not None:
-            new = self.wrap and (not how.exact or self.merge_exact and world_size() > 1)
-            self._wrap(module, how.layers, new)
+            self._wrap(module, how.layers, how.wrap_plain)
             if how.exact and self.bn_batch: install_ghost(module, self.bn_batch)
         bns = bn_layers(module, accumulating=True)
         for b in bns: b.count_calls = True  # `start_micro` restarts their count: a layer called k times commits k steps
@@ -124,85 +160,129 @@ class BatchNormInstaller:
         for m in bns: m.__dict__.pop('count_calls', None)  # layers the user wrapped count no calls outside the core
         self.wrapped, self.own_policy = [], {}
 
+# %% ../nbs/02d_core.ipynb #c0e1a007
+class Accumulation:
+    "Gradient accumulation with exact BatchNorm for any training loop (its other options: `AccumulationOptions`)."
+    local = False  # this process's window alone (`check_accumulation`): no all-reduce, no merge of statistics
+    def __init__(self, model:nn.Module, # the model (or its DDP wrapper); its BatchNorm layers are wrapped in place
+                 n_step:int|None=None, # micro-batches per optimizer step
+                 n_acc:int|None=None,  # or: samples per optimizer step (the effective batch size)
+                 policy:str='auto',    # 'auto', 'exact', 'staged' or a BatchNorm policy (`bn_policies`)
+                 inputs=default_inputs, # batch -> tuple of positional model inputs
+                 loss_reduction:str='mean', # the loss's reduction: 'mean' (weighted by samples) or 'sum'
+                 autocast=None,        # callable returning the training forward's autocast context
+                 optimizer=None,       # the optimizer, whose state the memory plan counts (`optimizer_state`)
+                 preflight:bool=False, # print how training runs when the first window starts
+                 **options,            # `AccumulationOptions`: `device_memory`, `partial`, `offload`, `bn_batch`, ...
+                ):
+        name = options.get('name') or type(self).__name__
+        _check_names(options, {f.name for f in fields(AccumulationOptions)} - {'n_step', 'n_acc', 'policy'}, name)
+        self.options = o = AccumulationOptions(n_step, n_acc, policy, **{**options, 'name': name}).checked(
+            name, loss_reduction=loss_reduction)
+        # the options as attributes (`acc.policy`, `acc.device_memory`, ...); the parameters and device below
+        self.__dict__.update({k: v for k, v in vars(o).items() if k not in ('params', 'device')})
+        self.loss_reduction, self.autocast, self.optimizer = loss_reduction, autocast, optimizer
+        self.inputs = inputs if inputs is not None else default_inputs
+        if not callable(self.inputs):
+            raise TypeError(f"{name}(inputs={self.inputs!r}): give a function of a batch returning the model's "
+                            "inputs as a tuple, e.g. inputs=lambda b: (b[0],)")
+        self._params, self._say = o.params, preflight
+        self.use_model(model)
+        first = next(self.module.parameters(), None)
+        if first is None: raise ValueError(f"{name}: the model has no parameters: no gradients to accumulate")
+        self.device = o.device if o.device is not None else first.device
+        self.window = AccumulationWindow(self.n_step, self.n_acc, self.loss_reduction)
+        self.installer = BatchNormInstaller(self.bn_batch, self.autocast)
+        self.how, self.bns, self.needs_window, self.table, self._modes = None, [], False, None, None
+        self.steps, self.losses, self.prepass_time = 0, [], 0.
+        self._micro, self._offload, self._ends_window, self._input_at = None, None, False, None
+        self._kept = self._whole = None  # a window trained whole: its start's running statistics, its inputs
+
+
 # %% ../nbs/02d_core.ipynb #c0e1a009
-class _CorePlan:
-    "The plan made and installed: `setup`, `find_bns`, `release` (part of `Accumulation`)."
-    exact = property(lambda self: None if self.how is None else self.how.exact)  # windows trained whole
-    plan = property(lambda self: None if self.how is None else self.how.memory)  # the memory plan, if made
-    path = property(lambda self: None if self.how is None else self.how.path)  # how training runs, in a word
+Accumulation.exact = property(lambda self: None if self.how is None else self.how.exact)  # windows trained whole
+Accumulation.plan = property(lambda self: None if self.how is None else self.how.memory)  # the memory plan, if made
+Accumulation.path = property(lambda self: None if self.how is None else self.how.path)  # how training runs, in a word
 
-    def use_model(self, model:nn.Module, # the model or its DDP wrapper
-                 ):
-        "Train `model` from now on (an adapter calls this when its framework wraps the model, e.g. in DDP)."
-        self.model = model
-        self.ddp = model if isinstance(model, DistributedDataParallel) else None
-        self.module = uncompiled(model.module if self.ddp is not None else model)  # planned, traced, wrapped
-
-    @property
-    def params(self) -> list:
-        "The parameters whose gradients accumulate."
-        if self._params is not None: return list(self._params())
-        return [p for p in self.module.parameters() if p.requires_grad]
-    def setup(self, b,
-              unjoinable:str|None=None, # why the first window's micro-batches cannot be one batch (`unjoinable`)
+@patch
+def use_model(self:Accumulation, model:nn.Module, # the model or its DDP wrapper
              ):
-        "Plan from the BatchNorm layers' modes and the first micro-batch `b` (or a callable giving it); install it."
-        self.installer.uninstall_forwards(self.module)  # measuring runs the model's own forward
-        self._modes = self._bn_modes()
-        peek = b if callable(b) else lambda: b
-        materialize_lazy(self.module, lambda: tuple(self.inputs(peek())))  # a lazy module takes its shapes before planning
-        self.how = plan_training(self.policy, self.module, lambda: tuple(self.inputs(peek())), self.n_step, self.n_acc,
-                                 wrap=self.wrap, bn_batch=self.bn_batch, name=self.name, offload=self.offload,
-                                 device_memory=self.device_memory, host_memory=self.host_memory, verify=self.verify,
-                                 autocast=self.autocast, opt_state=optimizer_state(self.optimizer),
-                                 held=held_bytes(self.module, self.optimizer), unjoinable=unjoinable)
-        if self.how.model_eval and self.how.n_bn: warnings.warn(self.how.headline())  # said with or without pre-flight
-        if self.exact and self.plan is not None and not self.plan.staged and self.plan.recomputed:
-            warnings.warn(f"{self.name}: the backward runs BatchNorm layer {self.plan.recomputed[0]} again (activation "
-                          "checkpointing): torch's checkpoint counts its running statistics twice per window, as it "
-                          "does for one plain batch; the gradients are the big batch's")
-        self.find_bns()
+    "Train `model` from now on (an adapter calls this when its framework wraps the model, e.g. in DDP)."
+    self.model = model
+    self.ddp = model if isinstance(model, DistributedDataParallel) else None
+    self.module = uncompiled(model.module if self.ddp is not None else model)  # planned, traced, wrapped
 
-    def _bn_modes(self) -> tuple: return tuple(m.training for m in bn_layers(self.module))
+@patch(as_prop=True)
+def params(self:Accumulation) -> list:
+    "The parameters whose gradients accumulate."
+    if self._params is not None: return list(self._params())
+    return [p for p in self.module.parameters() if p.requires_grad]
+@patch
+def setup(self:Accumulation, b,
+          unjoinable:str|None=None, # why the first window's micro-batches cannot be one batch (`unjoinable`)
+         ):
+    "Plan from the BatchNorm layers' modes and the first micro-batch `b` (or a callable giving it); install it."
+    self.installer.uninstall_forwards(self.module)  # measuring runs the model's own forward
+    self._modes = self._bn_modes()
+    peek = b if callable(b) else lambda: b
+    materialize_lazy(self.module, lambda: tuple(self.inputs(peek())))  # a lazy module takes its shapes before planning
+    self.how = plan_training(self.policy, self.module, lambda: tuple(self.inputs(peek())), self.n_step, self.n_acc,
+                             wrap=self.wrap, merge_exact=self.merge_exact, bn_batch=self.bn_batch, name=self.name,
+                             offload=self.offload,
+                             device_memory=self.device_memory, host_memory=self.host_memory, verify=self.verify,
+                             autocast=self.autocast, opt_state=optimizer_state(self.optimizer),
+                             held=held_bytes(self.module, self.optimizer), unjoinable=unjoinable)
+    if self.how.model_eval and self.how.n_bn: warnings.warn(self.how.headline())  # said with or without pre-flight
+    if self.exact and self.plan is not None and not self.plan.staged and self.plan.recomputed:
+        warnings.warn(f"{self.name}: the backward runs BatchNorm layer {self.plan.recomputed[0]} again (activation "
+                      "checkpointing): torch's checkpoint counts its running statistics twice per window, as it "
+                      "does for one plain batch; the gradients are the big batch's")
+    self.find_bns()
 
-    def needs_setup(self) -> bool:
-        "Must `setup` plan (again)? Before the first window, and when other BatchNorm layers train (a freeze)."
-        return self.how is None or self._bn_modes() != self._modes
+@patch
+def _bn_modes(self:Accumulation) -> tuple: return tuple(m.training for m in bn_layers(self.module))
 
-    def find_bns(self):
-        "Install the plan and collect the accumulating BatchNorm layers."
-        self.bns = self.installer.install(self.module, self.how)
-        self.needs_window = any(m.policy == 'window' and m.training for m in self.bns)
+@patch
+def needs_setup(self:Accumulation) -> bool:
+    "Must `setup` plan (again)? Before the first window, and when other BatchNorm layers train (a freeze)."
+    return self.how is None or self._bn_modes() != self._modes
 
-    def release(self):
-        "Hand the model back with plain torch BatchNorm layers (`BatchNormInstaller.release`)."
-        self.clear()
-        self.installer.release(self.module, self.bns)
-        self.bns, self.needs_window = [], False
+@patch
+def find_bns(self:Accumulation):
+    "Install the plan and collect the accumulating BatchNorm layers."
+    self.bns = self.installer.install(self.module, self.how)
+    self.needs_window = any(m.policy == 'window' and m.training for m in self.bns)
+
+@patch
+def release(self:Accumulation):
+    "Hand the model back with plain torch BatchNorm layers (`BatchNormInstaller.release`)."
+    self.clear()
+    self.installer.release(self.module, self.bns)
+    self.bns, self.needs_window = [], False
 
 # %% ../nbs/02d_core.ipynb #c0e1a00b
-class _CorePreflight:
-    "What the pre-flight prints (part of `Accumulation`)."
-    def preflight(self, xb:tuple, # one micro-batch's model inputs
-                 ) -> str:
-        "What training does, as the pre-flight prints it: the plan's headline, and the BatchNorm table's summary."
-        head = self.how.headline()
-        if self.how.layers is None or self.how.exact or not self.bns: return head
-        self.table = self.preflight_table(xb)
-        lines = [head] if head else []
-        lines.append(_summary(self.table, self.bns[0].policy, self.name))
-        why = untraceable_reason(self.module) if self.needs_window else None
-        fx_why = bn_graph(self.module) if why else None  # torch.fx's own words, said once
-        if why and not any(fx_why in l for l in lines): lines.append(f"{self.name}: {why}")
-        return '\n'.join(lines)
+@patch
+def preflight(self:Accumulation, xb:tuple, # one micro-batch's model inputs
+             ) -> str:
+    "What training does, as the pre-flight prints it: the plan's headline, and the BatchNorm table's summary."
+    head = self.how.headline()
+    if self.how.layers is None or self.how.exact or not self.bns: return head
+    self.table = self.preflight_table(xb)
+    lines = [head] if head else []
+    lines.append(_summary(self.table, self.bns[0].policy, self.name))
+    why = untraceable_reason(self.module) if self.needs_window else None
+    fx_why = bn_graph(self.module) if why else None  # torch.fx's own words, said once
+    if why and not any(fx_why in l for l in lines): lines.append(f"{self.name}: {why}")
+    return '\n'.join(lines)
 
-    def preflight_table(self, xb:tuple, # one micro-batch's model inputs
-                       ):
-        "The pre-flight's table: every BatchNorm layer, its values per channel, its policy, the pre-pass."
-        with warnings.catch_warnings():
-            warnings.simplefilter('ignore')  # a model torch.fx cannot trace: the pre-flight says it once
-            window = self.n_acc or self.n_step * batch_size(xb)
-            return bn_preflight(self.module, *xb, window=window, memory=self.prepass_memory)
+@patch
+def preflight_table(self:Accumulation, xb:tuple, # one micro-batch's model inputs
+                   ):
+    "The pre-flight's table: every BatchNorm layer, its values per channel, its policy, the pre-pass."
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')  # a model torch.fx cannot trace: the pre-flight says it once
+        window = self.n_acc or self.n_step * batch_size(xb)
+        return bn_preflight(self.module, *xb, window=window, memory=self.prepass_memory)
 
 _says = {'window': "each micro-batch is normalized with the whole window's statistics (a no-grad pre-pass over the "
                    "window first) and the window's statistics are committed; the backward maps each micro-batch's "
@@ -226,200 +306,209 @@ def _summary(t, # `bn_preflight`'s table
     return s + ". Every layer: `preflight_table()`."
 
 # %% ../nbs/02d_core.ipynb #c0e1a00d
-class _CoreLoop:
-    "The window loop: `batches` (part of `Accumulation`)."
-    def batches(self, loader):
-        "Iterate `loader` one window ahead: micro-batches, or whole windows (an unfinished one is closed first)."
-        self.close()
-        self.clear()
-        self._input_at = None
-        warning = window_exceeds_epoch(loader, self.n_step, self.n_acc, self.partial, self.name)
-        if warning: warnings.warn(warning, stacklevel=2)
-        _open[id(self.module)] = gen = self._batches(loader)
-        return gen
+@patch
+def batches(self:Accumulation, loader):
+    "Iterate `loader` one window ahead: micro-batches, or whole windows (an unfinished one is closed first)."
+    self.close()
+    self.clear()
+    self._input_at = None
+    warning = window_exceeds_epoch(loader, self.n_step, self.n_acc, self.partial, self.name)
+    if warning: warnings.warn(warning, stacklevel=2)
+    _open[id(self.module)] = gen = self._batches(loader)
+    return gen
 
-    def close(self):
-        "Close an unfinished `batches` on this model: its window dropped, BatchNorm handed back."
-        gen = _open.pop(id(self.module), None)
-        if gen is not None: gen.close()
+@patch
+def close(self:Accumulation):
+    "Close an unfinished `batches` on this model: its window dropped, BatchNorm handed back."
+    gen = _open.pop(id(self.module), None)
+    if gen is not None: gen.close()
 
-    def _batches(self, loader):
-        try:
-            windows, ready = WindowLoader(loader, self.n_step, self.n_acc), False
-            for window in windows.windows():
-                if self.partial == 'drop' and not windows.is_full(window): continue
-                ready = ready or self._ready(window)
-                window = [self._placed(b) for b in window]
-                sizes = [batch_size(b) for b in window]
-                if self.exact: window = [cat_batches(window)]
-                if not self.window.empty: self._drop_unfinished()
-                self.start_window(window)
-                for i, b in enumerate(window):
-                    self.start_micro(batch_size(b), i == len(window) - 1)
-                    if self.exact: self.window_inputs(sizes, tuple(self.inputs(b)))
-                    yield b
-        finally:
-            self._exit_offload()
-            release_pinned(self.plan)
-            if self.ddp is not None: self.ddp.require_backward_grad_sync = True
-            self.release()  # between epochs the model holds plain torch BatchNorm layers
+@patch
+def _batches(self:Accumulation, loader):
+    try:
+        windows, ready = WindowLoader(loader, self.n_step, self.n_acc), False
+        for window in windows.windows():
+            if self.partial == 'drop' and not windows.is_full(window): continue
+            ready = ready or self._ready(window)
+            window = [self._placed(b) for b in window]
+            sizes = [batch_size(b) for b in window]
+            if self.exact: window = [cat_batches(window)]
+            if not self.window.empty: self._drop_unfinished()
+            self.start_window(window)
+            for i, b in enumerate(window):
+                self.start_micro(batch_size(b), i == len(window) - 1)
+                if self.exact: self.window_inputs(sizes, tuple(self.inputs(b)))
+                yield b
+    finally:
+        self._exit_offload()
+        release_pinned(self.plan)
+        if self.ddp is not None: self.ddp.require_backward_grad_sync = True
+        self.release()  # between epochs the model holds plain torch BatchNorm layers
 
 # %% ../nbs/02d_core.ipynb #c0e1a014
-class _CorePlacing:
-    "Before the first window, and each micro-batch placed (part of `Accumulation`)."
-    def _ready(self, window:list) -> bool:
-        "Before the first window: plan from its first micro-batch (again if the modes changed); say so if asked."
-        first = place_batch(window[0], self.device)
-        said = self.path
-        if self.needs_setup(): self.setup(first, unjoinable(window) if len(window) > 1 else None)
-        else: self.find_bns()
-        if self._say and self.path != said: print(self.preflight(tuple(self.inputs(first))))
-        if self.inputs_on is None: window[0] = first  # placed once
-        return True
+@patch
+def _ready(self:Accumulation, window:list) -> bool:
+    "Before the first window: plan from its first micro-batch (again if the modes changed); say so if asked."
+    first = place_batch(window[0], self.device)
+    said = self.path
+    if self.needs_setup(): self.setup(first, unjoinable(window) if len(window) > 1 else None)
+    else: self.find_bns()
+    if self._say and self.path != said: print(self.preflight(tuple(self.inputs(first))))
+    if self.inputs_on is None: window[0] = first  # placed once
+    return True
 
-    def _drop_unfinished(self):
-        "The window before ended without its last backward (skipped, cancelled): drop its gradients."
-        warnings.warn(f"{self.name}: a window's last micro-batch had no backward (skipped or cancelled): the window's "
-                      f"{self.window.n_micro} micro-batches of gradients are dropped, not carried into the next window",
-                      RuntimeWarning)
-        self.clear()
+@patch
+def _drop_unfinished(self:Accumulation):
+    "The window before ended without its last backward (skipped, cancelled): drop its gradients."
+    warnings.warn(f"{self.name}: a window's last micro-batch had no backward (skipped or cancelled): the window's "
+                  f"{self.window.n_micro} micro-batches of gradients are dropped, not carried into the next window",
+                  RuntimeWarning)
+    self.clear()
 
-    @property
-    def inputs_on(self):
-        "Where a window's model inputs wait: host memory for a staged step on an accelerator, else None."
-        p = self.plan
-        return 'cpu' if self.exact and p.staged and not p.whole and p.on_accelerator else None
+@patch(as_prop=True)
+def inputs_on(self:Accumulation):
+    "Where a window's model inputs wait: host memory for a staged step on an accelerator, else None."
+    return None if self.how is None else self.how.inputs_on
 
-    def _placed(self, b):
-        "Micro-batch `b` on the device, the elements its model inputs come from where `inputs_on` says."
-        on = self.inputs_on
-        if on is not None and self._input_at is None and isinstance(b, (tuple, list)):
-            self._input_at = _input_elements(self.inputs, b)
-        return place_batch(b, self.device, on, self._input_at)
+@patch
+def _placed(self:Accumulation, b):
+    "Micro-batch `b` on the device, the elements its model inputs come from where `inputs_on` says."
+    on = self.inputs_on
+    if on is not None and self._input_at is None and isinstance(b, (tuple, list)):
+        self._input_at = _input_elements(self.inputs, b)
+    return place_batch(b, self.device, on, self._input_at)
 
 # %% ../nbs/02d_core.ipynb #c0e1a00f
-class _CoreEvents:
-    "The events before a micro-batch's backward (part of `Accumulation`)."
-    def start_window(self, window:list):
-        "A window starts: `window` holds its micro-batches on the device ('window' policy: the pre-pass over them)."
-        if self.how is None: self.setup(window[0])
-        if not self.needs_window or self.exact: return
-        t = time.perf_counter()
-        with self.autocast() if self.autocast else nullcontext():  # the pre-pass runs as training's forward does
-            xbs = [tuple(self.inputs(b)) for b in window]
-            window_prepasses(self.module, xbs, chunk=self.prepass_bs, memory=self.prepass_memory)
-        self.prepass_time += time.perf_counter() - t
+@patch
+def start_window(self:Accumulation, window:list):
+    "A window starts: `window` holds its micro-batches on the device ('window' policy: the pre-pass over them)."
+    if self.how is None: self.setup(window[0])
+    if not self.needs_window or self.exact: return
+    t = time.perf_counter()
+    with self.autocast() if self.autocast else nullcontext():  # the pre-pass runs as training's forward does
+        xbs = [tuple(self.inputs(b)) for b in window]
+        window_prepasses(self.module, xbs, chunk=self.prepass_bs, memory=self.prepass_memory)
+    self.prepass_time += time.perf_counter() - t
 
-    def ends(self, bs:int, # samples in the micro-batch about to run forward
-             last:bool=False, # it is the epoch's last micro-batch
-            ) -> tuple[bool, bool]:
-        "Before a micro-batch's forward: (the optimizer steps after it, its window is dropped)."
-        fills = bool(self.exact) or self.window.fills(bs)  # full (`window_full`), or a window trained whole
-        drop = last and not fills and self.partial == 'drop'
-        return (fills or last) and not drop, drop
+@patch
+def ends(self:Accumulation, bs:int, # samples in the micro-batch about to run forward
+         last:bool=False, # it is the epoch's last micro-batch
+        ) -> tuple[bool, bool]:
+    "Before a micro-batch's forward: (the optimizer steps after it, its window is dropped)."
+    fills = bool(self.exact) or self.window.fills(bs)  # full (`window_full`), or a window trained whole
+    drop = last and not fills and self.partial == 'drop'
+    return (fills or last) and not drop, drop
 
-    def start_micro(self, bs:int, # samples in the micro-batch about to run forward
-                    final:bool, # does it end its window? (`ends`)
-                    drop:bool=False, # does it end a dropped window? (its gradients still all-reduce under DDP)
-                   ):
-        "Before a micro-batch's forward: set DDP's gradient sync, enter the plan's offload."
-        final = final or bool(self.exact)
-        self._micro = (bs, final)
-        for m in self.bns: m._call = 0  # the micro-batch's forward calls each layer from its first call
-        self._before_forward(final or drop)
-        if self.exact: self._enter_offload()
-        # torch's own layers count a whole window's statistics in its forward: kept, to take back a non-finite one
-        self._kept = kept_running_stats(self.module) if self.exact and not getattr(self.plan, 'staged', False) else None
+@patch
+def start_micro(self:Accumulation, bs:int, # samples in the micro-batch about to run forward
+                final:bool, # does it end its window? (`ends`)
+                drop:bool=False, # does it end a dropped window? (its gradients still all-reduce under DDP)
+               ):
+    "Before a micro-batch's forward: set DDP's gradient sync, enter the plan's offload."
+    final = final or bool(self.exact)
+    self._micro = (bs, final)
+    for m in self.bns: m._call = 0  # the micro-batch's forward calls each layer from its first call
+    self._before_forward(final or drop)
+    if self.exact: self._enter_offload()
+    # torch's own layers count a whole window's statistics in its forward: kept, to take back a non-finite one
+    self._kept = kept_running_stats(self.module) if self.exact and not getattr(self.plan, 'staged', False) else None
 
-    def _before_forward(self, final:bool):
-        "Let DDP all-reduce the coming backward once per window (the flag `no_sync()` sets, read in its forward)."
-        if self.ddp is not None: self.ddp.require_backward_grad_sync = self.sync_each_batch or final
+@patch
+def _before_forward(self:Accumulation, final:bool):
+    "Let DDP all-reduce the coming backward once per window (the flag `no_sync()` sets, read in its forward)."
+    if self.ddp is not None: self.ddp.require_backward_grad_sync = self.sync_each_batch or final
 
-    def loss_factor(self, loss:Tensor|None=None, # the micro-batch's loss (recorded for the window's mean)
-                   ) -> float:
-        "The micro-batch's loss weight for its backward (at the window's end earlier gradients are rescaled)."
-        if self._micro is None:
-            raise RuntimeError("Accumulation: backward() without a micro-batch from batches() (or start_micro)")
-        self._exit_offload()  # the backward unpacks what the forward saved
-        bs, final = self._micro
-        if self.exact:  # the window, trained as one batch, is one micro-batch of weight 1
-            self._ends_window = True
-            return self.window.add_whole(bs, loss)
-        w = self.window.add(bs, loss)
-        if final:  # before the last backward: under DDP the all-reduced gradient is then the global mean
-            device = loss.device if loss is not None else None
-            f = self.window.grad_correction if self.local else self.window.correction(device=device)
-            if f != 1.:
-                scale_grads(self.params, f)
-                w *= f
-            self._ends_window = True
-        return w
+@patch
+def loss_factor(self:Accumulation, loss:Tensor|None=None, # the micro-batch's loss (recorded for the window's mean)
+               ) -> float:
+    "The micro-batch's loss weight for its backward (at the window's end earlier gradients are rescaled)."
+    if self._micro is None:
+        raise RuntimeError("Accumulation: backward() without a micro-batch from batches() (or start_micro)")
+    self._exit_offload()  # the backward unpacks what the forward saved
+    bs, final = self._micro
+    if self.exact:  # the window, trained as one batch, is one micro-batch of weight 1
+        self._ends_window = True
+        return self.window.add_whole(bs, loss)
+    w = self.window.add(bs, loss)
+    if final:  # before the last backward: under DDP the all-reduced gradient is then the global mean
+        device = loss.device if loss is not None else None
+        f = self.window.grad_correction if self.local else self.window.correction(device=device)
+        if f != 1.:
+            scale_grads(self.params, f)
+            w *= f
+        self._ends_window = True
+    return w
 
 # %% ../nbs/02d_core.ipynb #c0e1a010
-class _CoreCommit:
-    "The events after a micro-batch's backward (part of `Accumulation`)."
-    def end_micro(self) -> bool:
-        "After the micro-batch's backward: at the window's end commit BatchNorm statistics; True: step now."
-        self._exit_offload()  # if no `loss_factor` came (the micro-batch was cancelled)
-        self._micro = None
-        if not self._ends_window: return False
-        self._ends_window = False
-        bad = self.window.nonfinite() if self.local or world_size() == 1 else None  # under DDP: the merge's check
-        kept, self._kept = self._kept, None
-        if bad is None: commit_window(self.bns, merge=not self.local)  # one momentum step with the window's statistics
-        else:
-            drop_window(self.bns)
-            if kept is not None: restore_running_stats(kept)
-            which = self._whole_nonfinite() if self._whole is not None else bad  # a window trained whole: its inputs say
-            which = 'a micro-batch' if which is None else f"micro-batch {which}"
-            warnings.warn(f"{self.name}: {which} of window {self.steps} has a non-finite loss: the window's "
-                          "BatchNorm running statistics are not updated (the optimizer step is the training loop's "
-                          "to skip)",
-                          RuntimeWarning)
-        self._whole = None
-        if self.window.loss is not None: self.losses.append(self.window.loss.item())
-        self.steps += 1
-        self.window.reset()
-        return True
+@patch
+def end_micro(self:Accumulation) -> bool:
+    "After the micro-batch's backward: at the window's end commit BatchNorm statistics; True: step now."
+    self._exit_offload()  # if no `loss_factor` came (the micro-batch was cancelled)
+    self._micro = None
+    if not self._ends_window: return False
+    self._ends_window = False
+    bad = self.window.nonfinite() if self.local or world_size() == 1 else None  # under DDP: the merge's check
+    kept, self._kept = self._kept, None
+    if bad is None: commit_window(self.bns, merge=not self.local)  # one momentum step with the window's statistics
+    else:
+        drop_window(self.bns)
+        if kept is not None: restore_running_stats(kept)
+        which = self._whole_nonfinite() if self._whole is not None else bad  # a window trained whole: its inputs say
+        which = 'a micro-batch' if which is None else f"micro-batch {which}"
+        warnings.warn(f"{self.name}: {which} of window {self.steps} has a non-finite loss: the window's "
+                      "BatchNorm running statistics are not updated (the optimizer step is the training loop's "
+                      "to skip)",
+                      RuntimeWarning)
+    self._whole = None
+    if self.window.loss is not None: self.losses.append(self.window.loss.item())
+    self.steps += 1
+    self.window.reset()
+    return True
 
-    def backward(self, loss:Tensor, # the micro-batch's loss (mean over its samples, or sum with loss_reduction='sum')
-                 **kwargs, # passed on to the backward
-                ) -> bool:
-        "Back-propagate `loss` weighted by samples; True when the window is complete: step then."
-        f = self.loss_factor(loss)
-        self._backward(loss * f if f != 1. else loss, **kwargs)
-        return self.end_micro()
+@patch
+def backward(self:Accumulation, loss:Tensor, # the micro-batch's loss (mean over its samples, or sum with loss_reduction='sum')
+             **kwargs, # passed on to the backward
+            ) -> bool:
+    "Back-propagate `loss` weighted by samples; True when the window is complete: step then."
+    f = self.loss_factor(loss)
+    self._loss_backward(loss * f if f != 1. else loss, **kwargs)
+    return self.end_micro()
 
-    def _backward(self, loss, **kwargs): loss.backward(**kwargs)
+@patch
+def _loss_backward(self:Accumulation, loss, **kwargs): loss.backward(**kwargs)
 
-    def _enter_offload(self):
-        self._offload = saved_on_host(self.plan)
-        self._offload.__enter__()
+@patch
+def _enter_offload(self:Accumulation):
+    self._offload = saved_on_host(self.plan)
+    self._offload.__enter__()
 
-    def _exit_offload(self):
-        offload, self._offload = self._offload, None
-        if offload is not None: offload.__exit__(None, None, None)
+@patch
+def _exit_offload(self:Accumulation):
+    offload, self._offload = self._offload, None
+    if offload is not None: offload.__exit__(None, None, None)
 
-    def drop_grads(self):
-        "Drop the accumulated gradients: a partial window's, or one that ended without an optimizer step."
-        for p in self.params: p.grad = None
+@patch
+def drop_grads(self:Accumulation):
+    "Drop the accumulated gradients: a partial window's, or one that ended without an optimizer step."
+    for p in self.params: p.grad = None
 
-    def __repr__(self):
-        how = 'chosen at the first window' if self.how is None else self.path
-        if self.exact: how += f': {self.plan.describe()}'
-        size = f'n_step={self.n_step}, n_acc={self.n_acc}'
-        return f'{type(self).__name__}({size}, policy={self.policy!r}, steps={self.steps}; {how})'
+@patch
+def __repr__(self:Accumulation):
+    how = 'chosen at the first window' if self.how is None else self.path
+    if self.exact: how += f': {self.plan.describe()}'
+    size = f'n_step={self.n_step}, n_acc={self.n_acc}'
+    return f'{type(self).__name__}({size}, policy={self.policy!r}, steps={self.steps}; {how})'
 
 # %% ../nbs/02d_core.ipynb #2cccebf6
 @patch
-def window_inputs(self:_CoreCommit, sizes:list, # samples in each micro-batch of a window trained whole
+def window_inputs(self:Accumulation, sizes:list, # samples in each micro-batch of a window trained whole
                   xb:tuple, # its model inputs, joined
                  ):
     "A window trained whole is about to run: `end_micro` names the micro-batch of a non-finite input from these."
     self._whole = (sizes, xb)
 
 @patch
-def _whole_nonfinite(self:_CoreCommit) -> int|None:
+def _whole_nonfinite(self:Accumulation) -> int|None:
     "The first micro-batch (from 0) of the window trained whole whose model inputs are not finite, or None."
     if self._whole is None: return None
     sizes, xb = self._whole
@@ -429,7 +518,7 @@ def _whole_nonfinite(self:_CoreCommit) -> int|None:
     return None if first is None else next(i for i, end in enumerate(itertools.accumulate(sizes)) if first < end)
 
 @patch
-def clear(self:_CoreCommit):
+def clear(self:Accumulation):
     "Drop a partial window: its accumulated gradients and pending BatchNorm statistics."
     kept, self._kept, self._whole = self._kept, None, None
     restored = kept is not None and restore_running_stats(kept)  # a forward that met a NaN or inf: taken back
@@ -442,67 +531,6 @@ def clear(self:_CoreCommit):
     drop_window(self.bns)
     self.window.reset()
     self._micro, self._ends_window = None, False
-
-# %% ../nbs/02d_core.ipynb #c0e1a007
-class Accumulation(_CorePlan, _CorePreflight, _CoreLoop, _CorePlacing, _CoreEvents, _CoreCommit):
-    "Gradient accumulation with exact BatchNorm for any training loop."
-    adapter_args = ['model', 'loss_reduction', 'inputs', 'device', 'autocast', 'params', 'merge_exact', 'name',
-                    'preflight', 'optimizer']  # what a front end (fastai's callbacks) fills in itself
-    local = False  # this process's window alone (`check_accumulation`): no all-reduce, no merge of statistics
-    def __init__(self, model:nn.Module, # the model (or its DDP wrapper); its BatchNorm layers are wrapped in place
-                 n_step:int|None=None, # micro-batches per optimizer step
-                 n_acc:int|None=None,  # or: samples per optimizer step (the effective batch size)
-                 policy:str='auto',    # 'auto', 'exact', 'staged' or a BatchNorm policy (`bn_policies`)
-                 partial:str='step',   # an epoch's incomplete last window: 'step' (scaled exactly) or 'drop'
-                 loss_reduction:str='mean', # the loss's reduction: 'mean' (weighted by samples) or 'sum'
-                 inputs=default_inputs, # batch -> tuple of positional model inputs
-                 device=None,          # where `batches` puts each batch (default: the parameters' device)
-                 autocast=None,        # callable returning the training forward's autocast context
-                 wrap:bool=True,       # wrap the model's BatchNorm layers as `AccumulateBatchNorm`
-                 prepass_bs:int|None=None, # 'window': samples per chunk of a staged pre-pass
-                 prepass_memory:int|None=None, # 'window': bytes the pre-pass may hold on the device
-                 sync_each_batch:bool=False, # under DDP, all-reduce gradients after every micro-batch
-                 offload:bool|None=None, # whole windows: saved activations in host memory (`plan_exact`)
-                 device_memory:int|None=None, # device bytes a window may use (`plan_exact`)
-                 host_memory:int|None=None, # host bytes a window may use (`plan_exact`)
-                 bn_batch:int|None=None, # ghost batches: samples BatchNorm normalizes together
-                 params=None,          # callable giving the parameters whose gradients accumulate
-                 verify:bool=True,     # check a staged step against the big batch before choosing it
-                 merge_exact:bool=True, # whole windows under DDP: merge running statistics across processes
-                 name:str|None=None,   # who speaks in errors and the pre-flight (default: the class name)
-                 preflight:bool=False, # print how training runs when the first window starts
-                 optimizer=None,       # the optimizer, whose state the memory plan counts (`optimizer_state`)
-                ):
-        args = {k: v for k, v in locals().items() if k not in ('self', 'model', '__class__')}
-        given = {k: args.pop(k) for k in self.adapter_args if k in args}
-        given['name'] = name or type(self).__name__
-        options = accumulation_options(args, given['name'], loss_reduction=given.get('loss_reduction', 'mean'))
-        self._start(model, options, given)
-
-    def _start(self, model:nn.Module, options:dict, given:dict):
-        "Keep the checked `options` and what the front end filled in (`given`); an empty state."
-        signature = inspect.signature(Accumulation).parameters
-        defaults = {k: p.default for k, p in signature.items() if k in self.adapter_args}
-        given = {**defaults, **given}
-        self.__dict__.update(options)
-        self.loss_reduction, self.inputs, self.autocast = given['loss_reduction'], given['inputs'], given['autocast']
-        if self.inputs is None: self.inputs = default_inputs
-        if not callable(self.inputs):
-            raise TypeError(f"{given['name']}(inputs={self.inputs!r}): give a function of a batch returning the model's "
-                            "inputs as a tuple, e.g. inputs=lambda b: (b[0],)")
-        self.merge_exact, self.name, self.optimizer = given['merge_exact'], given['name'], given['optimizer']
-        self._params, self._say = given['params'], given['preflight']
-        self.use_model(model)
-        first = next(self.module.parameters(), None)
-        if first is None: raise ValueError(f"{self.name}: the model has no parameters: no gradients to accumulate")
-        self.device = given['device'] if given['device'] is not None else first.device
-        self.window = AccumulationWindow(self.n_step, self.n_acc, self.loss_reduction)
-        self.installer = BatchNormInstaller(self.wrap, self.merge_exact, self.bn_batch, self.autocast)
-        self.how, self.bns, self.needs_window, self.table, self._modes = None, [], False, None, None
-        self.steps, self.losses, self.prepass_time = 0, [], 0.
-        self._micro, self._offload, self._ends_window, self._input_at = None, None, False, None
-        self._kept = self._whole = None  # a window trained whole: its start's running statistics, its inputs
-
 
 # %% ../nbs/02d_core.ipynb #2f0d6a12
 def _input_elements(inputs, # the core's `inputs`: batch -> model inputs
@@ -541,10 +569,8 @@ class FrontEnd:
 
     def _core(self, model:nn.Module, **kwargs) -> Accumulation:
         "The core for a fit of `model`, from the checked options; `kwargs`: what the framework fills in."
-        acc = Accumulation.__new__(Accumulation)
         options = {k: getattr(self, k) for k in ('n_step', 'n_acc', *self._options)}
-        acc._start(model, options, dict(merge_exact=False, name=self._name, **kwargs))
-        return acc
+        return Accumulation(model, **options, merge_exact=False, name=self._name, **kwargs)
 
     def _start_micro(self, bs:int, # samples in the micro-batch about to run forward
                      last:bool, # it is the epoch's last micro-batch

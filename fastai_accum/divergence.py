@@ -12,6 +12,7 @@ from functools import partial
 from pathlib import Path
 import torch
 from torch import nn, Tensor
+from fastcore.basics import patch
 from .helpers import learner_and_model, modes_kept, split_batch, _tensors, random_state_kept, peek_batches
 from .repro import env_fingerprint, diff_env, _seed
 
@@ -138,59 +139,67 @@ class _TraceRecorder:
 
     def add_loss(self, loss): self.add('forward', 'loss', '<loss>', loss, '<loss>')
 
-    def _producer(self, t):
-        info = self.produced.get(id(t))
-        if info is not None and info['t'] is t and info['version'] == getattr(t, '_version', 0): return info
+# %% ../nbs/05a_divergence.ipynb #0cfebfd9
+@patch
+def _producer(self:_TraceRecorder, t):
+    info = self.produced.get(id(t))
+    if info is not None and info['t'] is t and info['version'] == getattr(t, '_version', 0): return info
 
-    def _pre(self, name, module, args, kwargs):
-        if not self.active: return
-        k = self.calls[name]
-        self.calls[name] += 1
-        label = name if k == 0 else f'{name}#{k}'
-        caller = self.stack[-1] if self.stack else '<data>'
-        for i, t in enumerate(_tensors((args, kwargs))):
-            info = self._producer(t)
-            if info is not None:
-                info['consumers'].append(label)
-                continue
-            seen = self.inputs.get(id(t))
-            if seen is not None and seen[0] is t and seen[1] == getattr(t, '_version', 0): continue
-            self.inputs[id(t)] = (t, getattr(t, '_version', 0))
-            self.add('forward', 'input', label, t, caller, i)
-        self.stack.append(label)
+@patch
+def _pre(self:_TraceRecorder, name, module, args, kwargs):
+    if not self.active: return
+    k = self.calls[name]
+    self.calls[name] += 1
+    label = name if k == 0 else f'{name}#{k}'
+    caller = self.stack[-1] if self.stack else '<data>'
+    for i, t in enumerate(_tensors((args, kwargs))):
+        info = self._producer(t)
+        if info is not None:
+            info['consumers'].append(label)
+            continue
+        seen = self.inputs.get(id(t))
+        if seen is not None and seen[0] is t and seen[1] == getattr(t, '_version', 0): continue
+        self.inputs[id(t)] = (t, getattr(t, '_version', 0))
+        self.add('forward', 'input', label, t, caller, i)
+    self.stack.append(label)
 
-    def _post(self, name, module, args, kwargs, output):
-        if not self.active: return
-        label = self.stack.pop() if self.stack else name
-        caller = self.stack[-1] if self.stack else None
-        for i, t in enumerate(_tensors(output)):
-            info = self._producer(t)
-            if info is not None: # returned unchanged from a submodule (a Sequential's last layer): recorded already
-                info['returned_by'], info['caller'] = label, caller
-                continue
-            self.add('forward', 'output', label, t, label, i)
-            info = dict(t=t, version=getattr(t, '_version', 0), label=label, index=i, consumers=[], returned_by=label,
-                        caller=caller)
-            self.produced[id(t)] = info
-            self.infos.append(info)
-            if t.requires_grad:
-                try: t.register_hook(partial(self._grad_out, info))
-                except RuntimeError: pass
+@patch
+def _post(self:_TraceRecorder, name, module, args, kwargs, output):
+    if not self.active: return
+    label = self.stack.pop() if self.stack else name
+    caller = self.stack[-1] if self.stack else None
+    for i, t in enumerate(_tensors(output)):
+        info = self._producer(t)
+        if info is not None: # returned unchanged from a submodule (a Sequential's last layer): recorded already
+            info['returned_by'], info['caller'] = label, caller
+            continue
+        self.add('forward', 'output', label, t, label, i)
+        info = dict(t=t, version=getattr(t, '_version', 0), label=label, index=i, consumers=[], returned_by=label,
+                    caller=caller)
+        self.produced[id(t)] = info
+        self.infos.append(info)
+        if t.requires_grad:
+            try: t.register_hook(partial(self._grad_out, info))
+            except RuntimeError: pass
 
-    def _blame(self, info) -> str:
-        "Whose backward computed the gradient w.r.t. `info`'s tensor."
-        # its innermost consumers, else the code around it
-        cs = list(dict.fromkeys(info['consumers']))
-        inner = [c for c in cs if not any(_is_ancestor(c, d) for d in cs)]
-        if inner: return inner[0]
-        if info['returned_by'] == _ROOT: return '<loss>'
-        return info['caller'] or '<loss>'
+# %% ../nbs/05a_divergence.ipynb #f9919972
+@patch
+def _blame(self:_TraceRecorder, info) -> str:
+    "Whose backward computed the gradient w.r.t. `info`'s tensor."
+    # its innermost consumers, else the code around it
+    cs = list(dict.fromkeys(info['consumers']))
+    inner = [c for c in cs if not any(_is_ancestor(c, d) for d in cs)]
+    if inner: return inner[0]
+    if info['returned_by'] == _ROOT: return '<loss>'
+    return info['caller'] or '<loss>'
 
-    def _grad_out(self, info, grad):
-        if self.active: self.add('backward', 'grad_output', info['label'], grad, self._blame(info), info['index'])
+@patch
+def _grad_out(self:_TraceRecorder, info, grad):
+    if self.active: self.add('backward', 'grad_output', info['label'], grad, self._blame(info), info['index'])
 
-    def _param_grad(self, name, grad):
-        if self.active: self.add('backward', 'param_grad', name, grad, _owner(name))
+@patch
+def _param_grad(self:_TraceRecorder, name, grad):
+    if self.active: self.add('backward', 'param_grad', name, grad, _owner(name))
 
 # %% ../nbs/05a_divergence.ipynb #b9af60b6
 class Trace:
@@ -264,6 +273,7 @@ def _first_batch(learn):
     "The first batch of `learn`'s training DataLoader, read without moving its shuffle or any RNG."
     return peek_batches(learn.dls.train)[0]
 
+# %% ../nbs/05a_divergence.ipynb #74aa8404
 def _run_plain(model, batch, loss_func, opt, n_steps, n_inp, rec):
     xb, yb = split_batch(batch, n_inp)
     opt_state = None
@@ -385,6 +395,7 @@ _ADVICE = (
 )
 _DETERMINISTIC_FLAGS = (('deterministic_algorithms', True), ('cudnn_deterministic', True), ('cudnn_benchmark', False))
 
+# %% ../nbs/05a_divergence.ipynb #50bc1c74
 def _matches(rule:tuple, direction:str, module:str, module_type:str) -> bool:
     "Does `_ADVICE` row `rule` apply to a divergence in `direction` at `module` of class `module_type`?"
     d, m, types, _ = rule
@@ -465,6 +476,7 @@ def _describe(r:dict) -> str:
 
 def _as_trace(t) -> Trace: return t if isinstance(t, Trace) else Trace.load(t)
 
+# %% ../nbs/05a_divergence.ipynb #b2123cb7
 def _first_difference(a:Trace, b:Trace, atol:float, rtol:float) -> tuple:
     "`(first, n_differing, n_records)`: `first` is the first differing record with its comparison."
     # first in `a`'s order, else the first record only `b` has

@@ -7,6 +7,7 @@ batch's, exactly; the window's saved activations go to host memory when the acce
 from __future__ import annotations
 import contextlib, numbers, re
 from dataclasses import dataclass
+from fastcore.basics import patch
 import torch
 from torch import nn
 from .meters import SavedTensorMeter, LayerMeter, fmt_bytes, _nbytes
@@ -173,94 +174,106 @@ class ExactPlan:
         "Bytes needed on the training device (on CPU: everything, which is host memory)."
         per = 2 * self.footprint.working + (0 if self.offload and self.on_accelerator else self.footprint.saved)
         return int(self.window * per + self.model_needed)
-    @property
-    def host_needed(self) -> int:
-        "Bytes of host memory: the offloaded saved activations (on CPU, everything)."
-        if not self.on_accelerator: return self.device_needed
-        return self.footprint.offloaded(self.window, self.pinned) if self.offload else 0
-    @property
-    def fits(self) -> bool:
-        "The whole window as one batch fits (on CPU also within `device_budget` when one was given)."
-        device_ok = self.device_budget is None or self.device_needed <= self.device_budget
-        if not self.on_accelerator: return self.host_needed <= self.host_budget and device_ok
-        return device_ok and self.host_needed <= self.host_budget
-    @property
-    def chunk_needed(self) -> int:
-        "Bytes one chunk of the micro-batch's size holds in its backward: its activations and working set."
-        return int((self.chunk or 1) * (self.footprint.saved + 2 * self.footprint.working))
-    @property
-    def staged_device_needed(self) -> int:
-        "Bytes a staged step needs on the device: training at one chunk (on a CPU, the kept values too)."
-        store = 0 if self.on_accelerator else self.staged_host_needed
-        return self.chunk_needed + self.stage_grads + self.model_needed + store
-    @property
-    def check_memory(self) -> int:
-        "Bytes the check of a staged step (`verify_staged`) may hold, beside what is alive when it runs."
-        # on a CPU with a device budget: that budget, less what is alive (one memory); else within host memory
-        if self.on_accelerator or self.device_budget is None: return self.host_budget // 2
-        return max(self.device_budget - self.held, 0)
-    @property
-    def chunk_budget(self) -> int|None:
-        "Device bytes the chunks of a stage may hold: the budget less the parameters, their gradients and state."
-        # a staged step sizes each stage's chunks from it (None: the whole window in one chunk, under DDP); on a CPU the
-        # store shares this memory: the step leaves what it holds there at each stage (`StagedStep._sized`)
-        if self.whole: return None
-        budget = self.device_budget if self.device_budget is not None else self.host_budget
-        return max(int(budget - self.model_needed), 0)
-    @property
-    def staged_host_needed(self) -> int:
-        "Bytes of values (and gradients) a staged step keeps between stages: measured, or the saved activations."
-        return int(self.window * (self.footprint.saved if self.store is None else self.store))
 
-    def describe(self) -> str:
-        "What this plan does and the numbers it rests on; whether part of the model was frozen when measured."
-        # a frozen body saves fewer activations: the estimate grows when it is unfrozen
-        s = self._what() + ("; measured with part of the model frozen (unfrozen, it saves more)" if self.frozen else '')
-        if self.opt_state is None and self.device_budget is not None:
-            s += "; the optimizer's state assumed 1x the parameters (unknown optimizer)"
-        return s
+# %% ../nbs/02a_exact.ipynb #c0afbcb2
+@patch(as_prop=True)
+def host_needed(self:ExactPlan) -> int:
+    "Bytes of host memory: the offloaded saved activations (on CPU, everything)."
+    if not self.on_accelerator: return self.device_needed
+    return self.footprint.offloaded(self.window, self.pinned) if self.offload else 0
 
-    def _what(self) -> str:
-        if self.staged and self.whole:
-            return (f"a window of {self.window} samples as one batch per process, each BatchNorm layer normalizing "
-                    f"over all {world_size()} processes' windows (SyncBatchNorm's semantics: 2 collectives per layer), "
-                    f"needs {fmt_bytes(self.device_needed)}{self._checked}")
-        if self.staged:
-            return (f"a window of {self.window} samples as one batch would need {fmt_bytes(self.device_needed)} "
-                    f"({self._budget}), so it trains as one batch stage by stage in chunks of {self.chunk} or more "
-                    f"{self._staged_memory}{self._checked}")
-        if not self.on_accelerator:
-            return (f"a window of {self.window} samples as one batch needs {fmt_bytes(self.host_needed)} "
-                    f"({self._budget})")
-        where = f"in host memory{' (pinned)' if self.pinned else ''}" if self.offload else 'on the accelerator'
-        s = (f"a window of {self.window} samples as one batch, saved activations {where}, needs "
-             f"{fmt_bytes(self.device_needed)} of accelerator memory"
-             + (f" (budget {fmt_bytes(self.device_budget)})" if self.device_budget is not None else ''))
-        if self.offload:
-            s += f" and {fmt_bytes(self.host_needed)} of host memory (budget {fmt_bytes(self.host_budget)})"
-        return s
+@patch(as_prop=True)
+def fits(self:ExactPlan) -> bool:
+    "The whole window as one batch fits (on CPU also within `device_budget` when one was given)."
+    device_ok = self.device_budget is None or self.device_needed <= self.device_budget
+    if not self.on_accelerator: return self.host_needed <= self.host_budget and device_ok
+    return device_ok and self.host_needed <= self.host_budget
 
-    @property
-    def _staged_memory(self) -> str:
-        "Where a staged step's bytes go: its chunks on the device, the values kept between stages (on a CPU, beside)."
-        kept = f"about {fmt_bytes(self.staged_host_needed)} of values kept between stages"
-        if not self.on_accelerator:
-            return (f"(each stage's as large as the budget leaves beside the parameters and the values kept, "
-                    f"measured): at most {fmt_bytes(self.chunk_budget + self.model_needed)} in all, {kept} included")
-        return (f"(each stage's as large as {fmt_bytes(self.chunk_budget)} holds, measured): at most about "
-                f"{fmt_bytes(self.chunk_budget + self.model_needed)} on the device and {kept} in host memory")
+@patch(as_prop=True)
+def chunk_needed(self:ExactPlan) -> int:
+    "Bytes one chunk of the micro-batch's size holds in its backward: its activations and working set."
+    return int((self.chunk or 1) * (self.footprint.saved + 2 * self.footprint.working))
 
-    @property
-    def _checked(self) -> str:
-        by = "; staged over an aten-level trace (torch.fx cannot trace the model)" if self.traced == 'aten' else ''
-        took = f" in {self.check_time:.1f} s" if self.check_time >= 0.05 else ''  # not a verdict read from a fit before
-        return (f"; {self.checked}{took}" if self.checked and self.reason is None else '') + by
+@patch(as_prop=True)
+def staged_device_needed(self:ExactPlan) -> int:
+    "Bytes a staged step needs on the device: training at one chunk (on a CPU, the kept values too)."
+    store = 0 if self.on_accelerator else self.staged_host_needed
+    return self.chunk_needed + self.stage_grads + self.model_needed + store
 
-    @property
-    def _budget(self) -> str:
-        "The budget the whole window is held against: the device's if given (even on a CPU), else the host's."
-        if self.device_budget is not None: return f"device budget {fmt_bytes(self.device_budget)}"
-        return f"host budget {fmt_bytes(self.host_budget)}"
+@patch(as_prop=True)
+def check_memory(self:ExactPlan) -> int:
+    "Bytes the check of a staged step (`verify_staged`) may hold, beside what is alive when it runs."
+    # on a CPU with a device budget: that budget, less what is alive (one memory); else within host memory
+    if self.on_accelerator or self.device_budget is None: return self.host_budget // 2
+    return max(self.device_budget - self.held, 0)
+
+@patch(as_prop=True)
+def chunk_budget(self:ExactPlan) -> int|None:
+    "Device bytes the chunks of a stage may hold: the budget less the parameters, their gradients and state."
+    # a staged step sizes each stage's chunks from it (None: the whole window in one chunk, under DDP); on a CPU the
+    # store shares this memory: the step leaves what it holds there at each stage (`StagedStep._sized`)
+    if self.whole: return None
+    budget = self.device_budget if self.device_budget is not None else self.host_budget
+    return max(int(budget - self.model_needed), 0)
+
+@patch(as_prop=True)
+def staged_host_needed(self:ExactPlan) -> int:
+    "Bytes of values (and gradients) a staged step keeps between stages: measured, or the saved activations."
+    return int(self.window * (self.footprint.saved if self.store is None else self.store))
+
+# %% ../nbs/02a_exact.ipynb #bb31445a
+@patch
+def describe(self:ExactPlan) -> str:
+    "What this plan does and the numbers it rests on; whether part of the model was frozen when measured."
+    # a frozen body saves fewer activations: the estimate grows when it is unfrozen
+    s = self._what() + ("; measured with part of the model frozen (unfrozen, it saves more)" if self.frozen else '')
+    if self.opt_state is None and self.device_budget is not None:
+        s += "; the optimizer's state assumed 1x the parameters (unknown optimizer)"
+    return s
+
+@patch
+def _what(self:ExactPlan) -> str:
+    if self.staged and self.whole:
+        return (f"a window of {self.window} samples as one batch per process, each BatchNorm layer normalizing "
+                f"over all {world_size()} processes' windows (SyncBatchNorm's semantics: 2 collectives per layer), "
+                f"needs {fmt_bytes(self.device_needed)}{self._checked}")
+    if self.staged:
+        return (f"a window of {self.window} samples as one batch would need {fmt_bytes(self.device_needed)} "
+                f"({self._budget}), so it trains as one batch stage by stage in chunks of {self.chunk} or more "
+                f"{self._staged_memory}{self._checked}")
+    if not self.on_accelerator:
+        return (f"a window of {self.window} samples as one batch needs {fmt_bytes(self.host_needed)} "
+                f"({self._budget})")
+    where = f"in host memory{' (pinned)' if self.pinned else ''}" if self.offload else 'on the accelerator'
+    s = (f"a window of {self.window} samples as one batch, saved activations {where}, needs "
+         f"{fmt_bytes(self.device_needed)} of accelerator memory"
+         + (f" (budget {fmt_bytes(self.device_budget)})" if self.device_budget is not None else ''))
+    if self.offload:
+        s += f" and {fmt_bytes(self.host_needed)} of host memory (budget {fmt_bytes(self.host_budget)})"
+    return s
+
+# %% ../nbs/02a_exact.ipynb #36b8c134
+@patch(as_prop=True)
+def _staged_memory(self:ExactPlan) -> str:
+    "Where a staged step's bytes go: its chunks on the device, the values kept between stages (on a CPU, beside)."
+    kept = f"about {fmt_bytes(self.staged_host_needed)} of values kept between stages"
+    if not self.on_accelerator:
+        return (f"(each stage's as large as the budget leaves beside the parameters and the values kept, "
+                f"measured): at most {fmt_bytes(self.chunk_budget + self.model_needed)} in all, {kept} included")
+    return (f"(each stage's as large as {fmt_bytes(self.chunk_budget)} holds, measured): at most about "
+            f"{fmt_bytes(self.chunk_budget + self.model_needed)} on the device and {kept} in host memory")
+
+@patch(as_prop=True)
+def _checked(self:ExactPlan) -> str:
+    by = "; staged over an aten-level trace (torch.fx cannot trace the model)" if self.traced == 'aten' else ''
+    took = f" in {self.check_time:.1f} s" if self.check_time >= 0.05 else ''  # not a verdict read from a fit before
+    return (f"; {self.checked}{took}" if self.checked and self.reason is None else '') + by
+
+@patch(as_prop=True)
+def _budget(self:ExactPlan) -> str:
+    "The budget the whole window is held against: the device's if given (even on a CPU), else the host's."
+    if self.device_budget is not None: return f"device budget {fmt_bytes(self.device_budget)}"
+    return f"host budget {fmt_bytes(self.host_budget)}"
 
 # %% ../nbs/02a_exact.ipynb #7daaaa2c
 def free_memory(device:torch.device) -> tuple:
@@ -288,6 +301,7 @@ def check_budget(name:str, # the option, named in errors: 'device_memory' or 'ho
     if not value >= 1: raise ValueError(f"{name}={value!r}: a memory budget must be a positive number of bytes")
     return int(value)
 
+# %% ../nbs/02a_exact.ipynb #16ccb1c3
 def plan_exact(model:nn.Module, # the model to train
                xb:tuple, # one micro-batch of its inputs (measured, nothing changes)
                window:int, # samples per window
@@ -316,6 +330,7 @@ def plan_exact(model:nn.Module, # the model to train
     if offload is None and plan.on_accelerator and not plan.fits: plan.offload = True
     return plan
 
+# %% ../nbs/02a_exact.ipynb #765bed7f
 # torch's, before a step
 _state_per_param = dict(Adam=2, AdamW=2, Adamax=2, NAdam=2, RAdam=2, Adadelta=2, Adagrad=1, ASGD=2, Rprop=2, LBFGS=2)
 # fastai `Optimizer` callbacks that keep one parameter-sized tensor each
@@ -348,6 +363,7 @@ def optimizer_state(opt) -> float|None:
         return float(bool(d.get('momentum')) + (name == 'RMSprop') + bool(d.get('centered')))
     return float(_state_per_param[name]) if name in _state_per_param else None
 
+# %% ../nbs/02a_exact.ipynb #0d1e9dfb
 def held_bytes(model:nn.Module, # the model
                opt=None, # its optimizer (torch's, fastai's, or a wrapper of one), whose state is counted
               ) -> int:

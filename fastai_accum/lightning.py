@@ -6,6 +6,7 @@
 from __future__ import annotations
 import collections
 import torch
+from fastcore.basics import patch
 try: import lightning.pytorch as pl
 except ImportError: import pytorch_lightning as pl
 from .window import batch_size
@@ -77,28 +78,33 @@ class BatchNormAccumulation(FrontEnd, pl.Callback):
         # the core's window rule, which is Lightning's: every n-th batch and the epoch's last
         self._start_micro(batch_size(batch), last)
 
-    def _coming(self, trainer, pl_module, k:int) -> list:
-        "The next `k` training batches, on the device as `training_step` will get them."
-        # read ahead from Lightning's fetcher
-        if k <= 0: return []
-        fetcher = trainer.fit_loop._data_fetcher
-        if not isinstance(fetcher.iterator, _Lookahead): fetcher.iterator = _Lookahead(fetcher.iterator)
-        items = list(getattr(fetcher, 'batches', []))[:k]  # a prefetching fetcher already holds some
-        items += fetcher.iterator.peek(k - len(items))
-        out = []
-        for batch, *_ in items:
-            batch = pl_module._on_before_batch_transfer(batch, dataloader_idx=0)
-            out.append(trainer.strategy.batch_to_device(batch, dataloader_idx=0))
-        return out
-
-    def on_before_backward(self, trainer, pl_module, loss):
-        n = self.n_step  # Lightning divided the loss by n
-        # at the window's end also the correction (earlier gradients rescaled)
-        f = self.acc.loss_factor(loss.detach() * n) * n
-        if f != 1.: loss.register_hook(lambda g: g * f)  # = backward of loss * f, whatever the precision plugin does
-
-    def on_after_backward(self, trainer, pl_module):
-        self.acc.end_micro()  # at the window's end: commit BatchNorm statistics
-
     def on_train_end(self, trainer, pl_module): self._clear()
     def on_exception(self, trainer, pl_module, exception): self._clear()
+
+# %% ../nbs/07b_lightning.ipynb #8208ffcd
+@patch
+def _coming(self:BatchNormAccumulation, trainer, pl_module, k:int) -> list:
+    "The next `k` training batches, on the device as `training_step` will get them."
+    # read ahead from Lightning's fetcher
+    if k <= 0: return []
+    fetcher = trainer.fit_loop._data_fetcher
+    if not isinstance(fetcher.iterator, _Lookahead): fetcher.iterator = _Lookahead(fetcher.iterator)
+    items = list(getattr(fetcher, 'batches', []))[:k]  # a prefetching fetcher already holds some
+    items += fetcher.iterator.peek(k - len(items))
+    out = []
+    for batch, *_ in items:
+        batch = pl_module._on_before_batch_transfer(batch, dataloader_idx=0)
+        out.append(trainer.strategy.batch_to_device(batch, dataloader_idx=0))
+    return out
+
+# %% ../nbs/07b_lightning.ipynb #4e29ccd5
+@patch
+def on_before_backward(self:BatchNormAccumulation, trainer, pl_module, loss):
+    n = self.n_step  # Lightning divided the loss by n
+    # at the window's end also the correction (earlier gradients rescaled)
+    f = self.acc.loss_factor(loss.detach() * n) * n
+    if f != 1.: loss.register_hook(lambda g: g * f)  # = backward of loss * f, whatever the precision plugin does
+
+@patch
+def on_after_backward(self:BatchNormAccumulation, trainer, pl_module):
+    self.acc.end_micro()  # at the window's end: commit BatchNorm statistics

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, asdict
 import torch
 from torch import Tensor
+from fastcore.basics import patch
 from .meters import _nbytes
 
 # %% auto #0
@@ -87,6 +88,7 @@ def _part(t:Tensor) -> tuple:
     "Which part of which storage `t` is."
     return _storage(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
 
+# %% ../nbs/01b_link.ipynb #2c8cb3d5
 class Link:
     "The one door between a staged step's host store and the device: every copy either way, counted in `ledger`."
     def __init__(self,
@@ -136,22 +138,26 @@ class Link:
         if torch.device(device).type == 'cuda' and not t.is_pinned():  # pageable memory: the host waits
             led.blocking_copies, led.syncs = led.blocking_copies + 1, led.syncs + 1
 
-    def write(self, dst:Tensor, v:Tensor, kind:str):
-        "Copy `v` (on the device) into `dst`, part of a host tensor of the store; `kind`: 'kept' (a value) or 'grad'."
-        n, led = _nbytes(v), self.ledger
-        led.d2h_bytes, led.copies = led.d2h_bytes + n, led.copies + 1
-        if kind == 'kept': led.kept_bytes += n
-        else: led.grad_bytes += n
-        v = v.detach()
-        self.pending[_storage(dst)] = self.writes.issue(lambda: dst.copy_(v, non_blocking=True), (v,))
+# %% ../nbs/01b_link.ipynb #beeaa352
+@patch
+def write(self:Link, dst:Tensor, v:Tensor, kind:str):
+    "Copy `v` (on the device) into `dst`, part of a host tensor of the store; `kind`: 'kept' (a value) or 'grad'."
+    n, led = _nbytes(v), self.ledger
+    led.d2h_bytes, led.copies = led.d2h_bytes + n, led.copies + 1
+    if kind == 'kept': led.kept_bytes += n
+    else: led.grad_bytes += n
+    v = v.detach()
+    self.pending[_storage(dst)] = self.writes.issue(lambda: dst.copy_(v, non_blocking=True), (v,))
 
-    def sync(self, n:int=1):
-        "Count `n` waits of the host for the device made elsewhere (reading a device value on the host)."
-        self.ledger.syncs += n
+@patch
+def sync(self:Link, n:int=1):
+    "Count `n` waits of the host for the device made elsewhere (reading a device value on the host)."
+    self.ledger.syncs += n
 
-    def done(self):
-        "The window is over: what is computed next waits for every copy (reads started ahead and not taken dropped)."
-        self.writes.done()
-        self.reads.done()
-        self.pending.clear()
-        self.fetched.clear()
+@patch
+def done(self:Link):
+    "The window is over: what is computed next waits for every copy (reads started ahead and not taken dropped)."
+    self.writes.done()
+    self.reads.done()
+    self.pending.clear()
+    self.fetched.clear()

@@ -61,6 +61,7 @@ def _cast_of(t:torch.Tensor, keys:set) -> bool:
         if hasattr(f, 'variable'): return _storage_key(f.variable)[0] in keys
     return False
 
+# %% ../nbs/00_meters.ipynb #ebae4536
 class SavedTensorMeter:
     "Live and peak bytes of the distinct storages autograd saves for backward, via saved-tensor hooks."
     def __init__(self, exclude:nn.Module|None=None, # a model whose parameters and buffers are not counted

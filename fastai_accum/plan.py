@@ -55,6 +55,7 @@ def auto_picks_exact(plan:ExactPlan) -> bool:
     "The default policy's rule: train windows as one batch when that fits the budgets without offload."
     return plan.fits and not plan.offload
 
+# %% ../nbs/02e_plan.ipynb #4e6c94ed
 def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' or a BatchNorm policy
                  model:nn.Module, # the model to train
                  peek, # called without arguments: one training micro-batch's model inputs (only when needed)
@@ -180,7 +181,7 @@ def _agreed(device, # this process's training device (NCCL reduces there)
     return [bool(v) for v in t.tolist()]
 
 # %% ../nbs/02e_plan.ipynb #a1b2c3e1
-@dataclass
+@dataclass(frozen=True)
 class TrainingPlan:
     "How a fit trains: the path, the policy the accumulating layers take, the memory plan behind it, and why."
     path:str # 'exact', 'staged exact', 'ghost micro-batches', 'frozen BatchNorm', 'no BatchNorm', or a BatchNorm policy
@@ -192,6 +193,8 @@ class TrainingPlan:
     window:str='' # the window's size, in words
     name:str='GradientAccumulation' # the front end, who speaks in the headline
     model_eval:bool=False # the whole model was in eval mode when planned (a plain loop without `model.train()`)
+    wrap_plain:bool=False # plain BatchNorm layers become `AccumulateBatchNorm` (the user's wrapped ones accumulate anyway)
+    inputs_on:str|None=None # where a window's model inputs wait: 'cpu' (host memory) for a staged step on an accelerator
 
     @property
     def exact(self) -> bool: return self.path in ('exact', 'staged exact')
@@ -199,6 +202,10 @@ class TrainingPlan:
     def staged(self) -> bool: return self.path == 'staged exact'
     @property
     def ghost_micro(self) -> bool: return self.path == 'ghost micro-batches'
+    @property
+    def reads_ahead(self) -> bool:
+        "Does a front end read each window ahead: whole windows, or window BN's pre-pass over the window?"
+        return self.exact or self.path == 'window'
     @property
     def reason(self) -> str|None: return self.memory.reason if self.memory is not None else None
 
@@ -234,7 +241,8 @@ def plan_training(policy:str, # the front end's policy (`check_policy`)
                   peek, # called without arguments: one micro-batch's model inputs (only when needed)
                   n_step:int|None=None, # micro-batches per window
                   n_acc:int|None=None, # or: samples per window
-                  wrap:bool=True, # plain BatchNorm layers will be wrapped (else only wrapped layers accumulate)
+                  wrap:bool=True, # plain BatchNorm layers may be wrapped (else only wrapped layers accumulate)
+                  merge_exact:bool=True, # a whole window under DDP: wrap, so that running statistics merge
                   bn_batch:int|None=None, # samples per ghost batch
                   name:str='GradientAccumulation', # the front end, named in errors
                   **kwargs, # budgets, `offload`, `verify`, `autocast`, `opt_state`: as `choose_exact`
@@ -246,12 +254,14 @@ def plan_training(policy:str, # the front end's policy (`check_policy`)
     how = dict(policy=policy, memory=memory, bn_batch=bn_batch, n_bn=len(modes), name=name,
                model_eval=not model.training, window=f"{n_step} micro-batches" if n_step else f"{n_acc} samples")
     if ghost_micro: return TrainingPlan('ghost micro-batches', **how)
-    if exact and memory.staged: return TrainingPlan('staged exact', **how)
-    if exact: return TrainingPlan('exact', layers='micro', **how)
+    if exact and memory.staged:  # on an accelerator the window's inputs wait in host memory, read chunk by chunk
+        wait = 'cpu' if not memory.whole and memory.on_accelerator else None
+        return TrainingPlan('staged exact', inputs_on=wait, **how)
+    if exact: return TrainingPlan('exact', layers='micro', wrap_plain=wrap and merge_exact and world_size() > 1, **how)
     if modes and not any(modes): return TrainingPlan('frozen BatchNorm', **how)
     layers = policy if policy in bn_policies else 'window'  # 'auto' (and a whole-window policy with nothing to do)
     accumulates = bn_layers(model, accumulating=True) or (wrap and modes)
-    return TrainingPlan(layers if accumulates else 'no BatchNorm', layers=layers, **how)
+    return TrainingPlan(layers if accumulates else 'no BatchNorm', layers=layers, wrap_plain=wrap, **how)
 
 def _ghost_micro(k:int, exact:bool, memory:ExactPlan, model:nn.Module, name:str) -> bool:
     "Do ghost batches of `k` train micro-batch by micro-batch? (Not whole windows, and micro-batches hold whole ones.)"

@@ -82,6 +82,7 @@ class PrepassPlan:
 
     def __repr__(self): return f'{type(self).__name__}({self.describe()})'
 
+# %% ../nbs/01a_prepass.ipynb #7b7ca11b
 def _largest_activation(model, xb) -> int:
     "Largest leaf-module input + output in one forward: a lower bound on what a forward holds."
     # for models torch.fx cannot trace
@@ -146,6 +147,7 @@ def _prepass_mode(model, layers, xbs, chunk, memory) -> tuple:
         return 'whole', None, None
     return mode, chunk, sg
 
+# %% ../nbs/01a_prepass.ipynb #bbe7705b
 def _run_prepass(model, xbs, mode, chunk, sg, store, meter, info):
     "The pre-pass forward(s): the whole window at once, or staged over chunks."
     # with `meter`, the activation bytes go into `info`

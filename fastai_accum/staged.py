@@ -14,6 +14,7 @@ from torch import Tensor
 from torch.fx.node import map_aggregate
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_unflatten
+from fastcore.basics import patch
 from .meters import ByteMeter, _tensors
 from .helpers import _to, random_state_kept, plain_tensor
 from .batchnorm import norm_only
@@ -108,72 +109,77 @@ class StagedGraph:
         if n.op == 'call_method': return getattr(args[0], n.target)(*args[1:], **kwargs)
         raise RuntimeError(f'StagedGraph: unexpected node {n.op} {n.target}')
 
-    @torch.no_grad()
-    def run(self,
-            chunks:list, # the window's inputs, chunk by chunk: each a tuple of model inputs
-            observe, # `observe(module, x)`: one chunk of a barrier's input (all chunks, in order, before `close`)
-            close, # `close(module)`: the barrier has seen its whole window; it runs on the chunks after this
-            store=None, # device for values living across a barrier (e.g. 'cpu' for a CUDA model); None: left in place
-            meter:ByteMeter|None=None, # counts a stage's activations on the device (not values kept across barriers)
-            stored:ByteMeter|None=None, # counts the values kept across barriers (in `store`)
+# %% ../nbs/00a_staged.ipynb #b29316c9
+@patch
+@torch.no_grad()
+def run(self:StagedGraph,
+        chunks:list, # the window's inputs, chunk by chunk: each a tuple of model inputs
+        observe, # `observe(module, x)`: one chunk of a barrier's input (all chunks, in order, before `close`)
+        close, # `close(module)`: the barrier has seen its whole window; it runs on the chunks after this
+        store=None, # device for values living across a barrier (e.g. 'cpu' for a CUDA model); None: left in place
+        meter:ByteMeter|None=None, # counts a stage's activations on the device (not values kept across barriers)
+        stored:ByteMeter|None=None, # counts the values kept across barriers (in `store`)
+       ):
+    "Run every node once per sample; a barrier `observe`s every chunk of its input, `close`s, then runs."
+    kept = [dict() for _ in chunks]  # per chunk: values a later stage needs
+    ends = self.barriers + [len(self.nodes)]
+    start = 0
+    for end in ends:
+        for c, xb in enumerate(chunks):
+            dev = next((t.device for t in _tensors(tuple(xb))), None)
+            env = {}
+            for n in [n for n in kept[c] if any(start <= u <= end for u in self.uses[n])]:  # used in this stage
+                v = kept[c].pop(n)
+                if stored: stored.drop(v)
+                env[n] = _to(v, dev) if store is not None else v
+                if meter: meter.hold(env[n])
+            for i in range(start, min(end + 1, len(self.nodes))):
+                n = self.nodes[i]
+                if i == end:  # the next barrier: it sees this chunk's input now and runs in the next stage
+                    observe(self.modules[n.target], self._value(n.args[0], env, xb))
+                    break
+                env[n] = v = self._run_node(n, env, xb)
+                if meter: meter.hold(v)
+                for a in n.all_input_nodes:  # free what no later node needs
+                    if a in env and self.uses[a][-1] <= i:
+                        if meter: meter.drop(env[a])
+                        del env[a]
+            for n, v in env.items():  # what a later stage needs leaves the device
+                if meter: meter.drop(v)
+                if not self.uses[n] or self.uses[n][-1] < end: continue
+                kept[c][n] = v = _to(v, store) if store is not None else v
+                if stored: stored.hold(v)
+            del env
+        if end < len(self.nodes): close(self.modules[self.nodes[end].target])
+        start = end
+
+# %% ../nbs/00a_staged.ipynb #b3dcf0e9
+@patch
+@torch.no_grad()
+def forward(self:StagedGraph,
+            xb:tuple, # one batch of model inputs
+            meter:ByteMeter|None=None, # counts the activations held, freed after their last use
            ):
-        "Run every node once per sample; a barrier `observe`s every chunk of its input, `close`s, then runs."
-        kept = [dict() for _ in chunks]  # per chunk: values a later stage needs
-        ends = self.barriers + [len(self.nodes)]
-        start = 0
-        for end in ends:
-            for c, xb in enumerate(chunks):
-                dev = next((t.device for t in _tensors(tuple(xb))), None)
-                env = {}
-                for n in [n for n in kept[c] if any(start <= u <= end for u in self.uses[n])]:  # used in this stage
-                    v = kept[c].pop(n)
-                    if stored: stored.drop(v)
-                    env[n] = _to(v, dev) if store is not None else v
-                    if meter: meter.hold(env[n])
-                for i in range(start, min(end + 1, len(self.nodes))):
-                    n = self.nodes[i]
-                    if i == end:  # the next barrier: it sees this chunk's input now and runs in the next stage
-                        observe(self.modules[n.target], self._value(n.args[0], env, xb))
-                        break
-                    env[n] = v = self._run_node(n, env, xb)
-                    if meter: meter.hold(v)
-                    for a in n.all_input_nodes:  # free what no later node needs
-                        if a in env and self.uses[a][-1] <= i:
-                            if meter: meter.drop(env[a])
-                            del env[a]
-                for n, v in env.items():  # what a later stage needs leaves the device
-                    if meter: meter.drop(v)
-                    if not self.uses[n] or self.uses[n][-1] < end: continue
-                    kept[c][n] = v = _to(v, store) if store is not None else v
-                    if stored: stored.hold(v)
-                del env
-            if end < len(self.nodes): close(self.modules[self.nodes[end].target])
-            start = end
+    "A plain forward through the nodes (up to the last barrier), as the model's own forward runs them."
+    env = {}
+    for i, n in enumerate(self.nodes):
+        env[n] = v = self._run_node(n, env, xb)
+        if meter: meter.hold(v)
+        for a in n.all_input_nodes:
+            if a in env and self.uses[a][-1] <= i:
+                v = env.pop(a)
+                if meter: meter.drop(v)
 
-    @torch.no_grad()
-    def forward(self,
-                xb:tuple, # one batch of model inputs
-                meter:ByteMeter|None=None, # counts the activations held, freed after their last use
-               ):
-        "A plain forward through the nodes (up to the last barrier), as the model's own forward runs them."
-        env = {}
-        for i, n in enumerate(self.nodes):
-            env[n] = v = self._run_node(n, env, xb)
-            if meter: meter.hold(v)
-            for a in n.all_input_nodes:
-                if a in env and self.uses[a][-1] <= i:
-                    v = env.pop(a)
-                    if meter: meter.drop(v)
-
-    def measure(self,
-                xb:tuple, # one batch of model inputs
-               ) -> tuple[int, int]:
-        "Peak activation bytes of a plain forward of `xb` and of `xb` run as one staged chunk."
-        # in the model's current mode (eval mode changes no state)
-        whole, stage = ByteMeter(), ByteMeter()
-        self.forward(xb, whole)
-        self.run([xb], lambda m, x: None, lambda m: None, meter=stage)
-        return whole.peak, stage.peak
+@patch
+def measure(self:StagedGraph,
+            xb:tuple, # one batch of model inputs
+           ) -> tuple[int, int]:
+    "Peak activation bytes of a plain forward of `xb` and of `xb` run as one staged chunk."
+    # in the model's current mode (eval mode changes no state)
+    whole, stage = ByteMeter(), ByteMeter()
+    self.forward(xb, whole)
+    self.run([xb], lambda m, x: None, lambda m: None, meter=stage)
+    return whole.peak, stage.peak
 
 def _get_attr(model, target:str):
     obj = model

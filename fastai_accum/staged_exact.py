@@ -16,7 +16,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.fx.node import map_aggregate
 from torch.utils._pytree import tree_flatten, tree_unflatten, tree_map
 from .meters import _nbytes, fmt_bytes
-from .stats import ChannelStats, all_reduce_stats, momentum_step
+from .stats import ChannelStats, all_reduce_stats, commit_stats, channel_sums, project_
 from .distributed import world_size
 from .staged import StagedGraph, bn_graph, untraceable_reason, staged_graph, aten_graph, _signature
 from .helpers import (_to, _tensors, random_state_kept, is_accelerator, can_pin, ReplacedForward,
@@ -113,48 +113,52 @@ class StagedStep(StagedGraph):
         stages = f", {len(self.stages)} stages" if hasattr(self, 'stages') else ''
         return f'{type(self).__name__}({len(self.nodes)} nodes{stages})'
 
-    def _plan(self):
-        "Stages from the modes the layers are in now: stage s+1 starts with the s-th training BatchNorm node."
-        bars = [i for i, n in enumerate(self.nodes) if n.op == 'call_module' and _is_barrier(self.modules[n.target])]
-        # the last stage is cut before its first random op (a head's dropout): what comes before runs in chunks,
-        # the rest whole, so its masks are the big batch's without the whole window of the ops before it
-        cut = next((i for i in range(bars[-1] + 1, len(self.nodes)) if _draws(self.nodes[i], self.modules)),
-                   None) if bars else None
-        bounds = [0] + bars + ([cut] if cut else []) + [len(self.nodes)]
-        self.stages = [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
-        self.bars = [None] + [self.nodes[i] if i != cut else None for i in bounds[1:-1]]  # the barrier opening each
-        # a stage cut before a random op that writes in place (`Dropout(inplace=True)`) runs on copies of its inputs:
-        # they are chunks of the store (which the backward reads again), or leaves, which autograd does not let an op
-        # modify
-        self.copies = [cut is not None and s == len(self.stages) - 1 and
-                       any(_writes_in_place(self.nodes[i], self.modules) for i in idx)
-                       for s, idx in enumerate(self.stages)]
-        self.from_input = set(self.inputs)  # nodes computed from the model's inputs: their tensors hold the batch
-        for n in self.nodes:
-            if any(a in self.from_input for a in n.all_input_nodes): self.from_input.add(n)
-        owner = {self.nodes[i]: s for s, idx in enumerate(self.stages) for i in idx}
-        owner.update({p: -1 for p in self.inputs})
-        for s in range(1, len(self.stages)): self.stages[s] = self._recomputing(s, owner)
-        members = [{self.nodes[i] for i in idx} for idx in self.stages]
-        reads = [{a for u in mem for a in u.all_input_nodes if a in owner and a not in mem} for mem in members]
-        for s, bar in enumerate(self.bars[1:]):  # the BatchNorm ending stage s takes its statistics there
-            x = bar.args[0] if bar is not None else None  # it may come from an earlier stage (a U-Net's skip)
-            if isinstance(x, fx.Node) and x in owner and x not in members[s]: reads[s].add(x)
-        outs = set(self.output.all_input_nodes)
-        self.stage_in = [[n for n in owner if n in reads[s]] for s in range(len(self.stages))]
-        self.stage_out = [[self.nodes[i] for i in idx if owner[self.nodes[i]] == s and
-                           (self.nodes[i] in outs or any(self.nodes[i] in r for r in reads[s + 1:]))]
-                          for s, idx in enumerate(self.stages)]
-        self.stage_params = [_params_of(self, [self.nodes[i] for i in idx]) for idx in self.stages]
-        opens = self.bars[1:] + [None]  # the barrier that ends each stage
-        self.reads_input = [any(n.op == 'placeholder' for n in self.stage_in[s])
-                            or (b is not None and b.args[0].op == 'placeholder')
-                            for s, b in enumerate(opens)]  # only these stages copy the window's inputs to the device
-        # nodes holding the batch's size: 'int' (`x.size(0)`, `len(x)`) or 'shape' (`x.shape`, batch first)
-        self.sizes = {}
-        for n in self.nodes: _size_kind(n, self.sizes)
-        self._store_plan()
+# %% ../nbs/02b_staged_exact.ipynb #fb8ff1e8
+def _plan(self):
+    "Stages from the modes the layers are in now: stage s+1 starts with the s-th training BatchNorm node."
+    bars = [i for i, n in enumerate(self.nodes) if n.op == 'call_module' and _is_barrier(self.modules[n.target])]
+    # the last stage is cut before its first random op (a head's dropout): what comes before runs in chunks,
+    # the rest whole, so its masks are the big batch's without the whole window of the ops before it
+    cut = next((i for i in range(bars[-1] + 1, len(self.nodes)) if _draws(self.nodes[i], self.modules)),
+               None) if bars else None
+    bounds = [0] + bars + ([cut] if cut else []) + [len(self.nodes)]
+    self.stages = [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    self.bars = [None] + [self.nodes[i] if i != cut else None for i in bounds[1:-1]]  # the barrier opening each
+    # a stage cut before a random op that writes in place (`Dropout(inplace=True)`) runs on copies of its inputs:
+    # they are chunks of the store (which the backward reads again), or leaves, which autograd does not let an op
+    # modify
+    self.copies = [cut is not None and s == len(self.stages) - 1 and
+                   any(_writes_in_place(self.nodes[i], self.modules) for i in idx)
+                   for s, idx in enumerate(self.stages)]
+    self.from_input = set(self.inputs)  # nodes computed from the model's inputs: their tensors hold the batch
+    for n in self.nodes:
+        if any(a in self.from_input for a in n.all_input_nodes): self.from_input.add(n)
+    owner = {self.nodes[i]: s for s, idx in enumerate(self.stages) for i in idx}
+    owner.update({p: -1 for p in self.inputs})
+    for s in range(1, len(self.stages)): self.stages[s] = self._recomputing(s, owner)
+    members = [{self.nodes[i] for i in idx} for idx in self.stages]
+    reads = [{a for u in mem for a in u.all_input_nodes if a in owner and a not in mem} for mem in members]
+    for s, bar in enumerate(self.bars[1:]):  # the BatchNorm ending stage s takes its statistics there
+        x = bar.args[0] if bar is not None else None  # it may come from an earlier stage (a U-Net's skip)
+        if isinstance(x, fx.Node) and x in owner and x not in members[s]: reads[s].add(x)
+    outs = set(self.output.all_input_nodes)
+    self.stage_in = [[n for n in owner if n in reads[s]] for s in range(len(self.stages))]
+    self.stage_out = [[self.nodes[i] for i in idx if owner[self.nodes[i]] == s and
+                       (self.nodes[i] in outs or any(self.nodes[i] in r for r in reads[s + 1:]))]
+                      for s, idx in enumerate(self.stages)]
+    self.stage_params = [_params_of(self, [self.nodes[i] for i in idx]) for idx in self.stages]
+    opens = self.bars[1:] + [None]  # the barrier that ends each stage
+    self.reads_input = [any(n.op == 'placeholder' for n in self.stage_in[s])
+                        or (b is not None and b.args[0].op == 'placeholder')
+                        for s, b in enumerate(opens)]  # only these stages copy the window's inputs to the device
+    # nodes holding the batch's size: 'int' (`x.size(0)`, `len(x)`) or 'shape' (`x.shape`, batch first)
+    self.sizes = {}
+    for n in self.nodes: _size_kind(n, self.sizes)
+    self._store_plan()
 
+StagedStep._plan = _plan
+
+# %% ../nbs/02b_staged_exact.ipynb #f2f1bedf
 def _recomputing(self, s:int, owner:dict) -> list:
     "Stage `s`'s node indices, plus the parameter-only nodes of earlier stages it reads, recomputed."
     # the nodes of earlier stages it reads that are computed from parameters and constants alone
@@ -173,6 +177,7 @@ def _recomputing(self, s:int, owner:dict) -> list:
 
 StagedStep._recomputing = _recomputing
 
+# %% ../nbs/02b_staged_exact.ipynb #6fce0b9d
 def _size_kind(n, sizes:dict):
     "Note in `sizes` whether node `n` holds the batch's size: 'int' or 'shape'."
     # 'int': `x.size(0)`, `len(x)`; 'shape': `x.shape`, `x.size()` or a slice of them from the front
@@ -307,6 +312,9 @@ def _run_stage(self, s:int, env:dict, xb:tuple, grad:bool):
         env[n] = _extras(m, n, F.batch_norm(x, mean, var, m.weight, m.bias, False, 0., m.eps))
     return leaf
 
+StagedStep._run_stage = _run_stage
+
+# %% ../nbs/02b_staged_exact.ipynb #96d4120c
 def _xb(self, a:int, b:int, dev, grad:bool=False, s:int|None=None) -> tuple:
     "Samples a:b of the window's inputs (which may wait in host memory) on `dev`."
     # for a backward, a chunk of their own; none for a stage `s` that does not read them
@@ -341,6 +349,13 @@ def _kept_chunk(self, key, a:int, b:int, dev, grad:bool) -> Tensor:
     if grad and _storage(v) == _storage(t): v = v.clone()
     return v.detach().requires_grad_(v.is_floating_point()) if grad else v
 
+StagedStep._xb = _xb
+StagedStep._input = _input
+StagedStep._read = _read
+StagedStep._stage_inputs = _stage_inputs
+StagedStep._kept_chunk = _kept_chunk
+
+# %% ../nbs/02b_staged_exact.ipynb #549cdd9c
 def _struct(self, n, a:int, b:int, tensor) -> object:
     "Node `n`'s container value (a tuple, list or dict holding batch tensors) for samples a:b."
     # its batch tensors from `tensor((n, i))`
@@ -374,6 +389,13 @@ def _put(self, t:Tensor, a:int, b:int, v:Tensor, kind:str):
     if self.link.holds(t): self.link.write(t[a:b], v, kind)
     else: t[a:b].copy_(v)
 
+StagedStep._put = _put
+StagedStep._keep = _keep
+StagedStep._struct = _struct
+StagedStep._struct_keys = _struct_keys
+StagedStep._keys = _keys
+
+# %% ../nbs/02b_staged_exact.ipynb #1da44b7a
 def _add_grad(self, grads:dict, k, g:Tensor, a:int, b:int):
     "Add one chunk's gradient `g` of kept value `k` (samples a:b) into the window-sized `grads[k]`."
     # the first contribution to those samples is copied in as it is (no zero-fill, no sum on the host); a later one is
@@ -412,6 +434,11 @@ def _hold(self, n, v, a:int, b:int):
             v = [None if i in idx else t for i, t in enumerate(leaves)]  # the rest, carried
     self.carried.setdefault(n, {})[a, b] = v
 
+StagedStep._add_grad = _add_grad
+StagedStep._grad_chunk = _grad_chunk
+StagedStep._hold = _hold
+
+# %% ../nbs/02b_staged_exact.ipynb #a5754f9f
 def _batched(self, key, v, a:int, b:int) -> bool:
     "Is `v`, the value of `key` (a node, or a container's (node, i)) on samples a:b, a batch tensor from the inputs?"
     # one row per sample, or k (`_factor`: views folded into the batch)
@@ -435,6 +462,10 @@ def _carried(self, n, a:int, b:int):
     raise RuntimeError(f"staged exact: {n.name} (a {type(first).__name__}) differs from chunk to chunk "
                        "and is read by a stage chunked otherwise")
 
+StagedStep._carried = _carried
+StagedStep._batched = _batched
+
+# %% ../nbs/02b_staged_exact.ipynb #38865ca7
 class _Sized(int):
     "Where a value held `k` times its chunk's size."
 
@@ -458,6 +489,7 @@ def _same(u, v) -> bool:
     try: return bool(u == v)
     except Exception: return False
 
+# %% ../nbs/02b_staged_exact.ipynb #0ad7c6be
 def _store_tensor(self, shape:tuple, dtype, device) -> Tensor:
     "A window-sized tensor of the store: one an earlier window gave back (`_recycle`), or new; the link counts it."
     # a new host tensor of hundreds of MiB costs its page faults, about 4x a copy into it (a pinned one, its pinning):
@@ -476,22 +508,6 @@ def _recycle(self, ts):
 
 StagedStep._store_tensor = _store_tensor
 StagedStep._recycle = _recycle
-StagedStep._run_stage = _run_stage
-StagedStep._xb = _xb
-StagedStep._input = _input
-StagedStep._read = _read
-StagedStep._put = _put
-StagedStep._add_grad = _add_grad
-StagedStep._grad_chunk = _grad_chunk
-StagedStep._stage_inputs = _stage_inputs
-StagedStep._keep = _keep
-StagedStep._hold = _hold
-StagedStep._carried = _carried
-StagedStep._batched = _batched
-StagedStep._kept_chunk = _kept_chunk
-StagedStep._struct = _struct
-StagedStep._struct_keys = _struct_keys
-StagedStep._keys = _keys
 
 # %% ../nbs/02b_staged_exact.ipynb #c2294600
 def _factor(self, key) -> int:
@@ -563,6 +579,9 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
     self.store_costs[self.signature, self.autocast] = max(map(self._store_bytes, range(len(self.stages)))) / self.W
     return self._output(dev)
 
+StagedStep.forward = _forward
+
+# %% ../nbs/02b_staged_exact.ipynb #603fc20b
 def _producer_spans(self, s:int) -> list|None:
     "The chunks of the stage that made a value stage `s` reads whose size arithmetic is unknown (`x.size(0) * 5`)."
     # seen at one chunk size only, such a value cannot be told from a constant: stage `s` runs in the same chunks
@@ -591,6 +610,10 @@ def _kept_from(self) -> int:
         first = s
     return first
 
+StagedStep._kept_from = _kept_from
+StagedStep._producer_spans = _producer_spans
+
+# %% ../nbs/02b_staged_exact.ipynb #1660e087
 def _first_chunk(self, s:int, chunk:int) -> tuple:
     "(samples per chunk of stage `s`, whether its first chunk measures the stage's bytes per sample)."
     key = self._cost_key(s)
@@ -622,6 +645,11 @@ def _cost_key(self, s:int) -> tuple:
     first = self.nodes[self.stages[s][0]].name if self.stages[s] else ''
     return first, len(self.stages[s]), self.signature, self.autocast
 
+StagedStep._first_chunk = _first_chunk
+StagedStep._sized = _sized
+StagedStep._cost_key = _cost_key
+
+# %% ../nbs/02b_staged_exact.ipynb #927e133c
 def _stage_cost(self, env:dict, n:int, saved:dict) -> float:
     "Bytes per sample one chunk of a stage holds in its backward, from its forward on `n` samples with a graph."
     # every batch tensor it computed or read (`env`), those autograd saved besides (`saved`, {data_ptr: bytes}: the
@@ -648,6 +676,11 @@ def _kept_bytes(self, n) -> int:
     if n in self.kept: return _nbytes(self.kept[n])
     return sum(_nbytes(self.kept[n, i]) for i in self.structs[n][1]) if n in self.structs else 0
 
+StagedStep._kept_bytes = _kept_bytes
+StagedStep._stage_cost = _stage_cost
+StagedStep._saved_counted = _saved_counted
+
+# %% ../nbs/02b_staged_exact.ipynb #a372d4ea
 def _stage_forward(self, s:int, dev, chunk:int):
     "Run stage `s` over the window chunk by chunk, no graph; keep what later stages and the output read."
     # the last stage reruns in one chunk if it draws random numbers (dropout): its masks are then the big batch's (the
@@ -696,6 +729,9 @@ def _next_span(b:int, c:int, W:int, fixed:list|None) -> tuple|None:
     if fixed: return next((span for span in fixed if span[0] == b), None)
     return (b, min(b + c, W)) if b < W else None
 
+StagedStep._stage_forward = _stage_forward
+
+# %% ../nbs/02b_staged_exact.ipynb #195244bf
 def _say_random(self):
     "Warn once that some stages drew their random numbers (dropout masks) chunk by chunk."
     if self._said_random: return
@@ -733,6 +769,10 @@ def _plain_containers(o):
     if isinstance(o, (list, tuple)): return (list if isinstance(o, list) else tuple)(_plain_containers(v) for v in o)
     return o
 
+StagedStep._output = _output
+StagedStep._say_random = _say_random
+
+# %% ../nbs/02b_staged_exact.ipynb #eee4099d
 @torch.no_grad()
 def _close(self, bar, st:ChannelStats):
     "Barrier node `bar` has seen its window: fix its statistics, commit its module's running statistics."
@@ -749,9 +789,7 @@ def _close(self, bar, st:ChannelStats):
     if not (m.training and m.track_running_stats): return
     # a window whose statistics are not finite (a NaN or inf in the input) commits none: decided on the device, and
     # said at the forward's end (`_say_not_finite`), so that no layer waits for the device
-    finite = torch.isfinite(st.mean).all() & torch.isfinite(st.m2).all()
-    self.finite.append((bar, finite))
-    momentum_step(m, st.mean, st.var, finite)
+    self.finite.append((bar, commit_stats(m, st, wait=False)))
 
 def _say_not_finite(self):
     "Warn about each layer whose window statistics were not finite (its running statistics kept): one sync a window."
@@ -763,6 +801,10 @@ def _say_not_finite(self):
                                  stacklevel=4)
     self.finite = []
 
+StagedStep._close = _close
+StagedStep._say_not_finite = _say_not_finite
+
+# %% ../nbs/02b_staged_exact.ipynb #8f741383
 def _copies(self, dev) -> tuple:
     "How the link issues its writes and its reads ahead: each on a CUDA stream of its own (made once per step), else as they come."
     if getattr(self, '_cuda_copies', None) is None and dev.type == 'cuda':
@@ -794,22 +836,8 @@ def _prefetch(self, s:int, span, grads:dict|None=None):
             for fixed, *_ in self.projections.get(k, ()):
                 if self.link.holds(fixed): self.link.prefetch(fixed[a:b], dev)
 
-StagedStep.forward = _forward
-StagedStep._output = _output
-StagedStep._close = _close
-StagedStep._say_not_finite = _say_not_finite
 StagedStep._copies = _copies
 StagedStep._prefetch = _prefetch
-StagedStep._stage_forward = _stage_forward
-StagedStep._say_random = _say_random
-StagedStep._kept_bytes = _kept_bytes
-StagedStep._first_chunk = _first_chunk
-StagedStep._kept_from = _kept_from
-StagedStep._producer_spans = _producer_spans
-StagedStep._sized = _sized
-StagedStep._cost_key = _cost_key
-StagedStep._stage_cost = _stage_cost
-StagedStep._saved_counted = _saved_counted
 
 # %% ../nbs/02b_staged_exact.ipynb #1494d3bf
 def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shaped as the output: a tensor, a dict, ...)
@@ -868,6 +896,9 @@ def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shap
             if g is not None: p.grad = g if p.grad is None else p.grad + g
     return pgrads
 
+StagedStep.backward = _backward
+
+# %% ../nbs/02b_staged_exact.ipynb #59c3ea96
 def _affine_sums(self, s:int, bar, index:dict, pgrads:list):
     "A function giving barrier `bar`'s window sums from its weight's and bias's gradients, where they hold them."
     # BatchNorm with fixed statistics: g = dy·w·invstd, so Σ g = w·invstd·Σ dy (the bias's gradient) and
@@ -905,6 +936,11 @@ def _reads(self, n) -> set:
     if n.op == 'get_attr': return {id(self._value(n, {}, ()))}
     return set()
 
+StagedStep._affine_sums = _affine_sums
+StagedStep._param_readers = _param_readers
+StagedStep._bar_params = _bar_params
+
+# %% ../nbs/02b_staged_exact.ipynb #cb12f709
 def _recomputed(self, s:int, a:int, b:int, dev, autocast) -> tuple:
     "(values, BatchNorm input leaf) of stage `s` on samples a:b, run again with a graph, the forward's random state."
     env = self._stage_inputs(s, a, b, dev, grad=True)
@@ -936,6 +972,11 @@ def _output_grads(self, grad) -> dict:
         grads[k.key] = g if k.key not in grads else grads[k.key] + g
     return grads
 
+StagedStep._output_grads = _output_grads
+StagedStep._check_carried = _check_carried
+StagedStep._recomputed = _recomputed
+
+# %% ../nbs/02b_staged_exact.ipynb #838034c4
 class _Key:
     "A key of `grads` (a node, or (node, i) for a container's i-th tensor), whole where pytree flattens."
     def __init__(self, key): self.key = key
@@ -970,17 +1011,17 @@ def _shared_storages(outs:list, got) -> set:
         seen.add(k)
     return shared
 
+StagedStep._grads = _grads
+
+# %% ../nbs/02b_staged_exact.ipynb #314cf5d5
 @torch.no_grad()
 def _window_sums(self, bar, x:Tensor, g:Tensor, sums:Tensor|None) -> Tensor:
     "`sums` plus one chunk's per-channel Σ g and Σ g·x̂, in at least float32."
     # g: the input gradient with the statistics held fixed; at least float32 as BatchNorm's own backward: an fp16 sum
     # over a window of scaled gradients overflows
     # Σ g·x̂ = invstd · Σ g·(x - mean): one temporary
-    dims, acc = [0] + list(range(2, x.dim())), torch.promote_types(g.dtype, torch.float32)
     mean, _, invstd = self.stats[bar]
-    g = g.to(acc)
-    centred = x.to(acc) - mean.to(acc).view([1, -1] + [1] * (x.dim() - 2))
-    part = torch.stack([g.sum(dims), centred.mul_(g).sum(dims) * invstd.to(acc)])
+    part = channel_sums(g, x, mean, invstd)
     return part if sums is None else sums + part
 
 @torch.no_grad()
@@ -993,10 +1034,8 @@ def _project(self, s:int, bar, fixed:Tensor, sums:Tensor):
     if not isinstance(x, fx.Node) or x.op == 'placeholder':  # a model input: no gradient to pass on
         return self._recycle([fixed])
     n, (mean, _, invstd) = self.count[bar], self.stats[bar]
-    shape = [1, -1] + [1] * (fixed.dim() - 2 - (self._factor(x) > 1))  # (the store's (W, k, ...) of folded views)
-    s1, s2 = (sums / n).unbind(0)
-    scale = (invstd.to(sums.dtype) * s2).view(shape)
-    self.projections.setdefault(x, []).append((fixed, mean.to(sums.dtype).view(shape), scale, s1.view(shape)))
+    mean_f, mean_fx = (sums / n).unbind(0)
+    self.projections.setdefault(x, []).append((fixed, mean, invstd, mean_f, mean_fx))
 
 @torch.no_grad()
 def _out_grad(self, grads:dict, k, a:int, b:int, x:Tensor) -> Tensor:
@@ -1006,20 +1045,11 @@ def _out_grad(self, grads:dict, k, a:int, b:int, x:Tensor) -> Tensor:
     # dx is written over the fixed gradient's chunk (read for this chunk alone), so no chunk-sized gradient is added
     # to what the chunk's backward holds
     g = self._unstored(k, self._grad_chunk(grads, k, a, b, x.device), b - a) if k in grads else None
-    for fixed, mean, scale, s1 in self.projections.get(k, ()):
-        f = self._unstored(k, self._read(fixed[a:b], x.device), b - a)
-        f.copy_((mean - x.detach().to(mean.dtype)).mul_(scale).add_(f).sub_(s1))
+    for fixed, *stats in self.projections.get(k, ()):
+        f = project_(self._unstored(k, self._read(fixed[a:b], x.device), b - a), x.detach(), *stats)
         g = f if g is None else f.add_(g)
     return g
 
-StagedStep.backward = _backward
-StagedStep._grads = _grads
-StagedStep._output_grads = _output_grads
-StagedStep._check_carried = _check_carried
-StagedStep._recomputed = _recomputed
-StagedStep._affine_sums = _affine_sums
-StagedStep._param_readers = _param_readers
-StagedStep._bar_params = _bar_params
 StagedStep._window_sums = _window_sums
 StagedStep._project = _project
 StagedStep._out_grad = _out_grad
@@ -1070,6 +1100,7 @@ def _rebuilt(ctx_out:tuple, step) -> object:
     for i, t in zip(step.out_where, ctx_out): leaves[i] = t
     return tree_unflatten(leaves, step.out_spec)
 
+# %% ../nbs/02b_staged_exact.ipynb #6127ae52
 class StagedForward(ReplacedForward):
     "A model's `forward` training a window as the big batch, staged; the model's own when not training."
     def __init__(self, model:nn.Module, # a model torch.fx or the second tracer can trace (`staged_graph`)
@@ -1119,6 +1150,7 @@ class StagedForward(ReplacedForward):
     def __reduce__(self):
         return (getattr, (self.model, 'forward')) if self.own is None else (copy.copy, (self.own,))
 
+# %% ../nbs/02b_staged_exact.ipynb #3da7ac96
 def _converts_to_fp32(f) -> bool:
     "Does forward `f`, set on a model, return float32 outputs (Accelerate's mixed-precision wrapper)?"
     # the wrapper is a class or a closure, by Accelerate version
@@ -1181,6 +1213,7 @@ def _mixes(x:Tensor, y:Tensor, random:bool) -> bool:
     # per sample: the batch's own samples must keep their values
     return not _close_values(x, y.narrow(d, 0, x.shape[d]))
 
+# %% ../nbs/02b_staged_exact.ipynb #0009ad79
 @torch.no_grad()
 def _node_values(step:StagedStep, batches:list, stats:dict, layouts:dict|None=None):
     "Each node in turn with its values on each of `batches` (as computed) and whether they are random; nothing changes."
@@ -1237,6 +1270,7 @@ def _fixed_norm(m:_BatchNorm, x:Tensor, stats:dict, n) -> Tensor:
     dt = m.weight.dtype if m.weight is not None else x.dtype  # under autocast x may be lower precision: as BatchNorm
     return _extras(m, n, F.batch_norm(x, *(s.to(dt) for s in stats[n]), m.weight, m.bias, False, 0., m.eps))
 
+# %% ../nbs/02b_staged_exact.ipynb #f1510eb8
 def samples_mixed(model:nn.Module, # a model a tracer handles (`staged_graph`), in the modes it trains in
                   xb:tuple, # one micro-batch of its inputs
                  ) -> str|None:
@@ -1339,6 +1373,7 @@ def _hold_random(model:nn.Module, xb:tuple):
     for m in inner: m.training = False  # this module only: BatchNorm layers inside keep their mode
     return inner
 
+# %% ../nbs/02b_staged_exact.ipynb #2f9273c6
 def _one_step(model:nn.Module, xb:tuple, chunk:int|None=None, landed=None, order:Tensor|None=None) -> tuple:
     "(output, gradients, buffers) by name after one training step of `model` on `xb` from torch seed 0."
     # plain, or staged in chunks of `chunk` (every stage, no collective); `landed(name, grad)`: called with each
@@ -1375,6 +1410,7 @@ def _hand_over(name:str, landed, p:Tensor):
     landed(name, p.grad)
     p.grad = None
 
+# %% ../nbs/02b_staged_exact.ipynb #7f8f41ad
 # (relative, absolute as a fraction of the largest value)
 _check_tol = {torch.float64: (1e-8, 1e-11), torch.float32: (5e-3, 1e-4)}
 
@@ -1405,6 +1441,7 @@ def _first_diff(ref:dict, got:dict, dtype, floor:dict|None=None) -> tuple|None:
     "(name, relative difference) of the first tensor in `got` not within tolerance of `ref`, or None; `got` is spent."
     return _first_over({name: _diff(r, got.get(name)) for name, r in ref.items()}, dtype, floor)
 
+# %% ../nbs/02b_staged_exact.ipynb #ac6951ed
 def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothing in it changes)
                   xb:tuple, # one micro-batch of its inputs
                   memory:int|None=None, # host bytes the check may hold: its copy, gradients, activations (None: any)
@@ -1423,6 +1460,7 @@ def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothi
     if verdict[1] is None or verdict[1].startswith('checked'): known[key] = verdict  # not "not checked": room may come
     return verdict
 
+# %% ../nbs/02b_staged_exact.ipynb #aa5bf466
 def _checked_copy(model:nn.Module, xb:tuple, dt) -> tuple:
     "`verify_staged`'s verdict from one step on a window of 4 of `xb`'s samples, staged in chunks of 2 and plain."
     # on a `dt` copy in host memory; the staged step's gradients wait, the plain step's are compared one by one as
@@ -1469,6 +1507,7 @@ def _checked_copy(model:nn.Module, xb:tuple, dt) -> tuple:
                                  buf and f"{buf[0]} off by {buf[1]:.2g}") if s)
     return f"checked on this model, the staged step is not the big batch ({how}): {what}", None
 
+# %% ../nbs/02b_staged_exact.ipynb #c04321af
 def _step_diffs(ref:tuple, got:tuple, grads:dict) -> tuple:
     "(outputs, gradients, buffers) of two `_one_step`s as `_diff`s by name; `grads`: the gradients' already."
     # `got` is spent
@@ -1504,6 +1543,7 @@ def _said(e:BaseException, n:int|None=None) -> str:
     "The exception's type and message on one line (its first `n` characters of message)."
     return f"{type(e).__name__}: {' '.join(str(e).split())[:n]}"
 
+# %% ../nbs/02b_staged_exact.ipynb #eb4af89c
 # parameters larger than this are not differentiated in the check (a VGG classifier's 100M weights)
 _check_max_numel = 2 ** 22
 

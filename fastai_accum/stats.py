@@ -7,9 +7,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step']
+__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'stats_finite', 'commit_stats',
+           'channel_sums', 'project_']
 
 # %% ../nbs/00_stats.ipynb #bef7dfc0
 def stats_dtype(device) -> torch.dtype:
@@ -81,41 +83,44 @@ class ChannelStats:
         _, self._mean, self._m2 = merge_moments(torch.tensor(counts, dtype=dt, device=dev), means, m2s)
         self._count = int(sum(counts))
 
-    @property
-    def count(self) -> int:
-        "Elements per channel seen so far."
-        return self._count + sum(p[0] for p in self._parts)
-
-    @property
-    def mean(self) -> Tensor|None:
-        "Per-channel mean (float64), `None` before any data."
-        self._fold()
-        return self._mean
-
-    @property
-    def m2(self) -> Tensor|None:
-        "Per-channel sum of squared deviations from the mean (float64)."
-        self._fold()
-        return self._m2
-
-    @property
-    def var(self) -> Tensor|None:
-        "Per-channel unbiased variance, `M2/(n-1)`: what BatchNorm stores in `running_var`."
-        m2 = self.m2
-        return None if m2 is None else m2 / max(self._count - 1, 1)
-
-    @property
-    def biased_var(self) -> Tensor|None:
-        "Per-channel biased variance, `M2/n`: what BatchNorm normalizes with."
-        m2 = self.m2
-        return None if m2 is None else m2 / self._count
-
-    def merge(self, other:ChannelStats) -> ChannelStats:
-        "Add everything `other` has seen to `self` (exact) and return `self`."
-        if other.count: self.add_moments(other.count, other.mean, other.var)
-        return self
-
     def __repr__(self): return f'{type(self).__name__}(count={self.count})'
+
+# %% ../nbs/00_stats.ipynb #04593852
+@patch(as_prop=True)
+def count(self:ChannelStats) -> int:
+    "Elements per channel seen so far."
+    return self._count + sum(p[0] for p in self._parts)
+
+@patch(as_prop=True)
+def mean(self:ChannelStats) -> Tensor|None:
+    "Per-channel mean (float64), `None` before any data."
+    self._fold()
+    return self._mean
+
+@patch(as_prop=True)
+def m2(self:ChannelStats) -> Tensor|None:
+    "Per-channel sum of squared deviations from the mean (float64)."
+    self._fold()
+    return self._m2
+
+@patch(as_prop=True)
+def var(self:ChannelStats) -> Tensor|None:
+    "Per-channel unbiased variance, `M2/(n-1)`: what BatchNorm stores in `running_var`."
+    m2 = self.m2
+    return None if m2 is None else m2 / max(self._count - 1, 1)
+
+@patch(as_prop=True)
+def biased_var(self:ChannelStats) -> Tensor|None:
+    "Per-channel biased variance, `M2/n`: what BatchNorm normalizes with."
+    m2 = self.m2
+    return None if m2 is None else m2 / self._count
+
+# %% ../nbs/00_stats.ipynb #0d040ec3
+@patch
+def merge(self:ChannelStats, other:ChannelStats) -> ChannelStats:
+    "Add everything `other` has seen to `self` (exact) and return `self`."
+    if other.count: self.add_moments(other.count, other.mean, other.var)
+    return self
 
 # %% ../nbs/00_stats.ipynb #da4b9c1c
 def all_reduce_stats(stats:list, # `ChannelStats` to merge across processes, the same list on every process
@@ -165,3 +170,45 @@ def momentum_step(bn, # a BatchNorm layer that tracks running statistics
     for buf, new in ((bn.running_mean, mean), (bn.running_var, var)):
         stepped = buf.to(new.dtype) * (1 - f) + new.to(buf.device) * f
         buf.copy_(stepped if where is None else torch.where(where, stepped, buf.to(new.dtype)))
+
+# %% ../nbs/00_stats.ipynb #57dc2bf7
+def stats_finite(st:ChannelStats) -> Tensor:
+    "A bool tensor on the statistics' device: are the window statistics `st` finite (no NaN or inf in the input)?"
+    return torch.isfinite(st.mean).all() & torch.isfinite(st.m2).all()
+
+def commit_stats(bn, # a BatchNorm layer that tracks running statistics
+                 st:ChannelStats, # the window statistics of one call of the layer
+                 wait:bool=True, # decide now (one sync); False: on the device, nothing waits
+                ):
+    "One momentum step of `bn`'s running statistics toward `st` where they are finite; whether they were."
+    # a bool, or (`wait=False`) a bool tensor on the device: the caller says which layer kept its statistics
+    ok = stats_finite(st)
+    if not wait:
+        momentum_step(bn, st.mean, st.var, ok)
+        return ok
+    ok = bool(ok)
+    if ok: momentum_step(bn, st.mean, st.var)
+    return ok
+
+def channel_sums(g:Tensor, # a gradient at BatchNorm: w.r.t. its output (times the weight), or its input's with fixed statistics
+                 x:Tensor, # BatchNorm's input
+                 mean:Tensor, # the mean per channel it normalized `x` with
+                 invstd:Tensor, # and 1/sqrt(var + eps)
+                ) -> Tensor:
+    "Per channel (Σ g, Σ g·x̂), x̂ = (x - mean)·invstd, in at least float32 (an fp16 sum over a window overflows)."
+    dims, acc, shape = [0] + list(range(2, x.dim())), torch.promote_types(g.dtype, torch.float32), [1, -1] + [1] * (x.dim() - 2)
+    g = g.to(acc)
+    centred = x.to(acc) - mean.to(acc).view(shape)  # one temporary
+    return torch.stack([g.sum(dims), centred.mul_(g).sum(dims) * invstd.to(acc)])
+
+def project_(f:Tensor, # BatchNorm's input gradient with its statistics held fixed (dy·weight·invstd): overwritten
+             x:Tensor, # BatchNorm's input
+             mean:Tensor, # the mean per channel it normalized `x` with
+             invstd:Tensor, # and 1/sqrt(var + eps)
+             mean_f:Tensor, # the mean of `f` per channel over the batch the statistics are of
+             mean_fx:Tensor, # and the mean of f·x̂
+            ) -> Tensor:
+    "BatchNorm's exact input gradient, written over `f`: f - mean(f) - x̂·mean(f·x̂), in `mean_f`'s precision."
+    shape, dt = [1, -1] + [1] * (f.dim() - 2), mean_f.dtype
+    scale = (invstd.to(dt) * mean_fx).view(shape)
+    return f.copy_((mean.to(dt).view(shape) - x.to(dt)).mul_(scale).add_(f).sub_(mean_f.view(shape)))

@@ -45,6 +45,7 @@ def check_micro_bs(bs:int, # samples in a micro-batch as it is read
         raise ValueError(f"The micro-batch has {bs} samples, more than the effective batch n_acc={n_acc}: "
                          "lower the DataLoader's bs or raise n_acc")
 
+# %% ../nbs/02_window.ipynb #86207a61
 class AccumulationWindow:
     "Counts a window's micro-batches, gives each its loss weight and the gradient correction at the step."
     def __init__(self,
@@ -83,24 +84,10 @@ class AccumulationWindow:
         if loss is not None: self.loss_sum, self.micro_losses = loss.detach().float() * bs, [loss.detach()]
         return 1.
 
-    @property
-    def empty(self) -> bool: return self.n_micro == 0
-
-    @property
-    def full(self) -> bool:
-        "True once the window holds `n_step` micro-batches (or at least `n_acc` samples)."
-        return window_full(self.n_step, self.n_acc, self.n_micro, self.n_seen)
-
     def fills(self, bs:int, # samples in the coming micro-batch
              ) -> bool:
         "Will the coming micro-batch of `bs` samples make the window `full`? (Known before its forward.)"
         return window_full(self.n_step, self.n_acc, self.n_micro + 1, self.n_seen + bs)
-
-    @property
-    def grad_correction(self) -> float:
-        "Factor making the accumulated gradients the mean over the `n_seen` samples actually in the window."
-        if self.loss_reduction == 'sum' or self.empty or self.n_seen == self.ref: return 1.
-        return self.ref / self.n_seen
 
     def correction(self, group=None, device=None) -> float:
         "`grad_correction` across processes: makes DDP's average of local gradients the global mean."
@@ -111,11 +98,6 @@ class AccumulationWindow:
         dist.all_reduce(total, group=group)
         return world * self.ref / total.item()
 
-    @property
-    def loss(self) -> Tensor|None:
-        "Mean loss over the window's samples (what one big batch would report); `None` if none was recorded."
-        return None if self.empty or not torch.is_tensor(self.loss_sum) else self.loss_sum / self.n_seen
-
     def nonfinite(self) -> int|None:
         "The first micro-batch (from 0) whose loss is NaN or infinite, or None."
         # one check of the window's loss, then a search
@@ -123,6 +105,26 @@ class AccumulationWindow:
         return next((i for i, l in enumerate(self.micro_losses) if not bool(torch.isfinite(l).all())), None)
 
     def __repr__(self): return f'{type(self).__name__}(n_micro={self.n_micro}, n_seen={self.n_seen}, full={self.full})'
+
+# %% ../nbs/02_window.ipynb #78a43522
+def _window_empty(self) -> bool: return self.n_micro == 0
+
+def _window_full(self) -> bool:
+    "True once the window holds `n_step` micro-batches (or at least `n_acc` samples)."
+    return window_full(self.n_step, self.n_acc, self.n_micro, self.n_seen)
+
+def _window_grad_correction(self) -> float:
+    "Factor making the accumulated gradients the mean over the `n_seen` samples actually in the window."
+    if self.loss_reduction == 'sum' or self.empty or self.n_seen == self.ref: return 1.
+    return self.ref / self.n_seen
+
+def _window_loss(self) -> Tensor|None:
+    "Mean loss over the window's samples (what one big batch would report); `None` if none was recorded."
+    return None if self.empty or not torch.is_tensor(self.loss_sum) else self.loss_sum / self.n_seen
+
+AccumulationWindow.empty, AccumulationWindow.full = property(_window_empty), property(_window_full)
+AccumulationWindow.grad_correction = property(_window_grad_correction)
+AccumulationWindow.loss = property(_window_loss)
 
 # %% ../nbs/02_window.ipynb #516f34cd
 def validate_window_args(n_step, n_acc, # the window's size: micro-batches, or samples (exactly one)
@@ -286,6 +288,7 @@ def window_exceeds_epoch(loader, # the training loader (fastai or PyTorch DataLo
             else "one optimizer step per epoch, on that part")
     return f"{name}: one window ({what}) is more than an epoch ({epoch}): each epoch is part of one window, {then}"
 
+# %% ../nbs/02_window.ipynb #cb3579e9
 class WindowLoader:
     "Iterate `dl` reading one accumulation window ahead; `window` holds the current window's batches."
     def __init__(self, dl, # the training DataLoader

@@ -2,6 +2,8 @@ import os, subprocess, sys
 from pathlib import Path
 import pytest
 
+pytest.register_assert_rewrite('helpers')  # shared test helpers (tests/helpers.py): their asserts report as a test module's do
+
 ROOT = Path(__file__).parents[1]
 V1_DIR = ROOT/'.v1'  # fastai 1.0.61 overlay, installed by the README's test command / .ci/run
 

@@ -11,7 +11,7 @@ from fastai_accum.exact import plan_exact, Footprint, ExactPlan, release_pinned,
 from fastai_accum.helpers import emulated_accelerator
 from fastai_accum.staged_exact import StagedStep, install_staged
 import fastai_accum.exact as exact, fastai_accum.window as window, fastai_accum.plan as plan
-from test_exact_or_says_so import forced_budget as budget  # a device budget the window does not fit, one chunk does
+from helpers import forced_budget as budget  # a device budget the window does not fit, one chunk does
 
 def net():
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
@@ -247,7 +247,7 @@ def test_accelerate_mixed_precision_outputs_stay_float32_under_the_staged_step()
 
 def test_the_plan_counts_the_optimizer_s_state():
     "fastai's default Adam keeps two tensors per parameter: the plan reserves 4x the parameters (3x was assumed), from the Learner's optimizer, before and after its first step."
-    from test_callback import make_learner, bn_net
+    from helpers import make_learner, bn_net
     from fastai_accum.callback import GradientAccumulation
     from fastai.optimizer import Adam
     ga = GradientAccumulation(n_step=4, preflight=False)

@@ -3,37 +3,12 @@ import math, warnings
 import pytest, torch
 from torch import nn
 from torch.utils.data import TensorDataset
-from fastai.basics import Learner, DataLoaders, DataLoader, SGD, Adam, MSELossFlat, Callback, CancelFitException, CancelEpochException
-from fastai.callback.fp16 import MixedPrecision
+from fastai.basics import DataLoaders, DataLoader, SGD, Adam, Callback, CancelFitException, CancelEpochException
 import fastai.callback.schedule  # noqa: F401  (patches fit_one_cycle, fine_tune, lr_find onto Learner)
 from fastai.callback.training import GradientClip, BnFreeze
 from fastai_accum.all import *
 from fastai_accum.batchnorm import bn_layers
-
-def make_data(n=72, d=6, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, d, generator=g); y = (x @ torch.randn(d, 1, generator=g) + 0.1*torch.randn(n, 1, generator=g))
-    return x, y
-
-def make_learner(bs, model_fn, n=72, opt_func=SGD, seed=0, cbs=None, image=False, dtype=torch.float32, **kw):
-    x, y = make_data(n, seed=seed)
-    x, y = x.to(dtype), y.to(dtype)
-    if image: x = x.repeat_interleave(8, 1).view(n, 3, 4, 4)  # 48 values -> (3,4,4)
-    dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=bs), DataLoader(TensorDataset(x[:16], y[:16]), bs=bs))
-    torch.manual_seed(seed)
-    return Learner(dls, model_fn().to(dtype), loss_func=MSELossFlat(), opt_func=opt_func, cbs=cbs, **kw)
-
-def mlp(): return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
-def bn_net(): return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
-                                   nn.Linear(64, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
-
-def params(learn): return torch.cat([p.detach().flatten() for p in learn.model.parameters()])
-def rel(a, b): return ((a - b).abs().max() / b.abs().max()).item()
-
-class CountSteps(Callback):
-    order = 100
-    def before_fit(self): self.steps = 0
-    def after_step(self): self.steps += 1
+from helpers import make_learner, mlp, bn_net, params, rel, CountSteps, counted_mixed_precision
 
 @pytest.mark.parametrize('opt_func', [SGD, Adam], ids=['SGD', 'Adam'])
 @pytest.mark.parametrize('mode', [dict(n_step=4), dict(n_acc=16)], ids=['n_step', 'n_acc'])
@@ -123,20 +98,6 @@ def test_partial_drop_does_not_leak_into_next_fit():
     b.fit(1, lr=0.05, cbs=GradientAccumulation(n_step=4, partial='drop'))
     b.opt.zero_grad(); b.fit(1, lr=0.05, cbs=GradientAccumulation(n_step=4, partial='drop'))
     assert rel(params(a), params(b)) == 0
-
-def counted_mixed_precision(monkeypatch):
-    "A bf16 `MixedPrecision` whose scaler steps are counted in `steps`, and a count of gradient clips in `clips`."
-    clips, steps = [], []
-    orig = torch.nn.utils.clip_grad_norm_
-    monkeypatch.setattr(torch.nn.utils, 'clip_grad_norm_', lambda *a, **k: clips.append(1) or orig(*a, **k))
-    mp = MixedPrecision(amp_mode='bf16')
-    orig_fit = mp.before_fit
-    def before_fit():
-        orig_fit()
-        s = mp.learn.scaler.step
-        mp.learn.scaler.step = lambda *a, **k: steps.append(1) or s(*a, **k)
-    mp.before_fit = before_fit
-    return mp, steps, clips
 
 def test_mixed_precision_and_gradient_clip_once_per_window(monkeypatch):
     mp, steps, clips = counted_mixed_precision(monkeypatch)

@@ -9,7 +9,7 @@ import fastai.callback.schedule  # noqa: F401
 from fastai_accum.all import *
 from fastai_accum.batchnorm import bn_layers
 from fastai_accum.exact import ExactModeMemoryError
-from test_callback import make_learner, bn_net, params, rel, CountSteps, counted_mixed_precision
+from helpers import make_learner, bn_net, params, rel, CountSteps, counted_mixed_precision
 
 def bn_stats(learn): return torch.cat([torch.cat([bn.running_mean, bn.running_var]) for bn in bn_layers(learn.model)])
 

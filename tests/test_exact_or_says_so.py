@@ -1,15 +1,15 @@
 """Exact, or it says so: models that break an assumption of the staged step train as the big batch or are refused with a
 reason (plain-loop core, float64, a device budget that forces chunks), and faults leave no trace in the next window."""
 import pickle, warnings
-from contextlib import nullcontext
 import pytest, torch
 from torch import nn
 import torch.nn.functional as F
 from fastai_accum.core import Accumulation
-from fastai_accum.exact import plan_exact, ExactModeMemoryError, staging_budget
+from fastai_accum.exact import plan_exact, ExactModeMemoryError
 from fastai_accum.plan import StagedMismatchError
 from fastai_accum.staged_exact import verify_staged
 import fastai_accum.exact as exact, fastai_accum.plan as plan
+from helpers import windows, train_both
 
 class TwiceBN(nn.Module):
     "One BatchNorm module called twice in a forward."
@@ -57,11 +57,6 @@ class DropoutHead(nn.Module):
         s.head = nn.Sequential(nn.Flatten(), nn.Dropout(0.5), nn.Linear(8 * 8 * 8, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 5))
     def forward(s, x): return s.head(F.relu(s.bn(s.c(x))))
 
-def _rel(a, b) -> float:
-    "Relative difference; zero below 1e-12 absolute (tensors whose reference is rounding noise, such as biases before a BatchNorm)."
-    d = (a - b).abs().max().item()
-    return 0. if d <= 1e-12 else d / b.abs().max().item()
-
 class DictOut(nn.Module):
     "Outputs in a dict, one from an earlier stage (torchvision's segmentation models with `aux_loss`), and a tuple of tensors (`chunk`) read across a BatchNorm layer."
     def __init__(s):
@@ -82,37 +77,6 @@ class ParamScale(nn.Module):
         return s.head((F.relu(s.bn(s.c(x) * w)) * w).mean((2, 3)))
 
 def dict_loss(out, y): return F.mse_loss(out['out'], y) + 0.5 * F.mse_loss(out['aux'], y)
-
-def windows(n_win=2, n_step=4, bs=2, seed=0):
-    "Micro-batches of (image, target) in float64, `n_step` per window."
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(bs, 3, 8, 8, generator=g, dtype=torch.float64) * 2 + 1, torch.randn(bs, 5, generator=g, dtype=torch.float64))
-            for _ in range(n_win * n_step)]
-
-def forced_budget(model, micro, n_step):
-    "A device budget between one chunk's need and the whole window's: the plan must stage."
-    return staging_budget(model, (micro[0],), n_step * micro[0].shape[0])
-
-def train_both(make, policy, n_step=4, context=nullcontext, loss=F.mse_loss, **kw):
-    "(max relative difference of parameters and BatchNorm buffers from the big batch after two windows, the core): SGD with momentum."
-    batches = windows(n_step=n_step)
-    torch.manual_seed(0); big = make().double().train()
-    ours = make().double().train(); ours.load_state_dict(big.state_dict())
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (big, ours)]
-    acc = Accumulation(ours, n_step=n_step, policy=policy, device_memory=forced_budget(ours, batches[0], n_step), **kw)
-    torch.manual_seed(1)
-    with context():
-        for i in range(0, len(batches), n_step):
-            x, y = (torch.cat(t) for t in zip(*batches[i:i + n_step]))
-            loss(big(x), y).backward(); opts[0].step(); opts[0].zero_grad()
-    torch.manual_seed(1)
-    with context():
-        for x, y in acc.batches(batches):
-            if acc.backward(loss(ours(x), y)): opts[1].step(); opts[1].zero_grad()
-    diffs = [_rel(a, b) for a, b in zip(ours.state_dict().values(), big.state_dict().values()) if a.is_floating_point()]
-    counts = [[int(b) for n, b in m.state_dict().items() if n.endswith('num_batches_tracked')] for m in (ours, big)]
-    assert counts[0] == counts[1], counts
-    return max(diffs), acc
 
 def mobilenet_v3_small():
     import torchvision; return torchvision.models.mobilenet_v3_small(num_classes=5)
@@ -279,7 +243,7 @@ def test_a_staged_model_pickles_mid_step_and_loads_with_its_own_forward(tmp_path
 # fastai's Learner: the same faults through the v2 callback
 from fastai.basics import Callback, CancelBatchException, SGD
 from fastai_accum.callback import GradientAccumulation
-from test_callback import make_learner, bn_net, params
+from helpers import make_learner, bn_net, params
 
 def test_two_accumulation_callbacks_are_refused_before_either_changes_anything():
     ga = GradientAccumulation(n_step=4, policy='window')
@@ -316,11 +280,11 @@ def test_a_cancelled_last_backward_leaves_no_gradient_in_the_next_window():
     assert torch.allclose(grads[0][0], grads[1][1], rtol=1e-9, atol=1e-12)
 
 def test_the_export_carries_options_changed_on_the_live_callback():
-    "What `learn.export` pickles: the expression that rebuilds the callback (`tests/test_callback.py` loads a real export)."
+    "What `learn.export` pickles: the arguments that rebuild the callback (`tests/test_callback.py` loads a real export)."
+    import pickle
     ga = GradientAccumulation(n_step=4, preflight=False)
     ga.n_step, ga.policy = 8, 'window'
-    rebuild, (expression,), _ = ga.__reduce_ex__(4)
-    cb = rebuild(expression)
+    cb = pickle.loads(pickle.dumps(ga))
     assert (cb.n_step, cb.policy, cb.preflight) == (8, 'window', False)
 
 class SaveModel(Callback):

@@ -5,7 +5,7 @@ import warnings
 from pathlib import Path
 import pytest, torch
 from torch import nn
-from test_callback import make_learner, mlp, bn_net
+from helpers import make_learner, mlp, bn_net
 from fastai_accum.callback import GradientAccumulation
 from fastai_accum.core import Accumulation
 from fastai_accum.prepass import bn_preflight

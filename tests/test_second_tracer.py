@@ -11,7 +11,7 @@ from fastai_accum.core import Accumulation
 from fastai_accum.callback import GradientAccumulation
 from fastai_accum.staged import bn_graph, staged_graph
 from fastai_accum.exact import plan_exact, staging_budget
-from test_exact_or_says_so import forced_budget
+from helpers import forced_budget
 
 def seg_data(n=16, size=32, classes=3, seed=0):
     "Synthetic image/mask pairs in float64: each pixel's class is the channel brightest there."
@@ -120,7 +120,7 @@ class SkipBN(nn.Module):
 @pytest.mark.parametrize('policy', ['staged', 'auto'])
 def test_a_batchnorm_on_a_feature_from_an_earlier_stage_trains_as_the_big_batch(policy):
     "torch.fx traces it; the stage the skip's BatchNorm ends reads its input from the store (was a KeyError)."
-    from test_exact_or_says_so import train_both
+    from helpers import train_both
     diff, acc = train_both(SkipBN, policy)
     assert acc.path == 'staged exact' or policy == 'auto' and acc.path == 'exact', acc.path  # too small to stage
     assert diff < 1e-9

@@ -107,6 +107,7 @@ class AccuracyResults:
         if fname: fig.savefig(fname, dpi=100)
         return fig
 
+# %% ../../nbs/20_bench_accuracy.ipynb #e4a9f86e
 def bench_accuracy(models=('simple_cnn',), # keys of `bench_models`
                    opts=('adam',), # 'adam' and/or 'sgd'
                    micro_bss=(2,), # micro-batch sizes
@@ -273,6 +274,7 @@ def add_accuracy_args(p):
     p.add_argument('--out', default='.',
                    help='folder for bench_accuracy.png and .csv (segmentation: bench_segmentation.png and .csv)')
 
+# %% ../../nbs/20_bench_accuracy.ipynb #3cd018fa
 def _option(args, name:str):
     "Option `name` of the command line, else its default for `args.task`."
     given = getattr(args, name)
@@ -287,6 +289,7 @@ def _grid(args) -> dict:
                 seeds=tuple(range(_option(args, 'seeds'))), epochs=_option(args, 'epochs'),
                 settings=args.settings.split(',') if args.settings else None)
 
+# %% ../../nbs/20_bench_accuracy.ipynb #c10132ff
 def accuracy_main(args) -> int:
     "Run `fastai-accum bench accuracy`; returns the exit code."
     from pathlib import Path

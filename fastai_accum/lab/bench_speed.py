@@ -177,6 +177,7 @@ def _step_cost(model, xb, reps:int) -> tuple:
     with SavedTensorMeter(model) as meter: step()
     return min(ts, default=float('nan')), meter.peak
 
+# %% ../../nbs/21_bench_speed.ipynb #6df4471a
 def staged_step(model_fn, # builds the model
                 bs:int=2, # micro-batch size
                 window:int=16, # samples per window
@@ -364,6 +365,7 @@ def _matched_staged(model, x:Tensor, micro:int, target:int, grads:int, dev, trie
         budget = int(budget * max(target - grads, 1) / max(peak - grads, 1) * 0.95)  # the overshoot of the chunks' part
     return f, peak
 
+# %% ../../nbs/21_bench_speed.ipynb #3149da5c
 def staged_row(model_fn, # builds the model
                window:int=64, # samples per window
                micro:int=2, # naive accumulation's micro-batch (the staged step's smallest chunk)
@@ -403,6 +405,7 @@ def staged_row(model_fn, # builds the model
                 memory_vs_naive=staged_b / naive_b, time_vs_whole=staged_s / whole_s,
                 chunks=f"{min(widths)}-{max(widths)}", **{f'{k} %': 100 * v / sum(prof.values()) for k, v in prof.items()})
 
+# %% ../../nbs/21_bench_speed.ipynb #a41f5cd5
 def staged_table(models=tuple(table_models), # names in `table_models`
                  windows=(16, 64, 256), # samples per window
                  micro:int=2, size:int=128, device='cpu', reps:int=2,
@@ -648,6 +651,7 @@ def _speed_summary(table, raw:dict, chosen:dict, models:list) -> dict:
                 staged_time_ratio=max((s['time_vs_whole'] for s in raw['staged'].values()), default=float('nan')),
                 staged_fit_budget_ratio=max((s['fit_vs_budget'] for s in raw['staged'].values()), default=float('nan')))
 
+# %% ../../nbs/21_bench_speed.ipynb #beb7d793
 def _setup_notes(c:dict, chosen:dict) -> list:
     "What the reader needs to read the table: the variants, the ratios, what 'auto' ran, the memory column."
     mbs, ns = c['micro_bs'], c['n_step']
@@ -672,6 +676,7 @@ def _per_run(runs:dict, # (model, window) key -> that run's figures
     "A heading and one indented line per run; nothing if there were no runs."
     return [head] + [f"  {key}: {line(r)}" for key, r in runs.items()] if runs else []
 
+# %% ../../nbs/21_bench_speed.ipynb #06602606
 def _prepass_line(p:dict) -> str:
     mode = p['mode'] if p['mode'] == 'whole' else f"staged, chunks of {p['chunk']}"
     return (f"{mode}: {p['bytes']/2**20:.1f} MiB = {p['ratio']:.2f}x training's {p['train_bytes']/2**20:.1f} MiB (whole window "
@@ -701,6 +706,7 @@ def _staged_notes(c:dict, raw:dict) -> list:
                     f"an accelerator), its {what} / one plain step at micro-batch {c['micro_bs']}'s, and its time / the window "
                     "as one plain batch's; worst over models and windows:", _staged_line)
 
+# %% ../../nbs/21_bench_speed.ipynb #3982aada
 def _leak_comm_notes(c:dict, raw:dict) -> list:
     "How the leak and the all-reduces were measured, with the seed's leak and the counts."
     leak0 = raw['leak'][c['models'][0]]

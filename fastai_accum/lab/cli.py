@@ -39,9 +39,10 @@ def _parser() -> argparse.ArgumentParser:
         add_args(_sub(sub, name, help))
     return p
 
+# %% ../../nbs/09_cli.ipynb #fb96b51e
 def _example(*lines) -> str: return 'Example:\n' + '\n'.join(f'  fastai-accum {l}' for l in lines)
 
-_examples = dict(demo=_example('demo mnist', 'demo mnist --settings forum --epochs 1'),
+_examples = dict(demo=_example('demo mnist', 'demo mnist --settings forum --epochs 1', 'demo contrastive'),
                  bench=_example('bench speed --quick', 'bench accuracy --quick', 'bench gradient --models vision_resnet18'),
                  accuracy=_example('bench accuracy --quick'), speed=_example('bench speed --quick'),
                  gradient=_example('bench gradient --models vision_resnet18 --at 0'),
@@ -53,6 +54,7 @@ def _sub(sub, name:str, help:str):
     "A sub-command's parser: `help` its first line, an example under its options."
     return sub.add_parser(name, help=help, description=help, epilog=_examples.get(name), formatter_class=_Help)
 
+# %% ../../nbs/09_cli.ipynb #754ee25f
 @command('bench', help='Benchmarks: accuracy of BatchNorm handling at tiny micro-batches, speed/memory/communication')
 def _bench_args(p):
     sub = p.add_subparsers(dest='bench', metavar='BENCH', required=True)
@@ -78,6 +80,7 @@ def _bench_args(p):
     add_gradient_args(g)
     g.set_defaults(run=gradient_main)
 
+# %% ../../nbs/09_cli.ipynb #d06eb3a8
 def _load_commands():
     "Import the modules that register sub-commands (they need fastai, so only when the CLI runs)."
     import importlib
