@@ -25,8 +25,8 @@ Contents (line: module: classes), dependencies first:
      3646: exact: Footprint, ExactModeMemoryError, ExactPlan
      4051: ghost: GhostForward
      4106: plan: StagedMismatchError, TrainingPlan
-     4366: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     4959: callback: WindowPrefetch, GradientAccumulation
+     4394: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     4987: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -4161,15 +4161,15 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
                  held:int|None=None, # bytes alive now that count against the budget (`held_bytes`)
                  unjoinable:str|None=None, # why the first window's micro-batches cannot be one batch (`unjoinable`)
                 ) -> tuple:
-    "(train each window as one batch?, the `ExactPlan` or None): the rule above."
+    "(train each window as one batch?, the `ExactPlan` or None): the rule above, measured, then picked per policy."
     if policy not in ('exact', 'staged', 'auto'): return False, None
     if not any(m.training for m in bn_layers(model)): return False, None  # no BatchNorm trains: plain is exact
     if unjoinable and policy != 'auto':
         raise ValueError(f"{name}(policy={policy!r}) trains each window as one batch, but {unjoinable}. Use "
                          "policy='window' (or 'auto', which falls back to it).")
     xb = peek()
-    window = n_acc or n_step * xb[0].shape[0]
-    plan = plan_exact(model, xb, window, device_memory, host_memory, offload, autocast, opt_state, held)
+    plan = plan_exact(model, xb, n_acc or n_step * xb[0].shape[0], device_memory, host_memory, offload, autocast,
+                      opt_state, held)
     plan.chunk = plan.micro = xb[0].shape[0]
     plan.recomputed = tuple(recomputed_bns(model, *xb, autocast=autocast))
     synced = world_size() > 1 and not _syncs_itself(model)  # DDP, per-process BatchNorm: a staged step reduces it
@@ -4177,30 +4177,57 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
     # why a staged step would not be the big batch
     unfit = (f"the window cannot be trained as one batch: {unjoinable}" if unjoinable
              else _checkpointed(plan) or _not_staged(plan, model, xb, autocast) if staged_asked else None)
-    if policy == 'exact':
-        if not plan.fits:
-            raise ExactModeMemoryError(f"{name}(policy='exact'): {plan.describe()}. Lower n_step/n_acc, free memory, "
-                                       "set the budget with device_memory=/host_memory=, or use policy='staged' "
-                                       "(memory of one chunk) or 'window'.")
-        if synced and not unfit and verify: unfit = _verified(plan, model, xb)
-        if unfit: raise ExactModeMemoryError(f"{name}(policy='exact') under DDP normalizes over all processes' windows "
-                                             "stage by stage, "
-                                             f"but {unfit} Convert BatchNorm to SyncBatchNorm or use policy='window'.")
-        if synced: _whole_staged(plan)
-        return True, plan
-    if staged_asked or unjoinable: plan.reason = unfit or _staged_memory(plan)
-    if staged_asked and plan.reason is None and verify: plan.reason = _verified(plan, model, xb)
-    if policy == 'staged':
-        if plan.checked is None and plan.reason: raise ExactModeMemoryError(f"{name}(policy='staged'): {plan.reason}")
-        if plan.reason: raise StagedMismatchError(f"{name}(policy='staged'): {plan.reason}. Train with policy='window' "
-                                                  "(or 'auto', which falls back to it), or pass verify=False to train "
-                                                  "staged anyway.")
-        plan.staged, plan.offload = True, False
-        return True, plan
-    whole, staged, offloaded = _agreed(plan.device, auto_picks_exact(plan) and not unfit, plan.reason is None,
-                                       plan.fits and plan.offload and not synced and not unjoinable)
+    m = _Measured(plan, model, xb, name, verify, synced, staged_asked, unfit, unjoinable)
+    return {'exact': _pick_exact, 'staged': _pick_staged, 'auto': _pick_auto}[policy](m)
+
+@dataclass
+class _Measured:
+    "What `choose_exact` measured, for the pick of a policy."
+    plan:ExactPlan; model:nn.Module; xb:tuple; name:str; verify:bool
+    synced:bool # under DDP with per-process BatchNorm: a staged step reduces it
+    staged_asked:bool # the policy would train staged
+    unfit:str|None # why a staged step would not be the big batch
+    unjoinable:str|None # why the window's micro-batches cannot be one batch
+
+
+# %% ../nbs/02e_plan.ipynb #7b2f8920
+def _pick_exact(m:_Measured) -> tuple:
+    "policy='exact': the whole window, or an error saying why it cannot be."
+    plan, unfit = m.plan, m.unfit
+    if not plan.fits:
+        raise ExactModeMemoryError(f"{m.name}(policy='exact'): {plan.describe()}. Lower n_step/n_acc, free memory, "
+                                   "set the budget with device_memory=/host_memory=, or use policy='staged' "
+                                   "(memory of one chunk) or 'window'.")
+    if m.synced and not unfit and m.verify: unfit = _verified(plan, m.model, m.xb)
+    if unfit: raise ExactModeMemoryError(f"{m.name}(policy='exact') under DDP normalizes over all processes' windows "
+                                         f"stage by stage, but {unfit} Convert BatchNorm to SyncBatchNorm or use "
+                                         "policy='window'.")
+    if m.synced: _whole_staged(plan)
+    return True, plan
+
+def _staged_reason(m:_Measured) -> str|None:
+    "Why a staged step cannot train the window (memory, the model, the check on it), kept in the plan; or None."
+    plan = m.plan
+    if m.staged_asked or m.unjoinable: plan.reason = m.unfit or _staged_memory(plan)
+    if m.staged_asked and plan.reason is None and m.verify: plan.reason = _verified(plan, m.model, m.xb)
+    return plan.reason
+
+def _pick_staged(m:_Measured) -> tuple:
+    "policy='staged': the staged step, or an error saying why it cannot be the big batch's."
+    plan, why = m.plan, _staged_reason(m)
+    if plan.checked is None and why: raise ExactModeMemoryError(f"{m.name}(policy='staged'): {why}")
+    if why: raise StagedMismatchError(f"{m.name}(policy='staged'): {why}. Train with policy='window' (or 'auto', "
+                                      "which falls back to it), or pass verify=False to train staged anyway.")
+    plan.staged, plan.offload = True, False
+    return True, plan
+
+def _pick_auto(m:_Measured) -> tuple:
+    "policy='auto': the whole window if it fits, else staged, else offloaded whole, else not (window BN)."
+    plan, why = m.plan, _staged_reason(m)
+    whole, staged, offloaded = _agreed(plan.device, auto_picks_exact(plan) and not m.unfit, why is None,
+                                       plan.fits and plan.offload and not m.synced and not m.unjoinable)
     if whole:
-        if synced: _whole_staged(plan)
+        if m.synced: _whole_staged(plan)
         return True, plan
     if staged:
         plan.staged, plan.offload = True, False
@@ -4208,6 +4235,7 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
     if offloaded: return True, plan
     plan.reason = plan.reason or 'another process cannot train its window as one batch'
     return False, plan
+
 
 # %% ../nbs/02e_plan.ipynb #a1b2c3d9
 class StagedMismatchError(RuntimeError):

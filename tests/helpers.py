@@ -85,3 +85,12 @@ def train_both(make, policy, n_step=4, context=nullcontext, loss=F.mse_loss, **k
     counts = [[int(b) for n, b in m.state_dict().items() if n.endswith('num_batches_tracked')] for m in (ours, big)]
     assert counts[0] == counts[1], counts
     return max(diffs), acc
+
+def cli_command() -> list:
+    "The installed `fastai-accum` console script (next to this interpreter), else its entry point."
+    import shutil, sys
+    from pathlib import Path
+    exe = Path(sys.executable).parent/'fastai-accum'
+    if exe.exists(): return [str(exe)]
+    found = shutil.which('fastai-accum')
+    return [found] if found else [sys.executable, '-c', 'import sys; from fastai_accum.lab.cli import main; sys.exit(main())']

@@ -8,6 +8,7 @@ import pytest
 from PIL import Image
 from fastai.data.external import fastai_cfg
 from fastai_accum.lab.demo import mnist_sample_path, pets_path, run_experiment, pretrained_resnet18, data_root
+from helpers import cli_command
 
 ROOT = Path(__file__).parents[1]
 
@@ -53,13 +54,6 @@ def test_run_experiment_pets(offline):
     assert res.config['weights'].startswith('random init')
     with pytest.raises(FileNotFoundError, match='not in'): run_experiment('pets', pretrained=True, show_progress=False)
 
-def _cli() -> list:
-    "The installed `fastai-accum` console script (next to this interpreter), else its entry point."
-    exe = Path(sys.executable).parent/'fastai-accum'
-    if exe.exists(): return [str(exe)]
-    found = shutil.which('fastai-accum')
-    return [found] if found else [sys.executable, '-c', 'import sys; from fastai_accum.lab.cli import main; sys.exit(main())']
-
 def offline_quick_start() -> str:
     "README's fastai v2 quick start with the edits its comments show for offline use, and nothing else."
     readme = (ROOT/'README.md').read_text()
@@ -90,7 +84,7 @@ def test_cli_demo_mnist(offline):
     "The demo offline: what it runs first, a row a line, a table of 100 columns naming each row's path; then README's quick start runs on its copy."
     out = offline/'out'
     env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')])}
-    r = subprocess.run(_cli() + ['demo', 'mnist', '--epochs', '1', '--n-step', '4', '--n-train', '64', '--n-valid', '32',
+    r = subprocess.run(cli_command() + ['demo', 'mnist', '--epochs', '1', '--n-step', '4', '--n-train', '64', '--n-valid', '32',
                                  '--out', str(out)], capture_output=True, text=True, timeout=300, cwd=offline, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     table = r.stdout[r.stdout.index('setting'):]

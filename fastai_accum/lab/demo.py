@@ -275,6 +275,7 @@ def _learner(task, dls, setting, arch, pretrained):
 def _split_sizes(path) -> dict:
     return {s: sum(1 for d in (Path(path)/s).iterdir() if d.is_dir() for _ in d.iterdir()) for s in ('train', 'valid')}
 
+# %% ../../nbs/10_demo.ipynb #c55b4587
 def _task_data(task, cfg, seed, device, path, allow_download, pretrained, wheel=None) -> tuple:
     "`task`'s data, which archs use ImageNet weights, what the weights and images are, and DataLoaders."
     if task == 'mnist':
@@ -304,6 +305,7 @@ def _task_data(task, cfg, seed, device, path, allow_download, pretrained, wheel=
            lambda bs: pets_dls(data, bs, n_img, cfg['n_classes'], valid_pct=cfg['n_valid']/n_img, size=cfg['size'],
                                seed=seed, device=device)
 
+# %% ../../nbs/10_demo.ipynb #f05b5995
 def _train_setting(name, task, make_dls, pre, cfg, seed, mbar, say=None, row:str='') -> tuple:
     "Train setting `name` from `seed`: its table row and its accuracy after each epoch."
     # one line when done (to `say`, else to the master bar)
@@ -371,6 +373,7 @@ def run_experiment(task:str='mnist', # 'mnist' (MNIST_SAMPLE 3 vs 7, vgg16_bn) o
             curves[row['setting']] = curve
     return DemoResults(pd.DataFrame(rows), curves, config)
 
+# %% ../../nbs/10_demo.ipynb #e13977bf
 def _estimate(task, names, make_dls, pre, cfg, seed, data) -> float:
     "Seconds the rows `names` should take here, from a training step timed at the micro-batch and at the window."
     # a row that trains the window as one batch (bs64; ours where the window trains whole, `_whole_window`) runs at the
@@ -455,6 +458,9 @@ def plot_results(results:DemoResults, # what `run_experiment` returned
 
 # %% ../../nbs/10_demo.ipynb #7405f336
 def _demo(args) -> int:
+    if args.task == 'contrastive':  # SimCLR on sklearn's digits: `13_demo_contrastive`
+        from fastai_accum.lab.demo_contrastive import contrastive_main
+        return contrastive_main(args)
     start = time.perf_counter()
     res = run_experiment(args.task, args.settings, epochs=args.epochs, micro_bs=args.micro_bs, n_step=args.n_step,
                          lr=args.lr, n_train=args.n_train, n_valid=args.n_valid, device=args.device, seed=args.seed,
@@ -474,22 +480,29 @@ def _demo(args) -> int:
     print(f"\nplot: {Path(res.plot(out/f'demo_{args.task}.png')).resolve()}")
     return 0
 
+# %% ../../nbs/10_demo.ipynb #72614b6b
 @command('demo', help="Train the forum's gradient-accumulation comparison (MNIST_SAMPLE from the package index, "
                       "or an offline stand-in), print the table, plot the curves")
 def _demo_args(p):
-    p.add_argument('task', choices=list(demo_defaults),
-                   help="mnist: MNIST_SAMPLE 3 vs 7, vgg16_bn, the forum's table; pets: breeds, resnet18")
+    p.add_argument('task', choices=list(demo_defaults) + ['contrastive'],
+                   help="mnist: MNIST_SAMPLE 3 vs 7, vgg16_bn, the forum's table; pets: breeds, resnet18; "
+                        "contrastive: SimCLR on sklearn's digits, a linear probe (no data options)")
     p.add_argument('--settings', default='quick',
                    help=f"rows to train: 'quick' ({', '.join(quick_settings)}; the default), 'forum' (the forum's "
-                        f"table), 'all', or a comma list of {', '.join(demo_settings('mnist'))}")
-    p.add_argument('--epochs', type=int, help='epochs per setting (default: mnist 2, pets 4)')
-    p.add_argument('--micro-bs', type=int, help='samples per micro-batch (default 2)')
-    p.add_argument('--n-step', type=int, help='micro-batches per optimizer step (default: mnist 32, pets 8)')
-    p.add_argument('--lr', type=float, help='maximum learning rate of fit_one_cycle (default: mnist 1e-2, pets 3e-3)')
-    p.add_argument('--n-train', type=int, help='training images (default: mnist 512, pets 192)')
-    p.add_argument('--n-valid', type=int, help='validation images (default: mnist 256, pets 48)')
+                        f"table), 'all', or a comma list of {', '.join(demo_settings('mnist'))} "
+                        "(contrastive: of bs64, naive, ours)")
+    p.add_argument('--epochs', type=int, help='epochs per setting (default: mnist 2, pets 4, contrastive 15)')
+    p.add_argument('--micro-bs', type=int, help='samples per micro-batch (default 2, contrastive 4)')
+    p.add_argument('--n-step', type=int,
+                   help='micro-batches per optimizer step (default: mnist 32, pets 8, contrastive 16)')
+    p.add_argument('--lr', type=float, help='maximum learning rate of fit_one_cycle '
+                                            '(default: mnist 1e-2, pets 3e-3, contrastive 2e-3)')
+    p.add_argument('--n-train', type=int, help='training images (default: mnist 512, pets 192, contrastive 1280)')
+    p.add_argument('--n-valid', type=int,
+                   help="validation images (default: mnist 256, pets 48; contrastive: the probe's test images, 500)")
     p.add_argument('--device', help="torch device, e.g. cpu or cuda (default: the GPU if there is one)")
     p.add_argument('--seed', type=int, default=42, help='random seed of data order and initialisation (default 42)')
+    p.add_argument('--seeds', type=int, default=2, help='contrastive: how many seeds, from --seed on (default 2)')
     p.add_argument('--pretrained', choices=['auto', 'yes', 'no'], default='auto',
                    help='pets: ImageNet weights if in the torch hub cache (auto), required (yes), or not (no)')
     p.add_argument('--data', help='folder for the offline stand-in and rebuilt datasets '
