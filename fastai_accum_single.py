@@ -23,10 +23,10 @@ Contents (line: module: classes), dependencies first:
      1936: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
      2094: staged_exact: StagedStep, StagedForward
      3646: exact: Footprint, ExactModeMemoryError, ExactPlan
-     4051: ghost: GhostForward
-     4106: plan: StagedMismatchError, TrainingPlan
-     4394: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     4987: callback: WindowPrefetch, GradientAccumulation
+     4056: ghost: GhostForward
+     4111: plan: StagedMismatchError, TrainingPlan
+     4401: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     4995: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -3781,6 +3781,7 @@ class ExactPlan:
     stage_grads:int=0     # bytes of the gradients a staged chunk's backward makes at once (`stage_grads`)
     store:float|None=None # bytes per sample a staged step's store holds at most (`store_per_sample`; None: `saved`)
     recomputed:tuple=()   # BatchNorm layers the backward runs again (activation checkpointing: `recomputed_bns`)
+    loss:int=0            # bytes the loss keeps over the window's outputs (a similarity matrix: the window squared)
 
     @property
     def param_needed(self) -> int:
@@ -3804,7 +3805,7 @@ class ExactPlan:
     def device_needed(self) -> int:
         "Bytes needed on the training device (on CPU: everything, which is host memory)."
         per = 2 * self.footprint.working + (0 if self.offload and self.on_accelerator else self.footprint.saved)
-        return int(self.window * per + self.model_needed)
+        return int(self.window * per + self.model_needed + self.loss)
 
 # %% ../nbs/02a_exact.ipynb #c0afbcb2
 @patch(as_prop=True)
@@ -3828,8 +3829,9 @@ def chunk_needed(self:ExactPlan) -> int:
 @patch(as_prop=True)
 def staged_device_needed(self:ExactPlan) -> int:
     "Bytes a staged step needs on the device: training at one chunk (on a CPU, the kept values too)."
+    # the loss runs on the window's output between the stages' forward and backward: its bytes or a chunk's
     store = 0 if self.on_accelerator else self.staged_host_needed
-    return self.chunk_needed + self.stage_grads + self.model_needed + store
+    return max(self.chunk_needed + self.stage_grads, self.loss) + self.model_needed + store
 
 @patch(as_prop=True)
 def check_memory(self:ExactPlan) -> int:
@@ -3860,6 +3862,7 @@ def describe(self:ExactPlan) -> str:
     s = self._what() + ("; measured with part of the model frozen (unfrozen, it saves more)" if self.frozen else '')
     if self.opt_state is None and self.device_budget is not None:
         s += "; the optimizer's state assumed 1x the parameters (unknown optimizer)"
+    if self.loss > 0.01 * self.device_needed: s += f"; the loss keeps {fmt_bytes(self.loss)} over the window's outputs"
     return s
 
 @patch
@@ -3942,6 +3945,7 @@ def plan_exact(model:nn.Module, # the model to train
                autocast=None, # callable returning the autocast context training runs in (measured under it)
                opt_state:float|None=None, # optimizer state per byte of parameters (`optimizer_state`; None: 1 assumed)
                held:int|None=None, # bytes alive now that count against the budget (default: `held_bytes(model)`)
+               loss:int=0, # bytes the loss keeps over a window's outputs (a front end that knows the loss counts them)
               ) -> ExactPlan:
     "Measure `model` on `xb` and plan training a window of `window` samples as one batch."
     device_memory, host_memory = check_budget('device_memory', device_memory), check_budget('host_memory', host_memory)
@@ -3957,7 +3961,8 @@ def plan_exact(model:nn.Module, # the model to train
     untrained = sum(_nbytes(t) for t in [p for p in model.parameters() if not steps(p)] + list(model.buffers()))
     plan = ExactPlan(window, fp, params, str(device), device_memory, host_memory, offload=bool(offload),
                      accelerator=is_accelerator(device), frozen=any(not p.requires_grad for p in model.parameters()),
-                     opt_state=opt_state, held=held_bytes(model) if held is None else held, untrained=untrained)
+                     opt_state=opt_state, held=held_bytes(model) if held is None else held, untrained=untrained,
+                     loss=loss)
     if offload is None and plan.on_accelerator and not plan.fits: plan.offload = True
     return plan
 
@@ -4160,6 +4165,7 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
                  opt_state:float|None=None, # optimizer state per byte of parameters (`optimizer_state`)
                  held:int|None=None, # bytes alive now that count against the budget (`held_bytes`)
                  unjoinable:str|None=None, # why the first window's micro-batches cannot be one batch (`unjoinable`)
+                 loss_bytes=None, # callable: samples -> bytes the loss keeps over their outputs (from a front end)
                 ) -> tuple:
     "(train each window as one batch?, the `ExactPlan` or None): the rule above, measured, then picked per policy."
     if policy not in ('exact', 'staged', 'auto'): return False, None
@@ -4168,8 +4174,9 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
         raise ValueError(f"{name}(policy={policy!r}) trains each window as one batch, but {unjoinable}. Use "
                          "policy='window' (or 'auto', which falls back to it).")
     xb = peek()
-    plan = plan_exact(model, xb, n_acc or n_step * xb[0].shape[0], device_memory, host_memory, offload, autocast,
-                      opt_state, held)
+    window = n_acc or n_step * xb[0].shape[0]
+    plan = plan_exact(model, xb, window, device_memory, host_memory, offload, autocast, opt_state, held,
+                      loss=int(loss_bytes(window)) if loss_bytes is not None else 0)
     plan.chunk = plan.micro = xb[0].shape[0]
     plan.recomputed = tuple(recomputed_bns(model, *xb, autocast=autocast))
     synced = world_size() > 1 and not _syncs_itself(model)  # DDP, per-process BatchNorm: a staged step reduces it
@@ -4435,8 +4442,9 @@ class AccumulationOptions:
     params:object=None # callable giving the parameters whose gradients accumulate (default: the trainable ones)
     merge_exact:bool=True # whole windows under DDP: merge running statistics across processes
     name:str|None=None # who speaks in errors and the pre-flight (default: the core's class name)
+    loss_bytes:object=None # callable: samples -> bytes the loss keeps over their outputs (the memory plan counts it)
 
-_front_end_fills = ('device', 'params', 'merge_exact', 'name')
+_front_end_fills = ('device', 'params', 'merge_exact', 'name', 'loss_bytes')
 _counts = ('prepass_bs', 'bn_batch')
 
 def option_defaults() -> dict:
@@ -4602,10 +4610,10 @@ def setup(self:Accumulation, b,
     materialize_lazy(self.module, lambda: tuple(self.inputs(peek())))  # a lazy module takes its shapes before planning
     self.how = plan_training(self.policy, self.module, lambda: tuple(self.inputs(peek())), self.n_step, self.n_acc,
                              wrap=self.wrap, merge_exact=self.merge_exact, bn_batch=self.bn_batch, name=self.name,
-                             offload=self.offload,
-                             device_memory=self.device_memory, host_memory=self.host_memory, verify=self.verify,
-                             autocast=self.autocast, opt_state=optimizer_state(self.optimizer),
-                             held=held_bytes(self.module, self.optimizer), unjoinable=unjoinable)
+                             offload=self.offload, device_memory=self.device_memory, host_memory=self.host_memory,
+                             verify=self.verify, autocast=self.autocast, opt_state=optimizer_state(self.optimizer),
+                             held=held_bytes(self.module, self.optimizer), unjoinable=unjoinable,
+                             loss_bytes=self.loss_bytes)
     if self.how.model_eval and self.how.n_bn: warnings.warn(self.how.headline())  # said with or without pre-flight
     if self.exact and self.plan is not None and not self.plan.staged and self.plan.recomputed:
         warnings.warn(f"{self.name}: the backward runs BatchNorm layer {self.plan.recomputed[0]} again (activation "
@@ -4993,6 +5001,8 @@ from contextlib import nullcontext
 import torch
 import fastai.callback.training
 from fastai.callback.fp16 import MixedPrecision
+from torch.utils._pytree import tree_map
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 # %% auto #0
 
@@ -5057,7 +5067,7 @@ def before_fit(self:GradientAccumulation):
 def _start_fit(self:GradientAccumulation):
     "The fit's first training epoch starts: build the core for it (a `validate` or `get_preds` never gets here)."
     self.acc = self._core(self.learn.model, loss_reduction=loss_reduction(self.learn.loss_func), inputs=self._inputs,
-                          autocast=self._autocast, optimizer=self.learn.opt)
+                          autocast=self._autocast, optimizer=self.learn.opt, loss_bytes=self._loss_bytes)
     self.train_time, self._final, self._drop, self._announce, self._fitting = 0., False, False, False, True
     self._coupling_checked = False  # the loss's coupling of samples: looked at on the fit's first micro-batch
 
@@ -5160,6 +5170,34 @@ def _autocast(self:GradientAccumulation):
     ac = getattr(mp, 'autocast', None)
     if ac is None or not getattr(ac, '_enabled', False): return nullcontext()
     return torch.autocast(ac.device, dtype=ac.fast_dtype)
+
+# %% ../nbs/03_callback.ipynb #0871b204
+@patch
+def _loss_bytes(self:GradientAccumulation, window:int) -> int:
+    "Bytes the loss keeps for its backward over a window's outputs, counted on meta tensors (0 where it cannot tell)."
+    # one micro-batch's outputs (an eval-mode forward without a graph: no statistic moves) scaled to the window's rows:
+    # a contrastive loss's similarity matrix grows as the window squared, and nothing of the window's size is made
+    try:
+        xb, yb = split_batch(self.learn._set_device(self._peek()), getattr(self.dls, 'n_inp', None))
+        model, n = self.learn.model, batch_size(xb)
+        with torch.no_grad(), modes_kept(model): pred = model.eval()(*xb)
+    except Exception: return 0
+    for fake in (True, False):  # fake tensors (the helper tensors a loss makes are fake too), else meta ones (fastai's)
+        try: return _saved_by(self.learn.loss_func, pred, tuple(yb), window / n, fake)
+        except Exception: pass
+    return 0  # a loss that runs on neither: not counted
+
+def _saved_by(loss_func, pred, ys:tuple, scale:float, fake:bool) -> int:
+    "Bytes `loss_func` saves for its backward on `pred` and `ys` with their rows times `scale`, on storage-less tensors."
+    def sized(t, grad=False):
+        shape = (int(t.shape[0] * scale),) + tuple(t.shape[1:]) if t.dim() else ()
+        return torch.empty(shape, dtype=t.dtype, device=t.device if fake else 'meta').requires_grad_(grad)
+    kept = []
+    with FakeTensorMode() if fake else nullcontext(), torch.enable_grad(), \
+         torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(_nbytes(t)) or t, lambda t: t):
+        loss_func(tree_map(lambda t: sized(t, t.is_floating_point()) if isinstance(t, Tensor) else t, pred),
+                  *tree_map(lambda t: sized(t) if isinstance(t, Tensor) else t, ys))
+    return sum(kept)
 
 # %% ../nbs/03_callback.ipynb #56a93e6f
 _cancels = (CancelBatchException, CancelStepException, CancelBackwardException, CancelEpochException,

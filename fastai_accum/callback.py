@@ -14,7 +14,10 @@ import fastai.callback.training
 from fastai.callback.fp16 import MixedPrecision
 from .window import loss_reduction, WindowLoader, _micro_per_window, window_exceeds_epoch, batch_size, loss_couples, check_micro_bs
 from .core import Accumulation, AccumulationOptions, FrontEnd, option_defaults, _front_end_fills
-from .helpers import split_batch, place_batch
+from .helpers import split_batch, place_batch, modes_kept
+from .meters import _nbytes
+from torch.utils._pytree import tree_map
+from torch._subclasses.fake_tensor import FakeTensorMode
 from .plan import may_train_whole
 
 # %% auto #0
@@ -81,7 +84,7 @@ def before_fit(self:GradientAccumulation):
 def _start_fit(self:GradientAccumulation):
     "The fit's first training epoch starts: build the core for it (a `validate` or `get_preds` never gets here)."
     self.acc = self._core(self.learn.model, loss_reduction=loss_reduction(self.learn.loss_func), inputs=self._inputs,
-                          autocast=self._autocast, optimizer=self.learn.opt)
+                          autocast=self._autocast, optimizer=self.learn.opt, loss_bytes=self._loss_bytes)
     self.train_time, self._final, self._drop, self._announce, self._fitting = 0., False, False, False, True
     self._coupling_checked = False  # the loss's coupling of samples: looked at on the fit's first micro-batch
 
@@ -184,6 +187,34 @@ def _autocast(self:GradientAccumulation):
     ac = getattr(mp, 'autocast', None)
     if ac is None or not getattr(ac, '_enabled', False): return nullcontext()
     return torch.autocast(ac.device, dtype=ac.fast_dtype)
+
+# %% ../nbs/03_callback.ipynb #0871b204
+@patch
+def _loss_bytes(self:GradientAccumulation, window:int) -> int:
+    "Bytes the loss keeps for its backward over a window's outputs, counted on meta tensors (0 where it cannot tell)."
+    # one micro-batch's outputs (an eval-mode forward without a graph: no statistic moves) scaled to the window's rows:
+    # a contrastive loss's similarity matrix grows as the window squared, and nothing of the window's size is made
+    try:
+        xb, yb = split_batch(self.learn._set_device(self._peek()), getattr(self.dls, 'n_inp', None))
+        model, n = self.learn.model, batch_size(xb)
+        with torch.no_grad(), modes_kept(model): pred = model.eval()(*xb)
+    except Exception: return 0
+    for fake in (True, False):  # fake tensors (the helper tensors a loss makes are fake too), else meta ones (fastai's)
+        try: return _saved_by(self.learn.loss_func, pred, tuple(yb), window / n, fake)
+        except Exception: pass
+    return 0  # a loss that runs on neither: not counted
+
+def _saved_by(loss_func, pred, ys:tuple, scale:float, fake:bool) -> int:
+    "Bytes `loss_func` saves for its backward on `pred` and `ys` with their rows times `scale`, on storage-less tensors."
+    def sized(t, grad=False):
+        shape = (int(t.shape[0] * scale),) + tuple(t.shape[1:]) if t.dim() else ()
+        return torch.empty(shape, dtype=t.dtype, device=t.device if fake else 'meta').requires_grad_(grad)
+    kept = []
+    with FakeTensorMode() if fake else nullcontext(), torch.enable_grad(), \
+         torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(_nbytes(t)) or t, lambda t: t):
+        loss_func(tree_map(lambda t: sized(t, t.is_floating_point()) if isinstance(t, Tensor) else t, pred),
+                  *tree_map(lambda t: sized(t) if isinstance(t, Tensor) else t, ys))
+    return sum(kept)
 
 # %% ../nbs/03_callback.ipynb #56a93e6f
 _cancels = (CancelBatchException, CancelStepException, CancelBackwardException, CancelEpochException,

@@ -61,8 +61,9 @@ class AccumulationOptions:
     params:object=None # callable giving the parameters whose gradients accumulate (default: the trainable ones)
     merge_exact:bool=True # whole windows under DDP: merge running statistics across processes
     name:str|None=None # who speaks in errors and the pre-flight (default: the core's class name)
+    loss_bytes:object=None # callable: samples -> bytes the loss keeps over their outputs (the memory plan counts it)
 
-_front_end_fills = ('device', 'params', 'merge_exact', 'name')
+_front_end_fills = ('device', 'params', 'merge_exact', 'name', 'loss_bytes')
 _counts = ('prepass_bs', 'bn_batch')
 
 def option_defaults() -> dict:
@@ -228,10 +229,10 @@ def setup(self:Accumulation, b,
     materialize_lazy(self.module, lambda: tuple(self.inputs(peek())))  # a lazy module takes its shapes before planning
     self.how = plan_training(self.policy, self.module, lambda: tuple(self.inputs(peek())), self.n_step, self.n_acc,
                              wrap=self.wrap, merge_exact=self.merge_exact, bn_batch=self.bn_batch, name=self.name,
-                             offload=self.offload,
-                             device_memory=self.device_memory, host_memory=self.host_memory, verify=self.verify,
-                             autocast=self.autocast, opt_state=optimizer_state(self.optimizer),
-                             held=held_bytes(self.module, self.optimizer), unjoinable=unjoinable)
+                             offload=self.offload, device_memory=self.device_memory, host_memory=self.host_memory,
+                             verify=self.verify, autocast=self.autocast, opt_state=optimizer_state(self.optimizer),
+                             held=held_bytes(self.module, self.optimizer), unjoinable=unjoinable,
+                             loss_bytes=self.loss_bytes)
     if self.how.model_eval and self.how.n_bn: warnings.warn(self.how.headline())  # said with or without pre-flight
     if self.exact and self.plan is not None and not self.plan.staged and self.plan.recomputed:
         warnings.warn(f"{self.name}: the backward runs BatchNorm layer {self.plan.recomputed[0]} again (activation "

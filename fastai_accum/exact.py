@@ -150,6 +150,7 @@ class ExactPlan:
     stage_grads:int=0     # bytes of the gradients a staged chunk's backward makes at once (`stage_grads`)
     store:float|None=None # bytes per sample a staged step's store holds at most (`store_per_sample`; None: `saved`)
     recomputed:tuple=()   # BatchNorm layers the backward runs again (activation checkpointing: `recomputed_bns`)
+    loss:int=0            # bytes the loss keeps over the window's outputs (a similarity matrix: the window squared)
 
     @property
     def param_needed(self) -> int:
@@ -173,7 +174,7 @@ class ExactPlan:
     def device_needed(self) -> int:
         "Bytes needed on the training device (on CPU: everything, which is host memory)."
         per = 2 * self.footprint.working + (0 if self.offload and self.on_accelerator else self.footprint.saved)
-        return int(self.window * per + self.model_needed)
+        return int(self.window * per + self.model_needed + self.loss)
 
 # %% ../nbs/02a_exact.ipynb #c0afbcb2
 @patch(as_prop=True)
@@ -197,8 +198,9 @@ def chunk_needed(self:ExactPlan) -> int:
 @patch(as_prop=True)
 def staged_device_needed(self:ExactPlan) -> int:
     "Bytes a staged step needs on the device: training at one chunk (on a CPU, the kept values too)."
+    # the loss runs on the window's output between the stages' forward and backward: its bytes or a chunk's
     store = 0 if self.on_accelerator else self.staged_host_needed
-    return self.chunk_needed + self.stage_grads + self.model_needed + store
+    return max(self.chunk_needed + self.stage_grads, self.loss) + self.model_needed + store
 
 @patch(as_prop=True)
 def check_memory(self:ExactPlan) -> int:
@@ -229,6 +231,7 @@ def describe(self:ExactPlan) -> str:
     s = self._what() + ("; measured with part of the model frozen (unfrozen, it saves more)" if self.frozen else '')
     if self.opt_state is None and self.device_budget is not None:
         s += "; the optimizer's state assumed 1x the parameters (unknown optimizer)"
+    if self.loss > 0.01 * self.device_needed: s += f"; the loss keeps {fmt_bytes(self.loss)} over the window's outputs"
     return s
 
 @patch
@@ -311,6 +314,7 @@ def plan_exact(model:nn.Module, # the model to train
                autocast=None, # callable returning the autocast context training runs in (measured under it)
                opt_state:float|None=None, # optimizer state per byte of parameters (`optimizer_state`; None: 1 assumed)
                held:int|None=None, # bytes alive now that count against the budget (default: `held_bytes(model)`)
+               loss:int=0, # bytes the loss keeps over a window's outputs (a front end that knows the loss counts them)
               ) -> ExactPlan:
     "Measure `model` on `xb` and plan training a window of `window` samples as one batch."
     device_memory, host_memory = check_budget('device_memory', device_memory), check_budget('host_memory', host_memory)
@@ -326,7 +330,8 @@ def plan_exact(model:nn.Module, # the model to train
     untrained = sum(_nbytes(t) for t in [p for p in model.parameters() if not steps(p)] + list(model.buffers()))
     plan = ExactPlan(window, fp, params, str(device), device_memory, host_memory, offload=bool(offload),
                      accelerator=is_accelerator(device), frozen=any(not p.requires_grad for p in model.parameters()),
-                     opt_state=opt_state, held=held_bytes(model) if held is None else held, untrained=untrained)
+                     opt_state=opt_state, held=held_bytes(model) if held is None else held, untrained=untrained,
+                     loss=loss)
     if offload is None and plan.on_accelerator and not plan.fits: plan.offload = True
     return plan
 

@@ -70,6 +70,7 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
                  opt_state:float|None=None, # optimizer state per byte of parameters (`optimizer_state`)
                  held:int|None=None, # bytes alive now that count against the budget (`held_bytes`)
                  unjoinable:str|None=None, # why the first window's micro-batches cannot be one batch (`unjoinable`)
+                 loss_bytes=None, # callable: samples -> bytes the loss keeps over their outputs (from a front end)
                 ) -> tuple:
     "(train each window as one batch?, the `ExactPlan` or None): the rule above, measured, then picked per policy."
     if policy not in ('exact', 'staged', 'auto'): return False, None
@@ -78,8 +79,9 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
         raise ValueError(f"{name}(policy={policy!r}) trains each window as one batch, but {unjoinable}. Use "
                          "policy='window' (or 'auto', which falls back to it).")
     xb = peek()
-    plan = plan_exact(model, xb, n_acc or n_step * xb[0].shape[0], device_memory, host_memory, offload, autocast,
-                      opt_state, held)
+    window = n_acc or n_step * xb[0].shape[0]
+    plan = plan_exact(model, xb, window, device_memory, host_memory, offload, autocast, opt_state, held,
+                      loss=int(loss_bytes(window)) if loss_bytes is not None else 0)
     plan.chunk = plan.micro = xb[0].shape[0]
     plan.recomputed = tuple(recomputed_bns(model, *xb, autocast=autocast))
     synced = world_size() > 1 and not _syncs_itself(model)  # DDP, per-process BatchNorm: a staged step reduces it

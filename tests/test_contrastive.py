@@ -202,3 +202,22 @@ def test_auto_says_why_it_could_not_compute_a_coupled_loss_over_the_window():
     assert ga.path == 'window' and len(said) == 1, (ga.path, said)
     assert "'auto' could not train the window as one batch (a window of 8 samples as one batch needs" in said[0]
     assert 'a staged step would not be the big batch: mean (call_method mean) combines the samples' in said[0]
+
+def test_the_memory_plan_counts_the_loss_over_the_window():
+    "What the loss keeps over the window's outputs is in the plan: a similarity matrix grows as the window squared."
+    from fastai.learner import Learner
+    from fastai.data.core import DataLoaders, TfmdDL
+    from fastai.optimizer import SGD
+    from fastai_accum.callback import GradientAccumulation
+    x, y = views(64)
+    plans = {}
+    for n_step in (8, 16):
+        dls = DataLoaders(TfmdDL(list(zip(x, y)), bs=2), TfmdDL(list(zip(x[:4], y[:4])), bs=2))
+        learn = Learner(dls, _model(Encoder), loss_func=lambda z, *y: info_nce(z).float(), opt_func=SGD, lr=0.1)
+        ga = GradientAccumulation(n_step=n_step, preflight=False)
+        with learn.no_logging(), learn.no_bar(): learn.fit(1, cbs=ga)
+        plans[n_step] = ga.plan
+    small, big = plans[8].loss, plans[16].loss
+    assert big >= (16 * 2 * 2) ** 2 * 8  # at least the similarity matrix of 64 embeddings in float64
+    assert 3 < big / small <= 4  # twice the window: four times the matrix (linear terms would double)
+    assert plans[16].device_needed >= plans[16].model_needed + big and ga.path == 'exact'
