@@ -22,11 +22,11 @@ Contents (line: module: classes), dependencies first:
      1727: prepass: PrepassPlan, PreflightTable
      1936: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
      2094: staged_exact: StagedStep, StagedForward
-     3646: exact: Footprint, ExactModeMemoryError, ExactPlan
-     4056: ghost: GhostForward
-     4111: plan: StagedMismatchError, TrainingPlan
-     4401: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     4995: callback: WindowPrefetch, GradientAccumulation
+     3648: exact: Footprint, ExactModeMemoryError, ExactPlan
+     4058: ghost: GhostForward
+     4113: plan: StagedMismatchError, TrainingPlan
+     4403: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     4997: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -2651,6 +2651,7 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
     for s in range(len(self.stages)):
         self.spans.append([])
         self._stage_forward(s, dev, chunk)
+    if self.layouts is None: self.layout_cache[self.signature] = self.layouts = {}  # no value folds views
     if self.random_chunked: self._say_random()
     self._say_not_finite()
     self.store_costs[self.signature, self.autocast] = max(map(self._store_bytes, range(len(self.stages)))) / self.W
@@ -2778,7 +2779,8 @@ def _stage_forward(self, s:int, dev, chunk:int):
         self.rng[s, a] = state = _rng_state(dev)
         with torch.set_grad_enabled(grad), self._saved_counted(saved) if probe else nullcontext():
             leaf = self._run_stage(s, env, xb, grad=grad)
-        if self.layouts is None and self._folds(env, b - a): self.layouts = self._find_layouts(dev)
+        # views folded into the batch show in a stage's first chunk: looked for until a window has shown none
+        if a == 0 and self.layouts is None and self._folds(env, b - a): self.layouts = self._find_layouts(dev)
         if measure and a == 0:  # the stage's bytes per sample, measured once: the other chunks as large as they fit
             self.costs[self._cost_key(s)] = cost = self._stage_cost(env, b - a, saved)
         if a == 0 and b < self.W and not _same_state(state, _rng_state(dev)):  # it draws random numbers
@@ -5178,7 +5180,7 @@ def _loss_bytes(self:GradientAccumulation, window:int) -> int:
     # one micro-batch's outputs (an eval-mode forward without a graph: no statistic moves) scaled to the window's rows:
     # a contrastive loss's similarity matrix grows as the window squared, and nothing of the window's size is made
     try:
-        xb, yb = split_batch(self.learn._set_device(self._peek()), getattr(self.dls, 'n_inp', None))
+        xb, yb = split_batch(self._peek_batch(), getattr(self.dls, 'n_inp', None))
         model, n = self.learn.model, batch_size(xb)
         with torch.no_grad(), modes_kept(model): pred = model.eval()(*xb)
     except Exception: return 0

@@ -195,7 +195,7 @@ def _loss_bytes(self:GradientAccumulation, window:int) -> int:
     # one micro-batch's outputs (an eval-mode forward without a graph: no statistic moves) scaled to the window's rows:
     # a contrastive loss's similarity matrix grows as the window squared, and nothing of the window's size is made
     try:
-        xb, yb = split_batch(self.learn._set_device(self._peek()), getattr(self.dls, 'n_inp', None))
+        xb, yb = split_batch(self._peek_batch(), getattr(self.dls, 'n_inp', None))
         model, n = self.learn.model, batch_size(xb)
         with torch.no_grad(), modes_kept(model): pred = model.eval()(*xb)
     except Exception: return 0

@@ -574,6 +574,7 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
     for s in range(len(self.stages)):
         self.spans.append([])
         self._stage_forward(s, dev, chunk)
+    if self.layouts is None: self.layout_cache[self.signature] = self.layouts = {}  # no value folds views
     if self.random_chunked: self._say_random()
     self._say_not_finite()
     self.store_costs[self.signature, self.autocast] = max(map(self._store_bytes, range(len(self.stages)))) / self.W
@@ -701,7 +702,8 @@ def _stage_forward(self, s:int, dev, chunk:int):
         self.rng[s, a] = state = _rng_state(dev)
         with torch.set_grad_enabled(grad), self._saved_counted(saved) if probe else nullcontext():
             leaf = self._run_stage(s, env, xb, grad=grad)
-        if self.layouts is None and self._folds(env, b - a): self.layouts = self._find_layouts(dev)
+        # views folded into the batch show in a stage's first chunk: looked for until a window has shown none
+        if a == 0 and self.layouts is None and self._folds(env, b - a): self.layouts = self._find_layouts(dev)
         if measure and a == 0:  # the stage's bytes per sample, measured once: the other chunks as large as they fit
             self.costs[self._cost_key(s)] = cost = self._stage_cost(env, b - a, saved)
         if a == 0 and b < self.W and not _same_state(state, _rng_state(dev)):  # it draws random numbers

@@ -209,6 +209,7 @@ def test_the_memory_plan_counts_the_loss_over_the_window():
     from fastai.data.core import DataLoaders, TfmdDL
     from fastai.optimizer import SGD
     from fastai_accum.callback import GradientAccumulation
+    from fastai_accum.meters import fmt_bytes
     x, y = views(64)
     plans = {}
     for n_step in (8, 16):
@@ -221,3 +222,4 @@ def test_the_memory_plan_counts_the_loss_over_the_window():
     assert big >= (16 * 2 * 2) ** 2 * 8  # at least the similarity matrix of 64 embeddings in float64
     assert 3 < big / small <= 4  # twice the window: four times the matrix (linear terms would double)
     assert plans[16].device_needed >= plans[16].model_needed + big and ga.path == 'exact'
+    assert f"the loss keeps {fmt_bytes(big)} over the window's outputs" in plans[16].describe()  # the pre-flight says it

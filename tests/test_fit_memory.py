@@ -167,3 +167,35 @@ def test_a_ddp_fit_holds_its_budget_and_trains_as_one_process_on_the_union(tmp_p
                           list(ref.model.parameters()) + list(ref.model.buffers())):
         assert torch.equal(a, b)
         assert (rel(a, want.detach()) < 1e-9) if a.is_floating_point() else torch.equal(a, want)
+
+class TwoViews(nn.Module):
+    "SimCLR's shape: (n, 2, C, H, W) folded into 2n images (`flatten(0, 1)`), the CNN above as the encoder."
+    def __init__(self):
+        super().__init__()
+        self.enc = cnn()
+    def forward(self, x): return self.enc(x.flatten(0, 1))
+
+def test_a_fit_of_a_model_folding_views_into_the_batch_holds_its_budget():
+    """Views folded into the batch (k rows a sample in the staged step's store): 3 epochs of the plain loop under a
+    budget that forces chunks, every live tensor counted; peak <= budget, live bytes flat, the big batch's steps."""
+    x, _ = data(32)
+    x = torch.stack([x, x.flip(-1)], 1)  # two views of each image
+    loss = lambda z: F.cross_entropy(z, torch.arange(len(z)) % 10)  # a loss over the 2n outputs
+    torch.manual_seed(0); big = TwoViews().double().train()
+    ours = copy.deepcopy(big)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (big, ours)]
+    budget = budget_between(ours, x[:2], 8, 1., 0.3)
+    acc = Accumulation(ours, n_step=4, optimizer=opts[1], device_memory=budget)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=2)
+    after = []
+    with LiveBytes(ours) as meter:
+        for epoch in range(3):
+            for (xb,) in acc.batches(loader):
+                if acc.backward(loss(ours(xb))): opts[1].step(); opts[1].zero_grad()
+            after.append(meter.live)
+    assert acc.path == 'staged exact' and meter.peak <= budget, (acc.path, meter.peak, budget)
+    assert after[0] == after[1] == after[2], after
+    for epoch in range(3):
+        for i in range(0, len(x), 8): loss(big(x[i:i + 8])).backward(); opts[0].step(); opts[0].zero_grad()
+    for a, b in zip(ours.state_dict().values(), big.state_dict().values()):
+        assert (rel(a, b) < 1e-9) if a.is_floating_point() else torch.equal(a, b)
