@@ -4,7 +4,7 @@
 
 # %% ../../nbs/23_bench_ledger.ipynb #a70a9ed1
 from __future__ import annotations
-import argparse
+import argparse, sys
 from contextlib import nullcontext
 import torch, torchvision
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -12,6 +12,7 @@ from torch.utils.flop_counter import flop_registry
 from ..helpers import emulated_accelerator
 from ..meters import _nbytes, SavedTensorMeter
 from ..staged_exact import uninstall_staged
+from ..batchnorm import bn_layers
 from .bench_speed import _matched_staged, _device_peak, _train
 
 # %% auto #0
@@ -47,6 +48,9 @@ def ledger_window(model:str='resnet50', # a torchvision classifier's name
     "One staged window under `emulated_accelerator()` on naive accumulation's device peak: its ledger and costs."
     torch.manual_seed(seed)
     net = getattr(torchvision.models, model)(num_classes=10).train()
+    if not bn_layers(net):  # its micro-batches are the big batch's step already: the staged step has no stage to cut
+        raise ValueError(f"bench ledger: {model} has no BatchNorm layer, so naive accumulation is exact for it and "
+                         "there is no staged window to count; pick a model with BatchNorm (resnet50, densenet121, ...)")
     x, dev = torch.randn(window, 3, size, size), torch.device('cpu')
     xm = x[:micro].clone()
     grads = sum(_nbytes(p) for p in net.parameters())
@@ -129,5 +133,9 @@ def add_ledger_args(parser:argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def ledger_main(args:argparse.Namespace) -> int:
     "Count one staged window and print `ledger_report`."
-    print(ledger_report(ledger_window(args.model, args.size, args.window, args.micro_bs, args.amp)), flush=True)
+    try: r = ledger_window(args.model, args.size, args.window, args.micro_bs, args.amp)
+    except ValueError as e:  # a model with nothing to stage: said in a line, not a traceback
+        print(e, file=sys.stderr)
+        return 2
+    print(ledger_report(r), flush=True)
     return 0

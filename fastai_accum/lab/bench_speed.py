@@ -263,7 +263,8 @@ def _on_host_store(step, meter:LiveBytes):
 
 def _train(model, x:Tensor):
     "One forward and backward of `model` on `x`; gradients add up in `.grad`."
-    model(x).float().pow(2).mean().backward()
+    # every float tensor of the output counts (a namedtuple with auxiliary logits: googlenet, inception_v3 training)
+    sum(t.float().pow(2).mean() for t in _tensors(model(x)) if t.is_floating_point()).backward()
 
 def _device_peak(fn, dev, step=None) -> int:
     "Peak device bytes `fn()` allocates: CUDA's allocator peak, or on a CPU the storages ops make (`LiveBytes`)."
