@@ -6,7 +6,7 @@ channel."""
 
 # %% ../nbs/02b_staged_exact.ipynb #bc1cb743
 from __future__ import annotations
-import contextlib, copy, functools, gc, itertools, operator, types, warnings, weakref
+import collections, contextlib, copy, functools, gc, heapq, itertools, operator, types, warnings, weakref
 from contextlib import nullcontext
 import torch
 import torch.distributed as dist
@@ -107,15 +107,75 @@ class StagedStep(StagedGraph):
         nodes = list(graph.nodes)
         self.inputs = [n for n in nodes if n.op == 'placeholder']
         self.output = next(n for n in nodes if n.op == 'output')
-        self.nodes = [n for n in nodes if n.op not in ('placeholder', 'get_attr', 'output')]
+        self.nodes = self.graph_nodes = [n for n in nodes if n.op not in ('placeholder', 'get_attr', 'output')]
 
     def __repr__(self):
         stages = f", {len(self.stages)} stages" if hasattr(self, 'stages') else ''
         return f'{type(self).__name__}({len(self.nodes)} nodes{stages})'
 
+# %% ../nbs/02b_staged_exact.ipynb #f64d3c5e
+def _opens_stage(n, modules:dict) -> bool: return n.op == 'call_module' and _is_barrier(modules[n.target])
+
+def _written(n) -> list:
+    "The nodes whose values node `n` writes into (its first argument, or an aten op's mutable ones)."
+    f, args = n.target, list(n.args)
+    if isinstance(f, torch._ops.OpOverload):
+        return [a for a, s in zip(args, f._schema.arguments) if isinstance(a, fx.Node) and s.alias_info is not None
+                and s.alias_info.is_write]
+    return [args[0]] if args and isinstance(args[0], fx.Node) else []
+
+def _stage_of(nodes:list, modules:dict) -> dict:
+    "{node: its stage} when `nodes` run in this order, each barrier opening a stage."
+    stage, s = {}, 0
+    for n in nodes:
+        s += _opens_stage(n, modules)
+        stage[n] = s
+    return stage
+
+def _stage_reads(nodes:list, modules:dict, batch:set) -> set:
+    "The (batch value, stage) pairs of values read by a stage other than the one making them, in this order."
+    stage = _stage_of(nodes, modules)  # (a model input: read from outside every stage)
+    return {(a, stage[n]) for n in nodes for a in n.all_input_nodes if a in batch and stage.get(a) != stage[n]}
+
+def _soonest(nodes:list, modules:dict) -> list:
+    "`nodes` in an order where each op other than a barrier runs as soon as its inputs are there (else as traced)."
+    at = {n: i for i, n in enumerate(nodes)}
+    waiting = {n: sum(a in at for a in n.all_input_nodes) for n in nodes}
+    ready, order = [(_opens_stage(n, modules), at[n], n) for n in nodes if not waiting[n]], []
+    heapq.heapify(ready)
+    while ready:
+        n = heapq.heappop(ready)[2]
+        order.append(n)
+        for u in n.users:
+            if u not in at: continue
+            waiting[u] -= 1
+            if not waiting[u]: heapq.heappush(ready, (_opens_stage(u, modules), at[u], u))
+    return order
+
+# %% ../nbs/02b_staged_exact.ipynb #02d97b45
+def _barrier_order(nodes:list, modules:dict) -> list:
+    "`nodes` reordered so that sibling branches reach their BatchNorm layers in one row, where a value is read twice."
+    # in the traced order each branch's BatchNorm opens a stage, and the value the branches start from is read from
+    # the store by one stage per branch; run soonest, their convolutions share one stage. Only where some value is read
+    # by several stages and fewer reads cross then; kept as traced where an op writes into a value another op reads or
+    # a stage other than its own made, or the random draws would change order (the big batch's masks)
+    if any(len(a.users) > 1 for n in nodes if _writes_in_place(n, modules) for a in _written(n)): return nodes
+    batch = {a for n in nodes for a in n.all_input_nodes if a.op == 'placeholder'}
+    for n in nodes:
+        if any(a in batch for a in n.all_input_nodes): batch.add(n)
+    before = _stage_reads(nodes, modules, batch)
+    if len(before) == len({a for a, _ in before}): return nodes  # each value read by one stage at most
+    order, draws = _soonest(nodes, modules), lambda ns: [n for n in ns if _draws(n, modules)]
+    stage = _stage_of(order, modules)
+    if any(stage.get(a, -1) != stage[n] for n in order if _writes_in_place(n, modules) for a in _written(n)):
+        return nodes
+    if draws(order) != draws(nodes) or len(_stage_reads(order, modules, batch)) >= len(before): return nodes
+    return order
+
 # %% ../nbs/02b_staged_exact.ipynb #fb8ff1e8
 def _plan(self):
     "Stages from the modes the layers are in now: stage s+1 starts with the s-th training BatchNorm node."
+    self.nodes = _barrier_order(self.graph_nodes, self.modules)  # sibling branches' BatchNorm layers in a row
     bars = [i for i, n in enumerate(self.nodes) if n.op == 'call_module' and _is_barrier(self.modules[n.target])]
     # the last stage is cut before its first random op (a head's dropout): what comes before runs in chunks,
     # the rest whole, so its masks are the big batch's without the whole window of the ops before it
@@ -138,9 +198,16 @@ def _plan(self):
     for s in range(1, len(self.stages)): self.stages[s] = self._recomputing(s, owner)
     members = [{self.nodes[i] for i in idx} for idx in self.stages]
     reads = [{a for u in mem for a in u.all_input_nodes if a in owner and a not in mem} for mem in members]
-    for s, bar in enumerate(self.bars[1:]):  # the BatchNorm ending stage s takes its statistics there
-        x = bar.args[0] if bar is not None else None  # it may come from an earlier stage (a U-Net's skip)
-        if isinstance(x, fx.Node) and x in owner and x not in members[s]: reads[s].add(x)
+    # the BatchNorm ending stage s takes its window statistics there (`gathers[s]`), or, where its input comes from an
+    # earlier stage (a U-Net's skip, a sibling branch's), in the stage that makes it: no stage reads it back for them
+    # (a module called at several nodes keeps its calls' order: there, read back)
+    calls = collections.Counter(n.target for n in self.nodes if n.op == 'call_module')
+    self.gathers = [[] for _ in self.stages]
+    for s, bar in enumerate(self.bars[1:]):
+        x = bar.args[0] if bar is not None else None
+        early = isinstance(x, fx.Node) and owner.get(x, -1) >= 0 and x not in members[s] and calls[bar.target] == 1
+        if bar is not None: self.gathers[owner[x] if early else s].append(bar)
+        if isinstance(x, fx.Node) and x in owner and x not in members[s] and not early: reads[s].add(x)
     outs = set(self.output.all_input_nodes)
     self.stage_in = [[n for n in owner if n in reads[s]] for s in range(len(self.stages))]
     self.stage_out = [[self.nodes[i] for i in idx if owner[self.nodes[i]] == s and
@@ -687,8 +754,8 @@ def _stage_forward(self, s:int, dev, chunk:int):
     # the last stage reruns in one chunk if it draws random numbers (dropout): its masks are then the big batch's (the
     # window's memory for it is their price: `_plan` cuts it down to the ops from the first random one); its last chunk
     # runs with a graph, kept for the backward
-    bar, last = (self.bars[s + 1], False) if s + 1 < len(self.stages) else (None, True)
-    st, (c, measure), a = ChannelStats(), self._first_chunk(s, chunk), 0
+    last = s + 1 == len(self.stages)
+    sts, (c, measure), a = {bar: ChannelStats() for bar in self.gathers[s]}, self._first_chunk(s, chunk), 0
     fixed = self._producer_spans(s)
     if fixed: measure = False
     while a < self.W:
@@ -716,7 +783,7 @@ def _stage_forward(self, s:int, dev, chunk:int):
         self.spans[s].append((a, b))
         with torch.no_grad():
             for n in self.stage_out[s]: self._hold(n, env[n], a, b)
-            if bar is not None: st.add(self._value(bar.args[0], env, xb))
+            for bar, st in sts.items(): st.add(self._value(bar.args[0], env, xb))  # window statistics
         if measure and a == 0:  # once its values' window-sized store is made; then the next chunk's reads start
             c = self._sized(s, cost, chunk)
             self._prefetch(s, _next_span(b, c, self.W, fixed))
@@ -724,7 +791,7 @@ def _stage_forward(self, s:int, dev, chunk:int):
             self.graphs[s, a] = {n: env[n] for n in self.stage_in[s] + self.stage_out[s] if n in env}, leaf
         env = xb = leaf = None  # freed before the next chunk is computed
         a = b
-    if bar is not None: self._close(bar, st)
+    for bar, st in sts.items(): self._close(bar, st)
 
 def _next_span(b:int, c:int, W:int, fixed:list|None) -> tuple|None:
     "The chunk after the one ending at `b`: chunks of `c` up to `W`, or the next of the `fixed` spans (None: none)."
