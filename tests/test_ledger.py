@@ -48,8 +48,9 @@ class StoreTraffic(TorchDispatchMode):
         else: self.math.append((str(func), sum(map(nbytes, on_host))))
         return out
 
-def counted_window(monkeypatch, model, x, chunk=2, budget=None):
-    "One staged window of `model` on `x` under `emulated_accelerator`, every op on the store counted independently."
+def counted_window(monkeypatch, model, x, chunk=2, budget=None, warm=0, writes=None, reads=None):
+    """One staged window of `model` on `x` under `emulated_accelerator`, every op on the store counted independently
+    (after `warm` windows not counted; copies issued by `writes` and `reads`, default as they come)."""
     host, make = {_storage(x)}, StagedStep._store_tensor
     def recorded(self, *a, **k):
         t = make(self, *a, **k)
@@ -58,7 +59,11 @@ def counted_window(monkeypatch, model, x, chunk=2, budget=None):
     monkeypatch.setattr(StagedStep, '_store_tensor', recorded)
     with emulated_accelerator():
         f = install_staged(model, chunk, budget=budget)
+        f.step.writes, f.step.reads = writes, reads
         try:
+            for _ in range(warm): model(x).pow(2).mean().backward()
+            # store tensors of earlier windows count only as reused (a freed one's address may be a device tensor's now)
+            host.intersection_update({_storage(x)})
             with StoreTraffic(host) as seen: model(x).pow(2).mean().backward()
         finally: uninstall_staged(model)
     return f.step, seen
@@ -153,3 +158,44 @@ def test_sibling_branches_read_the_value_they_branch_from_once(monkeypatch):
     traced, _ = counted_window(monkeypatch, copy.deepcopy(model), x)
     t = traced.ledger
     assert t.h2d_bytes + t.d2h_bytes > 1.05 * t.floor() and t.h2d_bytes + t.d2h_bytes > led.h2d_bytes + led.d2h_bytes
+
+class Dense(nn.Module):
+    "A DenseNet block: each layer's BatchNorm reads all the features before it, so each feature is read by every later stage."
+    def __init__(self, n=4, g=4):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.bns = nn.ModuleList(nn.BatchNorm2d(8 + i * g) for i in range(n))
+        self.convs = nn.ModuleList(nn.Conv2d(8 + i * g, g, 3, padding=1) for i in range(n))
+        self.head = nn.Linear(8 + n * g, 3)
+    def forward(self, x):
+        feats = [self.stem(x)]
+        for bn, conv in zip(self.bns, self.convs): feats.append(conv(F.relu(bn(torch.cat(feats, 1)))))
+        return self.head(torch.cat(feats, 1).mean((2, 3)))
+
+@pytest.mark.parametrize('budget', [400_000, 10**9], ids=['recomputed', 'graphs_kept'])
+def test_values_several_stages_read_stay_on_the_device_between_reads(monkeypatch, budget):
+    """With room left by the budget, the features several stages read stay on the device from their first reading stage
+    to their last (`_device_part`, planned from the window before), and their gradients are summed there: the ledger at
+    the floor, below the step without it, counted independently; two windows equal the big batch's two (float64), also
+    with copies run as late as streams may."""
+    from fastai_accum.staged_exact import StagedStep
+    torch.manual_seed(0)
+    model, x = Dense().double().train(), torch.randn(8, 3, 8, 8, dtype=torch.float64)
+    big = copy.deepcopy(model)
+    for _ in range(2): big(x).pow(2).mean().backward()
+    ref = [p.grad for p in big.parameters()] + list(big.buffers())
+    runs = {}
+    for copies in ('at once', 'deferred'):
+        m = copy.deepcopy(model)
+        deferred = (DeferredCopies(), DeferredCopies()) if copies == 'deferred' else (None, None)
+        step, seen = counted_window(monkeypatch, m, x, budget=budget, warm=1, writes=deferred[0], reads=deferred[1])
+        led = step.ledger
+        assert len(step.device_part) >= 2 and max(step.device_held) > 0
+        assert (led.h2d_bytes, led.d2h_bytes, led.copies) == (seen.h2d, seen.d2h, seen.copies) and seen.math == []
+        assert led.h2d_bytes + led.d2h_bytes <= 1.05 * led.floor() and led.syncs <= 2
+        runs[copies] = [p.grad for p in m.parameters()] + list(m.buffers())
+        for a, r in zip(runs[copies], ref): assert torch.allclose(a, r, rtol=1e-9, atol=1e-12)
+    for a, b in zip(*runs.values()): assert torch.equal(a, b)
+    monkeypatch.setattr(StagedStep, '_device_room', lambda self, *a: [-1.] * len(self.stages))  # no device part
+    step, _ = counted_window(monkeypatch, copy.deepcopy(model), x, budget=budget, warm=1)
+    assert not step.device_part and step.ledger.h2d_bytes + step.ledger.d2h_bytes > led.h2d_bytes + led.d2h_bytes

@@ -251,14 +251,18 @@ def fit_peak(model, x:Tensor, # the model (it trains) and a window of its inputs
 # %% ../../nbs/21_bench_speed.ipynb #e35a0005
 def _on_host_store(step, meter:LiveBytes):
     "Count what `step` keeps between stages (values, their gradients) as host memory, where an accelerator keeps it."
-    keep, add = step._keep, step._add_grad
+    # (a gradient summed in the store's device part is device memory until `_leave_device_part` writes it out)
+    keep, add, leave = step._keep, step._add_grad, step._leave_device_part
     def kept(d, n, v, a, b, kind='kept'):
         with meter.as_host(): keep(d, n, v, a, b, kind)
         meter.to_host(d[n])
     def added(grads, k, g, a, b):
+        if k in step.device_part: return add(grads, k, g, a, b)
         with meter.as_host(): add(grads, k, g, a, b)
         meter.to_host(grads[k])
-    step._keep, step._add_grad = kept, added
+    def left(s, grads=None):
+        with meter.as_host(): leave(s, grads)
+    step._keep, step._add_grad, step._leave_device_part = kept, added, left
     return keep
 
 def _train(model, x:Tensor):
@@ -280,7 +284,7 @@ def _device_peak(fn, dev, step=None) -> int:
         own = _on_host_store(step, meter) if step is not None else None
         try: fn()
         finally:
-            if own is not None: del step._keep, step._add_grad  # back to the class's
+            if own is not None: del step._keep, step._add_grad, step._leave_device_part  # back to the class's
     return meter.peak
 
 def _fastest(fn, dev, reps:int) -> float:
