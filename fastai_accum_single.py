@@ -22,11 +22,11 @@ Contents (line: module: classes), dependencies first:
      1727: prepass: PrepassPlan, PreflightTable
      1936: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
      2094: staged_exact: StagedStep, StagedForward
-     3648: exact: Footprint, ExactModeMemoryError, ExactPlan
-     4058: ghost: GhostForward
-     4113: plan: StagedMismatchError, TrainingPlan
-     4403: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     4997: callback: WindowPrefetch, GradientAccumulation
+     3831: exact: Footprint, ExactModeMemoryError, ExactPlan
+     4241: ghost: GhostForward
+     4296: plan: StagedMismatchError, TrainingPlan
+     4586: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     5180: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -2093,7 +2093,7 @@ def done(self:Link):
 
 # ======== fastai_accum/staged_exact.py ========
 # %% ../nbs/02b_staged_exact.ipynb #bc1cb743
-import contextlib, copy, functools, gc, itertools, operator, types, warnings, weakref
+import collections, contextlib, copy, functools, gc, heapq, itertools, math, operator, types, warnings, weakref
 from contextlib import nullcontext
 import torch
 import torch.distributed as dist
@@ -2167,6 +2167,9 @@ class StagedStep(StagedGraph):
     _readers = None  # `_param_readers`, counted at the first backward
     writes = reads = None  # how the link issues its writes and reads ahead (`Copies`; None: on CUDA, a stream each)
     ledger = None  # what the last window moved between the host store and the device (`Ledger`)
+    # the store's device part (`_device_part`) may take chunks down to this fraction of their size without it (1.: it
+    # takes only the room they leave)
+    shrink = 0.5
     def __init__(self,
                  model:nn.Module, # the model (called through its modules; nothing is copied)
                  graph:fx.Graph, # its torch.fx graph with every BatchNorm layer a leaf (`bn_graph`)
@@ -2176,6 +2179,8 @@ class StagedStep(StagedGraph):
         self.modules = dict(model.named_modules())
         self.costs = {}  # bytes per sample of each stage's chunk in its backward (`_stage_cost`), by `_cost_key`
         self.store_costs = {}  # the most bytes per sample the store held in a window, by input signature and autocast
+        self.kept_sizes = {}  # {kept key: its bytes per sample} in the last window, by input signature and autocast
+        self.device_plans = {}  # `_device_part`'s plans
         self.whole = set()  # `_cost_key`s of last stages that draw random numbers: run in one chunk
         # window-sized host tensors of the store the last window no longer reads, by (shape, dtype, device, pinned),
         # and those in use ({id: (weakref, key)}): `_store_tensor`, `_recycle`
@@ -2184,15 +2189,75 @@ class StagedStep(StagedGraph):
         nodes = list(graph.nodes)
         self.inputs = [n for n in nodes if n.op == 'placeholder']
         self.output = next(n for n in nodes if n.op == 'output')
-        self.nodes = [n for n in nodes if n.op not in ('placeholder', 'get_attr', 'output')]
+        self.nodes = self.graph_nodes = [n for n in nodes if n.op not in ('placeholder', 'get_attr', 'output')]
 
     def __repr__(self):
         stages = f", {len(self.stages)} stages" if hasattr(self, 'stages') else ''
         return f'{type(self).__name__}({len(self.nodes)} nodes{stages})'
 
+# %% ../nbs/02b_staged_exact.ipynb #f64d3c5e
+def _opens_stage(n, modules:dict) -> bool: return n.op == 'call_module' and _is_barrier(modules[n.target])
+
+def _written(n) -> list:
+    "The nodes whose values node `n` writes into (its first argument, or an aten op's mutable ones)."
+    f, args = n.target, list(n.args)
+    if isinstance(f, torch._ops.OpOverload):
+        return [a for a, s in zip(args, f._schema.arguments) if isinstance(a, fx.Node) and s.alias_info is not None
+                and s.alias_info.is_write]
+    return [args[0]] if args and isinstance(args[0], fx.Node) else []
+
+def _stage_of(nodes:list, modules:dict) -> dict:
+    "{node: its stage} when `nodes` run in this order, each barrier opening a stage."
+    stage, s = {}, 0
+    for n in nodes:
+        s += _opens_stage(n, modules)
+        stage[n] = s
+    return stage
+
+def _stage_reads(nodes:list, modules:dict, batch:set) -> set:
+    "The (batch value, stage) pairs of values read by a stage other than the one making them, in this order."
+    stage = _stage_of(nodes, modules)  # (a model input: read from outside every stage)
+    return {(a, stage[n]) for n in nodes for a in n.all_input_nodes if a in batch and stage.get(a) != stage[n]}
+
+def _soonest(nodes:list, modules:dict) -> list:
+    "`nodes` in an order where each op other than a barrier runs as soon as its inputs are there (else as traced)."
+    at = {n: i for i, n in enumerate(nodes)}
+    waiting = {n: sum(a in at for a in n.all_input_nodes) for n in nodes}
+    ready, order = [(_opens_stage(n, modules), at[n], n) for n in nodes if not waiting[n]], []
+    heapq.heapify(ready)
+    while ready:
+        n = heapq.heappop(ready)[2]
+        order.append(n)
+        for u in n.users:
+            if u not in at: continue
+            waiting[u] -= 1
+            if not waiting[u]: heapq.heappush(ready, (_opens_stage(u, modules), at[u], u))
+    return order
+
+# %% ../nbs/02b_staged_exact.ipynb #02d97b45
+def _barrier_order(nodes:list, modules:dict) -> list:
+    "`nodes` reordered so that sibling branches reach their BatchNorm layers in one row, where a value is read twice."
+    # in the traced order each branch's BatchNorm opens a stage, and the value the branches start from is read from
+    # the store by one stage per branch; run soonest, their convolutions share one stage. Only where some value is read
+    # by several stages and fewer reads cross then; kept as traced where an op writes into a value another op reads or
+    # a stage other than its own made, or the random draws would change order (the big batch's masks)
+    if any(len(a.users) > 1 for n in nodes if _writes_in_place(n, modules) for a in _written(n)): return nodes
+    batch = {a for n in nodes for a in n.all_input_nodes if a.op == 'placeholder'}
+    for n in nodes:
+        if any(a in batch for a in n.all_input_nodes): batch.add(n)
+    before = _stage_reads(nodes, modules, batch)
+    if len(before) == len({a for a, _ in before}): return nodes  # each value read by one stage at most
+    order, draws = _soonest(nodes, modules), lambda ns: [n for n in ns if _draws(n, modules)]
+    stage = _stage_of(order, modules)
+    if any(stage.get(a, -1) != stage[n] for n in order if _writes_in_place(n, modules) for a in _written(n)):
+        return nodes
+    if draws(order) != draws(nodes) or len(_stage_reads(order, modules, batch)) >= len(before): return nodes
+    return order
+
 # %% ../nbs/02b_staged_exact.ipynb #fb8ff1e8
 def _plan(self):
     "Stages from the modes the layers are in now: stage s+1 starts with the s-th training BatchNorm node."
+    self.nodes = _barrier_order(self.graph_nodes, self.modules)  # sibling branches' BatchNorm layers in a row
     bars = [i for i, n in enumerate(self.nodes) if n.op == 'call_module' and _is_barrier(self.modules[n.target])]
     # the last stage is cut before its first random op (a head's dropout): what comes before runs in chunks,
     # the rest whole, so its masks are the big batch's without the whole window of the ops before it
@@ -2215,9 +2280,16 @@ def _plan(self):
     for s in range(1, len(self.stages)): self.stages[s] = self._recomputing(s, owner)
     members = [{self.nodes[i] for i in idx} for idx in self.stages]
     reads = [{a for u in mem for a in u.all_input_nodes if a in owner and a not in mem} for mem in members]
-    for s, bar in enumerate(self.bars[1:]):  # the BatchNorm ending stage s takes its statistics there
-        x = bar.args[0] if bar is not None else None  # it may come from an earlier stage (a U-Net's skip)
-        if isinstance(x, fx.Node) and x in owner and x not in members[s]: reads[s].add(x)
+    # the BatchNorm ending stage s takes its window statistics there (`gathers[s]`), or, where its input comes from an
+    # earlier stage (a U-Net's skip, a sibling branch's), in the stage that makes it: no stage reads it back for them
+    # (a module called at several nodes keeps its calls' order: there, read back)
+    calls = collections.Counter(n.target for n in self.nodes if n.op == 'call_module')
+    self.gathers = [[] for _ in self.stages]
+    for s, bar in enumerate(self.bars[1:]):
+        x = bar.args[0] if bar is not None else None
+        early = isinstance(x, fx.Node) and owner.get(x, -1) >= 0 and x not in members[s] and calls[bar.target] == 1
+        if bar is not None: self.gathers[owner[x] if early else s].append(bar)
+        if isinstance(x, fx.Node) and x in owner and x not in members[s] and not early: reads[s].add(x)
     outs = set(self.output.all_input_nodes)
     self.stage_in = [[n for n in owner if n in reads[s]] for s in range(len(self.stages))]
     self.stage_out = [[self.nodes[i] for i in idx if owner[self.nodes[i]] == s and
@@ -2421,7 +2493,7 @@ def _stage_inputs(self, s:int, a:int, b:int, dev, grad:bool=False) -> dict:
 def _kept_chunk(self, key, a:int, b:int, dev, grad:bool) -> Tensor:
     "Samples a:b of the kept tensor `key` on `dev`; for a backward, a leaf collecting its gradient."
     t = self.kept[key][a:b]
-    v = self._unstored(key, self._read(t, dev), b - a)
+    v = self._unstored(key, self._from_device_part(key, a, b, lambda: self._read(t, dev)), b - a)
     # a chunk of its own, as on an accelerator: what the backward holds is the chunk, not the store it is a view of
     if grad and _storage(v) == _storage(t): v = v.clone()
     return v.detach().requires_grad_(v.is_floating_point()) if grad else v
@@ -2478,6 +2550,12 @@ def _add_grad(self, grads:dict, k, g:Tensor, a:int, b:int):
     # the first contribution to those samples is copied in as it is (no zero-fill, no sum on the host); a later one is
     # summed with it on the device, then copied in
     g = self._stored(k, g, b - a)
+    if k in self.device_part:  # summed on the device, written once after its first reader's backward
+        if k not in self.gcache:
+            self.gcache[k] = torch.zeros((self.W,) + g.shape[1:], dtype=g.dtype, device=g.device)
+            self._note_device_part()
+        self.gcache[k][a:b] += g
+        return
     if k not in grads: grads[k] = self._store_tensor((self.W,) + g.shape[1:], g.dtype, self.store or g.device)
     spans, t = self.written.setdefault(k, []), grads[k]
     if not any(s < b and a < e for s, e in spans): self._put(t, a, b, g, 'grad')
@@ -2648,6 +2726,7 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
     # chunks run with their graph, kept for the backward (not recomputed): the last stage's last chunk, and every chunk
     # of the late stages whose graphs fit the budget together
     self.graphs, self.kept_from = {}, self._kept_from()
+    self._device_part(chunk)  # values several stages read, kept on the device between their reads where room is left
     for s in range(len(self.stages)):
         self.spans.append([])
         self._stage_forward(s, dev, chunk)
@@ -2655,6 +2734,7 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
     if self.random_chunked: self._say_random()
     self._say_not_finite()
     self.store_costs[self.signature, self.autocast] = max(map(self._store_bytes, range(len(self.stages)))) / self.W
+    self.kept_sizes[self.signature, self.autocast] = {k: _nbytes(t) / self.W for k, t in self.kept.items()}
     return self._output(dev)
 
 StagedStep.forward = _forward
@@ -2706,16 +2786,22 @@ def _first_chunk(self, s:int, chunk:int) -> tuple:
               for n in self.stage_in[s]) / self.W  # bytes a sample brings in
     return min(self.W, max(chunk, int(chunk * per_input // max(per, 1)))), False
 
-def _sized(self, s:int, cost:float, chunk:int) -> int:
-    "The most samples (at least `chunk`) whose chunk of stage `s`, costing `cost` bytes per sample, fits the budget."
-    # beside the chunk: its parameters' gradients as its backward makes them (summed in place into the step's)
+def _beside(self, s:int, size=None) -> tuple:
+    "(bytes beside every chunk of stage `s`, bytes per sample its next chunk's reads add while it computes)."
+    # beside: its parameters' gradients as its backward makes them (summed in place into the step's); where the store
+    # shares the budget's memory (a CPU), what it holds then, in this stage's forward and backward; the store's device
+    # part then (`_device_part`). Read ahead (`_prefetch`): its inputs and its outputs' gradients. `size(node)`: the
+    # window's bytes of a node (default: this window's, as far as kept)
+    size = size or self._kept_bytes
     grads = sum(_nbytes(p) for p in self.stage_params[s] if p.requires_grad)
-    # where the store shares the budget's memory (a CPU), what it holds then: in this stage's forward and backward
     store = max(_nbytes(list(self.kept.values())), self._store_bytes(s)) if self.shared else 0
-    # beside a chunk's own bytes, the next one's reads crossing while it computes (`_prefetch`): its inputs and its
-    # outputs' gradients
-    ahead = sum(map(self._kept_bytes, self.stage_in[s] + self.stage_out[s])) / self.W if self.link.apart else 0
-    return min(self.W, max(chunk, int((self.budget - grads - store) // max(cost + ahead, 1.))))
+    ahead = sum(map(size, self.stage_in[s] + self.stage_out[s])) / self.W if self.link.apart else 0
+    return grads + store + self.device_held[s], ahead
+
+def _sized(self, s:int, cost:float, chunk:int, size=None) -> int:
+    "The most samples (at least `chunk`) whose chunk of stage `s`, costing `cost` bytes per sample, fits the budget."
+    beside, ahead = self._beside(s, size)
+    return min(self.W, max(chunk, int((self.budget - beside) // max(cost + ahead, 1.))))
 
 def _cost_key(self, s:int) -> tuple:
     "Stage `s` (its nodes, the inputs' shapes and dtypes, training's autocast): what its bytes per sample depend on."
@@ -2724,8 +2810,101 @@ def _cost_key(self, s:int) -> tuple:
     return first, len(self.stages[s]), self.signature, self.autocast
 
 StagedStep._first_chunk = _first_chunk
+StagedStep._beside = _beside
 StagedStep._sized = _sized
 StagedStep._cost_key = _cost_key
+
+# %% ../nbs/02b_staged_exact.ipynb #1a447e1a
+def _device_part(self, chunk:int):
+    "Plan `device_part` ({kept key: (first, last) stage reading it}) and `device_held` (bytes it holds at each stage)."
+    # only values read by several stages, none the model returns; a value and its gradient are counted at every stage
+    # from its first reader to its last, within the room there (`_device_room`); the most-read first
+    # planned once per input signature, autocast, window size, budget and stages kept whole or with their graphs
+    n_st, self.cache, self.gcache, self.device_store_bytes = len(self.stages), {}, {}, 0
+    self.device_held, self.device_part = [0] * n_st, {}
+    per_sample = self.kept_sizes.get((self.signature, self.autocast))
+    costs = [self.costs.get(self._cost_key(s)) for s in range(n_st)]
+    if not self.link.apart or self.budget is None or per_sample is None or None in costs: return
+    key = self.signature, self.autocast, self.W, self.budget, self.kept_from, len(self.whole)
+    if key in self.device_plans:
+        self.device_part, held = self.device_plans[key]
+        self.device_held = list(held)
+        return
+    node = lambda k: k[0] if isinstance(k, tuple) else k
+    sizes, by_node, readers = {k: v * self.W for k, v in per_sample.items()}, collections.Counter(), {}
+    for k, v in sizes.items(): by_node[node(k)] += v
+    room = self._device_room(chunk, costs, lambda n: self._kept_bytes(n) if n.op == 'placeholder' else by_node[n])
+    for s, ins in enumerate(self.stage_in):
+        for n in ins: readers.setdefault(n, []).append(s)
+    returned = set(self.output.all_input_nodes)
+    several = [(k, readers[node(k)]) for k in sizes if len(readers.get(node(k), ())) > 1 and node(k) not in returned]
+    for k, rs in sorted(several, key=lambda kv: (-len(kv[1]), sizes[kv[0]])):
+        span = range(rs[0], rs[-1] + 1)
+        if all(self.device_held[s] + 2 * sizes[k] <= room[s] for s in span):
+            self.device_part[k] = rs[0], rs[-1]
+            for s in span: self.device_held[s] += 2 * sizes[k]
+    self.device_plans[key] = self.device_part, tuple(self.device_held)
+
+def _device_room(self, chunk:int, costs:list, size) -> list:
+    "Bytes the store's device part may hold at each stage: 90% of what the budget leaves there (-1: none)."
+    # beside chunks that may shrink to `shrink` of their size without it (where the backward recomputes), or beside
+    # the graphs kept since `kept_from` (where it keeps them: they hold the whole window already); none in a stage run
+    # whole. `size(node)`: a node's window bytes, the last window's
+    room, graphs = [-1.] * len(self.stages), 0.
+    for s, cost in enumerate(costs):
+        if self._cost_key(s) in self.whole: continue
+        beside, ahead = self._beside(s, size)
+        if s >= self.kept_from:
+            graphs += cost * self.W
+            room[s] = 0.9 * (self.budget - beside - graphs)
+            continue
+        least = max(chunk, math.ceil(self.shrink * self._sized(s, cost, chunk, size)))  # the chunks it may take
+        room[s] = 0.9 * (self.budget - beside - least * (cost + ahead))
+    return room
+
+StagedStep._device_part = _device_part
+StagedStep._device_room = _device_room
+
+# %% ../nbs/02b_staged_exact.ipynb #55c31e92
+def _from_device_part(self, key, a:int, b:int, read) -> Tensor:
+    "Samples a:b of kept tensor `key`: from its device part where that holds them, else `read()`, then kept there."
+    if key not in self.device_part: return read()
+    t, have = self.cache.get(key, (None, None))
+    if t is not None and all(have[a:b]): return t[a:b].clone()  # a chunk of its own: a stage may write into it
+    v = read()
+    if t is None:
+        t, have = torch.empty((self.W,) + v.shape[1:], dtype=v.dtype, device=v.device), [False] * self.W
+        self.cache[key] = t, have
+        self._note_device_part()
+    t[a:b].copy_(v)
+    have[a:b] = [True] * (b - a)
+    return v
+
+def _note_device_part(self):
+    "Note the most bytes the device part held in this window (`device_store_bytes`): values and summed gradients."
+    now = _nbytes([t for t, _ in self.cache.values()]) + _nbytes(list(self.gcache.values()))
+    self.device_store_bytes = max(self.device_store_bytes, now)
+
+def _on_device(self, key, a:int, b:int) -> bool:
+    "Does the device part hold samples a:b of kept tensor `key`?"
+    t, have = self.cache.get(key, (None, None))
+    return t is not None and all(have[a:b])
+
+def _leave_device_part(self, s:int, grads:dict|None=None):
+    "After stage `s`'s forward (`grads` None) or backward: drop the values it read last; write their summed gradients."
+    for k, (first, last) in self.device_part.items():
+        if s != (last if grads is None else first): continue
+        self.cache.pop(k, None)
+        g = self.gcache.pop(k, None)
+        if g is None: continue
+        grads[k] = self._store_tensor(g.shape, g.dtype, self.store or g.device)
+        self._put(grads[k], 0, self.W, g, 'grad')
+        self.written[k] = [(0, self.W)]
+
+StagedStep._from_device_part = _from_device_part
+StagedStep._on_device = _on_device
+StagedStep._note_device_part = _note_device_part
+StagedStep._leave_device_part = _leave_device_part
 
 # %% ../nbs/02b_staged_exact.ipynb #927e133c
 def _stage_cost(self, env:dict, n:int, saved:dict) -> float:
@@ -2764,8 +2943,8 @@ def _stage_forward(self, s:int, dev, chunk:int):
     # the last stage reruns in one chunk if it draws random numbers (dropout): its masks are then the big batch's (the
     # window's memory for it is their price: `_plan` cuts it down to the ops from the first random one); its last chunk
     # runs with a graph, kept for the backward
-    bar, last = (self.bars[s + 1], False) if s + 1 < len(self.stages) else (None, True)
-    st, (c, measure), a = ChannelStats(), self._first_chunk(s, chunk), 0
+    last = s + 1 == len(self.stages)
+    sts, (c, measure), a = {bar: ChannelStats() for bar in self.gathers[s]}, self._first_chunk(s, chunk), 0
     fixed = self._producer_spans(s)
     if fixed: measure = False
     while a < self.W:
@@ -2793,7 +2972,7 @@ def _stage_forward(self, s:int, dev, chunk:int):
         self.spans[s].append((a, b))
         with torch.no_grad():
             for n in self.stage_out[s]: self._hold(n, env[n], a, b)
-            if bar is not None: st.add(self._value(bar.args[0], env, xb))
+            for bar, st in sts.items(): st.add(self._value(bar.args[0], env, xb))  # window statistics
         if measure and a == 0:  # once its values' window-sized store is made; then the next chunk's reads start
             c = self._sized(s, cost, chunk)
             self._prefetch(s, _next_span(b, c, self.W, fixed))
@@ -2801,7 +2980,8 @@ def _stage_forward(self, s:int, dev, chunk:int):
             self.graphs[s, a] = {n: env[n] for n in self.stage_in[s] + self.stage_out[s] if n in env}, leaf
         env = xb = leaf = None  # freed before the next chunk is computed
         a = b
-    if bar is not None: self._close(bar, st)
+    for bar, st in sts.items(): self._close(bar, st)
+    self._leave_device_part(s)
 
 def _next_span(b:int, c:int, W:int, fixed:list|None) -> tuple|None:
     "The chunk after the one ending at `b`: chunks of `c` up to `W`, or the next of the `fixed` spans (None: none)."
@@ -2902,7 +3082,8 @@ def _prefetch(self, s:int, span, grads:dict|None=None):
         for n in self.stage_in[s]:
             if n.op == 'placeholder' or (n in self.carried and n not in self.structs): continue
             for k in self._keys(n):
-                if k in self.kept and self.link.holds(self.kept[k]): self.link.prefetch(self.kept[k][a:b], dev)
+                if k in self.kept and self.link.holds(self.kept[k]) and not self._on_device(k, a, b):
+                    self.link.prefetch(self.kept[k][a:b], dev)
         if self.reads_input[s]:
             for t in self.xb:
                 if isinstance(t, Tensor) and t.device.type == 'cpu': self.link.prefetch(t[a:b], dev, 'input')
@@ -2938,7 +3119,8 @@ def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shap
         # autograd asked only for this stage's parameters
         used = [index[id(p)] for p in self.stage_params[s] if id(p) in index]
         affine = self._affine_sums(s, bar, index, pgrads) if bar is not None else None
-        if not outs and bar is None: continue  # no gradient reaches it (the empty stage before an input's BatchNorm)
+        if not outs and bar is None:  # no gradient reaches it (the empty stage before an input's BatchNorm): only what
+            self._leave_device_part(s, grads); continue  # it read last leaves the device
         # chunks whose graph the forward kept first: they are not held while the others are recomputed
         order = sorted(self.spans[s], key=lambda span: (s, span[0]) not in self.graphs)
         for i, (a, b) in enumerate(order):
@@ -2964,6 +3146,7 @@ def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shap
         self._recycle([p[0] for n in outs for k in self._keys(n) for p in self.projections.pop(k, ())])
         if bar is not None: self._project(s, bar, fixed.get(bar), sums)
         self._recycle([self.kept.pop(k) for n in self.freed[s] for k in self._keys(n) if k in self.kept])
+        self._leave_device_part(s, grads)
     # the store's tensors, for the next window; not the output's (the model returned them)
     returned = {k for n in self.output.all_input_nodes for k in self._keys(n)}
     self._recycle([t for k, t in itertools.chain(self.kept.items(), grads.items()) if k not in returned])

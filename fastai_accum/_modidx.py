@@ -1451,6 +1451,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                             'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact._node_values': ( 'staged_exact.html#_node_values',
                                                                                        'fastai_accum/staged_exact.py'),
+                                           'fastai_accum.staged_exact._note_device_part': ( 'staged_exact.html#_note_device_part',
+                                                                                            'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact._on_device': ( 'staged_exact.html#_on_device',
                                                                                      'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact._once': ('staged_exact.html#_once', 'fastai_accum/staged_exact.py'),

@@ -474,7 +474,9 @@ def _add_grad(self, grads:dict, k, g:Tensor, a:int, b:int):
     # summed with it on the device, then copied in
     g = self._stored(k, g, b - a)
     if k in self.device_part:  # summed on the device, written once after its first reader's backward
-        if k not in self.gcache: self.gcache[k] = torch.zeros((self.W,) + g.shape[1:], dtype=g.dtype, device=g.device)
+        if k not in self.gcache:
+            self.gcache[k] = torch.zeros((self.W,) + g.shape[1:], dtype=g.dtype, device=g.device)
+            self._note_device_part()
         self.gcache[k][a:b] += g
         return
     if k not in grads: grads[k] = self._store_tensor((self.W,) + g.shape[1:], g.dtype, self.store or g.device)
@@ -741,7 +743,7 @@ def _device_part(self, chunk:int):
     # only values read by several stages, none the model returns; a value and its gradient are counted at every stage
     # from its first reader to its last, within the room there (`_device_room`); the most-read first
     # planned once per input signature, autocast, window size, budget and stages kept whole or with their graphs
-    n_st, self.cache, self.gcache = len(self.stages), {}, {}
+    n_st, self.cache, self.gcache, self.device_store_bytes = len(self.stages), {}, {}, 0
     self.device_held, self.device_part = [0] * n_st, {}
     per_sample = self.kept_sizes.get((self.signature, self.autocast))
     costs = [self.costs.get(self._cost_key(s)) for s in range(n_st)]
@@ -766,19 +768,6 @@ def _device_part(self, chunk:int):
             for s in span: self.device_held[s] += 2 * sizes[k]
     self.device_plans[key] = self.device_part, tuple(self.device_held)
 
-def _from_device_part(self, key, a:int, b:int, read) -> Tensor:
-    "Samples a:b of kept tensor `key`: from its device part where that holds them, else `read()`, then kept there."
-    if key not in self.device_part: return read()
-    t, have = self.cache.get(key, (None, None))
-    if t is not None and all(have[a:b]): return t[a:b].clone()  # a chunk of its own: a stage may write into it
-    v = read()
-    if t is None:
-        t, have = torch.empty((self.W,) + v.shape[1:], dtype=v.dtype, device=v.device), [False] * self.W
-        self.cache[key] = t, have
-    t[a:b].copy_(v)
-    have[a:b] = [True] * (b - a)
-    return v
-
 def _device_room(self, chunk:int, costs:list, size) -> list:
     "Bytes the store's device part may hold at each stage: 90% of what the budget leaves there (-1: none)."
     # beside chunks that may shrink to `shrink` of their size without it (where the backward recomputes), or beside
@@ -798,9 +787,27 @@ def _device_room(self, chunk:int, costs:list, size) -> list:
 
 StagedStep._device_part = _device_part
 StagedStep._device_room = _device_room
-StagedStep._from_device_part = _from_device_part
 
 # %% ../nbs/02b_staged_exact.ipynb #55c31e92
+def _from_device_part(self, key, a:int, b:int, read) -> Tensor:
+    "Samples a:b of kept tensor `key`: from its device part where that holds them, else `read()`, then kept there."
+    if key not in self.device_part: return read()
+    t, have = self.cache.get(key, (None, None))
+    if t is not None and all(have[a:b]): return t[a:b].clone()  # a chunk of its own: a stage may write into it
+    v = read()
+    if t is None:
+        t, have = torch.empty((self.W,) + v.shape[1:], dtype=v.dtype, device=v.device), [False] * self.W
+        self.cache[key] = t, have
+        self._note_device_part()
+    t[a:b].copy_(v)
+    have[a:b] = [True] * (b - a)
+    return v
+
+def _note_device_part(self):
+    "Note the most bytes the device part held in this window (`device_store_bytes`): values and summed gradients."
+    now = _nbytes([t for t, _ in self.cache.values()]) + _nbytes(list(self.gcache.values()))
+    self.device_store_bytes = max(self.device_store_bytes, now)
+
 def _on_device(self, key, a:int, b:int) -> bool:
     "Does the device part hold samples a:b of kept tensor `key`?"
     t, have = self.cache.get(key, (None, None))
@@ -817,7 +824,9 @@ def _leave_device_part(self, s:int, grads:dict|None=None):
         self._put(grads[k], 0, self.W, g, 'grad')
         self.written[k] = [(0, self.W)]
 
+StagedStep._from_device_part = _from_device_part
 StagedStep._on_device = _on_device
+StagedStep._note_device_part = _note_device_part
 StagedStep._leave_device_part = _leave_device_part
 
 # %% ../nbs/02b_staged_exact.ipynb #927e133c

@@ -70,7 +70,8 @@ def ledger_window(model:str='resnet50', # a torchvision classifier's name
             store = max(step.store_costs.values()) * window
         finally: uninstall_staged(net)
     n_micro = window / micro
-    return dict(ledger=led, store_bytes=int(store), device_store_bytes=0, flops_staged=int(flops_staged),
+    return dict(ledger=led, store_bytes=int(store), device_store_bytes=int(step.device_store_bytes),
+                flops_staged=int(flops_staged),
                 flops_naive=int(flops_micro * n_micro), ops_staged=ops_staged, ops_naive=int(ops_micro * n_micro),
                 ops_whole=ops_micro, saved_whole=int(saved.peak * n_micro), peak_device=int(peak),
                 naive_peak_device=int(naive_peak), model=model, size=size, window=window, micro=micro, amp=amp or 'fp32')
