@@ -199,3 +199,29 @@ def test_values_several_stages_read_stay_on_the_device_between_reads(monkeypatch
     monkeypatch.setattr(StagedStep, '_device_room', lambda self, *a: [-1.] * len(self.stages))  # no device part
     step, _ = counted_window(monkeypatch, copy.deepcopy(model), x, budget=budget, warm=1)
     assert not step.device_part and step.ledger.h2d_bytes + step.ledger.d2h_bytes > led.h2d_bytes + led.d2h_bytes
+
+def test_torchvision_densenet121_with_its_device_part_is_the_big_batch():
+    """torchvision's densenet121 (every dense layer reads all features before it), float64, 32 px, a window of 8 in
+    chunks of 2 under a budget that leaves the store's device part room: two staged windows equal the big batch's two,
+    with dozens of features held on the device between their reading stages, at the floor."""
+    import torchvision
+    torch.manual_seed(0)
+    model = torchvision.models.densenet121(num_classes=5).double().train()
+    x = torch.randn(8, 3, 32, 32, dtype=torch.float64)
+    weights = lambda o: torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view_as(o)
+    big, st = copy.deepcopy(model), copy.deepcopy(model)
+    def two_windows(m):
+        for _ in range(2):
+            out = m(x)
+            (out * weights(out)).sum().backward()
+    two_windows(big)
+    with emulated_accelerator():
+        f = install_staged(st, 2, budget=6_000_000)
+        try: two_windows(st)
+        finally: uninstall_staged(st)
+    step, led = f.step, f.step.ledger
+    assert len(step.device_part) > 10 and step.device_store_bytes > 0
+    assert led.h2d_bytes + led.d2h_bytes <= 1.05 * led.floor() and led.blocking_copies == 0 and led.syncs <= 2
+    for a, b in zip(list(st.parameters()) + list(st.buffers()), list(big.parameters()) + list(big.buffers())):
+        ga, gb = (a.grad, b.grad) if isinstance(a, nn.Parameter) else (a, b)
+        assert torch.allclose(ga.double(), gb.double(), rtol=1e-9, atol=1e-12)
