@@ -145,6 +145,7 @@ def staged_window(model, opt, xs, ys, loss_func, chunk):
     try: one_batch_window(model, opt, xs, ys, loss_func, plan=None)
     finally: uninstall_staged(model)
     last_ledger['staged'] = f.step.ledger
+    last_ledger['device_store_bytes'] = getattr(f.step, 'device_store_bytes', 0)  # the store's device part, at most
 
 def timed(fn, dev, reps):
     fn(); sync(dev)  # warm-up (cuDNN autotuning, allocator, pinned host blocks)
@@ -199,7 +200,8 @@ def main():
                    if plan == 'staged' else f'  estimate: device {fmt_bytes(plan.device_needed)}, host {fmt_bytes(plan.host_needed)}')
             print(f'window {w:4d}  {name:20s} {secs:8.3f} s/window  peak {fmt_bytes(mem) if mem == mem else "n/a":>10s}{est}', flush=True)
             if plan == 'staged' and 'staged' in last_ledger:  # beside the time it took: the cost model's inputs
-                print(f'window {w:4d}  {last_ledger["staged"].line()} (predicted by `fastai-accum bench ledger`)', flush=True)
+                print(f'window {w:4d}  {last_ledger["staged"].line(device_store_bytes=last_ledger["device_store_bytes"])} '
+                      '(predicted by `fastai-accum bench ledger`)', flush=True)
         def vs(name): return res[name][0] / res['naive'][0], res[name][1] / res['naive'][1] if res['naive'][1] == res['naive'][1] and res['naive'][1] else float('nan')
         summary[w] = vs('exact, host offload') + vs('staged exact')
     print(' '.join(f'exact_time_vs_naive_w{w}={t:.2f} exact_peak_vs_naive_w{w}={m:.2f} staged_time_vs_naive_w{w}={ts:.2f} '
