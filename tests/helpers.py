@@ -1,6 +1,7 @@
 "Helpers shared by the test modules (tiny fastai Learners, float64 windows, big-batch references): no test module imports another."
 from contextlib import nullcontext
 import torch
+from torch import nn
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 from fastai.basics import Learner, DataLoaders, DataLoader, SGD, MSELossFlat, Callback
@@ -94,3 +95,16 @@ def cli_command() -> list:
     if exe.exists(): return [str(exe)]
     found = shutil.which('fastai-accum')
     return [found] if found else [sys.executable, '-c', 'import sys; from fastai_accum.lab.cli import main; sys.exit(main())']
+
+class Dense(nn.Module):
+    "A DenseNet block: each layer's BatchNorm reads all the features before it, so each feature is read by every later stage."
+    def __init__(self, n=4, g=4, out=3):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.bns = nn.ModuleList(nn.BatchNorm2d(8 + i * g) for i in range(n))
+        self.convs = nn.ModuleList(nn.Conv2d(8 + i * g, g, 3, padding=1) for i in range(n))
+        self.head = nn.Linear(8 + n * g, out)
+    def forward(self, x):
+        feats = [self.stem(x)]
+        for bn, conv in zip(self.bns, self.convs): feats.append(conv(F.relu(bn(torch.cat(feats, 1)))))
+        return self.head(torch.cat(feats, 1).mean((2, 3)))

@@ -12,6 +12,7 @@ from fastai_accum.helpers import emulated_accelerator
 from fastai_accum.staged_exact import StagedStep, install_staged
 import fastai_accum.exact as exact, fastai_accum.window as window, fastai_accum.plan as plan
 from helpers import forced_budget as budget  # a device budget the window does not fit, one chunk does
+from helpers import Dense
 
 def net():
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
@@ -28,10 +29,10 @@ def rel(a, b):
     d = (a - b).abs().max().item()
     return 0. if d <= 1e-12 else d / b.abs().max().item()
 
-def grads_per_window(policy, n_step=4, device_memory=None, **kw):
+def grads_per_window(policy, n_step=4, device_memory=None, make=net, n_win=2, **kw):
     "[(the core's gradients, the big batch's)] at each window's step, float64, inside `emulated_accelerator`; and the core."
-    batches = windows(n_step=n_step)
-    torch.manual_seed(0); big = net().double().train(); ours = copy.deepcopy(big)
+    batches = windows(n_win=n_win, n_step=n_step)
+    torch.manual_seed(0); big = make().double().train(); ours = copy.deepcopy(big)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (big, ours)]
     with emulated_accelerator():
         acc = Accumulation(ours, n_step=n_step, policy=policy, device_memory=device_memory or budget(ours, batches[0], n_step), **kw)
@@ -63,6 +64,20 @@ def test_staged_on_an_accelerator_plan_is_the_big_batch_and_never_offloads(polic
     pairs, acc, (ours, _) = grads_per_window(policy, offload=True)
     assert acc.path == 'staged exact' and acc.plan.on_accelerator and not acc.plan.offload and hooks_entered == []
     assert acc.inputs_on == 'cpu' and len(pairs) == 2
+    for got, ref in pairs:
+        for g, r in zip(got, ref): assert rel(g, r) < 1e-9
+
+def test_a_dense_block_staged_on_an_accelerator_keeps_features_on_the_device_and_is_the_big_batch(monkeypatch):
+    """A DenseNet block (each feature read by every later stage) staged under a budget that forces chunks, SGD steps
+    between windows: from the second window on, features stay on the device between their reading stages (planned from
+    the window before), and every window's gradients are the big batch's."""
+    parts, plan = [], StagedStep._device_part
+    def counted(self, chunk):
+        plan(self, chunk)
+        parts.append(len(self.device_part))
+    monkeypatch.setattr(StagedStep, '_device_part', counted)
+    pairs, acc, _ = grads_per_window('staged', make=lambda: Dense(out=5), n_win=3)
+    assert acc.path == 'staged exact' and len(pairs) == 3 and parts[-1] > 0 and parts[0] == 0
     for got, ref in pairs:
         for g, r in zip(got, ref): assert rel(g, r) < 1e-9
 

@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fastai_accum.helpers import emulated_accelerator
 from fastai_accum.link import DeferredCopies, Link
 from fastai_accum.staged_exact import StagedStep, install_staged, uninstall_staged
+from helpers import Dense
 
 class Residual(nn.Module):
     "A BatchNorm on the input, a residual add (a value read by a later stage) and a BatchNorm read twice over a skip."
@@ -158,19 +159,6 @@ def test_sibling_branches_read_the_value_they_branch_from_once(monkeypatch):
     traced, _ = counted_window(monkeypatch, copy.deepcopy(model), x)
     t = traced.ledger
     assert t.h2d_bytes + t.d2h_bytes > 1.05 * t.floor() and t.h2d_bytes + t.d2h_bytes > led.h2d_bytes + led.d2h_bytes
-
-class Dense(nn.Module):
-    "A DenseNet block: each layer's BatchNorm reads all the features before it, so each feature is read by every later stage."
-    def __init__(self, n=4, g=4):
-        super().__init__()
-        self.stem = nn.Conv2d(3, 8, 3, padding=1)
-        self.bns = nn.ModuleList(nn.BatchNorm2d(8 + i * g) for i in range(n))
-        self.convs = nn.ModuleList(nn.Conv2d(8 + i * g, g, 3, padding=1) for i in range(n))
-        self.head = nn.Linear(8 + n * g, 3)
-    def forward(self, x):
-        feats = [self.stem(x)]
-        for bn, conv in zip(self.bns, self.convs): feats.append(conv(F.relu(bn(torch.cat(feats, 1)))))
-        return self.head(torch.cat(feats, 1).mean((2, 3)))
 
 @pytest.mark.parametrize('budget', [400_000, 10**9], ids=['recomputed', 'graphs_kept'])
 def test_values_several_stages_read_stay_on_the_device_between_reads(monkeypatch, budget):
