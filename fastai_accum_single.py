@@ -22,11 +22,11 @@ Contents (line: module: classes), dependencies first:
      1727: prepass: PrepassPlan, PreflightTable
      1936: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
      2094: staged_exact: StagedStep, StagedForward
-     3831: exact: Footprint, ExactModeMemoryError, ExactPlan
-     4241: ghost: GhostForward
-     4296: plan: StagedMismatchError, TrainingPlan
-     4586: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     5180: callback: WindowPrefetch, GradientAccumulation
+     3834: exact: Footprint, ExactModeMemoryError, ExactPlan
+     4244: ghost: GhostForward
+     4299: plan: StagedMismatchError, TrainingPlan
+     4589: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     5183: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -2240,7 +2240,8 @@ def _barrier_order(nodes:list, modules:dict) -> list:
     # in the traced order each branch's BatchNorm opens a stage, and the value the branches start from is read from
     # the store by one stage per branch; run soonest, their convolutions share one stage. Only where some value is read
     # by several stages and fewer reads cross then; kept as traced where an op writes into a value another op reads or
-    # a stage other than its own made, or the random draws would change order (the big batch's masks)
+    # a stage other than its own made, or the random draws would change order or leave the last stage (which draws the
+    # big batch's masks, run whole)
     if any(len(a.users) > 1 for n in nodes if _writes_in_place(n, modules) for a in _written(n)): return nodes
     batch = {a for n in nodes for a in n.all_input_nodes if a.op == 'placeholder'}
     for n in nodes:
@@ -2248,10 +2249,12 @@ def _barrier_order(nodes:list, modules:dict) -> list:
     before = _stage_reads(nodes, modules, batch)
     if len(before) == len({a for a, _ in before}): return nodes  # each value read by one stage at most
     order, draws = _soonest(nodes, modules), lambda ns: [n for n in ns if _draws(n, modules)]
+    last = lambda ns: ns[max((i for i, n in enumerate(ns) if _opens_stage(n, modules)), default=0):]
     stage = _stage_of(order, modules)
     if any(stage.get(a, -1) != stage[n] for n in order if _writes_in_place(n, modules) for a in _written(n)):
         return nodes
-    if draws(order) != draws(nodes) or len(_stage_reads(order, modules, batch)) >= len(before): return nodes
+    if draws(order) != draws(nodes) or draws(last(order)) != draws(last(nodes)): return nodes
+    if len(_stage_reads(order, modules, batch)) >= len(before): return nodes
     return order
 
 # %% ../nbs/02b_staged_exact.ipynb #fb8ff1e8
