@@ -22,11 +22,11 @@ Contents (line: module: classes), dependencies first:
      1727: prepass: PrepassPlan, PreflightTable
      1936: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
      2094: staged_exact: StagedStep, StagedForward
-     3834: exact: Footprint, ExactModeMemoryError, ExactPlan
-     4244: ghost: GhostForward
-     4299: plan: StagedMismatchError, TrainingPlan
-     4589: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     5183: callback: WindowPrefetch, GradientAccumulation
+     3837: exact: Footprint, ExactModeMemoryError, ExactPlan
+     4247: ghost: GhostForward
+     4302: plan: StagedMismatchError, TrainingPlan
+     4592: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     5186: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -2170,6 +2170,9 @@ class StagedStep(StagedGraph):
     # the store's device part (`_device_part`) may take chunks down to this fraction of their size without it (1.: it
     # takes only the room they leave)
     shrink = 0.5
+    # beside a stage's working set counted this many times: its bytes per sample are an estimate (a dense block's
+    # backward held twice its estimate), and the device part would fill the slack that hides the error
+    margin = 2.
     def __init__(self,
                  model:nn.Module, # the model (called through its modules; nothing is copied)
                  graph:fx.Graph, # its torch.fx graph with every BatchNorm layer a leaf (`bn_graph`)
@@ -2859,10 +2862,10 @@ def _device_room(self, chunk:int, costs:list, size) -> list:
         beside, ahead = self._beside(s, size)
         if s >= self.kept_from:
             graphs += cost * self.W
-            room[s] = 0.9 * (self.budget - beside - graphs)
+            room[s] = 0.9 * (self.budget - beside - self.margin * graphs)
             continue
         least = max(chunk, math.ceil(self.shrink * self._sized(s, cost, chunk, size)))  # the chunks it may take
-        room[s] = 0.9 * (self.budget - beside - least * (cost + ahead))
+        room[s] = 0.9 * (self.budget - beside - self.margin * least * (cost + ahead))
     return room
 
 StagedStep._device_part = _device_part

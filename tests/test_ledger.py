@@ -167,6 +167,7 @@ def test_values_several_stages_read_stay_on_the_device_between_reads(monkeypatch
     the floor, below the step without it, counted independently; two windows equal the big batch's two (float64), also
     with copies run as late as streams may."""
     from fastai_accum.staged_exact import StagedStep
+    monkeypatch.setattr(StagedStep, 'margin', 1.)  # the mechanism, on a block too small for the default's room
     torch.manual_seed(0)
     model, x = Dense().double().train(), torch.randn(8, 3, 8, 8, dtype=torch.float64)
     big = copy.deepcopy(model)
@@ -190,8 +191,8 @@ def test_values_several_stages_read_stay_on_the_device_between_reads(monkeypatch
 
 def test_torchvision_densenet121_with_its_device_part_is_the_big_batch():
     """torchvision's densenet121 (every dense layer reads all features before it), float64, 32 px, a window of 8 in
-    chunks of 2 under a budget that leaves the store's device part room: two staged windows equal the big batch's two,
-    with dozens of features held on the device between their reading stages, at the floor."""
+    chunks of 2 under a budget that leaves the store's device part room (the default margin): two staged windows equal
+    the big batch's two, with dozens of features held on the device between their reading stages, at the floor."""
     import torchvision
     torch.manual_seed(0)
     model = torchvision.models.densenet121(num_classes=5).double().train()
@@ -209,6 +210,7 @@ def test_torchvision_densenet121_with_its_device_part_is_the_big_batch():
         finally: uninstall_staged(st)
     step, led = f.step, f.step.ledger
     assert len(step.device_part) > 10 and step.device_store_bytes > 0
+    assert any(last < step.kept_from for _, last in step.device_part.values())  # held where the backward recomputes
     assert led.h2d_bytes + led.d2h_bytes <= 1.05 * led.floor() and led.blocking_copies == 0 and led.syncs <= 2
     for a, b in zip(list(st.parameters()) + list(st.buffers()), list(big.parameters()) + list(big.buffers())):
         ga, gb = (a.grad, b.grad) if isinstance(a, nn.Parameter) else (a, b)
