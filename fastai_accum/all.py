@@ -8,7 +8,7 @@ __all__ = ['fastai_major']
 # %% ../nbs/99_all.ipynb #b7ad9e4d
 from .core import Accumulation
 from .accelerate import AcceleratedAccumulation
-from .exact import measure_footprint, ExactModeMemoryError
+from .exact import measure_footprint, ExactModeMemoryError, ExactModeRefusedError
 from .batchnorm import AccumulateBatchNorm, wrap_bn, unwrap_bn
 from .prepass import bn_preflight
 from .repro import set_reproducible, reproducible, env_fingerprint, diff_env
@@ -24,7 +24,7 @@ def fastai_major() -> int|None:
 
 # %% ../nbs/99_all.ipynb #99983a4c
 __all__ = ['GradientAccumulation', 'Accumulation', 'AcceleratedAccumulation',  # front ends
-           'measure_footprint', 'ExactModeMemoryError',  # does the window fit as one batch? the error when it cannot
+           'measure_footprint', 'ExactModeMemoryError', 'ExactModeRefusedError',  # does the window fit as one batch? why not
            'AccumulateBatchNorm', 'wrap_bn', 'unwrap_bn', 'bn_preflight',  # BatchNorm layers
            'set_reproducible', 'reproducible', 'env_fingerprint', 'diff_env',  # reproducibility
            'record_trace', 'compare_traces', 'find_divergence',  # where two runs part

@@ -36,7 +36,7 @@ def _check_policy(policy):
 # %% ../nbs/01_batchnorm.ipynb #111a3b45
 class GradPool:
     "Per-channel sums of g and g*x_hat over the last and current windows, for the window-level backward."
-    min_micro = 32 # values per channel in a micro-batch from which its own statistics project the gradient (see below)
+    min_micro = 2 # values per channel in a micro-batch from which its own statistics project the gradient (see below)
     def __init__(self): self.prev, self.cur = None, None
 
     @torch.no_grad()
@@ -131,13 +131,21 @@ class AccumulateBatchNorm(_BatchNorm):
     @torch.compiler.disable  # in a compiled model: its window bookkeeping runs eagerly, never traced by dynamo
     def forward(self, x:Tensor) -> Tensor:
         alone = _norm_alone.get()  # called as an aten graph's `batch_norm` (`norm_only`): its extras are nodes there
-        if not (self.training and self.track_running_stats):
+        if not (self.training and (self.track_running_stats or self.policy == 'window')):
+            # eval mode, or a layer without running statistics: torch's own (batch statistics) but under 'window'
             return (torch_norm_class(self) if alone else self.plain_class).forward(self, x)
         self._check_input_dim(x)
         x = getattr(self, f'_normalize_{self.policy}')(x)
         return x if alone else self._after_norm(x)
 
     def _after_norm(self, x): return _after_norm(self, x)
+
+    @property
+    def stats_dtype(self) -> torch.dtype:
+        "The dtype of the statistics this layer keeps (its running statistics', else its weight's)."
+        # a layer with `track_running_stats=False` has no running statistics
+        t = self.running_mean if self.running_mean is not None else self.weight
+        return t.dtype if t is not None else torch.get_default_dtype()
 
     def extra_repr(self): return super().extra_repr() + f', policy={self.policy!r}'
 
@@ -198,9 +206,11 @@ def _normalize_micro(self:AccumulateBatchNorm, x):
     if group is not None:  # SyncBatchNorm across processes: normalize with all ranks' micro-batches, pool ours
         out = sync_batch_norm.apply(x, self.weight, self.bias, None, None, self.eps, 0., group,
                                     dist.get_world_size(group))
-        self._pending_call().add(x)  # local moments: update_stats merges the ranks exactly (one extra pass over x)
+        if self.track_running_stats: self._pending_call().add(x)  # local moments: update_stats merges the ranks exactly
         return out
-    scratch = torch.zeros(2, self.num_features, device=x.device, dtype=self.running_mean.dtype)
+    # a layer without running statistics ('window' before its pre-pass): torch's own, nothing pooled
+    if not self.track_running_stats: return F.batch_norm(x, None, None, self.weight, self.bias, True, 0., self.eps)
+    scratch = torch.zeros(2, self.num_features, device=x.device, dtype=self.stats_dtype)
     mean, var = scratch[0], scratch[1]
     # momentum=1 leaves the batch mean and *unbiased* variance in the scratch buffers, from the fused kernel
     out = F.batch_norm(x, mean, var, self.weight, self.bias, True, 1.0, self.eps)
@@ -251,8 +261,9 @@ def _normalize_window(self:AccumulateBatchNorm, x):
     i, calls = self._next_call()
     mean, var = calls[i]
     if x.numel() // x.shape[1] >= GradPool.min_micro: return self._renormalize(x, mean, var)
-    # plain tensors in: a tensor subclass (fastai's TensorImage, also in statistics pooled from it) would make the
-    # output a view of the Function's, which an in-place activation after this layer (fastai's head) may not modify
+    # one value per channel (naive accumulation cannot train the layer at all): the previous window's means. Plain
+    # tensors in: a tensor subclass (fastai's TensorImage, also in statistics pooled from it) would make the output a
+    # view of the Function's, which an in-place activation after this layer (fastai's head) may not modify
     x, mean, var = map(plain_tensor, (x, mean, var))
     return WindowNormFunction.apply(x, self.weight, self.bias, mean, var, self, self._pool(i))
 
@@ -313,8 +324,8 @@ def _close_prepass(self:AccumulateBatchNorm, st:ChannelStats|None=None):
     # `st` defaults to the observed chunks
     if st is None: st, self._chunk_stats = self._chunk_stats, ChannelStats()
     if self._prepass_sync:  # one small collective per layer call per window
-        all_reduce_stats([st], [self.num_features], self._prepass_group, self.running_mean.device)
-    if st.count: self.window_stats = (st.mean.to(self.running_mean.dtype), st.biased_var.to(self.running_mean.dtype))
+        all_reduce_stats([st], [self.num_features], self._prepass_group, st.mean.device)
+    if st.count: self.window_stats = (st.mean.to(self.stats_dtype), st.biased_var.to(self.stats_dtype))
     self._call_stats().merge(st)
 
 # %% ../nbs/01_batchnorm.ipynb #5299857c
@@ -323,13 +334,13 @@ def _end_prepass(self:AccumulateBatchNorm):
     calls, self._prepass, self._prepass_stats, self._chunk_stats, self._call = self._prepass_stats, None, None, None, 0
     calls = [st for st in calls if st.count]
     if not calls: return
-    dt = self.running_mean.dtype
+    dt = self.stats_dtype
     self.window_calls = [(st.mean.to(dt), st.biased_var.to(dt)) for st in calls]
     self.window_stats = self.window_calls[0]
     # already every process's window: the commit must not merge it again
     for st in calls: st.merged = self._prepass_sync
-    # the pre-pass's statistics are the window's: update_stats commits them
-    self.pending, self.pending_more = calls[0], calls[1:]
+    # the pre-pass's statistics are the window's: update_stats commits them (a layer without running statistics: none)
+    if self.track_running_stats: self.pending, self.pending_more = calls[0], calls[1:]
 
 @patch
 @torch.no_grad()
@@ -340,7 +351,7 @@ def _normalize_prepass(self:AccumulateBatchNorm, x):
     n = x.numel() // x.shape[1]
     if n < 2: raise ValueError(f"{self.layer_name}: BatchNorm got {n} value per channel in a pre-pass forward")
     if not self._prepass_sync:  # one forward over the whole window: BatchNorm's own, its moments pooled for free
-        mean, var = torch.zeros(2, self.num_features, device=x.device, dtype=self.running_mean.dtype)
+        mean, var = torch.zeros(2, self.num_features, device=x.device, dtype=self.stats_dtype)
         out = F.batch_norm(x, mean, var, self.weight, self.bias, True, 1.0, self.eps)
         self._call_stats().add_moments(n, mean, var)
         return out

@@ -623,7 +623,7 @@ def _window_text(g:pd.DataFrame, tol:float, micro_bs:int) -> str:
              "the window's statistics are not the big batch's: randomness in the forward (dropout) "
              "or a BatchNorm the pre-pass did not reach, see the notes);") +
             f" the gradient through each BatchNorm's statistics is projected with each micro-batch's own "
-            f"statistics (micro-batches of {micro_bs}; layers with fewer than 32 values per channel use the previous "
+            f"statistics (micro-batches of {micro_bs}; layers with 1 value per channel use the previous "
             "window's means), so the parameters before a BatchNorm differ.")
 
 # %% ../nbs/06_check.ipynb #7eaf5d1a

@@ -195,7 +195,7 @@ class Accumulation:
         self.window = AccumulationWindow(self.n_step, self.n_acc, self.loss_reduction)
         self.installer = BatchNormInstaller(self.bn_batch, self.autocast)
         self.how, self.bns, self.needs_window, self.table, self._modes = None, [], False, None, None
-        self.steps, self.losses, self.prepass_time = 0, [], 0.
+        self.steps, self.losses, self.prepass_time, self._said = 0, [], 0., set()
         self._micro, self._offload, self._ends_window, self._input_at = None, None, False, None
         self._kept = self._whole = None  # a window trained whole: its start's running statistics, its inputs
 
@@ -233,11 +233,7 @@ def setup(self:Accumulation, b,
                              verify=self.verify, autocast=self.autocast, opt_state=optimizer_state(self.optimizer),
                              held=held_bytes(self.module, self.optimizer), unjoinable=unjoinable,
                              loss_bytes=self.loss_bytes)
-    if self.how.model_eval and self.how.n_bn: warnings.warn(self.how.headline())  # said with or without pre-flight
-    if self.exact and self.plan is not None and not self.plan.staged and self.plan.recomputed:
-        warnings.warn(f"{self.name}: the backward runs BatchNorm layer {self.plan.recomputed[0]} again (activation "
-                      "checkpointing): torch's checkpoint counts its running statistics twice per window, as it "
-                      "does for one plain batch; the gradients are the big batch's")
+    self._warn_plan()
     self.find_bns()
 
 @patch
@@ -260,6 +256,21 @@ def release(self:Accumulation):
     self.clear()
     self.installer.release(self.module, self.bns)
     self.bns, self.needs_window = [], False
+
+# %% ../nbs/02d_core.ipynb #a8eee9e9
+@patch
+def _warn_plan(self:Accumulation):
+    "What the plan says with or without pre-flight: a model in eval mode, checkpointing, a fallback (once a reason)."
+    if self.how.model_eval and self.how.n_bn: warnings.warn(self.how.headline())
+    fallback = self.how.fallback()
+    if fallback and fallback not in self._said:  # not the big batch's step, and why: once per reason
+        self._said.add(fallback)
+        warnings.warn(fallback, stacklevel=4)
+    if self.exact and self.plan is not None and not self.plan.staged and self.plan.recomputed:
+        warnings.warn(f"{self.name}: the backward runs BatchNorm layer {self.plan.recomputed[0]} again (activation "
+                      "checkpointing): torch's checkpoint counts its running statistics twice per window, as it "
+                      "does for one plain batch; the gradients are the big batch's")
+
 
 # %% ../nbs/02d_core.ipynb #c0e1a00b
 @patch
@@ -299,7 +310,7 @@ def _summary(t, # `bn_preflight`'s table
             ) -> str:
     "The pre-flight's lines for micro-batch training: what `policy` does, the layers at risk, the pre-pass."
     risk, prepass = int(t.at_risk.sum()), next((p for p in t.prepass if p != '-'), None)
-    means = " (their backward uses the previous window's means)" if risk and policy == 'window' else ''
+    means = " (the window's statistics normalize them)" if risk and policy == 'window' else ''
     s = (f"{name}: policy {policy!r} on {len(t)} BatchNorm layers: {_says.get(policy, policy)}. {risk} "
          f"of them {'sees' if risk == 1 else 'see'} < 32 values per channel per micro-batch{means}")
     if prepass:
@@ -497,6 +508,7 @@ def drop_grads(self:Accumulation):
 def __repr__(self:Accumulation):
     how = 'chosen at the first window' if self.how is None else self.path
     if self.exact: how += f': {self.plan.describe()}'
+    elif self.how is not None and self.how.reason: how += f', not the big batch: {self.how.reason}'
     size = f'n_step={self.n_step}, n_acc={self.n_acc}'
     return f'{type(self).__name__}({size}, policy={self.policy!r}, steps={self.steps}; {how})'
 

@@ -19,8 +19,8 @@ from .helpers import random_state_kept, modes_kept, is_accelerator, can_pin, _te
 from torch.nn.modules.batchnorm import _BatchNorm
 
 # %% auto #0
-__all__ = ['leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactPlan',
-           'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned',
+__all__ = ['leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactModeRefusedError',
+           'ExactPlan', 'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned',
            'saved_on_host', 'staging_budget', 'measure_staged']
 
 # %% ../nbs/02a_exact.ipynb #a31cf6dc
@@ -123,6 +123,10 @@ def recomputed_bns(model:nn.Module, # the model (nothing in it changes: no gradi
 # %% ../nbs/02a_exact.ipynb #35940889
 class ExactModeMemoryError(MemoryError):
     "A window cannot be trained as one batch in the memory there is."
+
+class ExactModeRefusedError(RuntimeError):
+    "A window cannot be trained as one batch for a reason other than memory: how the model runs, or its inputs."
+    # no tracer follows the model, activation checkpointing, an op that mixes samples: more memory would not help
 
 @dataclass
 class ExactPlan:

@@ -16,7 +16,7 @@ from .batchnorm import bn_layers, bn_policies
 from .staged import staged_graph, bn_graph
 from .staged_exact import samples_mixed, verify_staged
 from .distributed import world_size, collective_device
-from .exact import ExactPlan, ExactModeMemoryError, plan_exact, measure_staged, recomputed_bns
+from .exact import ExactPlan, ExactModeMemoryError, ExactModeRefusedError, plan_exact, measure_staged, recomputed_bns
 from .ghost import check_ghost
 
 # %% auto #0
@@ -111,7 +111,7 @@ def _pick_exact(m:_Measured) -> tuple:
                                    "set the budget with device_memory=/host_memory=, or use policy='staged' "
                                    "(memory of one chunk) or 'window'.")
     if m.synced and not unfit and m.verify: unfit = _verified(plan, m.model, m.xb)
-    if unfit: raise ExactModeMemoryError(f"{m.name}(policy='exact') under DDP normalizes over all processes' windows "
+    if unfit: raise ExactModeRefusedError(f"{m.name}(policy='exact') under DDP normalizes over all processes' windows "
                                          f"stage by stage, but {unfit} Convert BatchNorm to SyncBatchNorm or use "
                                          "policy='window'.")
     if m.synced: _whole_staged(plan)
@@ -127,7 +127,9 @@ def _staged_reason(m:_Measured) -> str|None:
 def _pick_staged(m:_Measured) -> tuple:
     "policy='staged': the staged step, or an error saying why it cannot be the big batch's."
     plan, why = m.plan, _staged_reason(m)
-    if plan.checked is None and why: raise ExactModeMemoryError(f"{m.name}(policy='staged'): {why}")
+    # memory, or the model (no tracer follows it, checkpointing, samples mixed): more memory would not help there
+    refusal = ExactModeRefusedError if m.unfit else ExactModeMemoryError
+    if plan.checked is None and why: raise refusal(f"{m.name}(policy='staged'): {why}")
     if why: raise StagedMismatchError(f"{m.name}(policy='staged'): {why}. Train with policy='window' (or 'auto', "
                                       "which falls back to it), or pass verify=False to train staged anyway.")
     plan.staged, plan.offload = True, False
@@ -150,7 +152,7 @@ def _pick_auto(m:_Measured) -> tuple:
 
 
 # %% ../nbs/02e_plan.ipynb #a1b2c3d9
-class StagedMismatchError(RuntimeError):
+class StagedMismatchError(ExactModeRefusedError):
     "The staged step, checked on the user's model, is not the big batch's."
 
 def _verified(plan:ExactPlan, model:nn.Module, xb:tuple) -> str|None:
@@ -194,13 +196,22 @@ def _staged_memory(plan:ExactPlan) -> str|None:
         return f"its kept values need {need} of host memory (budget {budget})"
     budget = plan.device_budget if plan.device_budget is not None else plan.host_budget
     if plan.staged_device_needed <= budget: return None
+    knob = 'device_memory' if plan.on_accelerator or plan.device_budget is not None else 'host_memory'
+    if plan.model_needed >= budget:  # not a matter of the window: nothing exact can fit
+        return (f"the model alone, with its gradients and optimizer state, needs {fmt_bytes(plan.model_needed)}, "
+                f"more than the whole budget {fmt_bytes(budget)}: no exact path can fit it ({knob}= above "
+                f"{fmt_bytes(min(plan.staged_device_needed, plan.device_needed))} would train it exact)")
     # each part named: what the user can shrink
     parts = [f"the model with its gradients and optimizer state {fmt_bytes(plan.model_needed)}",
              f"one chunk of {plan.chunk} samples {fmt_bytes(plan.chunk_needed)}",
              f"the largest stage's new gradients {fmt_bytes(plan.stage_grads)}"]
     if not plan.on_accelerator: parts.insert(1, f"values kept between stages {fmt_bytes(plan.staged_host_needed)}")
-    return (f"a staged step needs {fmt_bytes(plan.staged_device_needed)} ({', '.join(parts)}), more than the budget "
-            f"{fmt_bytes(budget)}")
+    why = (f"a staged step needs {fmt_bytes(plan.staged_device_needed)} ({', '.join(parts)}), more than the budget "
+           f"{fmt_bytes(budget)}")
+    if plan.staged_device_needed >= plan.device_needed:  # small inputs: the model's own bytes dominate
+        why += (f", and more than the whole window as one batch ({fmt_bytes(plan.device_needed)}): at this input size "
+                "the model's own bytes dominate, so staging saves nothing")
+    return why + f"; {knob}= of at least {fmt_bytes(min(plan.staged_device_needed, plan.device_needed))} trains it exact"
 
 def _agreed(device, # this process's training device (NCCL reduces there)
             *flags:bool) -> list:
@@ -238,6 +249,13 @@ class TrainingPlan:
         return self.exact or self.path == 'window'
     @property
     def reason(self) -> str|None: return self.memory.reason if self.memory is not None else None
+
+    def fallback(self) -> str|None:
+        "The warning a fit gives when 'auto' cannot train the big batch's step: what it trains instead, and why."
+        if self.policy != 'auto' or self.exact or self.path in ('frozen BatchNorm', 'no BatchNorm'): return None
+        if self.ghost_micro: return None  # exact too: no ghost batch spans two micro-batches
+        return (f"{self.name}: policy 'auto' trains '{self.path}', not the big batch's step (window statistics "
+                f"and an estimated backward): {self.reason or 'no exact path was planned'}.")
 
     def headline(self) -> str|None:
         "The pre-flight's first line for this path (None for a BatchNorm policy: its table says more)."

@@ -16,7 +16,7 @@ from .helpers import modes_kept, is_accelerator
 from .meters import ByteMeter, SavedTensorMeter, LayerMeter, fmt_bytes
 
 # %% auto #0
-__all__ = ['PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable']
+__all__ = ['few_values', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable']
 
 # %% ../nbs/01a_prepass.ipynb #b7202dc1
 def _chunks(xbs:list, chunk:int|None) -> list:
@@ -34,7 +34,8 @@ def _chunks(xbs:list, chunk:int|None) -> list:
     return [tuple(torch.cat(ts) for ts in zip(*c)) if len(c) > 1 else c[0] for c in out]
 
 def _window_layer(m) -> bool:
-    return isinstance(m, AccumulateBatchNorm) and m.policy == 'window' and m.track_running_stats
+    # with or without running statistics: a layer that does not track them normalizes with the window's too
+    return isinstance(m, AccumulateBatchNorm) and m.policy == 'window'
 
 # %% ../nbs/01a_prepass.ipynb #4f47d376
 _plans = weakref.WeakKeyDictionary()   # model -> {(input shapes, dtype, memory): PrepassPlan}
@@ -120,7 +121,7 @@ def window_prepasses(model:nn.Module, # a model with `AccumulateBatchNorm` layer
     sync = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     mode, chunk, sg = _prepass_mode(model, layers, xbs, chunk, memory)
     info = _last_run[model] = dict(mode=mode, chunk=chunk, samples=sum(xb[0].shape[0] for xb in xbs), sync=sync)
-    if store is None and is_accelerator(layers[0].running_mean.device): store = 'cpu'
+    if store is None and is_accelerator(xbs[0][0].device): store = 'cpu'
     for m in layers: m._begin_prepass(mode, sync, group)
     try: _run_prepass(model, xbs, mode, chunk, sg, store, meter, info)
     finally:
@@ -171,14 +172,18 @@ def _metered_forward(model, xb) -> int:
     return bm.peak
 
 # %% ../nbs/01a_prepass.ipynb #e0cc0a8b
+few_values = 32  # values per channel per micro-batch below which a micro-batch's own statistics are noisy ('at risk')
+
 def _treatment(m, n:int, training:bool=True) -> tuple[str, str]:
     "(forward, backward) of layer `m` at `n` values per channel per micro-batch, in training mode or not."
     if not training: return 'running stats (frozen: eval mode)', 'none through the stats'
     if not isinstance(m, AccumulateBatchNorm):
         return f'micro-batch stats ({n} values), stats updated per micro-batch', 'micro-batch'
+    if m.policy == 'window':
+        return 'window stats', 'micro-batch, mapped to the window' if n >= GradPool.min_micro else "previous window's means"
+    if not m.track_running_stats: return f'micro-batch stats ({n} values; tracks no running stats)', 'micro-batch'
     if m.policy == 'micro': return f'micro-batch stats ({n} values)', 'micro-batch'
     if m.policy in ('running', 'frozen'): return 'running stats', 'none through the stats'
-    return 'window stats', 'micro-batch, mapped to the window' if n >= GradPool.min_micro else "previous window's means"
 
 def bn_preflight(model:nn.Module, # the model (its state is not changed: the forward runs in eval mode, no grad)
                  *xb, # one micro-batch of model inputs
@@ -196,7 +201,7 @@ def bn_preflight(model:nn.Module, # the model (its state is not changed: the for
         n = inp[0].numel() // inp[0].shape[1]
         fwd, bwd = _treatment(mod, n, modes[mod])
         rows.append(dict(layer=names[mod] or type(mod).__name__, type=type(mod).__name__, channels=mod.num_features,
-                         values_per_channel=n, at_risk=n < GradPool.min_micro,
+                         values_per_channel=n, at_risk=n < few_values,
                          policy=getattr(mod, 'policy', 'plain BN'), forward=fwd, backward=bwd,
                          prepass=prepass if _window_layer(mod) and modes[mod] else '-'))
     for mod in bn_layers(model): hooks.append(mod.register_forward_pre_hook(hook))

@@ -225,7 +225,9 @@ def _small_convnet():
                          nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
 
 @pytest.mark.parametrize('kw', [dict(memory=float('inf')), dict(chunk=2)], ids=['one_forward', 'staged_micro_chunks'])
-def test_window_forward_matches_bn_on_concatenated_window(kw):
+def test_window_forward_matches_bn_on_concatenated_window(kw, monkeypatch):
+    "The window forward on every layer: by default a layer under 32 values per channel trains as naive accumulation."
+    monkeypatch.setattr(GradPool, 'min_micro', 2)
     torch.manual_seed(0)
     net = _small_convnet(); big = copy.deepcopy(net)
     window = [torch.randn(2, 1, 16, 16) * 3 + 1 for _ in range(8)]
@@ -238,10 +240,11 @@ def test_window_forward_matches_bn_on_concatenated_window(kw):
     for a, b in zip(bn_layers(net), bn_layers(big)):
         assert rel_err(a.running_var, b.running_var) <= 1e-4
 
-def test_window_gradients_close_to_big_batch():
-    """Measured at random init (tests/ and nbs/01_batchnorm): the window policy's gradient has cosine ~0.8 with the
-    big batch's on a window's first sight and >= 0.98 once the previous window's statistics are those of the same
-    weights (here: the same window repeated), where naive accumulation gives cosine < 0.1."""
+def test_window_gradients_never_further_than_naive():
+    """On every layer the window policy's gradient is at least as close to the big batch's as naive accumulation's
+    (2 values per channel in the BatchNorm1d head, 8 in the last conv): measured, the head exact (naive 0.6 off), the
+    convolutions 1.0 off (naive 10). The previous window's means at < 32 values (the earlier design) made the
+    head's BatchNorm, not its statistics, the error; `nbs/01_batchnorm`, *Window BN*."""
     torch.manual_seed(0)
     net = _small_convnet(); big, naive = copy.deepcopy(net), copy.deepcopy(net)
     x, y = torch.randn(32, 1, 16, 16), torch.randint(0, 4, (32,))
@@ -249,15 +252,17 @@ def test_window_gradients_close_to_big_batch():
     lf(big(x), y).backward()
     for i in range(0, 32, 2): (lf(naive(x[i:i+2]), y[i:i+2]) * 2 / 32).backward()
     wrap_bn(net, policy='window')
-    flat = lambda m: torch.cat([p.grad.flatten() for p in m.parameters()])
-    cos = lambda a, b: (a @ b / a.norm() / b.norm()).item()
-    for _ in range(4):
+    for _ in range(2):
         net.zero_grad()
         window_prepasses(net, [(x[i:i+2],) for i in range(0, 32, 2)])
         for i in range(0, 32, 2): (lf(net(x[i:i+2]), y[i:i+2]) * 2 / 32).backward()
         update_bn_stats(net)
-    assert cos(flat(net), flat(big)) >= 0.95
-    assert cos(flat(naive), flat(big)) < 0.5
+    floor = 1e-3 * max(p.grad.norm() for p in big.parameters())
+    for (name, p), q, r in zip(net.named_parameters(), big.parameters(), naive.parameters()):
+        assert (p.grad - q.grad).norm() <= (r.grad - q.grad).norm() + floor, name
+    head = [p for n, p in net.named_parameters() if n.startswith(('11.', '13.'))]
+    ref = [p for n, p in big.named_parameters() if n.startswith(('11.', '13.'))]
+    assert all(rel_err(a.grad, b.grad) <= 1e-4 for a, b in zip(head, ref))  # the window's forward, projected exactly
 
 def test_auto_is_not_a_layer_policy_and_window_falls_back_to_micro_without_prepass():
     "'auto' is the front ends' choice among 'exact', 'staged' and 'window', never a layer's."

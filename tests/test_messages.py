@@ -37,11 +37,12 @@ def test_window_policy_says_a_summary_and_gives_the_table_on_request(capsys):
     out = capsys.readouterr().out
     lines = [l for l in out.splitlines() if 'BatchNorm layers' in l]
     assert len(lines) == 1 and lines[0].startswith("GradientAccumulation: policy 'window' on 2 BatchNorm layers: each micro-batch")
-    assert "1 of them sees < 32 values per channel per micro-batch (their backward uses the previous window's means)" in lines[0]
+    assert "1 of them sees < 32 values per channel per micro-batch (the window's statistics normalize them)" in lines[0]
     assert '`preflight_table()`' in lines[0] and 'at_risk' not in out  # the table is not printed
     t = ga.preflight_table()
-    assert t.values_per_channel.tolist() == [32, 2] and t.backward.tolist() == ['micro-batch, mapped to the window', "previous window's means"]
-    assert "previous window's means" in repr(t) and '...' not in repr(t)
+    assert t.values_per_channel.tolist() == [32, 2] and t.at_risk.tolist() == [False, True]
+    assert t.backward.tolist() == ['micro-batch, mapped to the window'] * 2  # 2 values: the micro-batch projects
+    assert "mapped to the window" in repr(t) and '...' not in repr(t)
 
 def test_bn_preflight_prints_every_column_in_full():
     import torchvision

@@ -73,6 +73,11 @@ def _bench_args(p):
                               "predicted time per window on two GPU classes")
     add_ledger_args(led)
     led.set_defaults(run=ledger_main)
+    from fastai_accum.lab.bench_fallback import add_fallback_args, fallback_main
+    fb = _sub(sub, 'fallback', "'window' against naive accumulation: per layer, each one's gradient error against "
+                               "the big batch's, and the largest gradient with random masks on")
+    add_fallback_args(fb)
+    fb.set_defaults(run=fallback_main)
     try: from fastai_accum.lab.bench_gradient import add_gradient_args, gradient_main
     except ImportError: return
     g = _sub(sub, 'gradient', "One window's gradient per policy against the big batch's (cosine, relative error, "
