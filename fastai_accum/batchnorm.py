@@ -424,8 +424,8 @@ def restore_running_stats(kept:list, # what `kept_running_stats` returned
 # %% ../nbs/01_batchnorm.ipynb #62dd26b4
 def wrap_bn(model:nn.Module, # any model; its BatchNorm layers are changed in place
             policy:str='micro', # one of `bn_policies`: how training forwards normalize (also on already-wrapped layers)
-           ) -> int:
-    "Make every BatchNorm layer of `model` an `AccumulateBatchNorm`, in place; returns how many are new."
+           ) -> nn.Module:
+    "Make every BatchNorm layer of `model` an `AccumulateBatchNorm`, in place; returns `model` (`model = wrap_bn(model)`)."
     _check_policy(policy)
     n_bn, n_new = 0, 0
     for name, m in model.named_modules():
@@ -444,7 +444,7 @@ def wrap_bn(model:nn.Module, # any model; its BatchNorm layers are changed in pl
         m._setup_accumulation(policy, name or cls.__name__)
         n_new += 1
     if not n_bn: warnings.warn(f"wrap_bn: {type(model).__name__} has no BatchNorm layer; nothing to wrap.")
-    return n_new
+    return model  # as `convert_sync_batchnorm` does; `bn_layers(model, accumulating=True)` counts them
 
 _accumulation_state = ('_policy', 'pending', 'pending_more', 'layer_name', 'grad_pool', '_more_pools', 'window_stats',
                        'window_calls', '_prepass', '_prepass_stats', '_chunk_stats', '_call', '_prepass_sync',
@@ -455,11 +455,10 @@ def unwrap_layer(m:AccumulateBatchNorm):
     m.__class__ = m.plain_class
     for attr in _accumulation_state: m.__dict__.pop(attr, None)
 
-def unwrap_bn(model:nn.Module) -> int:
-    "Turn every `AccumulateBatchNorm` of `model` back into its plain class, in place; returns how many."
-    layers = bn_layers(model, accumulating=True)
-    for m in layers: unwrap_layer(m)
-    return len(layers)
+def unwrap_bn(model:nn.Module) -> nn.Module:
+    "Turn every `AccumulateBatchNorm` of `model` back into its plain class, in place; returns `model`."
+    for m in bn_layers(model, accumulating=True): unwrap_layer(m)
+    return model
 
 # %% ../nbs/01_batchnorm.ipynb #fc758225
 def update_bn_stats(model:nn.Module) -> int:

@@ -422,8 +422,9 @@ def start_micro(self:Accumulation, bs:int, # samples in the micro-batch about to
     for m in self.bns: m._call = 0  # the micro-batch's forward calls each layer from its first call
     self._before_forward(final or drop)
     if self.exact: self._enter_offload()
-    # torch's own layers count a whole window's statistics in its forward: kept, to take back a non-finite one
-    self._kept = kept_running_stats(self.module) if self.exact and not getattr(self.plan, 'staged', False) else None
+    # torch's own layers (and a staged step, stage by stage) count a whole window's statistics in its forward: kept, to
+    # take them back when the loss, after the last BatchNorm, is not finite
+    self._kept = kept_running_stats(self.module) if self.exact else None
 
 @patch
 def _before_forward(self:Accumulation, final:bool):

@@ -254,7 +254,8 @@ def _joined(batches:list):
 def cat_batches(batches:list, # micro-batches: tuples (lists, dicts) of tensors, nested
                ):
     "One batch: `batches` concatenated along the batch dimension, element by element (a tuple, or a dict of dicts)."
-    if not isinstance(batches[0], dict): batches = [tuple(b) for b in batches]
+    # a bare tensor (a loader over one tensor) is one element, never its rows
+    if not isinstance(batches[0], (dict, Tensor)): batches = [tuple(b) for b in batches]
     if len(batches) == 1: return batches[0]
     why = unjoinable(batches)
     if why is not None:

@@ -152,14 +152,15 @@ def test_resnet18_state_dict_round_trips_and_unwrap_restores_types():
     plain = _resnet18()
     types = [type(m) for m in plain.modules()]
     wrapped = _resnet18()
-    n = wrap_bn(wrapped)
+    assert wrap_bn(wrapped) is wrapped  # `model = wrap_bn(model)` keeps the model
+    n = len(bn_layers(wrapped, accumulating=True))
     assert n == sum(isinstance(m, nn.BatchNorm2d) for m in plain.modules()) == 20
     assert list(wrapped.state_dict()) == list(plain.state_dict())
     wrapped.load_state_dict(plain.state_dict(), strict=True)
     plain.load_state_dict(wrapped.state_dict(), strict=True)
-    assert wrap_bn(wrapped) == 0  # idempotent
+    wrap_bn(wrapped); assert len(bn_layers(wrapped, accumulating=True)) == 20  # idempotent
     assert all(isinstance(m, AccumulateBatchNorm) for m in wrapped.modules() if isinstance(m, _BatchNorm))
-    assert unwrap_bn(wrapped) == 20
+    assert unwrap_bn(wrapped) is wrapped and not bn_layers(wrapped, accumulating=True)
     assert [type(m) for m in wrapped.modules()] == types
     assert not any(hasattr(m, 'pending') for m in wrapped.modules())
 
@@ -171,7 +172,7 @@ def test_wrap_preserves_tensors_device_dtype_training_and_nesting():
             self.down = nn.ModuleList([nn.BatchNorm3d(2), nn.SyncBatchNorm(3)])
     m = Block().double().eval()
     params = {k: v for k, v in m.state_dict(keep_vars=True).items()}
-    assert wrap_bn(m) == 4
+    assert len(bn_layers(wrap_bn(m), accumulating=True)) == 4
     assert all(v is params[k] for k, v in m.state_dict(keep_vars=True).items())
     assert type(m.down[1]) is AccumulateSyncBatchNorm
     assert all(not b.training and b.weight.dtype == torch.float64 for b in bn_layers(m))
@@ -191,7 +192,7 @@ def test_timm_style_norm_act_wrapped_and_unknown_subclass_left_alone():
     m = nn.Sequential(NormAct2d(3), OddBN(3))
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always')
-        assert wrap_bn(m) == 1
+        assert len(bn_layers(wrap_bn(m), accumulating=True)) == 1
     assert any('OddBN' in str(x.message) for x in w)
     assert isinstance(m[0], AccumulateBatchNorm) and isinstance(m[0], NormAct2d)
     x = torch.randn(2, 3, 4, 4)
@@ -201,7 +202,7 @@ def test_timm_style_norm_act_wrapped_and_unknown_subclass_left_alone():
     torch.testing.assert_close(m[0].running_var, ref.running_var)
     m2 = pickle.loads(pickle.dumps(m))
     assert type(m2[0]).__name__ == 'AccumulateNormAct2d' and isinstance(m2[0], NormAct2d)
-    assert unwrap_bn(m) == 1 and type(m[0]) is NormAct2d
+    assert unwrap_bn(m) is m and type(m[0]) is NormAct2d
 
 def test_fastai_export_load_learner_round_trip(tmp_path):
     from fastai.learner import Learner, load_learner
