@@ -15,12 +15,12 @@ from .staged_exact import _device, stage_grads, store_per_sample, batch_layouts
 from .staged import staged_graph
 from .batchnorm import bn_layers
 from .distributed import world_size
-from .helpers import random_state_kept, modes_kept, is_accelerator, can_pin, _tensors
+from .helpers import random_state_kept, modes_kept, is_accelerator, can_pin, _tensors, ExactModeRefusedError
 from torch.nn.modules.batchnorm import _BatchNorm
 
 # %% auto #0
-__all__ = ['leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactModeRefusedError',
-           'ExactPlan', 'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned',
+__all__ = ['leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactPlan',
+           'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned',
            'saved_on_host', 'staging_budget', 'measure_staged']
 
 # %% ../nbs/02a_exact.ipynb #a31cf6dc
@@ -102,6 +102,7 @@ def recomputed_bns(model:nn.Module, # the model (nothing in it changes: no gradi
     xb = _two_samples(xb)
     xb = tuple(t.detach().requires_grad_() if torch.is_tensor(t) and t.is_floating_point() else t for t in xb)
     leaves = [t for t in xb if torch.is_tensor(t) and t.requires_grad]
+    xb = tuple(t.clone() if torch.is_tensor(t) and t.requires_grad else t for t in xb)  # a model may write into its input
     again, no_graph, backward = set(), set(), False
     def seen(m, args):
         if backward: again.add(m)
@@ -123,10 +124,6 @@ def recomputed_bns(model:nn.Module, # the model (nothing in it changes: no gradi
 # %% ../nbs/02a_exact.ipynb #35940889
 class ExactModeMemoryError(MemoryError):
     "A window cannot be trained as one batch in the memory there is."
-
-class ExactModeRefusedError(RuntimeError):
-    "A window cannot be trained as one batch for a reason other than memory: how the model runs, or its inputs."
-    # no tracer follows the model, activation checkpointing, an op that mixes samples: more memory would not help
 
 @dataclass
 class ExactPlan:

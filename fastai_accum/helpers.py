@@ -15,8 +15,9 @@ from torch.fx.node import map_aggregate
 
 # %% auto #0
 __all__ = ['place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept',
-           'ReplacedForward', 'restore_forward', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept',
-           'materialize_lazy', 'uncompiled', 'plain_tensor', 'is_dropout', 'peek_batches']
+           'ReplacedForward', 'restore_forward', 'ExactModeRefusedError', 'split_batch', 'rng_states',
+           'restore_rng_states', 'random_state_kept', 'materialize_lazy', 'uncompiled', 'plain_tensor', 'is_dropout',
+           'peek_batches']
 
 # %% ../nbs/00_helpers.ipynb #5f390a10
 def _batch_like(b, items:list):
@@ -104,6 +105,13 @@ def restore_forward(module:nn.Module, # a module whose forward a `kind` may have
     if not isinstance(f, kind): return
     if f.own is not None: module.forward = f.own
     else: del module.__dict__['forward']
+
+# %% ../nbs/00_helpers.ipynb #163031d5
+class ExactModeRefusedError(RuntimeError):
+    "A window cannot be trained as one batch for a reason other than memory: how the model runs, or its inputs."
+    # no tracer follows the model, activation checkpointing, an op that mixes samples, an input gradient a staged
+    # step does not give: more memory would not help (`ExactModeMemoryError` is the memory one)
+
 
 # %% ../nbs/00_helpers.ipynb #03bca2e2
 def split_batch(b, # a batch: a tensor, or a tuple/list of its elements

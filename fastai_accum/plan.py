@@ -14,7 +14,7 @@ from torch import nn
 from .meters import fmt_bytes
 from .batchnorm import bn_layers, bn_policies
 from .staged import staged_graph, bn_graph
-from .staged_exact import samples_mixed, verify_staged
+from .staged_exact import samples_mixed, verify_staged, input_grads_asked
 from .distributed import world_size, collective_device
 from .exact import ExactPlan, ExactModeMemoryError, ExactModeRefusedError, plan_exact, measure_staged, recomputed_bns
 from .ghost import check_ghost
@@ -174,6 +174,7 @@ def _syncs_itself(model:nn.Module) -> bool:
 
 def _not_staged(plan:ExactPlan, model:nn.Module, xb:tuple, autocast=None) -> str|None:
     "Why a staged step would not be the big batch (the model does not trace, an op mixes samples), or None."
+    if input_grads_asked(xb): return f"{input_grads_asked(xb)}."
     graph = staged_graph(model, xb)  # torch.fx's, else the second tracer's (`nbs/00a_staged`)
     if isinstance(graph, str): return graph
     if graph is not bn_graph(model): plan.traced = 'aten'

@@ -11,7 +11,7 @@ from torch import nn, Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 import torch.distributed as dist
 from .batchnorm import AccumulateBatchNorm, GradPool, bn_layers
-from .staged import StagedGraph, bn_graph, untraceable_reason
+from .staged import StagedGraph, bn_graph, untraceable_reason, _traces
 from .helpers import modes_kept, is_accelerator
 from .meters import ByteMeter, SavedTensorMeter, LayerMeter, fmt_bytes
 
@@ -56,8 +56,8 @@ class PrepassPlan:
         with modes_kept(model):
             model.eval()  # measuring changes nothing: running statistics, no dropout, no pooled moments
             with torch.no_grad():
-                if self.traced: whole, stage = StagedGraph(model, self.graph, _window_layer).measure(xb)
-                else: whole, stage = _largest_activation(model, xb), None
+                if self.traced: whole, stage = self._measured(model, xb)
+                if not self.traced: whole, stage = _largest_activation(model, xb), None
             self.train_bytes = _saved_bytes(model, xb)  # what training at this micro-batch holds for backward
         self.whole_per_sample, self.stage_per_sample = whole / self.bs, None if stage is None else stage / self.bs
         self.memory = memory
@@ -66,6 +66,16 @@ class PrepassPlan:
         big = 2**62  # no cap: any window
         self.max_whole = int(min(self.budget / per, big))  # the largest window one forward keeps within the budget
         self.chunk = None if stage is None else max(1, int(min(self.budget / max(self.stage_per_sample, 1e-9), big)))
+
+    def _measured(self, model, xb) -> tuple:
+        "(whole, stage) bytes from the traced graph; where the graph fails on `xb` (a branch torch.fx recorded that eager code"
+        # never takes), the model counts as untraceable from now on: its pre-pass runs its own forward
+        try: return StagedGraph(model, self.graph, _window_layer).measure(xb)
+        except Exception as e:
+            self.graph = self.reason = _traces[model] = (f"its torch.fx graph fails where its forward runs "
+                                                         f"({type(e).__name__}: {' '.join(str(e).split())[:200]})")
+            self.traced = False
+            return None, None
 
     def choose(self, n:int) -> tuple[str, int|None]:
         "('whole', None) or ('staged', samples per chunk) for a window of `n` samples."

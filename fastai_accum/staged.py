@@ -20,7 +20,8 @@ from .helpers import _to, random_state_kept, plain_tensor
 from .batchnorm import norm_only
 
 # %% auto #0
-__all__ = ['trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'staged_graph']
+__all__ = ['trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'graph_mismatch', 'same_trace',
+           'staged_graph']
 
 # %% ../nbs/00a_staged.ipynb #19635f33
 class _LeafTracer(fx.Tracer):
@@ -302,6 +303,34 @@ def aten_graph(model:nn.Module, # a model in the modes it trains in (nothing in 
     except Exception as e: cache[key] = _one_line(e)
     return cache[key]
 
+_checked = weakref.WeakKeyDictionary()  # model -> why its fx graph differs from its forward, or None (it does not)
+
+def graph_mismatch(model:nn.Module, # the model, in the modes it trains in (nothing in it changes)
+                   graph:fx.Graph, # its torch.fx graph (`bn_graph`)
+                   xb:tuple, # one micro-batch of its inputs
+                  ) -> str|None:
+    "Why `graph` does not compute `model`'s forward on `xb` (a branch torch.fx recorded that eager code never takes)."
+    # e.g. `torch.jit.isinstance(x, Tensor)`, False on a tracer's proxy: the graph leaves out what it guards. Both
+    # forwards without a graph, from the same random state; the buffers (running statistics) put back
+    kept = [(b, b.clone()) for b in model.buffers()]
+    try:
+        with torch.no_grad():
+            with random_state_kept(): ref = model(*xb)
+            with random_state_kept(): got = fx.GraphModule(model, graph)(*xb)
+    except Exception as e: return f"torch.fx's graph of {type(model).__name__} fails where its forward runs ({_one_line(e)})"
+    finally:
+        with torch.no_grad():
+            for b, k in kept: b.copy_(k)
+    a, b = _tensors(ref), _tensors(got)
+    same = len(a) == len(b) and all(x.shape == y.shape and torch.allclose(x.float(), y.float(), rtol=1e-4, atol=1e-5,
+                                                                          equal_nan=True) for x, y in zip(a, b))
+    return None if same else f"torch.fx's graph of {type(model).__name__} computes other values than its forward"
+
+def same_trace(src:nn.Module, dst:nn.Module):
+    "Let `dst`, a copy of `src`, inherit what was found of `src`'s torch.fx graph (it differs from the forward)."
+    if isinstance(_traces.get(src), str): _traces[dst] = _traces[src]
+    if src in _checked: _checked[dst] = _checked[src]
+
 def staged_graph(model:nn.Module, # the model, in the modes it trains in
                  xb:tuple, # one micro-batch of its inputs (the second tracer runs the model on it)
                 ) -> fx.Graph|str:
@@ -309,6 +338,9 @@ def staged_graph(model:nn.Module, # the model, in the modes it trains in
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')  # torch.fx's failure is said below, with the second tracer's
         g = bn_graph(model)
+        if not isinstance(g, str) and model not in _checked:  # run on a real micro-batch before anything relies on it
+            _checked[model] = why = graph_mismatch(model, g, xb)
+            if why: g = _traces[model] = why  # every later reader of the model's fx graph takes the second tracer
     if not isinstance(g, str): return g
     a = aten_graph(model, xb)
     if not isinstance(a, str): return a

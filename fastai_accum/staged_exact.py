@@ -18,15 +18,15 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, tree_map
 from .meters import _nbytes, fmt_bytes
 from .stats import ChannelStats, all_reduce_stats, commit_stats, channel_sums, project_
 from .distributed import world_size
-from .staged import StagedGraph, bn_graph, untraceable_reason, staged_graph, aten_graph, _signature
-from .helpers import (_to, _tensors, random_state_kept, is_accelerator, can_pin, ReplacedForward,
+from .staged import StagedGraph, bn_graph, untraceable_reason, staged_graph, aten_graph, _signature, same_trace
+from .helpers import (_to, _tensors, random_state_kept, is_accelerator, can_pin, ReplacedForward, ExactModeRefusedError,
                                   restore_forward, is_dropout, plain_tensor)
 from .batchnorm import _after_norm
 from .link import Link, Copies, CudaCopies, _storage
 
 # %% auto #0
-__all__ = ['StagedStep', 'stage_grads', 'store_per_sample', 'StagedForward', 'install_staged', 'uninstall_staged',
-           'samples_mixed', 'batch_layouts', 'verify_staged']
+__all__ = ['StagedStep', 'stage_grads', 'store_per_sample', 'input_grads_asked', 'StagedForward', 'install_staged',
+           'uninstall_staged', 'samples_mixed', 'batch_layouts', 'verify_staged']
 
 # %% ../nbs/02b_staged_exact.ipynb #47a3cd82
 def _is_barrier(m) -> bool:
@@ -1285,6 +1285,19 @@ def _accumulator(p:nn.Parameter, bar:set) -> Tensor|None:
     if g is None or p._backward_hooks or g.dtype != p.dtype or g.shape != p.shape or not _owns(g, set()): return None
     return None if id(p) in bar else g  # `bar`: the ids of the training BatchNorm layers' parameters
 
+def input_grads_asked(xb:tuple) -> str|None:
+    "Why a staged step cannot train on model inputs `xb`: one requires grad (its gradient is not staged yet), or None."
+    i = next((i for i, t in enumerate(xb) if isinstance(t, Tensor) and t.requires_grad), None)
+    if i is None: return None
+    return (f"model input {i} (shape {list(xb[i].shape)}) requires grad, and a staged step does not yet give the "
+            "gradient of an input (adversarial training, gradient penalties): policy='exact' trains the window whole, "
+            "input gradients the big batch's")
+
+def _no_input_grads(xb:tuple):
+    "Refuse, before any stage runs, inputs whose gradient a staged step would leave out."
+    why = input_grads_asked(xb)
+    if why: raise ExactModeRefusedError(f"staged exact: {why}")
+
 def _rebuilt(ctx_out:tuple, step) -> object:
     "The model's output structure around the tensors the staged node returned."
     leaves = list(step.out_leaves)
@@ -1332,6 +1345,7 @@ class StagedForward(ReplacedForward):
     def __call__(self, *xb, **kwargs):
         if kwargs or not (self.model.training and torch.is_grad_enabled()):
             return self.own_forward(*xb, **kwargs)
+        _no_input_grads(xb)
         self.step_for(xb)
         params = [p for p in self.model.parameters() if p.requires_grad]
         with self.autocast() if self.autocast is not None else nullcontext():
@@ -1526,7 +1540,9 @@ def _check_copy(model:nn.Module, dtype, device) -> nn.Module:
         c = t.detach().to(device, dtype if t.is_floating_point() else t.dtype, copy=True)
         memo[id(t)] = nn.Parameter(c, t.requires_grad) if isinstance(t, nn.Parameter) else c
     memo.update((id(t), t.detach().clone()) for t in _activations(model))  # copied detached
-    return copy.deepcopy(model, memo)
+    c = copy.deepcopy(model, memo)
+    same_trace(model, c)  # a graph found wrong on the model is wrong on its copy
+    return c
 
 def _activations(root) -> list:
     "Tensors autograd made (not leaves) that `copy.deepcopy(root)` would reach: an activation a hook keeps."
