@@ -198,6 +198,7 @@ class Accumulation:
         self.steps, self.losses, self.prepass_time, self._said = 0, [], 0., set()
         self._micro, self._offload, self._ends_window, self._input_at = None, None, False, None
         self._kept = self._whole = None  # a window trained whole: its start's running statistics, its inputs
+        self._forward_stats = None  # a window trained whole with checkpointing: the statistics its forward left
 
 
 # %% ../nbs/02d_core.ipynb #c0e1a009
@@ -266,10 +267,6 @@ def _warn_plan(self:Accumulation):
     if fallback and fallback not in self._said:  # not the big batch's step, and why: once per reason
         self._said.add(fallback)
         warnings.warn(fallback, stacklevel=4)
-    if self.exact and self.plan is not None and not self.plan.staged and self.plan.recomputed:
-        warnings.warn(f"{self.name}: the backward runs BatchNorm layer {self.plan.recomputed[0]} again (activation "
-                      "checkpointing): torch's checkpoint counts its running statistics twice per window, as it "
-                      "does for one plain batch; the gradients are the big batch's")
 
 
 # %% ../nbs/02d_core.ipynb #c0e1a00b
@@ -441,6 +438,9 @@ def loss_factor(self:Accumulation, loss:Tensor|None=None, # the micro-batch's lo
     bs, final = self._micro
     if self.exact:  # the window, trained as one batch, is one micro-batch of weight 1
         self._ends_window = True
+        # activation checkpointing runs BatchNorm layers again in the backward: their statistics as the forward left them
+        if self.plan is not None and self.plan.recomputed and not self.plan.staged:
+            self._forward_stats = kept_running_stats(self.module)
         return self.window.add_whole(bs, loss)
     w = self.window.add(bs, loss)
     if final:  # before the last backward: under DDP the all-reduced gradient is then the global mean
@@ -458,6 +458,8 @@ def end_micro(self:Accumulation) -> bool:
     "After the micro-batch's backward: at the window's end commit BatchNorm statistics; True: step now."
     self._exit_offload()  # if no `loss_factor` came (the micro-batch was cancelled)
     self._micro = None
+    after, self._forward_stats = self._forward_stats, None
+    if after is not None: restore_running_stats(after)  # a checkpoint's recomputation counted nothing
     if not self._ends_window: return False
     self._ends_window = False
     bad = self.window.nonfinite() if self.local or world_size() == 1 else None  # under DDP: the merge's check
