@@ -14,19 +14,19 @@ notebook only fastai's star import and the public names fastai does not have (al
 Contents (line: module: classes), dependencies first:
        46: stats: ChannelStats
       255: distributed: -
-      290: helpers: ReplacedForward
-      466: window: AccumulationWindow, WindowLoader
-      794: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
-     1247: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
-     1421: staged: StagedGraph
-     1727: prepass: PrepassPlan, PreflightTable
-     1936: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
-     2094: staged_exact: StagedStep, StagedForward
-     3837: exact: Footprint, ExactModeMemoryError, ExactPlan
-     4247: ghost: GhostForward
-     4302: plan: StagedMismatchError, TrainingPlan
-     4592: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     5186: callback: WindowPrefetch, GradientAccumulation
+      290: helpers: ReplacedForward, ExactModeRefusedError
+      473: window: AccumulationWindow, WindowLoader
+      802: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
+     1265: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
+     1439: staged: StagedGraph
+     1776: prepass: PrepassPlan, PreflightTable
+     2000: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
+     2158: staged_exact: StagedStep, StagedForward
+     3917: exact: Footprint, ExactModeMemoryError, ExactPlan
+     4328: ghost: GhostForward
+     4383: plan: StagedMismatchError, TrainingPlan
+     4692: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     5301: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -387,6 +387,13 @@ def restore_forward(module:nn.Module, # a module whose forward a `kind` may have
     if f.own is not None: module.forward = f.own
     else: del module.__dict__['forward']
 
+# %% ../nbs/00_helpers.ipynb #163031d5
+class ExactModeRefusedError(RuntimeError):
+    "A window cannot be trained as one batch for a reason other than memory: how the model runs, or its inputs."
+    # no tracer follows the model, activation checkpointing, an op that mixes samples, an input gradient a staged
+    # step does not give: more memory would not help (`ExactModeMemoryError` is the memory one)
+
+
 # %% ../nbs/00_helpers.ipynb #03bca2e2
 def split_batch(b, # a batch: a tensor, or a tuple/list of its elements
                 n_inp:int|None=None, # elements that are model inputs (default: all but the last, or a lone one)
@@ -708,7 +715,8 @@ def _joined(batches:list):
 def cat_batches(batches:list, # micro-batches: tuples (lists, dicts) of tensors, nested
                ):
     "One batch: `batches` concatenated along the batch dimension, element by element (a tuple, or a dict of dicts)."
-    if not isinstance(batches[0], dict): batches = [tuple(b) for b in batches]
+    # a bare tensor (a loader over one tensor) is one element, never its rows
+    if not isinstance(batches[0], (dict, Tensor)): batches = [tuple(b) for b in batches]
     if len(batches) == 1: return batches[0]
     why = unjoinable(batches)
     if why is not None:
@@ -819,7 +827,7 @@ def _check_policy(policy):
 # %% ../nbs/01_batchnorm.ipynb #111a3b45
 class GradPool:
     "Per-channel sums of g and g*x_hat over the last and current windows, for the window-level backward."
-    min_micro = 32 # values per channel in a micro-batch from which its own statistics project the gradient (see below)
+    min_micro = 2 # values per channel in a micro-batch from which its own statistics project the gradient (see below)
     def __init__(self): self.prev, self.cur = None, None
 
     @torch.no_grad()
@@ -914,13 +922,21 @@ class AccumulateBatchNorm(_BatchNorm):
     @torch.compiler.disable  # in a compiled model: its window bookkeeping runs eagerly, never traced by dynamo
     def forward(self, x:Tensor) -> Tensor:
         alone = _norm_alone.get()  # called as an aten graph's `batch_norm` (`norm_only`): its extras are nodes there
-        if not (self.training and self.track_running_stats):
+        if not (self.training and (self.track_running_stats or self.policy == 'window')):
+            # eval mode, or a layer without running statistics: torch's own (batch statistics) but under 'window'
             return (torch_norm_class(self) if alone else self.plain_class).forward(self, x)
         self._check_input_dim(x)
         x = getattr(self, f'_normalize_{self.policy}')(x)
         return x if alone else self._after_norm(x)
 
     def _after_norm(self, x): return _after_norm(self, x)
+
+    @property
+    def stats_dtype(self) -> torch.dtype:
+        "The dtype of the statistics this layer keeps (its running statistics', else its weight's)."
+        # a layer with `track_running_stats=False` has no running statistics
+        t = self.running_mean if self.running_mean is not None else self.weight
+        return t.dtype if t is not None else torch.get_default_dtype()
 
     def extra_repr(self): return super().extra_repr() + f', policy={self.policy!r}'
 
@@ -981,9 +997,11 @@ def _normalize_micro(self:AccumulateBatchNorm, x):
     if group is not None:  # SyncBatchNorm across processes: normalize with all ranks' micro-batches, pool ours
         out = sync_batch_norm.apply(x, self.weight, self.bias, None, None, self.eps, 0., group,
                                     dist.get_world_size(group))
-        self._pending_call().add(x)  # local moments: update_stats merges the ranks exactly (one extra pass over x)
+        if self.track_running_stats: self._pending_call().add(x)  # local moments: update_stats merges the ranks exactly
         return out
-    scratch = torch.zeros(2, self.num_features, device=x.device, dtype=self.running_mean.dtype)
+    # a layer without running statistics ('window' before its pre-pass): torch's own, nothing pooled
+    if not self.track_running_stats: return F.batch_norm(x, None, None, self.weight, self.bias, True, 0., self.eps)
+    scratch = torch.zeros(2, self.num_features, device=x.device, dtype=self.stats_dtype)
     mean, var = scratch[0], scratch[1]
     # momentum=1 leaves the batch mean and *unbiased* variance in the scratch buffers, from the fused kernel
     out = F.batch_norm(x, mean, var, self.weight, self.bias, True, 1.0, self.eps)
@@ -1034,8 +1052,9 @@ def _normalize_window(self:AccumulateBatchNorm, x):
     i, calls = self._next_call()
     mean, var = calls[i]
     if x.numel() // x.shape[1] >= GradPool.min_micro: return self._renormalize(x, mean, var)
-    # plain tensors in: a tensor subclass (fastai's TensorImage, also in statistics pooled from it) would make the
-    # output a view of the Function's, which an in-place activation after this layer (fastai's head) may not modify
+    # one value per channel (naive accumulation cannot train the layer at all): the previous window's means. Plain
+    # tensors in: a tensor subclass (fastai's TensorImage, also in statistics pooled from it) would make the output a
+    # view of the Function's, which an in-place activation after this layer (fastai's head) may not modify
     x, mean, var = map(plain_tensor, (x, mean, var))
     return WindowNormFunction.apply(x, self.weight, self.bias, mean, var, self, self._pool(i))
 
@@ -1096,8 +1115,8 @@ def _close_prepass(self:AccumulateBatchNorm, st:ChannelStats|None=None):
     # `st` defaults to the observed chunks
     if st is None: st, self._chunk_stats = self._chunk_stats, ChannelStats()
     if self._prepass_sync:  # one small collective per layer call per window
-        all_reduce_stats([st], [self.num_features], self._prepass_group, self.running_mean.device)
-    if st.count: self.window_stats = (st.mean.to(self.running_mean.dtype), st.biased_var.to(self.running_mean.dtype))
+        all_reduce_stats([st], [self.num_features], self._prepass_group, st.mean.device)
+    if st.count: self.window_stats = (st.mean.to(self.stats_dtype), st.biased_var.to(self.stats_dtype))
     self._call_stats().merge(st)
 
 # %% ../nbs/01_batchnorm.ipynb #5299857c
@@ -1106,13 +1125,13 @@ def _end_prepass(self:AccumulateBatchNorm):
     calls, self._prepass, self._prepass_stats, self._chunk_stats, self._call = self._prepass_stats, None, None, None, 0
     calls = [st for st in calls if st.count]
     if not calls: return
-    dt = self.running_mean.dtype
+    dt = self.stats_dtype
     self.window_calls = [(st.mean.to(dt), st.biased_var.to(dt)) for st in calls]
     self.window_stats = self.window_calls[0]
     # already every process's window: the commit must not merge it again
     for st in calls: st.merged = self._prepass_sync
-    # the pre-pass's statistics are the window's: update_stats commits them
-    self.pending, self.pending_more = calls[0], calls[1:]
+    # the pre-pass's statistics are the window's: update_stats commits them (a layer without running statistics: none)
+    if self.track_running_stats: self.pending, self.pending_more = calls[0], calls[1:]
 
 @patch
 @torch.no_grad()
@@ -1123,7 +1142,7 @@ def _normalize_prepass(self:AccumulateBatchNorm, x):
     n = x.numel() // x.shape[1]
     if n < 2: raise ValueError(f"{self.layer_name}: BatchNorm got {n} value per channel in a pre-pass forward")
     if not self._prepass_sync:  # one forward over the whole window: BatchNorm's own, its moments pooled for free
-        mean, var = torch.zeros(2, self.num_features, device=x.device, dtype=self.running_mean.dtype)
+        mean, var = torch.zeros(2, self.num_features, device=x.device, dtype=self.stats_dtype)
         out = F.batch_norm(x, mean, var, self.weight, self.bias, True, 1.0, self.eps)
         self._call_stats().add_moments(n, mean, var)
         return out
@@ -1196,8 +1215,8 @@ def restore_running_stats(kept:list, # what `kept_running_stats` returned
 # %% ../nbs/01_batchnorm.ipynb #62dd26b4
 def wrap_bn(model:nn.Module, # any model; its BatchNorm layers are changed in place
             policy:str='micro', # one of `bn_policies`: how training forwards normalize (also on already-wrapped layers)
-           ) -> int:
-    "Make every BatchNorm layer of `model` an `AccumulateBatchNorm`, in place; returns how many are new."
+           ) -> nn.Module:
+    "Make every BatchNorm layer of `model` an `AccumulateBatchNorm`, in place; returns `model` (`model = wrap_bn(model)`)."
     _check_policy(policy)
     n_bn, n_new = 0, 0
     for name, m in model.named_modules():
@@ -1216,7 +1235,7 @@ def wrap_bn(model:nn.Module, # any model; its BatchNorm layers are changed in pl
         m._setup_accumulation(policy, name or cls.__name__)
         n_new += 1
     if not n_bn: warnings.warn(f"wrap_bn: {type(model).__name__} has no BatchNorm layer; nothing to wrap.")
-    return n_new
+    return model  # as `convert_sync_batchnorm` does; `bn_layers(model, accumulating=True)` counts them
 
 _accumulation_state = ('_policy', 'pending', 'pending_more', 'layer_name', 'grad_pool', '_more_pools', 'window_stats',
                        'window_calls', '_prepass', '_prepass_stats', '_chunk_stats', '_call', '_prepass_sync',
@@ -1227,11 +1246,10 @@ def unwrap_layer(m:AccumulateBatchNorm):
     m.__class__ = m.plain_class
     for attr in _accumulation_state: m.__dict__.pop(attr, None)
 
-def unwrap_bn(model:nn.Module) -> int:
-    "Turn every `AccumulateBatchNorm` of `model` back into its plain class, in place; returns how many."
-    layers = bn_layers(model, accumulating=True)
-    for m in layers: unwrap_layer(m)
-    return len(layers)
+def unwrap_bn(model:nn.Module) -> nn.Module:
+    "Turn every `AccumulateBatchNorm` of `model` back into its plain class, in place; returns `model`."
+    for m in bn_layers(model, accumulating=True): unwrap_layer(m)
+    return model
 
 # %% ../nbs/01_batchnorm.ipynb #fc758225
 def update_bn_stats(model:nn.Module) -> int:
@@ -1712,6 +1730,34 @@ def aten_graph(model:nn.Module, # a model in the modes it trains in (nothing in 
     except Exception as e: cache[key] = _one_line(e)
     return cache[key]
 
+_graph_verdicts = weakref.WeakKeyDictionary()  # model -> why its fx graph differs from its forward, or None (it does not)
+
+def graph_mismatch(model:nn.Module, # the model, in the modes it trains in (nothing in it changes)
+                   graph:fx.Graph, # its torch.fx graph (`bn_graph`)
+                   xb:tuple, # one micro-batch of its inputs
+                  ) -> str|None:
+    "Why `graph` does not compute `model`'s forward on `xb` (a branch torch.fx recorded that eager code never takes)."
+    # e.g. `torch.jit.isinstance(x, Tensor)`, False on a tracer's proxy: the graph leaves out what it guards. Both
+    # forwards without a graph, from the same random state; the buffers (running statistics) put back
+    kept = [(b, b.clone()) for b in model.buffers()]
+    try:
+        with torch.no_grad():
+            with random_state_kept(): ref = model(*xb)
+            with random_state_kept(): got = fx.GraphModule(model, graph)(*xb)
+    except Exception as e: return f"torch.fx's graph of {type(model).__name__} fails where its forward runs ({_one_line(e)})"
+    finally:
+        with torch.no_grad():
+            for b, k in kept: b.copy_(k)
+    a, b = _tensors(ref), _tensors(got)
+    same = len(a) == len(b) and all(x.shape == y.shape and torch.allclose(x.float(), y.float(), rtol=1e-4, atol=1e-5,
+                                                                          equal_nan=True) for x, y in zip(a, b))
+    return None if same else f"torch.fx's graph of {type(model).__name__} computes other values than its forward"
+
+def same_trace(src:nn.Module, dst:nn.Module):
+    "Let `dst`, a copy of `src`, inherit what was found of `src`'s torch.fx graph (it differs from the forward)."
+    if isinstance(_traces.get(src), str): _traces[dst] = _traces[src]
+    if src in _graph_verdicts: _graph_verdicts[dst] = _graph_verdicts[src]
+
 def staged_graph(model:nn.Module, # the model, in the modes it trains in
                  xb:tuple, # one micro-batch of its inputs (the second tracer runs the model on it)
                 ) -> fx.Graph|str:
@@ -1719,6 +1765,9 @@ def staged_graph(model:nn.Module, # the model, in the modes it trains in
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')  # torch.fx's failure is said below, with the second tracer's
         g = bn_graph(model)
+        if not isinstance(g, str) and model not in _graph_verdicts:  # run on a real micro-batch before anything relies on it
+            _graph_verdicts[model] = why = graph_mismatch(model, g, xb)
+            if why: g = _traces[model] = why  # every later reader of the model's fx graph takes the second tracer
     if not isinstance(g, str): return g
     a = aten_graph(model, xb)
     if not isinstance(a, str): return a
@@ -1751,7 +1800,8 @@ def _chunks(xbs:list, chunk:int|None) -> list:
     return [tuple(torch.cat(ts) for ts in zip(*c)) if len(c) > 1 else c[0] for c in out]
 
 def _window_layer(m) -> bool:
-    return isinstance(m, AccumulateBatchNorm) and m.policy == 'window' and m.track_running_stats
+    # with or without running statistics: a layer that does not track them normalizes with the window's too
+    return isinstance(m, AccumulateBatchNorm) and m.policy == 'window'
 
 # %% ../nbs/01a_prepass.ipynb #4f47d376
 _plans = weakref.WeakKeyDictionary()   # model -> {(input shapes, dtype, memory): PrepassPlan}
@@ -1772,8 +1822,8 @@ class PrepassPlan:
         with modes_kept(model):
             model.eval()  # measuring changes nothing: running statistics, no dropout, no pooled moments
             with torch.no_grad():
-                if self.traced: whole, stage = StagedGraph(model, self.graph, _window_layer).measure(xb)
-                else: whole, stage = _largest_activation(model, xb), None
+                if self.traced: whole, stage = self._measured(model, xb)
+                if not self.traced: whole, stage = _largest_activation(model, xb), None
             self.train_bytes = _saved_bytes(model, xb)  # what training at this micro-batch holds for backward
         self.whole_per_sample, self.stage_per_sample = whole / self.bs, None if stage is None else stage / self.bs
         self.memory = memory
@@ -1782,6 +1832,16 @@ class PrepassPlan:
         big = 2**62  # no cap: any window
         self.max_whole = int(min(self.budget / per, big))  # the largest window one forward keeps within the budget
         self.chunk = None if stage is None else max(1, int(min(self.budget / max(self.stage_per_sample, 1e-9), big)))
+
+    def _measured(self, model, xb) -> tuple:
+        "(whole, stage) bytes from the traced graph; where the graph fails on `xb` (a branch torch.fx recorded that eager code"
+        # never takes), the model counts as untraceable from now on: its pre-pass runs its own forward
+        try: return StagedGraph(model, self.graph, _window_layer).measure(xb)
+        except Exception as e:
+            self.graph = self.reason = _traces[model] = (f"its torch.fx graph fails where its forward runs "
+                                                         f"({type(e).__name__}: {' '.join(str(e).split())[:200]})")
+            self.traced = False
+            return None, None
 
     def choose(self, n:int) -> tuple[str, int|None]:
         "('whole', None) or ('staged', samples per chunk) for a window of `n` samples."
@@ -1837,7 +1897,7 @@ def window_prepasses(model:nn.Module, # a model with `AccumulateBatchNorm` layer
     sync = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     mode, chunk, sg = _prepass_mode(model, layers, xbs, chunk, memory)
     info = _last_run[model] = dict(mode=mode, chunk=chunk, samples=sum(xb[0].shape[0] for xb in xbs), sync=sync)
-    if store is None and is_accelerator(layers[0].running_mean.device): store = 'cpu'
+    if store is None and is_accelerator(xbs[0][0].device): store = 'cpu'
     for m in layers: m._begin_prepass(mode, sync, group)
     try: _run_prepass(model, xbs, mode, chunk, sg, store, meter, info)
     finally:
@@ -1888,14 +1948,18 @@ def _metered_forward(model, xb) -> int:
     return bm.peak
 
 # %% ../nbs/01a_prepass.ipynb #e0cc0a8b
+few_values = 32  # values per channel per micro-batch below which a micro-batch's own statistics are noisy ('at risk')
+
 def _treatment(m, n:int, training:bool=True) -> tuple[str, str]:
     "(forward, backward) of layer `m` at `n` values per channel per micro-batch, in training mode or not."
     if not training: return 'running stats (frozen: eval mode)', 'none through the stats'
     if not isinstance(m, AccumulateBatchNorm):
         return f'micro-batch stats ({n} values), stats updated per micro-batch', 'micro-batch'
+    if m.policy == 'window':
+        return 'window stats', 'micro-batch, mapped to the window' if n >= GradPool.min_micro else "previous window's means"
+    if not m.track_running_stats: return f'micro-batch stats ({n} values; tracks no running stats)', 'micro-batch'
     if m.policy == 'micro': return f'micro-batch stats ({n} values)', 'micro-batch'
     if m.policy in ('running', 'frozen'): return 'running stats', 'none through the stats'
-    return 'window stats', 'micro-batch, mapped to the window' if n >= GradPool.min_micro else "previous window's means"
 
 def bn_preflight(model:nn.Module, # the model (its state is not changed: the forward runs in eval mode, no grad)
                  *xb, # one micro-batch of model inputs
@@ -1913,7 +1977,7 @@ def bn_preflight(model:nn.Module, # the model (its state is not changed: the for
         n = inp[0].numel() // inp[0].shape[1]
         fwd, bwd = _treatment(mod, n, modes[mod])
         rows.append(dict(layer=names[mod] or type(mod).__name__, type=type(mod).__name__, channels=mod.num_features,
-                         values_per_channel=n, at_risk=n < GradPool.min_micro,
+                         values_per_channel=n, at_risk=n < few_values,
                          policy=getattr(mod, 'policy', 'plain BN'), forward=fwd, backward=bwd,
                          prepass=prepass if _window_layer(mod) and modes[mod] else '-'))
     for mod in bn_layers(model): hooks.append(mod.register_forward_pre_hook(hook))
@@ -3362,6 +3426,19 @@ def _accumulator(p:nn.Parameter, bar:set) -> Tensor|None:
     if g is None or p._backward_hooks or g.dtype != p.dtype or g.shape != p.shape or not _owns(g, set()): return None
     return None if id(p) in bar else g  # `bar`: the ids of the training BatchNorm layers' parameters
 
+def input_grads_asked(xb:tuple) -> str|None:
+    "Why a staged step cannot train on model inputs `xb`: one requires grad (its gradient is not staged yet), or None."
+    i = next((i for i, t in enumerate(xb) if isinstance(t, Tensor) and t.requires_grad), None)
+    if i is None: return None
+    return (f"model input {i} (shape {list(xb[i].shape)}) requires grad, and a staged step does not yet give the "
+            "gradient of an input (adversarial training, gradient penalties): policy='exact' trains the window whole, "
+            "input gradients the big batch's")
+
+def _no_input_grads(xb:tuple):
+    "Refuse, before any stage runs, inputs whose gradient a staged step would leave out."
+    why = input_grads_asked(xb)
+    if why: raise ExactModeRefusedError(f"staged exact: {why}")
+
 def _rebuilt(ctx_out:tuple, step) -> object:
     "The model's output structure around the tensors the staged node returned."
     leaves = list(step.out_leaves)
@@ -3409,6 +3486,7 @@ class StagedForward(ReplacedForward):
     def __call__(self, *xb, **kwargs):
         if kwargs or not (self.model.training and torch.is_grad_enabled()):
             return self.own_forward(*xb, **kwargs)
+        _no_input_grads(xb)
         self.step_for(xb)
         params = [p for p in self.model.parameters() if p.requires_grad]
         with self.autocast() if self.autocast is not None else nullcontext():
@@ -3603,7 +3681,9 @@ def _check_copy(model:nn.Module, dtype, device) -> nn.Module:
         c = t.detach().to(device, dtype if t.is_floating_point() else t.dtype, copy=True)
         memo[id(t)] = nn.Parameter(c, t.requires_grad) if isinstance(t, nn.Parameter) else c
     memo.update((id(t), t.detach().clone()) for t in _activations(model))  # copied detached
-    return copy.deepcopy(model, memo)
+    c = copy.deepcopy(model, memo)
+    same_trace(model, c)  # a graph found wrong on the model is wrong on its copy
+    return c
 
 def _activations(root) -> list:
     "Tensors autograd made (not leaves) that `copy.deepcopy(root)` would reach: an activation a hook keeps."
@@ -3924,6 +4004,7 @@ def recomputed_bns(model:nn.Module, # the model (nothing in it changes: no gradi
     xb = _two_samples(xb)
     xb = tuple(t.detach().requires_grad_() if torch.is_tensor(t) and t.is_floating_point() else t for t in xb)
     leaves = [t for t in xb if torch.is_tensor(t) and t.requires_grad]
+    xb = tuple(t.clone() if torch.is_tensor(t) and t.requires_grad else t for t in xb)  # a model may write into its input
     again, no_graph, backward = set(), set(), False
     def seen(m, args):
         if backward: again.add(m)
@@ -4397,7 +4478,7 @@ def _pick_exact(m:_Measured) -> tuple:
                                    "set the budget with device_memory=/host_memory=, or use policy='staged' "
                                    "(memory of one chunk) or 'window'.")
     if m.synced and not unfit and m.verify: unfit = _verified(plan, m.model, m.xb)
-    if unfit: raise ExactModeMemoryError(f"{m.name}(policy='exact') under DDP normalizes over all processes' windows "
+    if unfit: raise ExactModeRefusedError(f"{m.name}(policy='exact') under DDP normalizes over all processes' windows "
                                          f"stage by stage, but {unfit} Convert BatchNorm to SyncBatchNorm or use "
                                          "policy='window'.")
     if m.synced: _whole_staged(plan)
@@ -4413,7 +4494,9 @@ def _staged_reason(m:_Measured) -> str|None:
 def _pick_staged(m:_Measured) -> tuple:
     "policy='staged': the staged step, or an error saying why it cannot be the big batch's."
     plan, why = m.plan, _staged_reason(m)
-    if plan.checked is None and why: raise ExactModeMemoryError(f"{m.name}(policy='staged'): {why}")
+    # memory, or the model (no tracer follows it, checkpointing, samples mixed): more memory would not help there
+    refusal = ExactModeRefusedError if m.unfit else ExactModeMemoryError
+    if plan.checked is None and why: raise refusal(f"{m.name}(policy='staged'): {why}")
     if why: raise StagedMismatchError(f"{m.name}(policy='staged'): {why}. Train with policy='window' (or 'auto', "
                                       "which falls back to it), or pass verify=False to train staged anyway.")
     plan.staged, plan.offload = True, False
@@ -4436,7 +4519,7 @@ def _pick_auto(m:_Measured) -> tuple:
 
 
 # %% ../nbs/02e_plan.ipynb #a1b2c3d9
-class StagedMismatchError(RuntimeError):
+class StagedMismatchError(ExactModeRefusedError):
     "The staged step, checked on the user's model, is not the big batch's."
 
 def _verified(plan:ExactPlan, model:nn.Module, xb:tuple) -> str|None:
@@ -4458,6 +4541,7 @@ def _syncs_itself(model:nn.Module) -> bool:
 
 def _not_staged(plan:ExactPlan, model:nn.Module, xb:tuple, autocast=None) -> str|None:
     "Why a staged step would not be the big batch (the model does not trace, an op mixes samples), or None."
+    if input_grads_asked(xb): return f"{input_grads_asked(xb)}."
     graph = staged_graph(model, xb)  # torch.fx's, else the second tracer's (`nbs/00a_staged`)
     if isinstance(graph, str): return graph
     if graph is not bn_graph(model): plan.traced = 'aten'
@@ -4480,13 +4564,22 @@ def _staged_memory(plan:ExactPlan) -> str|None:
         return f"its kept values need {need} of host memory (budget {budget})"
     budget = plan.device_budget if plan.device_budget is not None else plan.host_budget
     if plan.staged_device_needed <= budget: return None
+    knob = 'device_memory' if plan.on_accelerator or plan.device_budget is not None else 'host_memory'
+    if plan.model_needed >= budget:  # not a matter of the window: nothing exact can fit
+        return (f"the model alone, with its gradients and optimizer state, needs {fmt_bytes(plan.model_needed)}, "
+                f"more than the whole budget {fmt_bytes(budget)}: no exact path can fit it ({knob}= above "
+                f"{fmt_bytes(min(plan.staged_device_needed, plan.device_needed))} would train it exact)")
     # each part named: what the user can shrink
     parts = [f"the model with its gradients and optimizer state {fmt_bytes(plan.model_needed)}",
              f"one chunk of {plan.chunk} samples {fmt_bytes(plan.chunk_needed)}",
              f"the largest stage's new gradients {fmt_bytes(plan.stage_grads)}"]
     if not plan.on_accelerator: parts.insert(1, f"values kept between stages {fmt_bytes(plan.staged_host_needed)}")
-    return (f"a staged step needs {fmt_bytes(plan.staged_device_needed)} ({', '.join(parts)}), more than the budget "
-            f"{fmt_bytes(budget)}")
+    why = (f"a staged step needs {fmt_bytes(plan.staged_device_needed)} ({', '.join(parts)}), more than the budget "
+           f"{fmt_bytes(budget)}")
+    if plan.staged_device_needed >= plan.device_needed:  # small inputs: the model's own bytes dominate
+        why += (f", and more than the whole window as one batch ({fmt_bytes(plan.device_needed)}): at this input size "
+                "the model's own bytes dominate, so staging saves nothing")
+    return why + f"; {knob}= of at least {fmt_bytes(min(plan.staged_device_needed, plan.device_needed))} trains it exact"
 
 def _agreed(device, # this process's training device (NCCL reduces there)
             *flags:bool) -> list:
@@ -4524,6 +4617,13 @@ class TrainingPlan:
         return self.exact or self.path == 'window'
     @property
     def reason(self) -> str|None: return self.memory.reason if self.memory is not None else None
+
+    def fallback(self) -> str|None:
+        "The warning a fit gives when 'auto' cannot train the big batch's step: what it trains instead, and why."
+        if self.policy != 'auto' or self.exact or self.path in ('frozen BatchNorm', 'no BatchNorm'): return None
+        if self.ghost_micro: return None  # exact too: no ghost batch spans two micro-batches
+        return (f"{self.name}: policy 'auto' trains '{self.path}', not the big batch's step (window statistics "
+                f"and an estimated backward): {self.reason or 'no exact path was planned'}.")
 
     def headline(self) -> str|None:
         "The pre-flight's first line for this path (None for a BatchNorm policy: its table says more)."
@@ -4767,9 +4867,10 @@ class Accumulation:
         self.window = AccumulationWindow(self.n_step, self.n_acc, self.loss_reduction)
         self.installer = BatchNormInstaller(self.bn_batch, self.autocast)
         self.how, self.bns, self.needs_window, self.table, self._modes = None, [], False, None, None
-        self.steps, self.losses, self.prepass_time = 0, [], 0.
+        self.steps, self.losses, self.prepass_time, self._said = 0, [], 0., set()
         self._micro, self._offload, self._ends_window, self._input_at = None, None, False, None
         self._kept = self._whole = None  # a window trained whole: its start's running statistics, its inputs
+        self._forward_stats = None  # a window trained whole with checkpointing: the statistics its forward left
 
 
 # %% ../nbs/02d_core.ipynb #c0e1a009
@@ -4805,11 +4906,7 @@ def setup(self:Accumulation, b,
                              verify=self.verify, autocast=self.autocast, opt_state=optimizer_state(self.optimizer),
                              held=held_bytes(self.module, self.optimizer), unjoinable=unjoinable,
                              loss_bytes=self.loss_bytes)
-    if self.how.model_eval and self.how.n_bn: warnings.warn(self.how.headline())  # said with or without pre-flight
-    if self.exact and self.plan is not None and not self.plan.staged and self.plan.recomputed:
-        warnings.warn(f"{self.name}: the backward runs BatchNorm layer {self.plan.recomputed[0]} again (activation "
-                      "checkpointing): torch's checkpoint counts its running statistics twice per window, as it "
-                      "does for one plain batch; the gradients are the big batch's")
+    self._warn_plan()
     self.find_bns()
 
 @patch
@@ -4832,6 +4929,17 @@ def release(self:Accumulation):
     self.clear()
     self.installer.release(self.module, self.bns)
     self.bns, self.needs_window = [], False
+
+# %% ../nbs/02d_core.ipynb #a8eee9e9
+@patch
+def _warn_plan(self:Accumulation):
+    "What the plan says with or without pre-flight: a model in eval mode, checkpointing, a fallback (once a reason)."
+    if self.how.model_eval and self.how.n_bn: warnings.warn(self.how.headline())
+    fallback = self.how.fallback()
+    if fallback and fallback not in self._said:  # not the big batch's step, and why: once per reason
+        self._said.add(fallback)
+        warnings.warn(fallback, stacklevel=4)
+
 
 # %% ../nbs/02d_core.ipynb #c0e1a00b
 @patch
@@ -4871,7 +4979,7 @@ def _summary(t, # `bn_preflight`'s table
             ) -> str:
     "The pre-flight's lines for micro-batch training: what `policy` does, the layers at risk, the pre-pass."
     risk, prepass = int(t.at_risk.sum()), next((p for p in t.prepass if p != '-'), None)
-    means = " (their backward uses the previous window's means)" if risk and policy == 'window' else ''
+    means = " (the window's statistics normalize them)" if risk and policy == 'window' else ''
     s = (f"{name}: policy {policy!r} on {len(t)} BatchNorm layers: {_says.get(policy, policy)}. {risk} "
          f"of them {'sees' if risk == 1 else 'see'} < 32 values per channel per micro-batch{means}")
     if prepass:
@@ -4983,8 +5091,9 @@ def start_micro(self:Accumulation, bs:int, # samples in the micro-batch about to
     for m in self.bns: m._call = 0  # the micro-batch's forward calls each layer from its first call
     self._before_forward(final or drop)
     if self.exact: self._enter_offload()
-    # torch's own layers count a whole window's statistics in its forward: kept, to take back a non-finite one
-    self._kept = kept_running_stats(self.module) if self.exact and not getattr(self.plan, 'staged', False) else None
+    # torch's own layers (and a staged step, stage by stage) count a whole window's statistics in its forward: kept, to
+    # take them back when the loss, after the last BatchNorm, is not finite
+    self._kept = kept_running_stats(self.module) if self.exact else None
 
 @patch
 def _before_forward(self:Accumulation, final:bool):
@@ -5001,6 +5110,9 @@ def loss_factor(self:Accumulation, loss:Tensor|None=None, # the micro-batch's lo
     bs, final = self._micro
     if self.exact:  # the window, trained as one batch, is one micro-batch of weight 1
         self._ends_window = True
+        # activation checkpointing runs BatchNorm layers again in the backward: their statistics as the forward left them
+        if self.plan is not None and self.plan.recomputed and not self.plan.staged:
+            self._forward_stats = kept_running_stats(self.module)
         return self.window.add_whole(bs, loss)
     w = self.window.add(bs, loss)
     if final:  # before the last backward: under DDP the all-reduced gradient is then the global mean
@@ -5018,6 +5130,8 @@ def end_micro(self:Accumulation) -> bool:
     "After the micro-batch's backward: at the window's end commit BatchNorm statistics; True: step now."
     self._exit_offload()  # if no `loss_factor` came (the micro-batch was cancelled)
     self._micro = None
+    after, self._forward_stats = self._forward_stats, None
+    if after is not None: restore_running_stats(after)  # a checkpoint's recomputation counted nothing
     if not self._ends_window: return False
     self._ends_window = False
     bad = self.window.nonfinite() if self.local or world_size() == 1 else None  # under DDP: the merge's check
@@ -5069,6 +5183,7 @@ def drop_grads(self:Accumulation):
 def __repr__(self:Accumulation):
     how = 'chosen at the first window' if self.how is None else self.path
     if self.exact: how += f': {self.plan.describe()}'
+    elif self.how is not None and self.how.reason: how += f', not the big batch: {self.how.reason}'
     size = f'n_step={self.n_step}, n_acc={self.n_acc}'
     return f'{type(self).__name__}({size}, policy={self.policy!r}, steps={self.steps}; {how})'
 
@@ -5565,7 +5680,7 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'stats_finite', 'commit_stats', 'channel_sums', 'project_', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'materialize_lazy', 'uncompiled', 'plain_tensor', 'is_dropout', 'peek_batches', 'window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'loss_couples', 'unjoinable', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only', 'accumulating_class', 'bn_layers', 'kept_running_stats', 'restore_running_stats', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'staged_graph', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'Ledger', 'Copies', 'CudaCopies', 'DeferredCopies', 'Link', 'StagedStep', 'stage_grads', 'store_per_sample', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'batch_layouts', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'AccumulationOptions', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'stats_finite', 'commit_stats', 'channel_sums', 'project_', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'ExactModeRefusedError', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'materialize_lazy', 'uncompiled', 'plain_tensor', 'is_dropout', 'peek_batches', 'window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'loss_couples', 'unjoinable', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only', 'accumulating_class', 'bn_layers', 'kept_running_stats', 'restore_running_stats', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'graph_mismatch', 'same_trace', 'staged_graph', 'few_values', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'Ledger', 'Copies', 'CudaCopies', 'DeferredCopies', 'Link', 'StagedStep', 'stage_grads', 'store_per_sample', 'input_grads_asked', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'batch_layouts', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'AccumulationOptions', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
 ''')
 globals().update({k: getattr(_fastai_accum, k) for k in _fastai_accum.__all__
                   if k not in globals() or k == 'GradientAccumulation'})

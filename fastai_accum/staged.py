@@ -303,7 +303,7 @@ def aten_graph(model:nn.Module, # a model in the modes it trains in (nothing in 
     except Exception as e: cache[key] = _one_line(e)
     return cache[key]
 
-_checked = weakref.WeakKeyDictionary()  # model -> why its fx graph differs from its forward, or None (it does not)
+_graph_verdicts = weakref.WeakKeyDictionary()  # model -> why its fx graph differs from its forward, or None (it does not)
 
 def graph_mismatch(model:nn.Module, # the model, in the modes it trains in (nothing in it changes)
                    graph:fx.Graph, # its torch.fx graph (`bn_graph`)
@@ -329,7 +329,7 @@ def graph_mismatch(model:nn.Module, # the model, in the modes it trains in (noth
 def same_trace(src:nn.Module, dst:nn.Module):
     "Let `dst`, a copy of `src`, inherit what was found of `src`'s torch.fx graph (it differs from the forward)."
     if isinstance(_traces.get(src), str): _traces[dst] = _traces[src]
-    if src in _checked: _checked[dst] = _checked[src]
+    if src in _graph_verdicts: _graph_verdicts[dst] = _graph_verdicts[src]
 
 def staged_graph(model:nn.Module, # the model, in the modes it trains in
                  xb:tuple, # one micro-batch of its inputs (the second tracer runs the model on it)
@@ -338,8 +338,8 @@ def staged_graph(model:nn.Module, # the model, in the modes it trains in
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')  # torch.fx's failure is said below, with the second tracer's
         g = bn_graph(model)
-        if not isinstance(g, str) and model not in _checked:  # run on a real micro-batch before anything relies on it
-            _checked[model] = why = graph_mismatch(model, g, xb)
+        if not isinstance(g, str) and model not in _graph_verdicts:  # run on a real micro-batch before anything relies on it
+            _graph_verdicts[model] = why = graph_mismatch(model, g, xb)
             if why: g = _traces[model] = why  # every later reader of the model's fx graph takes the second tracer
     if not isinstance(g, str): return g
     a = aten_graph(model, xb)

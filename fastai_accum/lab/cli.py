@@ -46,6 +46,7 @@ _examples = dict(demo=_example('demo mnist', 'demo mnist --settings forum --epoc
                  bench=_example('bench speed --quick', 'bench accuracy --quick', 'bench gradient --models vision_resnet18'),
                  accuracy=_example('bench accuracy --quick'), speed=_example('bench speed --quick'),
                  gradient=_example('bench gradient --models vision_resnet18 --at 0'),
+                 fallback=_example('bench fallback --cases bn1d_few_values,untracked_bn'),
                  ledger=_example('bench ledger --model resnet50 --size 224 --window 16',
                                  'bench ledger --model resnet18 --size 32 --window 8 --amp bf16'))
 _examples['build-single-file'] = _example('build-single-file fastai_accum_single.py')
