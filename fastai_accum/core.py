@@ -428,6 +428,7 @@ def _before_forward(self:Accumulation, final:bool):
     "Let DDP all-reduce the coming backward once per window (the flag `no_sync()` sets, read in its forward)."
     if self.ddp is not None: self.ddp.require_backward_grad_sync = self.sync_each_batch or final
 
+# %% ../nbs/02d_core.ipynb #0fa9f181
 @patch
 def loss_factor(self:Accumulation, loss:Tensor|None=None, # the micro-batch's loss (recorded for the window's mean)
                ) -> float:
@@ -480,6 +481,7 @@ def end_micro(self:Accumulation) -> bool:
     self.window.reset()
     return True
 
+# %% ../nbs/02d_core.ipynb #5010d4d7
 @patch
 def backward(self:Accumulation, loss:Tensor, # the micro-batch's loss (mean over its samples, or sum with loss_reduction='sum')
              **kwargs, # passed on to the backward

@@ -5,7 +5,7 @@ import pytest, torch
 from torch import nn
 import torch.nn.functional as F
 from fastai_accum.core import Accumulation
-from fastai_accum.exact import plan_exact, ExactModeMemoryError
+from fastai_accum.exact import plan_exact, ExactModeMemoryError, ExactModeRefusedError
 from fastai_accum.plan import StagedMismatchError
 from fastai_accum.staged_exact import verify_staged
 import fastai_accum.exact as exact, fastai_accum.plan as plan
@@ -149,7 +149,7 @@ def test_dropout_after_the_last_batchnorm_draws_the_big_batch_masks():
     assert acc.path == 'staged exact' and diff < 1e-9
 
 def test_a_model_that_mixes_samples_is_refused_with_the_layer(capsys):
-    with pytest.raises(ExactModeMemoryError, match='combines the samples'): train_both(BatchAttention, 'staged')
+    with pytest.raises(ExactModeRefusedError, match='combines the samples'): train_both(BatchAttention, 'staged')
     _, acc = train_both(BatchAttention, 'auto')
     assert acc.path == 'window' and 'combines the samples' in acc.plan.reason
 
