@@ -21,7 +21,7 @@ from .staged_exact import install_staged, uninstall_staged
 from .ghost import install_ghost, uninstall_ghost
 from .distributed import world_size
 from .helpers import (_tensors, _batch_like, split_batch, peek_batches, place_batch, materialize_lazy,
-                                  uncompiled)
+                                  uncompiled, is_dropout)
 from .window import (AccumulationWindow, WindowLoader, validate_window_args, _check_count, scale_grads,
                                  commit_window, drop_window, batch_size, cat_batches, window_exceeds_epoch, unjoinable)
 
@@ -282,6 +282,11 @@ def preflight(self:Accumulation, xb:tuple, # one micro-batch's model inputs
     why = untraceable_reason(self.module) if self.needs_window else None
     fx_why = bn_graph(self.module) if why else None  # torch.fx's own words, said once
     if why and not any(fx_why in l for l in lines): lines.append(f"{self.name}: {why}")
+    masks = [n for n, m in self.module.named_modules()  # leaf modules: a model's class name may say 'DropPath' too
+             if n and is_dropout(m) and m.training and not next(m.children(), None)] if self.needs_window else []
+    if masks: lines.append(f"{self.name}: {len(masks)} module(s) draw random masks ({', '.join(masks[:3])}"
+                           f"{', ...' if len(masks) > 3 else ''}): the pre-pass draws its own, so the window's statistics "
+                           "are those of other masks, equal in distribution")
     return '\n'.join(lines)
 
 @patch

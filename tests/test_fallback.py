@@ -128,3 +128,13 @@ def test_importing_the_package_alone_leaves_fastai_star_imports_and_all_rebinds_
             "assert fa.GradientAccumulation is GradientAccumulation and va.GradientAccumulation is GradientAccumulation\n"
             "assert t.GradientAccumulation is not GradientAccumulation\n")
     subprocess.run([sys.executable, '-c', code], check=True)
+
+def test_window_preflight_names_the_modules_that_draw_random_masks(capsys):
+    model = DropPathNet()
+    acc = Accumulation(model, n_step=4, policy='window', preflight=True)
+    data = [(torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,))) for _ in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        for xb, yb in acc.batches(data): acc.backward(F.cross_entropy(model(xb), yb))
+    out = capsys.readouterr().out
+    assert "4 module(s) draw random masks (b1.drop, b2.drop, b3.drop, ...): the pre-pass draws its own" in out
