@@ -1368,6 +1368,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                          'fastai_accum/staged.py'),
                                      'fastai_accum.staged._bn_owners': ('staged.html#_bn_owners', 'fastai_accum/staged.py'),
                                      'fastai_accum.staged._get_attr': ('staged.html#_get_attr', 'fastai_accum/staged.py'),
+                                     'fastai_accum.staged._graph_copy': ('staged.html#_graph_copy', 'fastai_accum/staged.py'),
                                      'fastai_accum.staged._in_place': ('staged.html#_in_place', 'fastai_accum/staged.py'),
                                      'fastai_accum.staged._is_view': ('staged.html#_is_view', 'fastai_accum/staged.py'),
                                      'fastai_accum.staged._one_line': ('staged.html#_one_line', 'fastai_accum/staged.py'),
