@@ -117,3 +117,21 @@ def test_the_plans_probes_never_break_a_model_that_trains(make, shape, policy):
         return
     big(torch.cat(xs)).pow(2).mean().backward()
     if acc.exact: assert _max_diff(m, big) <= 1e-12
+
+def test_unet_small_float32_refusal_is_the_checks_rounding_not_a_state_leak():
+    """`unet_small`'s float32 check, refused when the notebooks ran in one process (issue #59), reproduced in a fresh
+    one: it depends on the random state that draws the model and its input (10 of 388 seeds refused, seed 36 among
+    them), not on state leaking between runs. In float64 the same model's staged step is the big batch's: the float32
+    floor (the plain step with its samples reversed) underestimates how far two exact BatchNorm backwards (window sums
+    then projection, against the fused kernel) round apart on its ill-conditioned channels. `nbs/02b_staged_exact`."""
+    import fastai_accum.staged_exact as se
+    pytest.importorskip('fastai.vision.models.unet')
+    from fastai_accum.lab.bench_accuracy import unet_small
+    said = {}
+    for dt in (torch.float64, torch.float32):
+        torch.manual_seed(36); m = unet_small().train(); xb = (torch.randn(2, 3, 32, 32),)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(se, '_check_dtype', lambda model, memory, saved: dt)
+            said[dt] = se.verify_staged(m, xb)
+    assert said[torch.float64][0] is None and 'equal to the big batch (float64' in said[torch.float64][1]
+    assert 'not the big batch (float32' in said[torch.float32][0]
