@@ -19,14 +19,14 @@ Contents (line: module: classes), dependencies first:
       802: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
      1265: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
      1439: staged: StagedGraph
-     1791: prepass: PrepassPlan, PreflightTable
-     2015: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
-     2173: staged_exact: StagedStep, StagedForward
-     3932: exact: Footprint, ExactModeMemoryError, ExactPlan
-     4343: ghost: GhostForward
-     4398: plan: StagedMismatchError, TrainingPlan
-     4707: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     5323: callback: WindowPrefetch, GradientAccumulation
+     1789: prepass: PrepassPlan, PreflightTable
+     2013: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
+     2171: staged_exact: StagedStep, StagedForward
+     3930: exact: Footprint, ExactModeMemoryError, ExactPlan
+     4341: ghost: GhostForward
+     4396: plan: StagedMismatchError, TrainingPlan
+     4705: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     5321: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -1438,7 +1438,7 @@ def fmt_bytes(n:float) -> str:
 
 # ======== fastai_accum/staged.py ========
 # %% ../nbs/00a_staged.ipynb #95c66691
-import gc, warnings, weakref
+import warnings, weakref
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch import nn, fx
@@ -1746,7 +1746,7 @@ def graph_mismatch(model:nn.Module, # the model, in the modes it trains in (noth
     # None: it does; `...`: not known (the model's own forward fails on `xb`)
     # e.g. `torch.jit.isinstance(x, Tensor)`, False on a tracer's proxy: the graph leaves out what it guards. Both
     # forwards without a graph, from the same random state; the buffers (running statistics) put back
-    kept, gm = [(b, b.clone()) for b in model.buffers()], None
+    kept = [(b, b.clone()) for b in model.buffers()]
     try:
         with torch.no_grad():
             with random_state_kept():
@@ -1758,8 +1758,6 @@ def graph_mismatch(model:nn.Module, # the model, in the modes it trains in (noth
     finally:
         with torch.no_grad():
             for b, k in kept: b.copy_(k)
-        # a GraphModule and its graph refer to each other: collected now, not at some later collection during training
-        del gm; gc.collect()
     # a wrong branch changes values wholesale; a forward under autocast (Accelerate wraps it) rounds to bf16 alone
     a, b = _tensors(ref), _tensors(got)
     close = lambda x, y: bool(((x.double() - y.double()).abs().nan_to_num() <= 1e-2 * x.double().abs().max().nan_to_num()
@@ -1849,8 +1847,8 @@ class PrepassPlan:
         self.chunk = None if stage is None else max(1, int(min(self.budget / max(self.stage_per_sample, 1e-9), big)))
 
     def _measured(self, model, xb) -> tuple:
-        "(whole, stage) bytes from the traced graph; where the graph fails on `xb` (a branch torch.fx recorded that eager code"
-        # never takes), the model counts as untraceable from now on: its pre-pass runs its own forward
+        "(whole, stage) bytes from the traced graph; (None, None) and untraceable from now on where it fails on `xb`."
+        # a branch torch.fx recorded that eager code never takes: the pre-pass then runs the model's own forward
         try: return StagedGraph(model, self.graph, _window_layer).measure(xb)
         except Exception as e:
             self.graph = self.reason = _traces[model] = (f"its torch.fx graph fails where its forward runs "

@@ -68,8 +68,8 @@ class PrepassPlan:
         self.chunk = None if stage is None else max(1, int(min(self.budget / max(self.stage_per_sample, 1e-9), big)))
 
     def _measured(self, model, xb) -> tuple:
-        "(whole, stage) bytes from the traced graph; where the graph fails on `xb` (a branch torch.fx recorded that eager code"
-        # never takes), the model counts as untraceable from now on: its pre-pass runs its own forward
+        "(whole, stage) bytes from the traced graph; (None, None) and untraceable from now on where it fails on `xb`."
+        # a branch torch.fx recorded that eager code never takes: the pre-pass then runs the model's own forward
         try: return StagedGraph(model, self.graph, _window_layer).measure(xb)
         except Exception as e:
             self.graph = self.reason = _traces[model] = (f"its torch.fx graph fails where its forward runs "

@@ -6,7 +6,7 @@ with the device holding one chunk's working set."""
 
 # %% ../nbs/00a_staged.ipynb #95c66691
 from __future__ import annotations
-import gc, warnings, weakref
+import warnings, weakref
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch import nn, fx
@@ -319,7 +319,7 @@ def graph_mismatch(model:nn.Module, # the model, in the modes it trains in (noth
     # None: it does; `...`: not known (the model's own forward fails on `xb`)
     # e.g. `torch.jit.isinstance(x, Tensor)`, False on a tracer's proxy: the graph leaves out what it guards. Both
     # forwards without a graph, from the same random state; the buffers (running statistics) put back
-    kept, gm = [(b, b.clone()) for b in model.buffers()], None
+    kept = [(b, b.clone()) for b in model.buffers()]
     try:
         with torch.no_grad():
             with random_state_kept():
@@ -331,8 +331,6 @@ def graph_mismatch(model:nn.Module, # the model, in the modes it trains in (noth
     finally:
         with torch.no_grad():
             for b, k in kept: b.copy_(k)
-        # a GraphModule and its graph refer to each other: collected now, not at some later collection during training
-        del gm; gc.collect()
     # a wrong branch changes values wholesale; a forward under autocast (Accelerate wraps it) rounds to bf16 alone
     a, b = _tensors(ref), _tensors(got)
     close = lambda x, y: bool(((x.double() - y.double()).abs().nan_to_num() <= 1e-2 * x.double().abs().max().nan_to_num()
