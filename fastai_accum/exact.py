@@ -141,7 +141,8 @@ class ExactPlan:
     checked:str|None=None # what the check of the staged step on the model found (`verify_staged`)
     check_time:float=0.   # seconds the check took
     whole:bool=False      # staged in one chunk of the whole window (under DDP: BatchNorm reduced over the processes)
-    traced:str|None=None  # a staged step's graph, when not torch.fx's: 'aten' (the second tracer)
+    traced:str|None=None  # a staged step's graph, when not torch.fx's: 'aten' (make_fx's), 'torch.export' (the batch a symbol)
+    trace_time:float=0.   # seconds the tracing of that graph took (once per model and input signature)
     micro:int|None=None   # samples per micro-batch (of the one measured)
     accelerator:bool|None=None # the device's memory is apart from the host's (default: any device but the CPU)
     frozen:bool=False     # some parameters did not train when measured
@@ -269,7 +270,11 @@ def _staged_memory(self:ExactPlan) -> str:
 
 @patch(as_prop=True)
 def _checked(self:ExactPlan) -> str:
-    by = "; staged over an aten-level trace (torch.fx cannot trace the model)" if self.traced == 'aten' else ''
+    by = {None: "; staged over torch.fx's graph",
+          'aten': "; staged over an aten-level trace (torch.fx cannot trace the model)",
+          'torch.export': "; staged over torch.export's graph with the batch a symbol (torch.fx cannot trace the model, "
+                          "and an aten-level trace fixes the batch size)"}[self.traced]
+    by += f" traced in {self.trace_time:.1f} s" if self.trace_time >= 0.05 else ''
     took = f" in {self.check_time:.1f} s" if self.check_time >= 0.05 else ''  # not a verdict read from a fit before
     return (f"; {self.checked}{took}" if self.checked and self.reason is None else '') + by
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from .meters import fmt_bytes
 from .batchnorm import bn_layers, bn_policies
-from .staged import staged_graph, bn_graph
+from .staged import staged_graph, bn_graph, traced_by
 from .staged_exact import samples_mixed, verify_staged, input_grads_asked
 from .distributed import world_size, collective_device
 from .exact import ExactPlan, ExactModeMemoryError, ExactModeRefusedError, plan_exact, measure_staged, recomputed_bns
@@ -177,7 +177,8 @@ def _not_staged(plan:ExactPlan, model:nn.Module, xb:tuple, autocast=None) -> str
     if input_grads_asked(xb): return f"{input_grads_asked(xb)}."
     graph = staged_graph(model, xb)  # torch.fx's, else the second tracer's (`nbs/00a_staged`)
     if isinstance(graph, str): return graph
-    if graph is not bn_graph(model): plan.traced = 'aten'
+    by, plan.trace_time = traced_by(model, xb) or ('torch.fx', 0.)
+    plan.traced = None if by == 'torch.fx' else 'aten' if by == 'make_fx' else by
     measure_staged(plan, model, graph, xb, autocast)
     mixed = samples_mixed(model, xb)
     return f"a staged step would not be the big batch: {mixed}." if mixed else None
@@ -256,7 +257,7 @@ class TrainingPlan:
         if self.policy != 'auto' or self.exact or self.path in ('frozen BatchNorm', 'no BatchNorm'): return None
         if self.ghost_micro: return None  # exact too: no ghost batch spans two micro-batches
         return (f"{self.name}: policy 'auto' trains '{self.path}', not the big batch's step (window statistics "
-                f"and an estimated backward): {self.reason or 'no exact path was planned'}.")
+                f"and an estimated backward): {(self.reason or 'no exact path was planned').rstrip('.')}.")
 
     def headline(self) -> str|None:
         "The pre-flight's first line for this path (None for a BatchNorm policy: its table says more)."

@@ -6,7 +6,7 @@ with the device holding one chunk's working set."""
 
 # %% ../nbs/00a_staged.ipynb #95c66691
 from __future__ import annotations
-import warnings, weakref
+import contextlib, operator, time, warnings, weakref
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch import nn, fx
@@ -20,8 +20,21 @@ from .helpers import _to, random_state_kept, plain_tensor
 from .batchnorm import norm_only
 
 # %% auto #0
-__all__ = ['trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'graph_mismatch', 'same_trace',
-           'staged_graph']
+__all__ = ['in_regions', 'trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'graph_mismatch',
+           'same_trace', 'staged_graph', 'traced_by']
+
+# %% ../nbs/00a_staged.ipynb #2e019787
+def in_regions(n:fx.Node):
+    "A context entering the autocast and grad-mode regions node `n` was traced in (`meta['regions']`), outermost first."
+    # torch.export wraps a model's `with torch.autocast(...)` / `torch.set_grad_enabled(...)` as calls of their bodies
+    # (`wrap_with_autocast`): `_inlined` copies the bodies' nodes out, each marked with the regions it ran in
+    stack = contextlib.ExitStack()
+    for kind, args in n.meta.get('regions', ()):
+        if kind == 'wrap_with_autocast':
+            device, dtype, enabled, cache = args
+            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache))
+        else: stack.enter_context(torch.set_grad_enabled(*args))
+    return stack
 
 # %% ../nbs/00a_staged.ipynb #19635f33
 class _LeafTracer(fx.Tracer):
@@ -103,6 +116,9 @@ class StagedGraph:
     def _run_node(self, n, env, xb):
         args = map_aggregate(n.args, lambda a: self._value(a, env, xb))
         kwargs = map_aggregate(n.kwargs, lambda a: self._value(a, env, xb))
+        with in_regions(n): return self._call(n, args, kwargs)
+
+    def _call(self, n, args, kwargs):
         if n.op == 'call_module':
             m = self.modules[n.target]
             return norm_only(m, *args) if n.meta.get('norm_only') else m(*args, **kwargs)
@@ -196,8 +212,11 @@ def _signature(xb:tuple) -> tuple:
     return tuple((tuple(t.shape[1:]), t.dtype, t.device.type) if isinstance(t, Tensor) else repr(t) for t in xb)
 
 
-def _trace_aten(model:nn.Module, xb:tuple):
-    "(make_fx graph of `model` on `xb`, names of its parameters and buffers, modules returning a tensor subclass)."
+def _trace_aten(model:nn.Module, # the model (nothing in it changes)
+                xb:tuple, # inputs to trace it on
+                symbolic:bool=False, # the batch dimension a symbol (`_exported`), else every size as `xb`'s
+               ) -> tuple:
+    "(aten graph module of `model` on `xb`, names of its parameters and buffers, modules returning a tensor subclass, output tree)."
     params = dict(model.named_parameters(remove_duplicate=False))
     bufs = {n: b.clone() for n, b in model.named_buffers(remove_duplicate=False)}  # the trace's BatchNorm updates
     seen, last, swapped = [], [], []
@@ -212,14 +231,62 @@ def _trace_aten(model:nn.Module, xb:tuple):
     dev = next(iter(params.values())).device.type if params else 'cpu'
     try:
         with random_state_kept(), torch.autocast(dev, enabled=False), torch.no_grad():
-            gm = make_fx(run, tracing_mode='real', pre_dispatch=True)(params, bufs, *map(plain_tensor, xb))
+            if symbolic: gm, names, tree = _exported(model, tuple(map(plain_tensor, xb)), last)
+            else:
+                gm = make_fx(run, tracing_mode='real', pre_dispatch=True)(params, bufs, *map(plain_tensor, xb))
+                names, tree = list(params) + list(bufs), gm.graph._codegen.pytree_info.out_spec
     finally:
         for m, own in swapped:
             if own is None: del m.__dict__['forward']
             else: m.forward = own
     ends = [name for t, name in seen if last and t is last[0]]
     if len(ends) != len(seen): raise ValueError("a ToTensorBase module inside the model (not at its end)")
-    return gm, list(params) + list(bufs), ends
+    return gm, names, ends, tree
+
+def _exported(model:nn.Module, xb:tuple, last:list) -> tuple:
+    "(`torch.export`'s graph module of `model` on `xb`, every batch input's first dimension one symbol; names of its parameters and buffers; output tree)."
+    # `last` gets the model's output; only the batch is symbolic: parameters keep their shapes (make_fx's symbolic
+    # mode makes every size a symbol, and one equal to the batch's would be taken for it)
+    n, batch = xb[0].shape[0], torch.export.Dim('batch', min=1)
+    dims = tuple({0: batch} if isinstance(t, Tensor) and t.dim() and t.shape[0] == n else None for t in xb)
+    kept = [(b, b.clone()) for b in model.buffers()]
+    hook = model.register_forward_hook(lambda m, i, out: last.append(out))
+    try: ep = torch.export.export(model, xb, dynamic_shapes=dims, strict=False)
+    finally:
+        hook.remove()
+        for b, k in kept: b.copy_(k)
+    kinds = torch.export.graph_signature.InputKind
+    specs = ep.graph_signature.input_specs
+    names = [s.target for s in specs if s.kind in (kinds.PARAMETER, kinds.BUFFER)]
+    if [s.kind for s in specs[len(names):]] != [kinds.USER_INPUT] * (len(specs) - len(names)):
+        raise ValueError(f"torch.export lifted a constant of the model ({[s.target for s in specs[len(names):]][:3]})")
+    return ep.graph_module, names, ep.call_spec.out_spec
+
+# %% ../nbs/00a_staged.ipynb #e0e320c7
+_regions = {'wrap_with_autocast': 4, 'wrap_with_set_grad_enabled': 1}  # torch.export's region calls: where the body is
+
+def _inlined(gm:fx.GraphModule) -> fx.Graph:
+    "`gm`'s graph with the bodies of the autocast and grad-mode regions it calls copied in, each node's in `meta['regions']`."
+    g = fx.Graph()
+    g.output(_inline(gm, g, {}, ()))
+    return g
+
+def _inline(gm:fx.GraphModule, g:fx.Graph, env:dict, regions:tuple):
+    "Copy `gm`'s nodes into `g` (`env`: its nodes' copies, its inputs' given), regions' bodies inlined; the output's copy."
+    for n in gm.graph.nodes:
+        if n in env or (n.op == 'get_attr' and isinstance(getattr(gm, n.target, None), fx.GraphModule)): continue
+        if n.op == 'output': return fx.node.map_arg(n.args[0], env.__getitem__)
+        at = _regions.get(getattr(n.target, '_name', None)) if n.op == 'call_function' else None
+        if at is not None:  # a region: its body's nodes, each marked with it
+            body = getattr(gm, n.args[at].target)
+            given = zip([p for p in body.graph.nodes if p.op == 'placeholder'], fx.node.map_arg(n.args[at + 1:], env.__getitem__))
+            env[n] = _inline(body, g, dict(given), regions + ((n.target._name, n.args[:at]),))
+        elif n.target is operator.getitem and isinstance(env.get(n.args[0]), (tuple, list)):
+            env[n] = env[n.args[0]][n.args[1]]  # an output of a region
+        else:
+            env[n] = g.node_copy(n, env.__getitem__)
+            if regions: env[n].meta['regions'] = regions
+
 
 # %% ../nbs/00a_staged.ipynb #a7e1c002
 def _is_view(n:fx.Node) -> bool:
@@ -243,15 +310,15 @@ def _bn_owners(model:nn.Module) -> dict:
     return {f'{name}.{k}' if name else k: name for name, m in model.named_modules() if isinstance(m, _BatchNorm)
             for k in ('weight', 'bias', 'running_mean', 'running_var', 'num_batches_tracked')}
 
-def _staged_form(gm, names:list, ends:list, owners:dict) -> fx.Graph:
+def _staged_form(gm, names:list, ends:list, owners:dict, tree) -> fx.Graph:
     "`gm`'s aten graph as the staged step runs it: inputs, `get_attr` weights, BatchNorm as `call_module`, no in-place."
     g, env, current, root = fx.Graph(), {}, {}, {}
     look = lambda a: current.get(root.get(a, a), env[a])  # a tensor written in place: its latest value
-    holds = {}
-    for i, n in enumerate(n for n in gm.graph.nodes if n.op == 'placeholder'):
+    holds, traced = {}, _inlined(gm)
+    for i, n in enumerate(n for n in traced.nodes if n.op == 'placeholder'):
         if i < len(names): holds[n] = names[i]
         env[n] = g.get_attr(names[i]) if i < len(names) else g.placeholder(f'x{i - len(names)}')
-    for n in gm.graph.nodes:
+    for n in traced.nodes:
         if n.op in ('placeholder', 'output'): continue
         if n.op != 'call_function': raise ValueError(f"an aten graph node {n.op} {n.target}")
         if n.target is _aten.batch_norm.default:
@@ -269,8 +336,10 @@ def _staged_form(gm, names:list, ends:list, owners:dict) -> fx.Graph:
         if r.op != 'call_function' or _is_view(r): raise ValueError(f"an in-place {n.target} on {r.name}")
         env[n] = current[r] = g.call_function(op, fx.node.map_arg(n.args, look), fx.node.map_arg(n.kwargs, look))
         root[n] = r
-    out = next(n for n in gm.graph.nodes if n.op == 'output')
-    res = tree_unflatten(list(fx.node.map_arg(out.args[0], look)), gm.graph._codegen.pytree_info.out_spec)
+    for n, v in env.items():  # the regions a node ran in, on its copy (a BatchNorm's call, an out-of-place op's too)
+        if 'regions' in n.meta and isinstance(v, fx.Node): v.meta['regions'] = n.meta['regions']
+    out = next(n for n in traced.nodes if n.op == 'output')
+    res = tree_unflatten(list(fx.node.map_arg(out.args[0], look)), tree)
     for name in ends: res = g.call_module(name, (res,))
     g.output(res)
     return g
@@ -294,26 +363,46 @@ def aten_graph(model:nn.Module, # a model in the modes it trains in (nothing in 
     try:
         n = xb[0].shape[0]
         grown = tuple(torch.cat([t, t[:1]]) if isinstance(t, Tensor) else t for t in xb)  # one more sample
-        (gm, names, ends), (gm2, _, _) = _trace_aten(model, xb), _trace_aten(model, grown)
+        (gm, names, ends, tree), (gm2, *_) = _trace_aten(model, xb), _trace_aten(model, grown)
         differs = _same_graph(gm.graph, gm2.graph)
-        if differs: raise ValueError(f"its graph depends on the batch size ({n} vs {n + 1} samples differ at {differs})")
+        if differs:  # a size baked in: once more, the batch a symbol (at 2 samples or more: 1 would be a constant)
+            fixed = f"its graph depends on the batch size ({n} vs {n + 1} samples differ at {differs})"
+            try: gm, names, ends, tree = _trace_aten(model, grown, symbolic=True)
+            except Exception as e: raise ValueError(f"{fixed}, and torch.export cannot make it a symbol ({_gist(e)})")
         if sum(1 for p in gm.graph.nodes if p.op == 'placeholder') != len(names) + len(xb):
             raise ValueError("an input is not a tensor or a plain value")
-        cache[key] = _staged_form(gm, names, ends, _bn_owners(model))
+        g = _staged_form(gm, names, ends, _bn_owners(model), tree)
+        if differs:  # traced at n + 1 samples: it must compute the model's forward at n
+            why = graph_mismatch(model, g, xb, 'torch.export')
+            if isinstance(why, str): raise ValueError(f"{fixed}, and {why}")
+            _batch_symbolic.add(g)
+        cache[key] = g
     except Exception as e: cache[key] = _one_line(e)
     return cache[key]
 
+_batch_symbolic = weakref.WeakSet()  # the aten-level graphs traced with the batch a symbol (`torch.export`)
+
+def _gist(e:BaseException) -> str:
+    "The exception's type and the first line of its message (torch.export explains at length)."
+    first = next((l.strip() for l in str(e).splitlines() if l.strip()), '')
+    return f"{type(e).__name__}: {first[:240]}".rstrip(': ')
+
 _graph_verdicts = weakref.WeakKeyDictionary()  # model -> why its fx graph differs from its forward, or None (it does not)
 
-def _graph_copy(graph:fx.Graph) -> fx.Graph:
-    "A copy of `graph` (the cached one must not come to own, and keep alive, a module made from it)."
-    g = fx.Graph()
-    g.output(g.graph_copy(graph, {}))
-    return g
+class _GraphForward(fx.Interpreter):
+    "Runs a graph of a model on the model's own modules and weights, as the staged step does."
+    # a BatchNorm marked `norm_only` (an aten-level graph's) normalizes alone; the graph stays unowned (a GraphModule
+    # made from a cached graph would own it, and keep every model alive)
+    def run_node(self, n:fx.Node):
+        with in_regions(n):
+            if n.op != 'call_module' or not n.meta.get('norm_only'): return super().run_node(n)
+            args, _ = self.fetch_args_kwargs_from_env(n)
+            return norm_only(self.fetch_attr(n.target), *args)
 
 def graph_mismatch(model:nn.Module, # the model, in the modes it trains in (nothing in it changes)
-                   graph:fx.Graph, # its torch.fx graph (`bn_graph`)
+                   graph:fx.Graph, # a graph of it: torch.fx's (`bn_graph`) or an aten-level one (`aten_graph`)
                    xb:tuple, # one micro-batch of its inputs
+                   tracer:str="torch.fx", # who traced `graph`, for the message
                   ) -> str|None:
     "Why `graph` does not compute `model`'s forward on `xb` (a branch torch.fx recorded that eager code never takes)."
     # None: it does; `...`: not known (the model's own forward fails on `xb`)
@@ -325,9 +414,8 @@ def graph_mismatch(model:nn.Module, # the model, in the modes it trains in (noth
             with random_state_kept():
                 try: ref = model(*xb)
                 except Exception: return ...  # the model does not take `xb`: nothing is known of its graph
-            gm = fx.GraphModule(model, _graph_copy(graph))  # its own graph: a GraphModule makes itself its graph's owner
-            with random_state_kept(): got = gm(*xb)
-    except Exception as e: return f"torch.fx's graph of {type(model).__name__} fails where its forward runs ({_one_line(e)})"
+            with random_state_kept(): got = _GraphForward(model, graph=graph).run(*xb)
+    except Exception as e: return f"{tracer}'s graph of {type(model).__name__} fails where its forward runs ({_one_line(e)})"
     finally:
         with torch.no_grad():
             for b, k in kept: b.copy_(k)
@@ -336,17 +424,38 @@ def graph_mismatch(model:nn.Module, # the model, in the modes it trains in (noth
     close = lambda x, y: bool(((x.double() - y.double()).abs().nan_to_num() <= 1e-2 * x.double().abs().max().nan_to_num()
                                + 1e-5).all())
     same = len(a) == len(b) and all(x.shape == y.shape and close(x, y) for x, y in zip(a, b))
-    return None if same else f"torch.fx's graph of {type(model).__name__} computes other values than its forward"
+    return None if same else f"{tracer}'s graph of {type(model).__name__} computes other values than its forward"
 
 def same_trace(src:nn.Module, dst:nn.Module):
-    "Let `dst`, a copy of `src`, inherit what was found of `src`'s torch.fx graph (it differs from the forward)."
+    "Let `dst`, a copy of `src`, inherit what was found of `src`'s graphs: a wrong torch.fx graph, the aten-level ones."
+    # an aten-level graph names parameters and modules by their paths, which a copy shares: never traced again
     if isinstance(_traces.get(src), str): _traces[dst] = _traces[src]
     if src in _graph_verdicts: _graph_verdicts[dst] = _graph_verdicts[src]
+    if src in _aten_graphs: _aten_graphs[dst] = dict(_aten_graphs[src])
+    if src in _trace_times: _trace_times[dst] = dict(_trace_times[src])
 
 def staged_graph(model:nn.Module, # the model, in the modes it trains in
                  xb:tuple, # one micro-batch of its inputs (the second tracer runs the model on it)
                 ) -> fx.Graph|str:
     "The graph a staged step runs on `model`: torch.fx's (`bn_graph`), else the aten-level one, or why neither."
+    # the aten-level one with the batch a symbol where a real trace fixes it (`aten_graph`); `traced_by` says which
+    start = time.perf_counter()
+    g = _staged_graph(model, xb)
+    times = _trace_times.setdefault(model, {})
+    if not isinstance(g, str) and _signature(xb) not in times:
+        by = 'torch.fx' if g is _traces.get(model) else 'torch.export' if g in _batch_symbolic else 'make_fx'
+        times[_signature(xb)] = by, time.perf_counter() - start
+    return g
+
+_trace_times = weakref.WeakKeyDictionary()  # model -> {input signature: (tracer of its staged graph, seconds it took)}
+
+def traced_by(model:nn.Module, # a model `staged_graph` traced
+              xb:tuple, # one micro-batch of its inputs
+             ) -> tuple|None:
+    "(which tracer gave `model`'s staged graph for inputs like `xb`: 'torch.fx', 'make_fx' or 'torch.export', seconds it took), or None."
+    return _trace_times.get(model, {}).get(_signature(xb))
+
+def _staged_graph(model:nn.Module, xb:tuple) -> fx.Graph|str:
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')  # torch.fx's failure is said below, with the second tracer's
         g = bn_graph(model)

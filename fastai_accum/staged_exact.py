@@ -1515,9 +1515,15 @@ def _probe(model:nn.Module, xb:tuple) -> tuple:
             inherited = next((layouts[m.name] for m in n.all_input_nodes if m.name in layouts), None)
             if (f := _folded(x, y, na, random, inherited)): layouts[n.name] = f
             elif _mixes(x, y, random):
-                return (f"{n.name} ({n.op} {getattr(n.target, '__name__', n.target)}) combines the samples of a batch",
-                        layouts)
+                return (f"{n.name} ({n.op} {getattr(n.target, '__name__', n.target)}){_layer_of(n)} combines the "
+                        "samples of a batch", layouts)
     return None, layouts
+
+def _layer_of(n:fx.Node) -> str:
+    "' in layer attn (BatchAttention)': the innermost module whose forward made node `n`, where the tracer recorded it."
+    path, cls = list(n.meta.get('nn_module_stack', {}).values() or [('', None)])[-1]
+    if not path or n.op == 'call_module': return ''
+    return f" in layer {path} ({cls.__name__ if isinstance(cls, type) else str(cls).rsplit('.', 1)[-1]})"
 
 def _folded(x, y, na:int, random:bool, inherited:tuple|None=None) -> tuple|None:
     "(k, how) of a tensor whose value folds k views of each sample into the batch (`batch_layouts`), or None."

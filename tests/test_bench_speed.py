@@ -20,6 +20,7 @@ def test_tiny_bench_speed_gives_every_summary_key_finite():
     assert res.raw['prepass']['small_cnn/64']['mode'] == 'staged'
     assert 0 < res['staged_memory_ratio'] <= 1.0 and res['staged_time_ratio'] > 0  # a staged step holds less than a micro-batch step
     assert 0 < res['staged_fit_budget_ratio'] <= 1.0  # a whole fit through Accumulation(device_memory=) within it
+    assert 'traced by torch.fx in' in res.report()  # which tracer gave the staged graph, and its time
     report = res.report().splitlines()
     assert report[-1] == res.summary_line() and parse_summary(report[-1]) == pytest.approx(
         {k: round(v, 3) for k, v in res.summary.items()}, abs=1e-3)

@@ -12,6 +12,7 @@ from torch.utils.flop_counter import flop_registry
 from ..helpers import emulated_accelerator
 from ..meters import _nbytes, SavedTensorMeter
 from ..staged_exact import uninstall_staged
+from ..staged import traced_by
 from ..batchnorm import bn_layers
 from .bench_speed import _matched_staged, _device_peak, _train
 
@@ -68,13 +69,14 @@ def ledger_window(model:str='resnet50', # a torchvision classifier's name
             step = f.step
             led = step.ledger
             store = max(step.store_costs.values()) * window
+            traced = traced_by(net, (xm,))
         finally: uninstall_staged(net)
     n_micro = window / micro
     return dict(ledger=led, store_bytes=int(store), device_store_bytes=int(step.device_store_bytes),
                 flops_staged=int(flops_staged),
                 flops_naive=int(flops_micro * n_micro), ops_staged=ops_staged, ops_naive=int(ops_micro * n_micro),
                 ops_whole=ops_micro, saved_whole=int(saved.peak * n_micro), peak_device=int(peak),
-                naive_peak_device=int(naive_peak), model=model, size=size, window=window, micro=micro, amp=amp or 'fp32')
+                naive_peak_device=int(naive_peak), traced=traced, model=model, size=size, window=window, micro=micro, amp=amp or 'fp32')
 
 # %% ../../nbs/23_bench_ledger.ipynb #df348196
 gpu_classes = {  # assumptions of `predict_window`, printed beside each prediction
@@ -101,6 +103,11 @@ def predict_window(r:dict, # `ledger_window`'s result
                 offloaded=whole + 2 * r['saved_whole'] / link)
 
 # %% ../../nbs/23_bench_ledger.ipynb #b51b92dd
+def _traced_line(traced:tuple|None) -> str:
+    "Which tracer gave the staged step's graph and how long it took (`traced_by`)."
+    if traced is None: return "graph: traced before this run (no time measured)"
+    return f"graph: traced by {traced[0]} in {traced[1]:.1f} s, once per model and input shape"
+
 def ledger_report(r:dict) -> str:
     "The lines `fastai-accum bench ledger` prints for `ledger_window`'s result `r`."
     led = r['ledger']
@@ -112,6 +119,7 @@ def ledger_report(r:dict) -> str:
              f"crossings / floor (3 x kept + 2 x grad + input): {(led.h2d_bytes + led.d2h_bytes) / led.floor():.3f}; "
              f"peak / naive's: {r['peak_device'] / r['naive_peak_device']:.3f}; kernels staged {r['ops_staged']}, "
              f"naive {r['ops_naive']}, whole {r['ops_whole']}",
+             _traced_line(r.get('traced')),
              'predicted seconds per window (a model, not a measurement; no GPU has run it yet):']
     for name, g in gpu_classes.items():
         p = predict_window(r, name)

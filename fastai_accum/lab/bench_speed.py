@@ -17,6 +17,7 @@ from ..plan import plan_training
 from ..core import Accumulation
 from ..exact import staging_budget
 from ..staged_exact import install_staged, uninstall_staged, verify_staged
+from ..staged import traced_by
 from ..meters import _nbytes, LiveBytes
 from ..stats import ChannelStats
 from ..helpers import _tensors
@@ -196,6 +197,7 @@ def staged_step(model_fn, # builds the model
     f = install_staged(model, chunk)
     try:
         t_staged, staged = _step_cost(model, x, reps)
+        by, t_trace = traced_by(model, (x[:bs],)) or ('?', float('nan'))  # traced by its first step, once
         with torch.no_grad(): f.step.forward((x,), chunk)  # what the step keeps between stages (host memory on an accelerator)
         kept = sum(_nbytes(v) for v in f.step.kept.values())
         f.step.kept = f.step.xb = f.step.carried = f.step.graphs = None
@@ -205,7 +207,7 @@ def staged_step(model_fn, # builds the model
     return dict(window=window, chunk=chunk, micro_bytes=micro, staged_bytes=staged, whole_bytes=whole,
                 memory_ratio=staged / micro, time_vs_whole=t_staged / t_whole, time_vs_micro=t_staged / t_micro / (window / bs),
                 host_per_sample=kept / window, check_vs_step=t_check / t_staged, check_ok=why is None,
-                fit_vs_budget=fit_ratio, fit_path=fit_path)
+                fit_vs_budget=fit_ratio, fit_path=fit_path, traced_by=by, trace_s=t_trace)
 
 def memory_matched_chunk(model, x:Tensor, # the model and a window of its inputs
                          bs:int, # the micro-batch: the smallest chunk
@@ -700,7 +702,8 @@ def _prepass_notes(c:dict, raw:dict) -> list:
 def _staged_line(s:dict) -> str:
     return (f"chunks of {s['chunk']}: memory {s['memory_ratio']:.2f}x ({s['staged_bytes']/2**20:.1f} MiB vs "
             f"{s['micro_bytes']/2**20:.1f}; whole window {s['whole_bytes']/2**20:.1f}), time {s['time_vs_whole']:.2f}x the whole "
-            f"window's, {s['time_vs_micro']:.2f}x naive accumulation's micro-batches; kept between stages "
+            f"window's, {s['time_vs_micro']:.2f}x naive accumulation's micro-batches; traced by {s['traced_by']} in "
+            f"{s['trace_s']:.1f} s (once per model and input shape); kept between stages "
             f"{s['host_per_sample']/2**20:.2f} MiB per sample; the check on the model at the fit's start "
             f"{s['check_vs_step']:.2f}x one staged step{'' if s['check_ok'] else ' (it failed)'}; a whole fit through "
             f"Accumulation(device_memory=) peaked at {s['fit_vs_budget']:.3f}x its budget ({s['fit_path']})")
