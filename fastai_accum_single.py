@@ -19,14 +19,14 @@ Contents (line: module: classes), dependencies first:
       802: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
      1265: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
      1439: staged: StagedGraph
-     1789: prepass: PrepassPlan, PreflightTable
-     2013: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
-     2171: staged_exact: StagedStep, StagedForward
-     3930: exact: Footprint, ExactModeMemoryError, ExactPlan
-     4341: ghost: GhostForward
-     4396: plan: StagedMismatchError, TrainingPlan
-     4705: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     5321: callback: WindowPrefetch, GradientAccumulation
+     1898: prepass: PrepassPlan, PreflightTable
+     2122: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
+     2280: staged_exact: StagedStep, StagedForward
+     4045: exact: Footprint, ExactModeMemoryError, ExactPlan
+     4461: ghost: GhostForward
+     4516: plan: StagedMismatchError, TrainingPlan
+     4826: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     5442: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -1438,7 +1438,7 @@ def fmt_bytes(n:float) -> str:
 
 # ======== fastai_accum/staged.py ========
 # %% ../nbs/00a_staged.ipynb #95c66691
-import warnings, weakref
+import contextlib, operator, time, warnings, weakref
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch import nn, fx
@@ -1449,6 +1449,19 @@ from torch.utils._pytree import tree_unflatten
 from fastcore.basics import patch
 
 # %% auto #0
+
+# %% ../nbs/00a_staged.ipynb #2e019787
+def in_regions(n:fx.Node):
+    "A context entering the autocast and grad-mode regions node `n` was traced in (`meta['regions']`), outermost first."
+    # torch.export wraps a model's `with torch.autocast(...)` / `torch.set_grad_enabled(...)` as calls of their bodies
+    # (`wrap_with_autocast`): `_inlined` copies the bodies' nodes out, each marked with the regions it ran in
+    stack = contextlib.ExitStack()
+    for kind, args in n.meta.get('regions', ()):
+        if kind == 'wrap_with_autocast':
+            device, dtype, enabled, cache = args
+            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache))
+        else: stack.enter_context(torch.set_grad_enabled(*args))
+    return stack
 
 # %% ../nbs/00a_staged.ipynb #19635f33
 class _LeafTracer(fx.Tracer):
@@ -1530,6 +1543,9 @@ class StagedGraph:
     def _run_node(self, n, env, xb):
         args = map_aggregate(n.args, lambda a: self._value(a, env, xb))
         kwargs = map_aggregate(n.kwargs, lambda a: self._value(a, env, xb))
+        with in_regions(n): return self._call(n, args, kwargs)
+
+    def _call(self, n, args, kwargs):
         if n.op == 'call_module':
             m = self.modules[n.target]
             return norm_only(m, *args) if n.meta.get('norm_only') else m(*args, **kwargs)
@@ -1623,8 +1639,11 @@ def _signature(xb:tuple) -> tuple:
     return tuple((tuple(t.shape[1:]), t.dtype, t.device.type) if isinstance(t, Tensor) else repr(t) for t in xb)
 
 
-def _trace_aten(model:nn.Module, xb:tuple):
-    "(make_fx graph of `model` on `xb`, names of its parameters and buffers, modules returning a tensor subclass)."
+def _trace_aten(model:nn.Module, # the model (nothing in it changes)
+                xb:tuple, # inputs to trace it on
+                symbolic:bool=False, # the batch dimension a symbol (`_exported`), else every size as `xb`'s
+               ) -> tuple:
+    "(aten graph module of `model` on `xb`, names of its parameters and buffers, modules returning a tensor subclass, output tree)."
     params = dict(model.named_parameters(remove_duplicate=False))
     bufs = {n: b.clone() for n, b in model.named_buffers(remove_duplicate=False)}  # the trace's BatchNorm updates
     seen, last, swapped = [], [], []
@@ -1639,14 +1658,62 @@ def _trace_aten(model:nn.Module, xb:tuple):
     dev = next(iter(params.values())).device.type if params else 'cpu'
     try:
         with random_state_kept(), torch.autocast(dev, enabled=False), torch.no_grad():
-            gm = make_fx(run, tracing_mode='real', pre_dispatch=True)(params, bufs, *map(plain_tensor, xb))
+            if symbolic: gm, names, tree = _exported(model, tuple(map(plain_tensor, xb)), last)
+            else:
+                gm = make_fx(run, tracing_mode='real', pre_dispatch=True)(params, bufs, *map(plain_tensor, xb))
+                names, tree = list(params) + list(bufs), gm.graph._codegen.pytree_info.out_spec
     finally:
         for m, own in swapped:
             if own is None: del m.__dict__['forward']
             else: m.forward = own
     ends = [name for t, name in seen if last and t is last[0]]
     if len(ends) != len(seen): raise ValueError("a ToTensorBase module inside the model (not at its end)")
-    return gm, list(params) + list(bufs), ends
+    return gm, names, ends, tree
+
+def _exported(model:nn.Module, xb:tuple, last:list) -> tuple:
+    "(`torch.export`'s graph module of `model` on `xb`, every batch input's first dimension one symbol; names of its parameters and buffers; output tree)."
+    # `last` gets the model's output; only the batch is symbolic: parameters keep their shapes (make_fx's symbolic
+    # mode makes every size a symbol, and one equal to the batch's would be taken for it)
+    n, batch = xb[0].shape[0], torch.export.Dim('batch', min=1)
+    dims = tuple({0: batch} if isinstance(t, Tensor) and t.dim() and t.shape[0] == n else None for t in xb)
+    kept = [(b, b.clone()) for b in model.buffers()]
+    hook = model.register_forward_hook(lambda m, i, out: last.append(out))
+    try: ep = torch.export.export(model, xb, dynamic_shapes=dims, strict=False)
+    finally:
+        hook.remove()
+        for b, k in kept: b.copy_(k)
+    kinds = torch.export.graph_signature.InputKind
+    specs = ep.graph_signature.input_specs
+    names = [s.target for s in specs if s.kind in (kinds.PARAMETER, kinds.BUFFER)]
+    if [s.kind for s in specs[len(names):]] != [kinds.USER_INPUT] * (len(specs) - len(names)):
+        raise ValueError(f"torch.export lifted a constant of the model ({[s.target for s in specs[len(names):]][:3]})")
+    return ep.graph_module, names, ep.call_spec.out_spec
+
+# %% ../nbs/00a_staged.ipynb #e0e320c7
+_regions = {'wrap_with_autocast': 4, 'wrap_with_set_grad_enabled': 1}  # torch.export's region calls: where the body is
+
+def _inlined(gm:fx.GraphModule) -> fx.Graph:
+    "`gm`'s graph with the bodies of the autocast and grad-mode regions it calls copied in, each node's in `meta['regions']`."
+    g = fx.Graph()
+    g.output(_inline(gm, g, {}, ()))
+    return g
+
+def _inline(gm:fx.GraphModule, g:fx.Graph, env:dict, regions:tuple):
+    "Copy `gm`'s nodes into `g` (`env`: its nodes' copies, its inputs' given), regions' bodies inlined; the output's copy."
+    for n in gm.graph.nodes:
+        if n in env or (n.op == 'get_attr' and isinstance(getattr(gm, n.target, None), fx.GraphModule)): continue
+        if n.op == 'output': return fx.node.map_arg(n.args[0], env.__getitem__)
+        at = _regions.get(getattr(n.target, '_name', None)) if n.op == 'call_function' else None
+        if at is not None:  # a region: its body's nodes, each marked with it
+            body = getattr(gm, n.args[at].target)
+            given = zip([p for p in body.graph.nodes if p.op == 'placeholder'], fx.node.map_arg(n.args[at + 1:], env.__getitem__))
+            env[n] = _inline(body, g, dict(given), regions + ((n.target._name, n.args[:at]),))
+        elif n.target is operator.getitem and isinstance(env.get(n.args[0]), (tuple, list)):
+            env[n] = env[n.args[0]][n.args[1]]  # an output of a region
+        else:
+            env[n] = g.node_copy(n, env.__getitem__)
+            if regions: env[n].meta['regions'] = regions
+
 
 # %% ../nbs/00a_staged.ipynb #a7e1c002
 def _is_view(n:fx.Node) -> bool:
@@ -1670,15 +1737,15 @@ def _bn_owners(model:nn.Module) -> dict:
     return {f'{name}.{k}' if name else k: name for name, m in model.named_modules() if isinstance(m, _BatchNorm)
             for k in ('weight', 'bias', 'running_mean', 'running_var', 'num_batches_tracked')}
 
-def _staged_form(gm, names:list, ends:list, owners:dict) -> fx.Graph:
+def _staged_form(gm, names:list, ends:list, owners:dict, tree) -> fx.Graph:
     "`gm`'s aten graph as the staged step runs it: inputs, `get_attr` weights, BatchNorm as `call_module`, no in-place."
     g, env, current, root = fx.Graph(), {}, {}, {}
     look = lambda a: current.get(root.get(a, a), env[a])  # a tensor written in place: its latest value
-    holds = {}
-    for i, n in enumerate(n for n in gm.graph.nodes if n.op == 'placeholder'):
+    holds, traced = {}, _inlined(gm)
+    for i, n in enumerate(n for n in traced.nodes if n.op == 'placeholder'):
         if i < len(names): holds[n] = names[i]
         env[n] = g.get_attr(names[i]) if i < len(names) else g.placeholder(f'x{i - len(names)}')
-    for n in gm.graph.nodes:
+    for n in traced.nodes:
         if n.op in ('placeholder', 'output'): continue
         if n.op != 'call_function': raise ValueError(f"an aten graph node {n.op} {n.target}")
         if n.target is _aten.batch_norm.default:
@@ -1696,8 +1763,10 @@ def _staged_form(gm, names:list, ends:list, owners:dict) -> fx.Graph:
         if r.op != 'call_function' or _is_view(r): raise ValueError(f"an in-place {n.target} on {r.name}")
         env[n] = current[r] = g.call_function(op, fx.node.map_arg(n.args, look), fx.node.map_arg(n.kwargs, look))
         root[n] = r
-    out = next(n for n in gm.graph.nodes if n.op == 'output')
-    res = tree_unflatten(list(fx.node.map_arg(out.args[0], look)), gm.graph._codegen.pytree_info.out_spec)
+    for n, v in env.items():  # the regions a node ran in, on its copy (a BatchNorm's call, an out-of-place op's too)
+        if 'regions' in n.meta and isinstance(v, fx.Node): v.meta['regions'] = n.meta['regions']
+    out = next(n for n in traced.nodes if n.op == 'output')
+    res = tree_unflatten(list(fx.node.map_arg(out.args[0], look)), tree)
     for name in ends: res = g.call_module(name, (res,))
     g.output(res)
     return g
@@ -1721,26 +1790,46 @@ def aten_graph(model:nn.Module, # a model in the modes it trains in (nothing in 
     try:
         n = xb[0].shape[0]
         grown = tuple(torch.cat([t, t[:1]]) if isinstance(t, Tensor) else t for t in xb)  # one more sample
-        (gm, names, ends), (gm2, _, _) = _trace_aten(model, xb), _trace_aten(model, grown)
+        (gm, names, ends, tree), (gm2, *_) = _trace_aten(model, xb), _trace_aten(model, grown)
         differs = _same_graph(gm.graph, gm2.graph)
-        if differs: raise ValueError(f"its graph depends on the batch size ({n} vs {n + 1} samples differ at {differs})")
+        if differs:  # a size baked in: once more, the batch a symbol (at 2 samples or more: 1 would be a constant)
+            fixed = f"its graph depends on the batch size ({n} vs {n + 1} samples differ at {differs})"
+            try: gm, names, ends, tree = _trace_aten(model, grown, symbolic=True)
+            except Exception as e: raise ValueError(f"{fixed}, and torch.export cannot make it a symbol ({_gist(e)})")
         if sum(1 for p in gm.graph.nodes if p.op == 'placeholder') != len(names) + len(xb):
             raise ValueError("an input is not a tensor or a plain value")
-        cache[key] = _staged_form(gm, names, ends, _bn_owners(model))
+        g = _staged_form(gm, names, ends, _bn_owners(model), tree)
+        if differs:  # traced at n + 1 samples: it must compute the model's forward at n
+            why = graph_mismatch(model, g, xb, 'torch.export')
+            if isinstance(why, str): raise ValueError(f"{fixed}, and {why}")
+            _batch_symbolic.add(g)
+        cache[key] = g
     except Exception as e: cache[key] = _one_line(e)
     return cache[key]
 
+_batch_symbolic = weakref.WeakSet()  # the aten-level graphs traced with the batch a symbol (`torch.export`)
+
+def _gist(e:BaseException) -> str:
+    "The exception's type and the first line of its message (torch.export explains at length)."
+    first = next((l.strip() for l in str(e).splitlines() if l.strip()), '')
+    return f"{type(e).__name__}: {first[:240]}".rstrip(': ')
+
 _graph_verdicts = weakref.WeakKeyDictionary()  # model -> why its fx graph differs from its forward, or None (it does not)
 
-def _graph_copy(graph:fx.Graph) -> fx.Graph:
-    "A copy of `graph` (the cached one must not come to own, and keep alive, a module made from it)."
-    g = fx.Graph()
-    g.output(g.graph_copy(graph, {}))
-    return g
+class _GraphForward(fx.Interpreter):
+    "Runs a graph of a model on the model's own modules and weights, as the staged step does."
+    # a BatchNorm marked `norm_only` (an aten-level graph's) normalizes alone; the graph stays unowned (a GraphModule
+    # made from a cached graph would own it, and keep every model alive)
+    def run_node(self, n:fx.Node):
+        with in_regions(n):
+            if n.op != 'call_module' or not n.meta.get('norm_only'): return super().run_node(n)
+            args, _ = self.fetch_args_kwargs_from_env(n)
+            return norm_only(self.fetch_attr(n.target), *args)
 
 def graph_mismatch(model:nn.Module, # the model, in the modes it trains in (nothing in it changes)
-                   graph:fx.Graph, # its torch.fx graph (`bn_graph`)
+                   graph:fx.Graph, # a graph of it: torch.fx's (`bn_graph`) or an aten-level one (`aten_graph`)
                    xb:tuple, # one micro-batch of its inputs
+                   tracer:str="torch.fx", # who traced `graph`, for the message
                   ) -> str|None:
     "Why `graph` does not compute `model`'s forward on `xb` (a branch torch.fx recorded that eager code never takes)."
     # None: it does; `...`: not known (the model's own forward fails on `xb`)
@@ -1752,9 +1841,8 @@ def graph_mismatch(model:nn.Module, # the model, in the modes it trains in (noth
             with random_state_kept():
                 try: ref = model(*xb)
                 except Exception: return ...  # the model does not take `xb`: nothing is known of its graph
-            gm = fx.GraphModule(model, _graph_copy(graph))  # its own graph: a GraphModule makes itself its graph's owner
-            with random_state_kept(): got = gm(*xb)
-    except Exception as e: return f"torch.fx's graph of {type(model).__name__} fails where its forward runs ({_one_line(e)})"
+            with random_state_kept(): got = _GraphForward(model, graph=graph).run(*xb)
+    except Exception as e: return f"{tracer}'s graph of {type(model).__name__} fails where its forward runs ({_one_line(e)})"
     finally:
         with torch.no_grad():
             for b, k in kept: b.copy_(k)
@@ -1763,17 +1851,38 @@ def graph_mismatch(model:nn.Module, # the model, in the modes it trains in (noth
     close = lambda x, y: bool(((x.double() - y.double()).abs().nan_to_num() <= 1e-2 * x.double().abs().max().nan_to_num()
                                + 1e-5).all())
     same = len(a) == len(b) and all(x.shape == y.shape and close(x, y) for x, y in zip(a, b))
-    return None if same else f"torch.fx's graph of {type(model).__name__} computes other values than its forward"
+    return None if same else f"{tracer}'s graph of {type(model).__name__} computes other values than its forward"
 
 def same_trace(src:nn.Module, dst:nn.Module):
-    "Let `dst`, a copy of `src`, inherit what was found of `src`'s torch.fx graph (it differs from the forward)."
+    "Let `dst`, a copy of `src`, inherit what was found of `src`'s graphs: a wrong torch.fx graph, the aten-level ones."
+    # an aten-level graph names parameters and modules by their paths, which a copy shares: never traced again
     if isinstance(_traces.get(src), str): _traces[dst] = _traces[src]
     if src in _graph_verdicts: _graph_verdicts[dst] = _graph_verdicts[src]
+    if src in _aten_graphs: _aten_graphs[dst] = dict(_aten_graphs[src])
+    if src in _trace_times: _trace_times[dst] = dict(_trace_times[src])
 
 def staged_graph(model:nn.Module, # the model, in the modes it trains in
                  xb:tuple, # one micro-batch of its inputs (the second tracer runs the model on it)
                 ) -> fx.Graph|str:
     "The graph a staged step runs on `model`: torch.fx's (`bn_graph`), else the aten-level one, or why neither."
+    # the aten-level one with the batch a symbol where a real trace fixes it (`aten_graph`); `traced_by` says which
+    start = time.perf_counter()
+    g = _staged_graph(model, xb)
+    times = _trace_times.setdefault(model, {})
+    if not isinstance(g, str) and _signature(xb) not in times:
+        by = 'torch.fx' if g is _traces.get(model) else 'torch.export' if g in _batch_symbolic else 'make_fx'
+        times[_signature(xb)] = by, time.perf_counter() - start
+    return g
+
+_trace_times = weakref.WeakKeyDictionary()  # model -> {input signature: (tracer of its staged graph, seconds it took)}
+
+def traced_by(model:nn.Module, # a model `staged_graph` traced
+              xb:tuple, # one micro-batch of its inputs
+             ) -> tuple|None:
+    "(which tracer gave `model`'s staged graph for inputs like `xb`: 'torch.fx', 'make_fx' or 'torch.export', seconds it took), or None."
+    return _trace_times.get(model, {}).get(_signature(xb))
+
+def _staged_graph(model:nn.Module, xb:tuple) -> fx.Graph|str:
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')  # torch.fx's failure is said below, with the second tracer's
         g = bn_graph(model)
@@ -3669,9 +3778,15 @@ def _probe(model:nn.Module, xb:tuple) -> tuple:
             inherited = next((layouts[m.name] for m in n.all_input_nodes if m.name in layouts), None)
             if (f := _folded(x, y, na, random, inherited)): layouts[n.name] = f
             elif _mixes(x, y, random):
-                return (f"{n.name} ({n.op} {getattr(n.target, '__name__', n.target)}) combines the samples of a batch",
-                        layouts)
+                return (f"{n.name} ({n.op} {getattr(n.target, '__name__', n.target)}){_layer_of(n)} combines the "
+                        "samples of a batch", layouts)
     return None, layouts
+
+def _layer_of(n:fx.Node) -> str:
+    "' in layer attn (BatchAttention)': the innermost module whose forward made node `n`, where the tracer recorded it."
+    path, cls = list(n.meta.get('nn_module_stack', {}).values() or [('', None)])[-1]
+    if not path or n.op == 'call_module': return ''
+    return f" in layer {path} ({cls.__name__ if isinstance(cls, type) else str(cls).rsplit('.', 1)[-1]})"
 
 def _folded(x, y, na:int, random:bool, inherited:tuple|None=None) -> tuple|None:
     "(k, how) of a tensor whose value folds k views of each sample into the batch (`batch_layouts`), or None."
@@ -4056,7 +4171,8 @@ class ExactPlan:
     checked:str|None=None # what the check of the staged step on the model found (`verify_staged`)
     check_time:float=0.   # seconds the check took
     whole:bool=False      # staged in one chunk of the whole window (under DDP: BatchNorm reduced over the processes)
-    traced:str|None=None  # a staged step's graph, when not torch.fx's: 'aten' (the second tracer)
+    traced:str|None=None  # a staged step's graph, when not torch.fx's: 'aten' (make_fx's), 'torch.export' (the batch a symbol)
+    trace_time:float=0.   # seconds the tracing of that graph took (once per model and input signature)
     micro:int|None=None   # samples per micro-batch (of the one measured)
     accelerator:bool|None=None # the device's memory is apart from the host's (default: any device but the CPU)
     frozen:bool=False     # some parameters did not train when measured
@@ -4184,7 +4300,11 @@ def _staged_memory(self:ExactPlan) -> str:
 
 @patch(as_prop=True)
 def _checked(self:ExactPlan) -> str:
-    by = "; staged over an aten-level trace (torch.fx cannot trace the model)" if self.traced == 'aten' else ''
+    by = {None: "; staged over torch.fx's graph",
+          'aten': "; staged over an aten-level trace (torch.fx cannot trace the model)",
+          'torch.export': "; staged over torch.export's graph with the batch a symbol (torch.fx cannot trace the model, "
+                          "and an aten-level trace fixes the batch size)"}[self.traced]
+    by += f" traced in {self.trace_time:.1f} s" if self.trace_time >= 0.05 else ''
     took = f" in {self.check_time:.1f} s" if self.check_time >= 0.05 else ''  # not a verdict read from a fit before
     return (f"; {self.checked}{took}" if self.checked and self.reason is None else '') + by
 
@@ -4557,7 +4677,8 @@ def _not_staged(plan:ExactPlan, model:nn.Module, xb:tuple, autocast=None) -> str
     if input_grads_asked(xb): return f"{input_grads_asked(xb)}."
     graph = staged_graph(model, xb)  # torch.fx's, else the second tracer's (`nbs/00a_staged`)
     if isinstance(graph, str): return graph
-    if graph is not bn_graph(model): plan.traced = 'aten'
+    by, plan.trace_time = traced_by(model, xb) or ('torch.fx', 0.)
+    plan.traced = None if by == 'torch.fx' else 'aten' if by == 'make_fx' else by
     measure_staged(plan, model, graph, xb, autocast)
     mixed = samples_mixed(model, xb)
     return f"a staged step would not be the big batch: {mixed}." if mixed else None
@@ -4636,7 +4757,7 @@ class TrainingPlan:
         if self.policy != 'auto' or self.exact or self.path in ('frozen BatchNorm', 'no BatchNorm'): return None
         if self.ghost_micro: return None  # exact too: no ghost batch spans two micro-batches
         return (f"{self.name}: policy 'auto' trains '{self.path}', not the big batch's step (window statistics "
-                f"and an estimated backward): {self.reason or 'no exact path was planned'}.")
+                f"and an estimated backward): {(self.reason or 'no exact path was planned').rstrip('.')}.")
 
     def headline(self) -> str|None:
         "The pre-flight's first line for this path (None for a BatchNorm policy: its table says more)."
@@ -5700,7 +5821,7 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'stats_finite', 'commit_stats', 'channel_sums', 'project_', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'ExactModeRefusedError', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'materialize_lazy', 'uncompiled', 'plain_tensor', 'is_dropout', 'peek_batches', 'window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'loss_couples', 'unjoinable', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only', 'accumulating_class', 'bn_layers', 'kept_running_stats', 'restore_running_stats', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'graph_mismatch', 'same_trace', 'staged_graph', 'few_values', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'Ledger', 'Copies', 'CudaCopies', 'DeferredCopies', 'Link', 'StagedStep', 'stage_grads', 'store_per_sample', 'input_grads_asked', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'batch_layouts', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'AccumulationOptions', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'stats_finite', 'commit_stats', 'channel_sums', 'project_', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'ExactModeRefusedError', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'materialize_lazy', 'uncompiled', 'plain_tensor', 'is_dropout', 'peek_batches', 'window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'loss_couples', 'unjoinable', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only', 'accumulating_class', 'bn_layers', 'kept_running_stats', 'restore_running_stats', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'in_regions', 'trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'graph_mismatch', 'same_trace', 'staged_graph', 'traced_by', 'few_values', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'Ledger', 'Copies', 'CudaCopies', 'DeferredCopies', 'Link', 'StagedStep', 'stage_grads', 'store_per_sample', 'input_grads_asked', 'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'batch_layouts', 'verify_staged', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'AccumulationOptions', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
 ''')
 globals().update({k: getattr(_fastai_accum, k) for k in _fastai_accum.__all__
                   if k not in globals() or k == 'GradientAccumulation'})

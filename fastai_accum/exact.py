@@ -11,6 +11,7 @@ from fastcore.basics import patch
 import torch
 from torch import nn
 from .meters import SavedTensorMeter, LayerMeter, fmt_bytes, _nbytes
+from .cost import OpCount
 from .staged_exact import _device, stage_grads, store_per_sample, batch_layouts
 from .staged import staged_graph
 from .batchnorm import bn_layers
@@ -43,6 +44,8 @@ class Footprint:
     working:float # the largest input + output of a single layer: what running that layer needs
     blocks:tuple=() # per-sample bytes of each batch tensor autograd saves, one by one (what an offload copies)
     fixed:int=0   # bytes of the parameters and buffers autograd saves in one forward (an offload copies them too)
+    flops:float=0. # FLOPs of the forward a sample (`OpCount`: torch's formulas), for the cost model
+    ops:int=0     # kernels of the forward of the micro-batch measured
     def __repr__(self):
         return f'Footprint(saved={fmt_bytes(self.saved)}/sample, working={fmt_bytes(self.working)}/sample)'
 
@@ -74,7 +77,7 @@ def measure_footprint(model:nn.Module, # the model (nothing in it changes)
     xb = _two_samples(xb)
     bs = xb[0].shape[0]
     saved, layers = SavedTensorMeter(exclude=model, record=True), LayerMeter(model)
-    with (layers, leaves_no_trace(model), torch.enable_grad(), saved,
+    with (layers, leaves_no_trace(model), torch.enable_grad(), saved, OpCount() as counted,
           autocast() if autocast is not None else contextlib.nullcontext()):
         model.train()
         model(*xb)  # the output is dropped at once: the meter's peak is what this forward saved
@@ -87,7 +90,7 @@ def measure_footprint(model:nn.Module, # the model (nothing in it changes)
     other = {k: n for n, d0, k in saved.packed if d0 not in rows}
     blocks = tuple(n / bs for n, d0, _ in saved.packed if d0 in rows)
     return Footprint(max(saved.peak - sum(other.values()), 0) / bs, layers.peak / bs, blocks,
-                     saved.packed_model + sum(other.values()))
+                     saved.packed_model + sum(other.values()), counted.flops / bs, counted.ops)
 
 # %% ../nbs/02a_exact.ipynb #59e96f3a
 def recomputed_bns(model:nn.Module, # the model (nothing in it changes: no gradient lands, no statistic counts)
@@ -152,6 +155,7 @@ class ExactPlan:
     stage_grads:int=0     # bytes of the gradients a staged chunk's backward makes at once (`stage_grads`)
     store:float|None=None # bytes per sample a staged step's store holds at most (`store_per_sample`; None: `saved`)
     recomputed:tuple=()   # BatchNorm layers the backward runs again (activation checkpointing: `recomputed_bns`)
+    predicted:str|None=None # the path's predicted time against naive accumulation's (`fastai_accum.cost.time_line`)
     loss:int=0            # bytes the loss keeps over the window's outputs (a similarity matrix: the window squared)
 
     @property
@@ -234,7 +238,7 @@ def describe(self:ExactPlan) -> str:
     if self.opt_state is None and self.device_budget is not None:
         s += "; the optimizer's state assumed 1x the parameters (unknown optimizer)"
     if self.loss > 0.01 * self.device_needed: s += f"; the loss keeps {fmt_bytes(self.loss)} over the window's outputs"
-    return s
+    return s + (f"; {self.predicted}" if self.predicted else '')
 
 @patch
 def _what(self:ExactPlan) -> str:

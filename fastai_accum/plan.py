@@ -6,22 +6,23 @@ the pre-flight, `check_accumulation`, the benchmarks, every front end."""
 
 # %% ../nbs/02e_plan.ipynb #a1b2c3d2
 from __future__ import annotations
-import difflib, time
+import contextlib, difflib, time
 from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from .meters import fmt_bytes
+from .meters import fmt_bytes, _nbytes
+from .cost import estimate_counts, measure_card, time_line
 from .batchnorm import bn_layers, bn_policies
 from .staged import staged_graph, bn_graph, traced_by
 from .staged_exact import samples_mixed, verify_staged, input_grads_asked
 from .distributed import world_size, collective_device
-from .exact import ExactPlan, ExactModeMemoryError, ExactModeRefusedError, plan_exact, measure_staged, recomputed_bns
+from .exact import ExactPlan, ExactModeMemoryError, ExactModeRefusedError, plan_exact, measure_staged, recomputed_bns, leaves_no_trace
 from .ghost import check_ghost
 
 # %% auto #0
 __all__ = ['whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact',
-           'StagedMismatchError', 'TrainingPlan', 'plan_training']
+           'predicted_time', 'StagedMismatchError', 'TrainingPlan', 'plan_training']
 
 # %% ../nbs/02e_plan.ipynb #a1b2c3d5
 whole_window_policies = ('exact', 'staged')  # each window trains as one batch: whole, or stage by stage
@@ -90,7 +91,10 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
     unfit = (f"the window cannot be trained as one batch: {unjoinable}" if unjoinable
              else _checkpointed(plan) or _not_staged(plan, model, xb, autocast) if staged_asked else None)
     m = _Measured(plan, model, xb, name, verify, synced, staged_asked, unfit, unjoinable)
-    return {'exact': _pick_exact, 'staged': _pick_staged, 'auto': _pick_auto}[policy](m)
+    exact, plan = {'exact': _pick_exact, 'staged': _pick_staged, 'auto': _pick_auto}[policy](m)
+    if exact and ((plan.staged and not plan.whole) or (plan.offload and not plan.staged)):
+        plan.predicted = predicted_time(plan, model, xb, autocast)
+    return exact, plan
 
 @dataclass
 class _Measured:
@@ -150,6 +154,38 @@ def _pick_auto(m:_Measured) -> tuple:
     plan.reason = plan.reason or 'another process cannot train its window as one batch'
     return False, plan
 
+
+# %% ../nbs/02e_plan.ipynb #34e400ac
+_cards = {}  # device -> its card, measured once (`measure_card`)
+
+def _amp(autocast) -> str:
+    "'bf16' where training's autocast computes in 16 bits, else 'fp32'."
+    ctx = autocast() if autocast is not None else None
+    return 'bf16' if getattr(ctx, 'fast_dtype', None) in (torch.bfloat16, torch.float16) else 'fp32'
+
+def _this_card(model:nn.Module, xb:tuple, plan:ExactPlan, amp:str, autocast=None) -> list:
+    "[the CUDA card `model` trains on, measured once], or [] where it cannot be (the named classes stand in)."
+    dev = torch.device(plan.device)
+    if dev.type != 'cuda': return []
+    if dev not in _cards:
+        def forward(n):
+            x = tuple(t.repeat(-(-n // t.shape[0]), *[1] * (t.dim() - 1))[:n] if torch.is_tensor(t) and t.dim() else t
+                      for t in xb)
+            with leaves_no_trace(model), torch.no_grad(), autocast() if autocast else contextlib.nullcontext(): model(*x)
+        try: _cards[dev] = measure_card(forward, plan.micro, plan.chunk, plan.footprint.flops, plan.footprint.ops, dev, amp=amp)
+        except Exception: _cards[dev] = None  # out of memory, a model that refuses another batch size: no measurement
+    return [_cards[dev]] if _cards[dev] is not None else []
+
+def predicted_time(plan:ExactPlan, # a plan that trains staged or offloaded
+                   model:nn.Module, xb:tuple, # the model and one micro-batch of its inputs
+                   autocast=None, # callable returning training's autocast context
+                  ) -> str:
+    "The pre-flight's time line: the path's predicted time against naive accumulation's, on this card or the named classes."
+    amp, fp = _amp(autocast), plan.footprint
+    inputs = sum(_nbytes(t) for t in xb if torch.is_tensor(t)) * plan.window / plan.micro
+    counts = estimate_counts(plan.window, plan.micro, plan.chunk, fp.flops, fp.ops, plan.staged_host_needed, inputs,
+                             fp.saved * plan.window, amp)
+    return time_line(counts, 'staged exact' if plan.staged else 'exact, offloaded', _this_card(model, xb, plan, amp, autocast) or None)
 
 # %% ../nbs/02e_plan.ipynb #a1b2c3d9
 class StagedMismatchError(ExactModeRefusedError):

@@ -5,7 +5,8 @@ import warnings
 from pathlib import Path
 import pytest, torch
 from torch import nn
-from helpers import make_learner, mlp, bn_net
+import torch.nn.functional as F
+from helpers import make_learner, mlp, bn_net, windows
 from fastai_accum.callback import GradientAccumulation
 from fastai_accum.core import Accumulation
 from fastai_accum.prepass import bn_preflight
@@ -94,3 +95,25 @@ def test_the_preflight_starts_its_own_line_under_a_terminal_progress_bar(capsys)
     out = capsys.readouterr().out
     assert '|' in out and 'GradientAccumulation:' in out
     assert all(line.startswith('GradientAccumulation:') for line in out.split('\n') if 'GradientAccumulation:' in line), out[:600]
+
+def test_a_staged_plan_says_its_predicted_time_on_each_named_card():
+    """On a CPU the staged path's time against naive accumulation's is predicted on the named card classes, labelled a
+    prediction; `print(acc)` keeps it, and the ratios are the cost model's on the plan's own measurements."""
+    from helpers import train_both
+    from fastai_accum.cost import cards, estimate_counts, predict
+    make = lambda: nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                                 nn.BatchNorm2d(8), nn.Flatten(), nn.Linear(512, 5))
+    _, acc = train_both(make, 'staged')
+    plan = acc.plan
+    assert acc.path == 'staged exact' and plan.footprint.flops > 0 and plan.footprint.ops > 0
+    line = "predicted time per window against naive accumulation's (estimated from one forward; a prediction, not a measurement): "
+    assert line in str(acc) and line in plan.describe()
+    counts = estimate_counts(plan.window, plan.micro, plan.chunk, plan.footprint.flops, plan.footprint.ops,
+                             plan.staged_host_needed, 4 * 3 * 8 * 8 * 8 * 2, plan.footprint.saved * plan.window)
+    for name, card in cards.items():
+        p = predict(counts, card)
+        assert f"{name} class {p.ratio():.1f}x (bound by {p.bound})" in plan.predicted
+    model = make().double()
+    whole = Accumulation(model, n_step=2, policy='auto')  # the whole window fits: there is nothing to predict
+    for x, y in whole.batches(windows(n_win=1, n_step=2)): whole.backward(F.mse_loss(model(x), y))
+    assert whole.path == 'exact' and whole.plan.predicted is None and 'predicted time' not in str(whole)

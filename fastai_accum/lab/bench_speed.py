@@ -17,7 +17,7 @@ from ..plan import plan_training
 from ..core import Accumulation
 from ..exact import staging_budget
 from ..staged_exact import install_staged, uninstall_staged, verify_staged
-from ..staged import traced_by
+from ..staged import staged_graph, traced_by
 from ..meters import _nbytes, LiveBytes
 from ..stats import ChannelStats
 from ..helpers import _tensors
@@ -192,6 +192,7 @@ def staged_step(model_fn, # builds the model
     model = model_fn().to(device).train()
     host = torch.device(device).type != 'cpu'  # an accelerator: the window waits in host memory, as the front ends keep it
     x = torch.randn(window, 3, size, size, pin_memory=host)
+    staged_graph(model, (x[:bs].to(device),))  # traced once here, and timed (`traced_by`)
     (t_micro, micro), (t_whole, whole) = _step_cost(model, x[:bs].to(device).clone(), reps), _step_cost(model, x.to(device), reps)  # a micro-batch of its own
     chunk = chunk or memory_matched_chunk(model, x, bs, micro)
     f = install_staged(model, chunk)
