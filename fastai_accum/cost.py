@@ -167,8 +167,11 @@ def measure_card(forward, # forward(n) runs one no-grad training forward of n sa
                 ) -> Card:
     "The card `device` as the cost model sees it, measured: its link, its FLOP rate and its cost a kernel."
     t_micro, t_chunk = _timed(lambda: forward(micro), device), _timed(lambda: forward(max(chunk, 2 * micro)), device)
-    extra = flops * (max(chunk, 2 * micro) - micro)
-    rate = extra / max(t_chunk - t_micro, 1e-9)  # FLOP/s: the larger forward's extra FLOPs over its extra time
+    big = max(chunk, 2 * micro)
+    # FLOP/s: the larger forward's extra FLOPs over its extra time; where the two times are too close to tell apart
+    # (a forward bound by its kernels' fixed costs), the larger forward's FLOPs over its whole time: a lower bound
+    dt = t_chunk - t_micro
+    rate = flops * (big - micro) / dt if dt > 0.1 * t_micro else flops * big / t_chunk
     per_kernel = max(t_micro - flops * micro / rate, 0.) / max(ops, 1)
     one, both = _link_rates(device, link_bytes)
     name = torch.cuda.get_device_name(device) if torch.device(device).type == 'cuda' else str(device)

@@ -13,9 +13,12 @@ host memory) and 'exact' with host offload, in float64 against the big batch (ma
 'staged' under float16 autocast with a GradScaler against float64 (within 1.25x plain fp16 autocast's error, and no
 inf). It prints one `check ...: ok` line each, and stops with exit code 1 if one fails: timings of a wrong step mean nothing.
 
-Then one line per (window, mode): seconds per window, peak accelerator memory (`torch.cuda.max_memory_allocated`),
-CUDA-synchronised, and the plan's estimate (`plan_exact`, measured on one micro-batch) next to it (staged: the host
-traffic per window), then a summary line of ratios. Synthetic data, random init, SGD: memory and time only. Rows past
+Then the card, measured as the plan measures it (`fastai_accum.cost.measure_card`: pinned copies one way and both
+ways at once, a forward at the micro-batch and at 4x it: its FLOP rate and cost a kernel), and one line per (window,
+mode): seconds per window, peak accelerator memory (`torch.cuda.max_memory_allocated`), CUDA-synchronised, and the
+plan's estimate (`plan_exact`, measured on one micro-batch) next to it (staged: the host traffic per window, counted);
+then per window the cost model's prediction — on the measured card and on the named classes, from the counted ledger —
+next to the measured ratios; then a summary line of ratios. Synthetic data, random init, SGD: memory and time only. Rows past
 `--minutes` are skipped (said), so one run fits a short lease of a GPU.
 """
 import argparse, contextlib, copy, sys, time
@@ -27,6 +30,7 @@ from fastai_accum.exact import plan_exact, saved_on_host, staging_budget
 from fastai_accum.helpers import emulated_accelerator, is_accelerator
 from fastai_accum.staged_exact import install_staged, uninstall_staged
 from fastai_accum.meters import fmt_bytes
+from fastai_accum.cost import OpCount, WindowCounts, measure_card, predict, cards
 
 def parse():
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
@@ -155,6 +159,27 @@ def timed(fn, dev, reps):
     sync(dev)
     return (time.perf_counter() - t) / reps, peak(dev)
 
+def measured_card(model, x, micro, dev):
+    "(the card as `measure_card` measures it, FLOPs a sample and kernels of one forward of `x`)."
+    with OpCount() as oc, torch.no_grad(): model(x)
+    def forward(n):
+        with torch.no_grad(): model(x.repeat(-(-n // len(x)), 1, 1, 1)[:n])
+    card = measure_card(forward, micro, 4 * micro, oc.flops / len(x), oc.ops, dev)
+    print(f"card: {card.what}: link {card.link_GBps:.1f} GB/s one way, {card.link_both_GBps:.1f} GB/s each way at once; "
+          f"{card.rate('fp32') / 1e12:.1f} TFLOP/s on a forward, {card.kernel_us:.1f} us a kernel", flush=True)
+    return card, oc.flops / len(x), oc.ops
+
+def predicted_line(w, micro, flops, ops, card, res):
+    "The cost model's ratios for window `w` from the counted ledger, on the measured card and the named classes, beside the measured."
+    led = last_ledger.get('staged')
+    if led is None: return
+    counts = WindowCounts(w, micro, 3 * flops * micro, 2.2 * ops, 3 * flops * w * 4 / 3, 6.5 * 2.2 * ops * w / micro,
+                          led.h2d_bytes, led.d2h_bytes, led.ahead_bytes, led.copies, led.syncs)
+    said = ', '.join(f"{c.name} {predict(counts, c).ratio():.2f}x" for c in [card, *cards.values()])
+    got = res['staged exact'][0] / res['naive'][0]
+    print(f"window {w:4d}  staged / naive: measured {got:.2f}x; predicted (ledger counted, FLOPs and kernels estimated) {said}",
+          flush=True)
+
 def main():
     a = parse()
     dev = torch.device(a.device)
@@ -176,6 +201,7 @@ def main():
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     loss_func = nn.CrossEntropyLoss()
     print(f'{a.model} {a.size}px micro-batch {a.micro_bs}', flush=True)
+    card, flops, ops = measured_card(model, torch.randn(a.micro_bs, 3, a.size, a.size, device=dev), a.micro_bs, dev)
     summary = {}
     for w in [int(s) for s in a.windows.split(',')]:
         pin = dev.type == 'cuda'
@@ -202,6 +228,7 @@ def main():
             if plan == 'staged' and 'staged' in last_ledger:  # beside the time it took: the cost model's inputs
                 print(f'window {w:4d}  {last_ledger["staged"].line(device_store_bytes=last_ledger["device_store_bytes"])} '
                       '(predicted by `fastai-accum bench ledger`)', flush=True)
+        predicted_line(w, a.micro_bs, flops, ops, card, res)
         def vs(name): return res[name][0] / res['naive'][0], res[name][1] / res['naive'][1] if res['naive'][1] == res['naive'][1] and res['naive'][1] else float('nan')
         summary[w] = vs('exact, host offload') + vs('staged exact')
     print(' '.join(f'exact_time_vs_naive_w{w}={t:.2f} exact_peak_vs_naive_w{w}={m:.2f} staged_time_vs_naive_w{w}={ts:.2f} '
