@@ -20,8 +20,8 @@ from .helpers import _to, random_state_kept, plain_tensor
 from .batchnorm import norm_only
 
 # %% auto #0
-__all__ = ['in_regions', 'trace_model', 'bn_graph', 'untraceable_reason', 'StagedGraph', 'aten_graph', 'graph_mismatch',
-           'same_trace', 'staged_graph', 'traced_by']
+__all__ = ['in_regions', 'trace_model', 'bn_graph', 'untraceable_reason', 'GraphRunner', 'StagedGraph', 'aten_graph',
+           'graph_mismatch', 'same_trace', 'staged_graph', 'traced_by']
 
 # %% ../nbs/00a_staged.ipynb #2e019787
 def in_regions(n:fx.Node):
@@ -78,17 +78,48 @@ def untraceable_reason(model:nn.Module) -> str|None:
             "exact, but its activations grow with the window.")
 
 # %% ../nbs/00a_staged.ipynb #d0e418b2
-class StagedGraph:
+class GraphRunner:
+    "Runs a traced model's graph node by node: each node's value from the values it reads."
+    def __init__(self,
+                 model:nn.Module, # the traced model (its modules are called, not copied)
+                 graph:fx.Graph,  # its graph (`trace_model`, `aten_graph`)
+                ):
+        self.model, self.graph = model, graph
+        self.modules = dict(model.named_modules())
+        self.inputs = [n for n in graph.nodes if n.op == 'placeholder']
+
+    def value(self, a, env:dict, xb:tuple):
+        "The value of argument `a`: a constant, a model input of `xb`, a parameter or buffer, or a node's in `env`."
+        if not isinstance(a, fx.Node): return a
+        if a.op == 'placeholder':
+            i = self.inputs.index(a)
+            return xb[i] if i < len(xb) else a.args[0]  # an input not given: its default
+        if a.op == 'get_attr': return _get_attr(self.model, a.target)
+        return env[a]
+
+    def run_node(self, n:fx.Node, env:dict, xb:tuple):
+        "Node `n`'s value on the values in `env` and the model inputs `xb`."
+        args = map_aggregate(n.args, lambda a: self.value(a, env, xb))
+        kwargs = map_aggregate(n.kwargs, lambda a: self.value(a, env, xb))
+        with in_regions(n): return self._call(n, args, kwargs)
+
+    def _call(self, n, args, kwargs):
+        if n.op == 'call_module':
+            m = self.modules[n.target]
+            return norm_only(m, *args) if n.meta.get('norm_only') else m(*args, **kwargs)
+        if n.op == 'call_function': return n.target(*args, **kwargs)
+        if n.op == 'call_method': return getattr(args[0], n.target)(*args[1:], **kwargs)
+        raise RuntimeError(f'{type(self).__name__}: unexpected node {n.op} {n.target}')
+
+class StagedGraph(GraphRunner):
     "A traced model cut at its barrier nodes, to run a window chunk by chunk, one stage at a time."
     def __init__(self,
                  model:nn.Module, # the traced model (its modules are called, not copied)
                  graph:fx.Graph,  # `trace_model(model, ...)`, every barrier module a leaf
                  is_barrier, # `is_barrier(module) -> bool`: modules needing the whole window's input before output
                 ):
-        self.model, self.graph = model, graph
-        self.modules = dict(model.named_modules())
+        super().__init__(model, graph)
         nodes = list(graph.nodes)
-        self.inputs = [n for n in nodes if n.op == 'placeholder']
         bar = [n for n in nodes if n.op == 'call_module' and is_barrier(self.modules[n.target])]
         # only what leads to a barrier runs: the head after the last one changes no statistics
         needed, stack = set(), list(bar)
@@ -105,26 +136,6 @@ class StagedGraph:
     def __len__(self): return len(self.barriers)
     def __repr__(self): return f'{type(self).__name__}({len(self.nodes)} nodes, {len(self.barriers)} barriers)'
 
-    def _value(self, a, env, xb):
-        if not isinstance(a, fx.Node): return a
-        if a.op == 'placeholder':
-            i = self.inputs.index(a)
-            return xb[i] if i < len(xb) else a.args[0]  # an input not given: its default
-        if a.op == 'get_attr': return _get_attr(self.model, a.target)
-        return env[a]
-
-    def _run_node(self, n, env, xb):
-        args = map_aggregate(n.args, lambda a: self._value(a, env, xb))
-        kwargs = map_aggregate(n.kwargs, lambda a: self._value(a, env, xb))
-        with in_regions(n): return self._call(n, args, kwargs)
-
-    def _call(self, n, args, kwargs):
-        if n.op == 'call_module':
-            m = self.modules[n.target]
-            return norm_only(m, *args) if n.meta.get('norm_only') else m(*args, **kwargs)
-        if n.op == 'call_function': return n.target(*args, **kwargs)
-        if n.op == 'call_method': return getattr(args[0], n.target)(*args[1:], **kwargs)
-        raise RuntimeError(f'StagedGraph: unexpected node {n.op} {n.target}')
 
 # %% ../nbs/00a_staged.ipynb #b29316c9
 @patch
@@ -153,9 +164,9 @@ def run(self:StagedGraph,
             for i in range(start, min(end + 1, len(self.nodes))):
                 n = self.nodes[i]
                 if i == end:  # the next barrier: it sees this chunk's input now and runs in the next stage
-                    observe(self.modules[n.target], self._value(n.args[0], env, xb))
+                    observe(self.modules[n.target], self.value(n.args[0], env, xb))
                     break
-                env[n] = v = self._run_node(n, env, xb)
+                env[n] = v = self.run_node(n, env, xb)
                 if meter: meter.hold(v)
                 for a in n.all_input_nodes:  # free what no later node needs
                     if a in env and self.uses[a][-1] <= i:
@@ -180,7 +191,7 @@ def forward(self:StagedGraph,
     "A plain forward through the nodes (up to the last barrier), as the model's own forward runs them."
     env = {}
     for i, n in enumerate(self.nodes):
-        env[n] = v = self._run_node(n, env, xb)
+        env[n] = v = self.run_node(n, env, xb)
         if meter: meter.hold(v)
         for a in n.all_input_nodes:
             if a in env and self.uses[a][-1] <= i:

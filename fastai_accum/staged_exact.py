@@ -6,7 +6,7 @@ channel."""
 
 # %% ../nbs/02b_staged_exact.ipynb #bc1cb743
 from __future__ import annotations
-import collections, contextlib, copy, functools, gc, heapq, itertools, math, operator, types, warnings, weakref
+import collections, contextlib, copy, functools, gc, itertools, math, types, warnings, weakref
 from contextlib import nullcontext
 import torch
 import torch.distributed as dist
@@ -18,22 +18,18 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, tree_map
 from .meters import _nbytes, fmt_bytes
 from .stats import ChannelStats, all_reduce_stats, commit_stats, channel_sums, project_
 from .distributed import world_size
-from .staged import StagedGraph, bn_graph, untraceable_reason, staged_graph, aten_graph, _signature, same_trace
+from .staged import GraphRunner, bn_graph, untraceable_reason, staged_graph, aten_graph, _signature, same_trace
 from .helpers import (_to, _tensors, random_state_kept, is_accelerator, can_pin, ReplacedForward, ExactModeRefusedError,
-                                  restore_forward, is_dropout, plain_tensor)
+                                  restore_forward, plain_tensor)
 from .batchnorm import _after_norm
 from .link import Link, Copies, CudaCopies, _storage
+from .stage_cut import StageCut, cut_stages, _is_barrier
 
 # %% auto #0
-__all__ = ['StagedStep', 'stage_grads', 'store_per_sample', 'input_grads_asked', 'StagedForward', 'install_staged',
-           'uninstall_staged', 'samples_mixed', 'batch_layouts', 'verify_staged']
+__all__ = ['StagedStep', 'store_per_sample', 'input_grads_asked', 'StagedForward', 'install_staged', 'uninstall_staged',
+           'samples_mixed', 'batch_layouts', 'verify_staged']
 
 # %% ../nbs/02b_staged_exact.ipynb #47a3cd82
-def _is_barrier(m) -> bool:
-    "A BatchNorm layer that normalizes with batch statistics (training, or without running statistics)."
-    # it couples samples
-    return isinstance(m, _BatchNorm) and (m.training or m.running_mean is None)
-
 _plain = plain_tensor  # a subclass such as fastai's `TensorImage` would make every op dispatch through it
 
 def _rng_state(dev):
@@ -46,34 +42,9 @@ def _set_rng_state(state, dev):
 def _same_state(a, b) -> bool:
     return all(x is y or (x is not None and y is not None and torch.equal(x, y)) for x, y in zip(a, b))
 
-_random_fns = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
-               torch.dropout, torch.bernoulli, torch.rand, torch.randn, torch.rand_like, torch.randn_like,
-               torch.randint, torch.randint_like, torch.randperm, torch.normal, torch.multinomial, torch.poisson}
-_random_methods = {'bernoulli', 'bernoulli_', 'uniform_', 'normal_', 'random_', 'exponential_', 'geometric_',
-                   'cauchy_', 'log_normal_', 'multinomial'}
-
-def _draws(n, modules:dict) -> bool:
-    "May node `n` draw random numbers: a dropout-like module, a random function or method, a seeded aten op?"
-    # what is missed here is found at run time (the random state moved): only the memory of the last stage differs
-    if n.op == 'call_module': return any(is_dropout(m) for m in modules[n.target].modules())
-    if n.op == 'call_method': return n.target in _random_methods
-    if n.op != 'call_function': return False
-    f = n.target.default if isinstance(n.target, torch._ops.OpOverloadPacket) else n.target
-    if isinstance(f, torch._ops.OpOverload): return torch.Tag.nondeterministic_seeded in f.tags
-    return f in _random_fns or getattr(f, '__name__', '') in ('stochastic_depth', 'drop_path')
-
-def _writes_in_place(n, modules:dict) -> bool:
-    "Does node `n` write into what it reads (`nn.ReLU(inplace=True)`, `x.add_(y)`, `F.dropout(x, inplace=True)`)?"
-    if n.op == 'call_module': return bool(getattr(modules[n.target], 'inplace', False))
-    if n.op == 'call_method': return n.target.endswith('_') and not n.target.endswith('__')
-    if n.op != 'call_function': return False
-    f = n.target
-    if isinstance(f, torch._ops.OpOverload): return f._schema.is_mutable
-    positional = f in _random_fns and f.__name__.endswith('dropout') and len(n.args) > 3 and n.args[3] is True
-    return bool(n.kwargs.get('inplace')) or positional or getattr(f, '__name__', '').endswith('_')
 
 # %% ../nbs/02b_staged_exact.ipynb #b87c84e1
-class StagedStep(StagedGraph):
+class StagedStep:
     "The big batch's forward and backward over a window, stage by stage and chunk by chunk."
     # a stage ends at a training BatchNorm layer
     # stages that bring in fewer bytes per sample run in larger chunks (False: every stage in chunks of `chunk`)
@@ -102,7 +73,10 @@ class StagedStep(StagedGraph):
                  store=None, # device for the values kept between stages and their gradients (None: where computed)
                 ):
         self.model, self.graph, self.store = model, graph, store
-        self.modules = dict(model.named_modules())
+        self.runner = GraphRunner(model, graph)  # runs the graph's nodes
+        self.modules = self.runner.modules
+        self.cuts = {}  # `StageCut`s of the graph, by the modes of the layers and the parameters (`_cut`)
+        self.cut = None  # the cut of the last forward
         self.costs = {}  # bytes per sample of each stage's chunk in its backward (`_stage_cost`), by `_cost_key`
         self.store_costs = {}  # the most bytes per sample the store held in a window, by input signature and autocast
         self.kept_sizes = {}  # {kept key: its bytes per sample} in the last window, by input signature and autocast
@@ -112,184 +86,16 @@ class StagedStep(StagedGraph):
         # and those in use ({id: (weakref, key)}): `_store_tensor`, `_recycle`
         self.pool, self.ours = {}, {}
         self.layout_cache = {}  # {input signature: `_find_layouts`'s}
-        nodes = list(graph.nodes)
-        self.inputs = [n for n in nodes if n.op == 'placeholder']
-        self.output = next(n for n in nodes if n.op == 'output')
-        self.nodes = self.graph_nodes = [n for n in nodes if n.op not in ('placeholder', 'get_attr', 'output')]
 
     def __repr__(self):
-        stages = f", {len(self.stages)} stages" if hasattr(self, 'stages') else ''
-        return f'{type(self).__name__}({len(self.nodes)} nodes{stages})'
+        if self.cut is None: return f'{type(self).__name__}(not run yet)'
+        return f'{type(self).__name__}({len(self.cut.nodes)} nodes, {len(self.cut)} stages)'
 
-# %% ../nbs/02b_staged_exact.ipynb #f64d3c5e
-def _opens_stage(n, modules:dict) -> bool: return n.op == 'call_module' and _is_barrier(modules[n.target])
-
-def _written(n) -> list:
-    "The nodes whose values node `n` writes into (its first argument, or an aten op's mutable ones)."
-    f, args = n.target, list(n.args)
-    if isinstance(f, torch._ops.OpOverload):
-        return [a for a, s in zip(args, f._schema.arguments) if isinstance(a, fx.Node) and s.alias_info is not None
-                and s.alias_info.is_write]
-    return [args[0]] if args and isinstance(args[0], fx.Node) else []
-
-def _stage_of(nodes:list, modules:dict) -> dict:
-    "{node: its stage} when `nodes` run in this order, each barrier opening a stage."
-    stage, s = {}, 0
-    for n in nodes:
-        s += _opens_stage(n, modules)
-        stage[n] = s
-    return stage
-
-def _stage_reads(nodes:list, modules:dict, batch:set) -> set:
-    "The (batch value, stage) pairs of values read by a stage other than the one making them, in this order."
-    stage = _stage_of(nodes, modules)  # (a model input: read from outside every stage)
-    return {(a, stage[n]) for n in nodes for a in n.all_input_nodes if a in batch and stage.get(a) != stage[n]}
-
-def _soonest(nodes:list, modules:dict) -> list:
-    "`nodes` in an order where each op other than a barrier runs as soon as its inputs are there (else as traced)."
-    at = {n: i for i, n in enumerate(nodes)}
-    waiting = {n: sum(a in at for a in n.all_input_nodes) for n in nodes}
-    ready, order = [(_opens_stage(n, modules), at[n], n) for n in nodes if not waiting[n]], []
-    heapq.heapify(ready)
-    while ready:
-        n = heapq.heappop(ready)[2]
-        order.append(n)
-        for u in n.users:
-            if u not in at: continue
-            waiting[u] -= 1
-            if not waiting[u]: heapq.heappush(ready, (_opens_stage(u, modules), at[u], u))
-    return order
-
-# %% ../nbs/02b_staged_exact.ipynb #02d97b45
-def _barrier_order(nodes:list, modules:dict) -> list:
-    "`nodes` reordered so that sibling branches reach their BatchNorm layers in one row, where a value is read twice."
-    # in the traced order each branch's BatchNorm opens a stage, and the value the branches start from is read from
-    # the store by one stage per branch; run soonest, their convolutions share one stage. Only where some value is read
-    # by several stages and fewer reads cross then; kept as traced where an op writes into a value another op reads or
-    # a stage other than its own made, or the random draws would change order or leave the last stage (which draws the
-    # big batch's masks, run whole)
-    if any(len(a.users) > 1 for n in nodes if _writes_in_place(n, modules) for a in _written(n)): return nodes
-    batch = {a for n in nodes for a in n.all_input_nodes if a.op == 'placeholder'}
-    for n in nodes:
-        if any(a in batch for a in n.all_input_nodes): batch.add(n)
-    before = _stage_reads(nodes, modules, batch)
-    if len(before) == len({a for a, _ in before}): return nodes  # each value read by one stage at most
-    order, draws = _soonest(nodes, modules), lambda ns: [n for n in ns if _draws(n, modules)]
-    last = lambda ns: ns[max((i for i, n in enumerate(ns) if _opens_stage(n, modules)), default=0):]
-    stage = _stage_of(order, modules)
-    if any(stage.get(a, -1) != stage[n] for n in order if _writes_in_place(n, modules) for a in _written(n)):
-        return nodes
-    if draws(order) != draws(nodes) or draws(last(order)) != draws(last(nodes)): return nodes
-    if len(_stage_reads(order, modules, batch)) >= len(before): return nodes
-    return order
-
-# %% ../nbs/02b_staged_exact.ipynb #fb8ff1e8
-def _plan(self):
-    "Stages from the modes the layers are in now: stage s+1 starts with the s-th training BatchNorm node."
-    self.nodes = _barrier_order(self.graph_nodes, self.modules)  # sibling branches' BatchNorm layers in a row
-    bars = [i for i, n in enumerate(self.nodes) if n.op == 'call_module' and _is_barrier(self.modules[n.target])]
-    # the last stage is cut before its first random op (a head's dropout): what comes before runs in chunks,
-    # the rest whole, so its masks are the big batch's without the whole window of the ops before it
-    cut = next((i for i in range(bars[-1] + 1, len(self.nodes)) if _draws(self.nodes[i], self.modules)),
-               None) if bars else None
-    bounds = [0] + bars + ([cut] if cut else []) + [len(self.nodes)]
-    self.stages = [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
-    self.bars = [None] + [self.nodes[i] if i != cut else None for i in bounds[1:-1]]  # the barrier opening each
-    # a stage cut before a random op that writes in place (`Dropout(inplace=True)`) runs on copies of its inputs:
-    # they are chunks of the store (which the backward reads again), or leaves, which autograd does not let an op
-    # modify
-    self.copies = [cut is not None and s == len(self.stages) - 1 and
-                   any(_writes_in_place(self.nodes[i], self.modules) for i in idx)
-                   for s, idx in enumerate(self.stages)]
-    self.from_input = set(self.inputs)  # nodes computed from the model's inputs: their tensors hold the batch
-    for n in self.nodes:
-        if any(a in self.from_input for a in n.all_input_nodes): self.from_input.add(n)
-    owner = {self.nodes[i]: s for s, idx in enumerate(self.stages) for i in idx}
-    owner.update({p: -1 for p in self.inputs})
-    for s in range(1, len(self.stages)): self.stages[s] = self._recomputing(s, owner)
-    members = [{self.nodes[i] for i in idx} for idx in self.stages]
-    reads = [{a for u in mem for a in u.all_input_nodes if a in owner and a not in mem} for mem in members]
-    # the BatchNorm ending stage s takes its window statistics there (`gathers[s]`), or, where its input comes from an
-    # earlier stage (a U-Net's skip, a sibling branch's), in the stage that makes it: no stage reads it back for them
-    # (a module called at several nodes keeps its calls' order: there, read back)
-    calls = collections.Counter(n.target for n in self.nodes if n.op == 'call_module')
-    self.gathers = [[] for _ in self.stages]
-    for s, bar in enumerate(self.bars[1:]):
-        x = bar.args[0] if bar is not None else None
-        early = isinstance(x, fx.Node) and owner.get(x, -1) >= 0 and x not in members[s] and calls[bar.target] == 1
-        if bar is not None: self.gathers[owner[x] if early else s].append(bar)
-        if isinstance(x, fx.Node) and x in owner and x not in members[s] and not early: reads[s].add(x)
-    outs = set(self.output.all_input_nodes)
-    self.stage_in = [[n for n in owner if n in reads[s]] for s in range(len(self.stages))]
-    self.stage_out = [[self.nodes[i] for i in idx if owner[self.nodes[i]] == s and
-                       (self.nodes[i] in outs or any(self.nodes[i] in r for r in reads[s + 1:]))]
-                      for s, idx in enumerate(self.stages)]
-    self.stage_params = [_params_of(self, [self.nodes[i] for i in idx]) for idx in self.stages]
-    opens = self.bars[1:] + [None]  # the barrier that ends each stage
-    self.reads_input = [any(n.op == 'placeholder' for n in self.stage_in[s])
-                        or (b is not None and b.args[0].op == 'placeholder')
-                        for s, b in enumerate(opens)]  # only these stages copy the window's inputs to the device
-    # nodes holding the batch's size: 'int' (`x.size(0)`, `len(x)`) or 'shape' (`x.shape`, batch first)
-    self.sizes = {}
-    for n in self.nodes: _size_kind(n, self.sizes)
-    self._store_plan()
-
-StagedStep._plan = _plan
-
-# %% ../nbs/02b_staged_exact.ipynb #f2f1bedf
-def _recomputing(self, s:int, owner:dict) -> list:
-    "Stage `s`'s node indices, plus the parameter-only nodes of earlier stages it reads, recomputed."
-    # the nodes of earlier stages it reads that are computed from parameters and constants alone
-    # (`w = self.scale.exp()`) are computed again after its BatchNorm: their gradients then reach the parameters from
-    # every stage that uses them
-    pos = {n: i for i, n in enumerate(self.nodes)}
-    own, need = self.stages[s], set()
-    stack = [a for i in own for a in self.nodes[i].all_input_nodes if owner.get(a, s) < s and a not in self.from_input]
-    while stack:
-        a = stack.pop()
-        if a in need or a not in pos: continue
-        need.add(a)
-        stack.extend(x for x in a.all_input_nodes if x in pos and x not in self.from_input)
-    lead = own[:1] if self.bars[s] is not None else []  # a barrier first: `_run_stage` opens the stage with it
-    return lead + sorted(pos[n] for n in need) + own[len(lead):]
-
-StagedStep._recomputing = _recomputing
-
-# %% ../nbs/02b_staged_exact.ipynb #6fce0b9d
-def _size_kind(n, sizes:dict):
-    "Note in `sizes` whether node `n` holds the batch's size: 'int' or 'shape'."
-    # 'int': `x.size(0)`, `len(x)`; 'shape': `x.shape`, `x.size()` or a slice of them from the front
-    f, args = n.target, n.args
-    if n.op == 'call_method' and f == 'size':
-        dim = args[1] if len(args) > 1 else n.kwargs.get('dim')
-        kind = 'shape' if dim is None else 'int' if dim == 0 else None
-    elif n.op == 'call_function' and f is getattr and args[1] == 'shape': kind = 'shape'
-    elif n.op == 'call_function' and f is len: kind = 'int'
-    elif n.op == 'call_function' and f is operator.getitem and sizes.get(args[0], (None,))[0] == 'shape':
-        i = args[1]
-        kind = ('int' if i == 0 else 'shape' if isinstance(i, slice) and i.start in (None, 0) and i.step in (None, 1)
-                else None)
-    else: kind = None
-    # the tensor whose size it is (a folded value's size counts its views: `_carried`)
-    if kind: sizes[n] = kind, (sizes[args[0]][1] if f is operator.getitem else args[0])
-
-def _params_of(self, nodes:list) -> list:
-    "The parameters `nodes` use, once each: their modules' and those they read (`get_attr`)."
-    found = {}
-    for n in nodes:
-        if n.op == 'call_module': found.update((id(p), p) for p in self.modules[n.target].parameters())
-        for a in n.all_input_nodes:
-            if a.op == 'get_attr' and isinstance(v := self._value(a, {}, ()), nn.Parameter): found[id(v)] = v
-    return list(found.values())
-
-# %% ../nbs/02b_staged_exact.ipynb #e0fbd944
-def stage_grads(model:nn.Module, # the model, in the modes it trains in
-                graph:fx.Graph, # the graph a staged step runs (`staged_graph`)
-               ) -> int:
-    "Bytes of the largest stage's trainable parameters: the gradients a chunk's backward makes at once."
-    step = StagedStep(model, graph)
-    step._plan()
-    return max((sum(_nbytes(p) for p in ps if p.requires_grad) for ps in step.stage_params), default=0)
+    def _cut(self) -> StageCut:
+        "The graph's `StageCut` for the modes the layers are in now, made once per modes and parameters."
+        key = tuple(m.training for m in self.modules.values()), tuple(map(id, self.model.parameters()))
+        if key not in self.cuts: self.cuts[key] = cut_stages(self.model, self.graph)
+        return self.cuts[key]
 
 # %% ../nbs/02b_staged_exact.ipynb #8dcdd2c6
 _per_model = weakref.WeakKeyDictionary()  # model -> {(what, `_check_key`): a measurement or verdict on it}
@@ -320,48 +126,15 @@ def store_per_sample(model:nn.Module, # the model, in the modes it trains in (no
 
 def _store_per_sample(model:nn.Module, graph:fx.Graph, xb:tuple) -> float:
     # from one forward without a graph on `xb`, each value's bytes per sample at the stage the backward holds most
-    step = StagedStep(model, graph)
-    step._plan()
+    cut = cut_stages(model, graph)
     xb = tuple(_plain(t) for t in xb)
     n = xb[0].shape[0]
     rows = {n} | {k * n for k, _ in batch_layouts(model, xb).values()}  # k rows a sample: views folded into the batch
     per_sample = lambda v: sum(_nbytes(t) for t in _tensors(v) if t.dim() and t.shape[0] in rows) / n  # batch tensors
-    with random_state_kept(): sizes = {m: per_sample(vs[0]) for m, vs, _ in _node_values(step, [xb], {})}
-    def size(m): return per_sample(xb[step.inputs.index(m)]) if m.op == 'placeholder' else sizes.get(m, 0.)
-    return max((step._store_bytes(s, size) for s in range(len(step.stages))), default=0.)
-
-# %% ../nbs/02b_staged_exact.ipynb #5beabd5e
-def _store_plan(self):
-    "What the store holds during each stage's backward (`held`), and the kept values freed after it (`freed`)."
-    # a kept value is read by the stages whose inputs it is and by the BatchNorm opening a stage (its projection): the
-    # backward, from the last stage down, frees it after the first of them; the output stays (the model returned it)
-    first, n_st = {}, len(self.stages)
-    for s in range(n_st):
-        bar = self.bars[s]
-        for n in self.stage_in[s] + ([bar.args[0]] if bar is not None else []):
-            if isinstance(n, fx.Node) and n.op != 'placeholder': first[n] = min(first.get(n, s), s)
-    returned = set(self.output.all_input_nodes)
-    self.freed = [[n for n, f in first.items() if f == s and n not in returned] for s in range(n_st)]
-    kept = {n for outs in self.stage_out for n in outs}
-    alive, self.held = {n for n in returned if n in kept}, [None] * n_st  # gradients in the store
-    for s in reversed(range(n_st)):
-        bar = self.bars[s]
-        grads = alive | {n for n in self.stage_in[s] if n.op != 'placeholder'}
-        if bar is not None and isinstance(bar.args[0], fx.Node): grads.add(bar.args[0])  # the projection's dx
-        values = {n for n in kept if n in returned or first.get(n, n_st) <= s}
-        self.held[s] = (values, grads, bar.args[0] if bar is not None else None)  # and the fixed gradient
-        alive = grads - set(self.stage_out[s])
-
-def _store_bytes(self, s:int, size=None) -> float:
-    "Bytes the store holds during stage `s`'s backward (kept values, gradients, the fixed gradient), as far as known."
-    # `size(node)`: a node's bytes (default: its window's in the store, known once its stage has run a chunk)
-    values, grads, fixed = self.held[s]
-    size = size or self._kept_bytes
-    return sum(map(size, values)) + sum(map(size, grads)) + (size(fixed) if fixed is not None else 0)
-
-StagedStep._store_plan = _store_plan
-StagedStep._store_bytes = _store_bytes
-
+    with random_state_kept():
+        sizes = {m: per_sample(vs[0]) for m, vs, _ in _node_values(GraphRunner(model, graph), cut.nodes, [xb], {})}
+    def size(m): return per_sample(xb[cut.inputs.index(m)]) if m.op == 'placeholder' else sizes.get(m, 0.)
+    return max((cut.store_bytes(s, size) for s in range(len(cut))), default=0.)
 
 # %% ../nbs/02b_staged_exact.ipynb #97042fc2
 def _extras(m:nn.Module, n:fx.Node, y:Tensor) -> Tensor:
@@ -373,18 +146,18 @@ def _run_stage(self, s:int, env:dict, xb:tuple, grad:bool):
     "Run stage `s` of one chunk on `env`; the BatchNorm opening it normalizes with window statistics."
     # that BatchNorm is one fused op; its input is a leaf of its own if `grad`, returned
     leaf, read = None, env
-    if self.copies[s]:  # (the store's chunks, or leaves): copies, counted in its cost (`env['copies']`)
+    if self.cut.on_copies[s]:  # (the store's chunks, or leaves): copies, counted in its cost (`env['copies']`)
         read = dict(env)
-        for n in self.stage_in[s]:
+        for n in self.cut.stage_in[s]:
             if n in env: read[n] = tree_map(lambda v: v.clone() if isinstance(v, Tensor) else v, env[n])
-        env['copies'] = [read[n] for n in self.stage_in[s] if n in env]
-    for i in self.stages[s]:
-        n = self.nodes[i]
-        if i != self.stages[s][0] or self.bars[s] is None:
-            env[n] = read[n] = _plain(self._run_node(n, read, xb))
+        env['copies'] = [read[n] for n in self.cut.stage_in[s] if n in env]
+    for i in self.cut.stages[s]:
+        n = self.cut.nodes[i]
+        if i != self.cut.stages[s][0] or self.cut.bars[s] is None:
+            env[n] = read[n] = _plain(self.runner.run_node(n, read, xb))
             continue
         m = self.modules[n.target]
-        x = self._value(n.args[0], env, xb)
+        x = self.runner.value(n.args[0], env, xb)
         if grad: x = leaf = x.detach().requires_grad_(True)  # its gradient: BatchNorm's with the statistics held fixed
         mean, var, _ = self.stats[n]
         env[n] = _extras(m, n, F.batch_norm(x, mean, var, m.weight, m.bias, False, 0., m.eps))
@@ -396,7 +169,7 @@ StagedStep._run_stage = _run_stage
 def _xb(self, a:int, b:int, dev, grad:bool=False, s:int|None=None) -> tuple:
     "Samples a:b of the window's inputs (which may wait in host memory) on `dev`."
     # for a backward, a chunk of their own; none for a stage `s` that does not read them
-    if s is not None and not self.reads_input[s]: return ()
+    if s is not None and not self.cut.reads_input[s]: return ()
     return tuple(self._input(t[a:b], dev, grad) if isinstance(t, Tensor) else t for t in self.xb)
 
 def _input(self, t:Tensor, dev, grad:bool) -> Tensor:
@@ -412,7 +185,7 @@ def _stage_inputs(self, s:int, a:int, b:int, dev, grad:bool=False) -> dict:
     "Samples a:b of the values stage `s` reads from earlier stages, on `dev`."
     # leaves that collect gradients if `grad`
     env = {}
-    for n in self.stage_in[s]:
+    for n in self.cut.stage_in[s]:
         if n.op == 'placeholder': continue
         if n in self.structs: env[n] = self._struct(n, a, b, lambda key: self._kept_chunk(key, a, b, dev, grad))
         elif n in self.carried: env[n] = self._carried(n, a, b)
@@ -527,7 +300,7 @@ def _batched(self, key, v, a:int, b:int) -> bool:
     "Is `v`, the value of `key` (a node, or a container's (node, i)) on samples a:b, a batch tensor from the inputs?"
     # one row per sample, or k (`_factor`: views folded into the batch)
     n = key[0] if isinstance(key, tuple) else key
-    return (isinstance(v, Tensor) and n in self.from_input and v.dim() > 0
+    return (isinstance(v, Tensor) and n in self.cut.from_input and v.dim() > 0
             and v.shape[0] == self._factor(key) * (b - a))
 
 def _carried(self, n, a:int, b:int):
@@ -535,7 +308,7 @@ def _carried(self, n, a:int, b:int):
     vals = self.carried[n]
     if (a, b) in vals: return vals[a, b]
     first = next(iter(vals.values()))
-    kind, of = self.sizes.get(n, (None, None))
+    kind, of = self.cut.sizes.get(n, (None, None))
     rows = self._factor(of) * (b - a)  # a value with views folded into the batch: k rows a sample
     if kind == 'int': return rows
     if kind == 'shape': return type(first)((rows,) + tuple(first[1:]))
@@ -613,12 +386,12 @@ def _unstored(self, key, t:Tensor, n:int) -> Tensor:
 def _folds(self, env:dict, n:int) -> bool:
     "Might a value in `env` (a chunk of `n` samples) fold views into the batch: rows from the inputs a multiple of `n`?"
     return any(t.dim() and t.shape[0] != n and t.shape[0] % n == 0
-               for m, v in env.items() if m in self.from_input for t in _tensors(v))
+               for m, v in env.items() if m in self.cut.from_input for t in _tensors(v))
 
 def _find_layouts(self, dev) -> dict:
     "`batch_layouts` of this window's inputs by node (and (node, i)), found once per input signature."
     xb = tuple(_to(t[:2], dev) if isinstance(t, Tensor) else t for t in self.xb)
-    nodes = {n.name: n for n in self.nodes}
+    nodes = {n.name: n for n in self.cut.nodes}
     node = lambda k: nodes.get(k) if isinstance(k, str) else (nodes[k[0]], k[1]) if k[0] in nodes else None
     found = {node(k): f for k, f in batch_layouts(self.model, xb).items() if node(k) is not None}
     self.layout_cache[self.signature] = found
@@ -636,7 +409,7 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
            ) -> Tensor:
     "The model's output for the window, computed stage by stage without a graph."
     # BatchNorm running statistics committed once
-    self._plan()
+    self.cut = self._cut()
     self.xb = tuple(_plain(t) for t in xb)
     self.W, dev = self.xb[0].shape[0], _device(self.model, self.xb)
     # a pinned host store
@@ -656,13 +429,13 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
     # of the late stages whose graphs fit the budget together
     self.graphs, self.kept_from = {}, self._kept_from()
     self._device_part(chunk)  # values several stages read, kept on the device between their reads where room is left
-    for s in range(len(self.stages)):
+    for s in range(len(self.cut.stages)):
         self.spans.append([])
         self._stage_forward(s, dev, chunk)
     if self.layouts is None: self.layout_cache[self.signature] = self.layouts = {}  # no value folds views
     if self.random_chunked: self._say_random()
     self._say_not_finite()
-    self.store_costs[self.signature, self.autocast] = max(map(self._store_bytes, range(len(self.stages)))) / self.W
+    self.store_costs[self.signature, self.autocast] = max(map(self._store_bytes, range(len(self.cut.stages)))) / self.W
     self.kept_sizes[self.signature, self.autocast] = {k: _nbytes(t) / self.W for k, t in self.kept.items()}
     return self._output(dev)
 
@@ -672,9 +445,9 @@ StagedStep.forward = _forward
 def _producer_spans(self, s:int) -> list|None:
     "The chunks of the stage that made a value stage `s` reads whose size arithmetic is unknown (`x.size(0) * 5`)."
     # seen at one chunk size only, such a value cannot be told from a constant: stage `s` runs in the same chunks
-    for n in self.stage_in[s]:
+    for n in self.cut.stage_in[s]:
         vals = self.carried.get(n)
-        if vals and n not in self.sizes and len({b - a for a, b in vals}) < 2 and any(map(_has_int, vals.values())):
+        if vals and n not in self.cut.sizes and len({b - a for a, b in vals}) < 2 and any(map(_has_int, vals.values())):
             return sorted(vals)
     return None
 
@@ -686,11 +459,11 @@ def _has_int(v) -> bool:
 def _kept_from(self) -> int:
     "The first of the last stages whose graphs for the whole window fit the budget together (their costs measured)."
     # late stages hold few bytes per sample but as much compute as early ones: their recompute is what this saves
-    first, total = len(self.stages), 0.
+    first, total = len(self.cut.stages), 0.
     if self.budget is None: return first
     # where the store shares the budget's memory: the most it held in a window like this one
     if self.shared: total = self.store_costs.get((self.signature, self.autocast), float('inf')) * self.W
-    for s in reversed(range(len(self.stages))):
+    for s in reversed(range(len(self.cut.stages))):
         cost = self.costs.get(self._cost_key(s))
         total += float('inf') if cost is None else cost * self.W
         if total > self.budget: break
@@ -712,7 +485,7 @@ def _first_chunk(self, s:int, chunk:int) -> tuple:
     # without a budget: as many bytes in as a micro-batch's input
     per_input = _nbytes(self.xb) / self.W
     per = sum(self._kept_bytes(n) if n in self.kept or n in self.carried else per_input * self.W
-              for n in self.stage_in[s]) / self.W  # bytes a sample brings in
+              for n in self.cut.stage_in[s]) / self.W  # bytes a sample brings in
     return min(self.W, max(chunk, int(chunk * per_input // max(per, 1)))), False
 
 def _beside(self, s:int, size=None) -> tuple:
@@ -722,9 +495,9 @@ def _beside(self, s:int, size=None) -> tuple:
     # part then (`_device_part`). Read ahead (`_prefetch`): its inputs and its outputs' gradients. `size(node)`: the
     # window's bytes of a node (default: this window's, as far as kept)
     size = size or self._kept_bytes
-    grads = sum(_nbytes(p) for p in self.stage_params[s] if p.requires_grad)
+    grads = sum(_nbytes(p) for p in self.cut.stage_params[s] if p.requires_grad)
     store = max(_nbytes(list(self.kept.values())), self._store_bytes(s)) if self.shared else 0
-    ahead = sum(map(size, self.stage_in[s] + self.stage_out[s])) / self.W if self.link.apart else 0
+    ahead = sum(map(size, self.cut.stage_in[s] + self.cut.stage_out[s])) / self.W if self.link.apart else 0
     return grads + store + self.device_held[s], ahead
 
 def _sized(self, s:int, cost:float, chunk:int, size=None) -> int:
@@ -735,8 +508,8 @@ def _sized(self, s:int, cost:float, chunk:int, size=None) -> int:
 def _cost_key(self, s:int) -> tuple:
     "Stage `s` (its nodes, the inputs' shapes and dtypes, training's autocast): what its bytes per sample depend on."
     # an empty first stage: a BatchNorm on the model's input
-    first = self.nodes[self.stages[s][0]].name if self.stages[s] else ''
-    return first, len(self.stages[s]), self.signature, self.autocast
+    first = self.cut.nodes[self.cut.stages[s][0]].name if self.cut.stages[s] else ''
+    return first, len(self.cut.stages[s]), self.signature, self.autocast
 
 StagedStep._first_chunk = _first_chunk
 StagedStep._beside = _beside
@@ -749,7 +522,7 @@ def _device_part(self, chunk:int):
     # only values read by several stages, none the model returns; a value and its gradient are counted at every stage
     # from its first reader to its last, within the room there (`_device_room`); the most-read first
     # planned once per input signature, autocast, window size, budget and stages kept whole or with their graphs
-    n_st, self.cache, self.gcache, self.device_store_bytes = len(self.stages), {}, {}, 0
+    n_st, self.cache, self.gcache, self.device_store_bytes = len(self.cut.stages), {}, {}, 0
     self.device_held, self.device_part = [0] * n_st, {}
     per_sample = self.kept_sizes.get((self.signature, self.autocast))
     costs = [self.costs.get(self._cost_key(s)) for s in range(n_st)]
@@ -763,9 +536,9 @@ def _device_part(self, chunk:int):
     sizes, by_node, readers = {k: v * self.W for k, v in per_sample.items()}, collections.Counter(), {}
     for k, v in sizes.items(): by_node[node(k)] += v
     room = self._device_room(chunk, costs, lambda n: self._kept_bytes(n) if n.op == 'placeholder' else by_node[n])
-    for s, ins in enumerate(self.stage_in):
+    for s, ins in enumerate(self.cut.stage_in):
         for n in ins: readers.setdefault(n, []).append(s)
-    returned = set(self.output.all_input_nodes)
+    returned = set(self.cut.output.all_input_nodes)
     several = [(k, readers[node(k)]) for k in sizes if len(readers.get(node(k), ())) > 1 and node(k) not in returned]
     for k, rs in sorted(several, key=lambda kv: (-len(kv[1]), sizes[kv[0]])):
         span = range(rs[0], rs[-1] + 1)
@@ -779,7 +552,7 @@ def _device_room(self, chunk:int, costs:list, size) -> list:
     # beside chunks that may shrink to `shrink` of their size without it (where the backward recomputes), or beside
     # the graphs kept since `kept_from` (where it keeps them: they hold the whole window already); none in a stage run
     # whole. `size(node)`: a node's window bytes, the last window's
-    room, graphs = [-1.] * len(self.stages), 0.
+    room, graphs = [-1.] * len(self.cut.stages), 0.
     for s, cost in enumerate(costs):
         if self._cost_key(s) in self.whole: continue
         beside, ahead = self._beside(s, size)
@@ -858,11 +631,16 @@ def _saved_counted(self, sizes:dict):
 
 def _kept_bytes(self, n) -> int:
     "Bytes of the window-sized tensors kept for node `n` (a container's included; a model input's own)."
-    if n.op == 'placeholder': return _nbytes(self.xb[self.inputs.index(n)])
+    if n.op == 'placeholder': return _nbytes(self.xb[self.cut.inputs.index(n)])
     if n in self.kept: return _nbytes(self.kept[n])
     return sum(_nbytes(self.kept[n, i]) for i in self.structs[n][1]) if n in self.structs else 0
 
+def _store_bytes(self, s:int) -> float:
+    "Bytes the store holds during stage `s`'s backward, as far as this window has kept them."
+    return self.cut.store_bytes(s, self._kept_bytes)
+
 StagedStep._kept_bytes = _kept_bytes
+StagedStep._store_bytes = _store_bytes
 StagedStep._stage_cost = _stage_cost
 StagedStep._saved_counted = _saved_counted
 
@@ -872,8 +650,8 @@ def _stage_forward(self, s:int, dev, chunk:int):
     # the last stage reruns in one chunk if it draws random numbers (dropout): its masks are then the big batch's (the
     # window's memory for it is their price: `_plan` cuts it down to the ops from the first random one); its last chunk
     # runs with a graph, kept for the backward
-    last = s + 1 == len(self.stages)
-    sts, (c, measure), a = {bar: ChannelStats() for bar in self.gathers[s]}, self._first_chunk(s, chunk), 0
+    last = s + 1 == len(self.cut.stages)
+    sts, (c, measure), a = {bar: ChannelStats() for bar in self.cut.gathers[s]}, self._first_chunk(s, chunk), 0
     fixed = self._producer_spans(s)
     if fixed: measure = False
     while a < self.W:
@@ -900,13 +678,13 @@ def _stage_forward(self, s:int, dev, chunk:int):
             self.random_chunked.append(s)
         self.spans[s].append((a, b))
         with torch.no_grad():
-            for n in self.stage_out[s]: self._hold(n, env[n], a, b)
-            for bar, st in sts.items(): st.add(self._value(bar.args[0], env, xb))  # window statistics
+            for n in self.cut.stage_out[s]: self._hold(n, env[n], a, b)
+            for bar, st in sts.items(): st.add(self.runner.value(bar.args[0], env, xb))  # window statistics
         if measure and a == 0:  # once its values' window-sized store is made; then the next chunk's reads start
             c = self._sized(s, cost, chunk)
             self._prefetch(s, _next_span(b, c, self.W, fixed))
         if graph:  # what the backward reads: the stage's inputs (leaves) and outputs; the graph holds the rest it needs
-            self.graphs[s, a] = {n: env[n] for n in self.stage_in[s] + self.stage_out[s] if n in env}, leaf
+            self.graphs[s, a] = {n: env[n] for n in self.cut.stage_in[s] + self.cut.stage_out[s] if n in env}, leaf
         env = xb = leaf = None  # freed before the next chunk is computed
         a = b
     for bar, st in sts.items(): self._close(bar, st)
@@ -924,8 +702,8 @@ def _say_random(self):
     "Warn once that some stages drew their random numbers (dropout masks) chunk by chunk."
     if self._said_random: return
     self._said_random = True
-    where = ', '.join(f"after {self.bars[s].target}" if self.bars[s] is not None else
-                      f"from {self.nodes[self.stages[s][0]].name}" if s else "before the first BatchNorm"
+    where = ', '.join(f"after {self.cut.bars[s].target}" if self.cut.bars[s] is not None else
+                      f"from {self.cut.nodes[self.cut.stages[s][0]].name}" if s else "before the first BatchNorm"
                       for s in self.random_chunked)
     warnings.warn(f"staged exact: random ops (dropout, drop-path) in chunked stages ({where}) "
                   "draw their masks chunk by chunk: equal in distribution to the big batch's, not in value. "
@@ -946,8 +724,8 @@ def _output(self, dev):
         if n in self.kept: return whole(n)
         if n in self.structs: return self._struct(n, 0, self.W, whole)
         if n in self.carried: return self._carried(n, 0, self.W)
-        return self._value(n, {}, self.xb)  # a model input returned as it is
-    return _plain_containers(map_aggregate(self.output.args[0], value))
+        return self.runner.value(n, {}, self.xb)  # a model input returned as it is
+    return _plain_containers(map_aggregate(self.cut.output.args[0], value))
 
 def _plain_containers(o):
     "`o` with torch.fx's immutable dicts and lists made plain, as the model's own forward returns them."
@@ -1008,16 +786,16 @@ def _prefetch(self, s:int, span, grads:dict|None=None):
     a, b = span
     dev = _device(self.model, self.xb)
     if grads is None or (s, a) not in self.graphs:
-        for n in self.stage_in[s]:
+        for n in self.cut.stage_in[s]:
             if n.op == 'placeholder' or (n in self.carried and n not in self.structs): continue
             for k in self._keys(n):
                 if k in self.kept and self.link.holds(self.kept[k]) and not self._on_device(k, a, b):
                     self.link.prefetch(self.kept[k][a:b], dev)
-        if self.reads_input[s]:
+        if self.cut.reads_input[s]:
             for t in self.xb:
                 if isinstance(t, Tensor) and t.device.type == 'cpu': self.link.prefetch(t[a:b], dev, 'input')
     if grads is None: return
-    for n in self.stage_out[s]:
+    for n in self.cut.stage_out[s]:
         for k in self._keys(n):
             t = grads.get(k)
             if t is not None and self.link.holds(t) and any(u < b and a < e for u, e in self.written.get(k, ())):
@@ -1040,13 +818,13 @@ def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shap
     dev = _device(self.model, self.xb)
     index = {id(p): i for i, p in enumerate(params)}
     autocast = torch.autocast(dev.type, dtype=self.autocast) if self.autocast else nullcontext()
-    for s in reversed(range(len(self.stages))):
-        bar = self.bars[s]
-        outs = [n for n in self.stage_out[s] if any(k in grads or k in self.projections for k in self._keys(n))]
+    for s in reversed(range(len(self.cut.stages))):
+        bar = self.cut.bars[s]
+        outs = [n for n in self.cut.stage_out[s] if any(k in grads or k in self.projections for k in self._keys(n))]
         # the barrier's input gradient with its statistics held fixed (window-sized, in `store`); Σ g, Σ g·x̂
         fixed, sums = {}, None
         # autograd asked only for this stage's parameters
-        used = [index[id(p)] for p in self.stage_params[s] if id(p) in index]
+        used = [index[id(p)] for p in self.cut.stage_params[s] if id(p) in index]
         affine = self._affine_sums(s, bar, index, pgrads) if bar is not None else None
         if not outs and bar is None:  # no gradient reaches it (the empty stage before an input's BatchNorm): only what
             self._leave_device_part(s, grads); continue  # it read last leaves the device
@@ -1059,7 +837,7 @@ def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shap
             self._check_carried(s, env)
             pairs = [(t, self._out_grad(grads, k, a, b, t)) for n in outs for k, t in self._struct_keys(n, env[n])
                      if (k in grads or k in self.projections) and t.requires_grad]
-            leaves = [(k, t) for n in self.stage_in[s] if n in env for k, t in self._struct_keys(n, env[n])
+            leaves = [(k, t) for n in self.cut.stage_in[s] if n in env for k, t in self._struct_keys(n, env[n])
                       if t.requires_grad]
             got = self._grads(pairs, [t for _, t in leaves] + ([leaf] if leaf is not None else []), params, pgrads,
                               used)
@@ -1074,10 +852,10 @@ def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shap
         self._recycle([grads.pop(k, None) for n in outs for k in self._keys(n)])
         self._recycle([p[0] for n in outs for k in self._keys(n) for p in self.projections.pop(k, ())])
         if bar is not None: self._project(s, bar, fixed.get(bar), sums)
-        self._recycle([self.kept.pop(k) for n in self.freed[s] for k in self._keys(n) if k in self.kept])
+        self._recycle([self.kept.pop(k) for n in self.cut.freed[s] for k in self._keys(n) if k in self.kept])
         self._leave_device_part(s, grads)
     # the store's tensors, for the next window; not the output's (the model returned them)
-    returned = {k for n in self.output.all_input_nodes for k in self._keys(n)}
+    returned = {k for n in self.cut.output.all_input_nodes for k in self._keys(n)}
     self._recycle([t for k, t in itertools.chain(self.kept.items(), grads.items()) if k not in returned])
     self._recycle([p[0] for ps in self.projections.values() for p in ps])
     self.link.done()  # what is computed next (the optimizer's step) waits for every write
@@ -1111,7 +889,7 @@ def _affine_sums(self, s:int, bar, index:dict, pgrads:list):
 
 def _bar_params(self) -> set:
     "The ids of the training BatchNorm layers' parameters."
-    return {id(p) for n in self.bars if n is not None for p in self.modules[n.target].parameters()}
+    return {id(p) for n in self.cut.bars if n is not None for p in self.modules[n.target].parameters()}
 
 def _param_readers(self) -> dict:
     "{id of a parameter: how many nodes of the graph read it}, counted once per step."
@@ -1124,7 +902,7 @@ def _param_readers(self) -> dict:
 def _reads(self, n) -> set:
     "The ids of the parameters node `n` reads: its module's, or the one it gets (`get_attr`)."
     if n.op == 'call_module': return {id(p) for p in self.modules[n.target].parameters()}
-    if n.op == 'get_attr': return {id(self._value(n, {}, ()))}
+    if n.op == 'get_attr': return {id(self.runner.value(n, {}, ()))}
     return set()
 
 StagedStep._affine_sums = _affine_sums
@@ -1141,7 +919,7 @@ def _recomputed(self, s:int, a:int, b:int, dev, autocast) -> tuple:
 
 def _check_carried(self, s:int, env:dict):
     "A carried value (not a batch tensor) needing a gradient cannot pass one back across a stage: refuse."
-    for n in self.stage_out[s]:
+    for n in self.cut.stage_out[s]:
         if n not in self.carried: continue
         kept = set(self.structs[n][1]) if n in self.structs else set()
         leaves, _ = tree_flatten(env[n])
@@ -1152,7 +930,7 @@ def _check_carried(self, s:int, env:dict):
 def _output_grads(self, grad) -> dict:
     "{output node: its window's gradient}, from `grad` shaped as the model's output."
     # a node returned twice: its gradients summed
-    keys = map_aggregate(self.output.args[0],
+    keys = map_aggregate(self.cut.output.args[0],
                          lambda n: self._struct(n, 0, self.W, _Key) if n in self.structs else _Key(n))
     keys, _ = tree_flatten(_plain_containers(keys))
     gs, _ = tree_flatten(grad)
@@ -1420,23 +1198,23 @@ def _mixes(x:Tensor, y:Tensor, random:bool) -> bool:
 
 # %% ../nbs/02b_staged_exact.ipynb #0009ad79
 @torch.no_grad()
-def _node_values(step:StagedStep, batches:list, stats:dict, layouts:dict|None=None):
-    "Each node in turn with its values on each of `batches` (as computed) and whether they are random; nothing changes."
+def _node_values(runner:GraphRunner, nodes:list, batches:list, stats:dict, layouts:dict|None=None):
+    "Each of `nodes` in turn with its values on each of `batches` (as computed) and whether they are random; nothing changes."
     # a value lives until its last reader has run: the frontier of the forward on each batch, not every value
     # (a graph's values kept whole for two batches reached 1.3x a DDP fit's budget at plan time)
     # training BatchNorm layers normalize per sample, with the statistics in `stats` (filled from the first batch where
     # missing): values keep their scale, and no sample reaches another. Each later batch's batch part is set back to
     # the first batch's value before later nodes read it, so that each op is checked on its own (a deep net's rounding,
     # amplified layer after layer, is not mixing)
-    envs, random, dev = [{} for _ in batches], set(), _device(step.model, batches[0])
-    last = {a: i for i, n in enumerate(step.nodes) for a in n.all_input_nodes}  # each value's last reader
-    for i, n in enumerate(step.nodes):
+    envs, random, dev = [{} for _ in batches], set(), _device(runner.model, batches[0])
+    last = {a: i for i, n in enumerate(nodes) for a in n.all_input_nodes}  # each value's last reader
+    for i, n in enumerate(nodes):
         vs = []
         for k, (env, xb) in enumerate(zip(envs, batches)):
             state = _rng_state(dev)
-            if n.op == 'call_module' and _is_barrier(m := step.modules[n.target]):
-                env[n] = _fixed_norm(m, step._value(n.args[0], env, xb), stats, n)
-            else: env[n] = _plain(step._run_node(n, env, xb))
+            if n.op == 'call_module' and _is_barrier(m := runner.modules[n.target]):
+                env[n] = _fixed_norm(m, runner.value(n.args[0], env, xb), stats, n)
+            else: env[n] = _plain(runner.run_node(n, env, xb))
             vs.append(env[n])
             if k: continue
             # it drew random numbers, or holds garbage
@@ -1498,14 +1276,14 @@ def _probe(model:nn.Module, xb:tuple) -> tuple:
     # mixing samples: other samples change the batch's own values
     graph, layouts = staged_graph(model, xb), {}
     if isinstance(graph, str): return None, layouts
-    step = StagedStep(model, graph)
+    runner, nodes = GraphRunner(model, graph), [n for n in graph.nodes if n.op not in ('placeholder', 'get_attr', 'output')]
     xb = tuple(_plain(t) for t in xb)
     # at least 2 samples: a `squeeze()` keeps the batch dimension
     a = xb if xb[0].shape[0] >= 2 else _cat(xb, _perturbed(xb))
     b = _cat(a, _perturbed(a))
     dev, na = a[0].device, a[0].shape[0]
     with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []), torch.autocast(dev.type, enabled=False):
-        for n, (x, y), random in _node_values(step, [a, b], {}, layouts):
+        for n, (x, y), random in _node_values(runner, nodes, [a, b], {}, layouts):
             if not (isinstance(x, Tensor) and isinstance(y, Tensor)):  # a container: its tensors' layouts
                 xs, ys = tree_flatten(x)[0], tree_flatten(y)[0]
                 if len(xs) == len(ys):

@@ -164,7 +164,7 @@ def test_inputs_are_copied_only_by_the_stages_that_read_them(monkeypatch):
     monkeypatch.setattr(StagedStep, '_xb', spy)
     m = net().double().train(); f = install_staged(m, chunk=2)
     m(torch.randn(8, 3, 8, 8, dtype=torch.float64)).sum().backward()
-    assert len(f.step.stages) == 4 and f.step.reads_input == [True, False, False, False]
+    assert len(f.step.cut) == 4 and f.step.cut.reads_input == [True, False, False, False]
     assert len(copies) == 2 * len(f.step.spans[0])
 
 def test_the_plan_keeps_the_device_it_trains_on_and_nccl_collectives_go_there(monkeypatch):

@@ -74,7 +74,7 @@ def test_every_copy_goes_through_the_link_and_the_ledger_counts_it(monkeypatch):
     model, x = Residual().double().train(), torch.randn(8, 3, 8, 8, dtype=torch.float64)
     step, seen = counted_window(monkeypatch, model, x)
     led = step.ledger
-    assert len(step.stages) == 5 and led.copies > 20 and repr(step).endswith('nodes, 5 stages)')
+    assert len(step.cut) == 5 and led.copies > 20 and repr(step).endswith('nodes, 5 stages)')
     assert (led.h2d_bytes, led.d2h_bytes, led.copies) == (seen.h2d, seen.d2h, seen.copies)
     assert seen.math == [] and led.host_math_bytes == 0, seen.math  # no `+=`, no zero-fill on the host
     assert led.blocking_copies == 0 and led.syncs <= 2
@@ -142,7 +142,7 @@ def test_sibling_branches_read_the_value_they_branch_from_once(monkeypatch):
     """In the traced order each branch's BatchNorm opens a stage and the stem's output is read by one stage per branch
     (over the floor); run soonest, the branches' convolutions share a stage and each value is read by one stage: the
     ledger at the floor, counted independently, and the step the big batch's (float64), in fewer bytes than as traced."""
-    import fastai_accum.staged_exact as se
+    import fastai_accum.stage_cut as sc
     torch.manual_seed(0)
     model, x = Inception().double().train(), torch.randn(8, 3, 8, 8, dtype=torch.float64)
     big = copy.deepcopy(model)
@@ -155,7 +155,7 @@ def test_sibling_branches_read_the_value_they_branch_from_once(monkeypatch):
     for a, b in zip(list(m.parameters()) + list(m.buffers()), list(big.parameters()) + list(big.buffers())):
         ga, gb = (a.grad, b.grad) if isinstance(a, nn.Parameter) else (a, b)
         assert torch.allclose(ga, gb, rtol=1e-9, atol=1e-12)
-    monkeypatch.setattr(se, '_barrier_order', lambda nodes, modules: nodes)  # as traced
+    monkeypatch.setattr(sc, '_barrier_order', lambda nodes, modules: nodes)  # as traced
     traced, _ = counted_window(monkeypatch, copy.deepcopy(model), x)
     t = traced.ledger
     assert t.h2d_bytes + t.d2h_bytes > 1.05 * t.floor() and t.h2d_bytes + t.d2h_bytes > led.h2d_bytes + led.d2h_bytes
@@ -185,7 +185,7 @@ def test_values_several_stages_read_stay_on_the_device_between_reads(monkeypatch
         runs[copies] = [p.grad for p in m.parameters()] + list(m.buffers())
         for a, r in zip(runs[copies], ref): assert torch.allclose(a, r, rtol=1e-9, atol=1e-12)
     for a, b in zip(*runs.values()): assert torch.equal(a, b)
-    monkeypatch.setattr(StagedStep, '_device_room', lambda self, *a: [-1.] * len(self.stages))  # no device part
+    monkeypatch.setattr(StagedStep, '_device_room', lambda self, *a: [-1.] * len(self.cut))  # no device part
     step, _ = counted_window(monkeypatch, copy.deepcopy(model), x, budget=budget, warm=1)
     assert not step.device_part and step.ledger.h2d_bytes + step.ledger.d2h_bytes > led.h2d_bytes + led.d2h_bytes
 

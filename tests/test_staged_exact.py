@@ -118,7 +118,7 @@ def test_chunks_sized_per_stage_give_the_uniform_chunks_step(room):
     costs = f.step.costs
     # the costliest stage: 3 samples per chunk or more, cheaper ones more; or room for every stage's graph. Beside each
     # chunk: its stage's parameters' gradients (at most the largest stage's) and, on a CPU, the store (at most its peak)
-    grads = max(sum(p.numel() * p.element_size() for p in ps) for ps in f.step.stage_params)
+    grads = max(sum(p.numel() * p.element_size() for p in ps) for ps in f.step.cut.stage_params)
     store = int(max(f.step.store_costs.values()) * len(x)) + 1
     budget = (int(3 * max(costs.values())) if room else int(sum(costs.values()) * len(x)) + 1) + grads + store
     fu, fs = install_staged(uniform, chunk=2), install_staged(sized, chunk=2, budget=budget)
@@ -134,10 +134,10 @@ def test_chunks_sized_per_stage_give_the_uniform_chunks_step(room):
     assert all(w == 2 for sp in fu.step.spans for w in {b - a for a, b in sp[:-1]})
     if room:
         assert min(widths) >= 3 and max(widths) == 12 and len(set(widths)) >= 3, widths  # sized stage by stage
-        assert 0 < fs.step.kept_from < len(fs.step.stages) - 1  # some late stages kept their graphs, not all
+        assert 0 < fs.step.kept_from < len(fs.step.cut.stages) - 1  # some late stages kept their graphs, not all
     else: assert fs.step.kept_from == 0 and set(widths) == {12}
     for s, w in enumerate(widths):  # within the budget (the chunk, its parameters' gradients, the store), or the smallest
-        reserve = sum(p.numel() * p.element_size() for p in fs.step.stage_params[s])
+        reserve = sum(p.numel() * p.element_size() for p in fs.step.cut.stage_params[s])
         assert w == 2 or w * costs[fs.step._cost_key(s)] + reserve <= budget
     (ob, gb, bb, nb), (ou, gu, bu, nu), (os_, gs, bs, ns) = res
     assert rel(os_, ou) < 1e-12 and rel(gs, gu) < 1e-12 and rel(bs, bu) < 1e-12 and ns == nu == nb
@@ -199,8 +199,8 @@ def test_window_sums_without_the_layers_own_gradients():
         (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
     step = f.step
     trained = [p for p in st.parameters() if p.requires_grad]
-    assert [step._affine_sums(s, step.nodes[step.stages[s][0]], {id(p): i for i, p in enumerate(trained)},
-                              [None] * len(trained)) for s in range(1, len(step.stages))] == [None] * 3
+    assert [step._affine_sums(s, step.cut.nodes[step.cut.stages[s][0]], {id(p): i for i, p in enumerate(trained)},
+                              [None] * len(trained)) for s in range(1, len(step.cut))] == [None] * 3
     grads = [flat(p.grad for p in m.parameters() if p.grad is not None) for m in (st, big)]
     assert rel(*grads) < 1e-12
     assert rel(*[flat(b for b in m.buffers() if b.is_floating_point()) for m in (st, big)]) < 1e-12
