@@ -14,6 +14,7 @@ from torch import nn, fx, Tensor
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.fx.node import map_aggregate
+from fastcore.basics import patch
 from torch.utils._pytree import tree_flatten, tree_unflatten, tree_map
 from .meters import _nbytes, fmt_bytes
 from .stats import ChannelStats, all_reduce_stats, commit_stats, channel_sums, project_
@@ -142,7 +143,8 @@ def _extras(m:nn.Module, n:fx.Node, y:Tensor) -> Tensor:
     # an aten graph's `batch_norm` (`norm_only`): its own nodes apply them
     return y if n.meta.get('norm_only') else _after_norm(m, y)
 
-def _run_stage(self, s:int, env:dict, xb:tuple, grad:bool):
+@patch
+def _run_stage(self:StagedStep, s:int, env:dict, xb:tuple, grad:bool):
     "Run stage `s` of one chunk on `env`; the BatchNorm opening it normalizes with window statistics."
     # that BatchNorm is one fused op; its input is a leaf of its own if `grad`, returned
     leaf, read = None, env
@@ -163,25 +165,27 @@ def _run_stage(self, s:int, env:dict, xb:tuple, grad:bool):
         env[n] = _extras(m, n, F.batch_norm(x, mean, var, m.weight, m.bias, False, 0., m.eps))
     return leaf
 
-StagedStep._run_stage = _run_stage
-
 # %% ../nbs/02b_staged_exact.ipynb #96d4120c
-def _xb(self, a:int, b:int, dev, grad:bool=False, s:int|None=None) -> tuple:
+@patch
+def _xb(self:StagedStep, a:int, b:int, dev, grad:bool=False, s:int|None=None) -> tuple:
     "Samples a:b of the window's inputs (which may wait in host memory) on `dev`."
     # for a backward, a chunk of their own; none for a stage `s` that does not read them
     if s is not None and not self.cut.reads_input[s]: return ()
     return tuple(self._input(t[a:b], dev, grad) if isinstance(t, Tensor) else t for t in self.xb)
 
-def _input(self, t:Tensor, dev, grad:bool) -> Tensor:
+@patch
+def _input(self:StagedStep, t:Tensor, dev, grad:bool) -> Tensor:
     "A chunk `t` of a window input on `dev`: through the link from host memory, else a chunk of its own for a backward."
     if self.link.apart and t.device.type == 'cpu': return self.link.read(t, dev, 'input')
     return t.clone() if grad and t.device == dev else _to(t, dev)
 
-def _read(self, t:Tensor, dev) -> Tensor:
+@patch
+def _read(self:StagedStep, t:Tensor, dev) -> Tensor:
     "`t` (a part of a window-sized tensor: the store's, or the loss's gradient) on `dev`; the store's through the link."
     return self.link.read(t, dev) if self.link.holds(t) else _to(t, dev)
 
-def _stage_inputs(self, s:int, a:int, b:int, dev, grad:bool=False) -> dict:
+@patch
+def _stage_inputs(self:StagedStep, s:int, a:int, b:int, dev, grad:bool=False) -> dict:
     "Samples a:b of the values stage `s` reads from earlier stages, on `dev`."
     # leaves that collect gradients if `grad`
     env = {}
@@ -192,7 +196,8 @@ def _stage_inputs(self, s:int, a:int, b:int, dev, grad:bool=False) -> dict:
         else: env[n] = self._kept_chunk(n, a, b, dev, grad)
     return env
 
-def _kept_chunk(self, key, a:int, b:int, dev, grad:bool) -> Tensor:
+@patch
+def _kept_chunk(self:StagedStep, key, a:int, b:int, dev, grad:bool) -> Tensor:
     "Samples a:b of the kept tensor `key` on `dev`; for a backward, a leaf collecting its gradient."
     t = self.kept[key][a:b]
     v = self._unstored(key, self._from_device_part(key, a, b, lambda: self._read(t, dev)), b - a)
@@ -200,14 +205,9 @@ def _kept_chunk(self, key, a:int, b:int, dev, grad:bool) -> Tensor:
     if grad and _storage(v) == _storage(t): v = v.clone()
     return v.detach().requires_grad_(v.is_floating_point()) if grad else v
 
-StagedStep._xb = _xb
-StagedStep._input = _input
-StagedStep._read = _read
-StagedStep._stage_inputs = _stage_inputs
-StagedStep._kept_chunk = _kept_chunk
-
 # %% ../nbs/02b_staged_exact.ipynb #549cdd9c
-def _struct(self, n, a:int, b:int, tensor) -> object:
+@patch
+def _struct(self:StagedStep, n, a:int, b:int, tensor) -> object:
     "Node `n`'s container value (a tuple, list or dict holding batch tensors) for samples a:b."
     # its batch tensors from `tensor((n, i))`
     spec, idx = self.structs[n]
@@ -215,18 +215,21 @@ def _struct(self, n, a:int, b:int, tensor) -> object:
     for i in idx: leaves[i] = tensor((n, i))
     return tree_unflatten(leaves, spec)
 
-def _keys(self, n) -> list:
+@patch
+def _keys(self:StagedStep, n) -> list:
     "The keys of node `n`'s kept tensors: `n`, or (`n`, i) for each batch tensor of a container."
     return [(n, i) for i in self.structs[n][1]] if n in self.structs else [n]
 
-def _struct_keys(self, n, v) -> list:
+@patch
+def _struct_keys(self:StagedStep, n, v) -> list:
     "[(key, tensor)] of the batch tensors in node `n`'s value `v`."
     # (`n`, v) for a tensor, ((`n`, i), leaf) for a container's
     if n not in self.structs: return [(n, v)] if isinstance(v, Tensor) else []
     leaves, _ = tree_flatten(v)
     return [((n, i), leaves[i]) for i in self.structs[n][1]]
 
-def _keep(self, d:dict, n, v:Tensor, a:int, b:int, kind:str='kept'):
+@patch
+def _keep(self:StagedStep, d:dict, n, v:Tensor, a:int, b:int, kind:str='kept'):
     "Samples a:b of node `n`'s value (`kind` 'kept') or gradient ('grad') into the window-sized `d[n]`, in `store`."
     v = self._stored(n, v, b - a)
     if b - a == self.W and not self.link.apart and (self.store is None or torch.device(self.store) == v.device):
@@ -235,19 +238,15 @@ def _keep(self, d:dict, n, v:Tensor, a:int, b:int, kind:str='kept'):
     if n not in d: d[n] = self._store_tensor((self.W,) + v.shape[1:], v.dtype, self.store or v.device)
     self._put(d[n], a, b, v, kind)
 
-def _put(self, t:Tensor, a:int, b:int, v:Tensor, kind:str):
+@patch
+def _put(self:StagedStep, t:Tensor, a:int, b:int, v:Tensor, kind:str):
     "Copy `v` into samples a:b of the window-sized `t`: through the link into the host store (asynchronously)."
     if self.link.holds(t): self.link.write(t[a:b], v, kind)
     else: t[a:b].copy_(v)
 
-StagedStep._put = _put
-StagedStep._keep = _keep
-StagedStep._struct = _struct
-StagedStep._struct_keys = _struct_keys
-StagedStep._keys = _keys
-
 # %% ../nbs/02b_staged_exact.ipynb #1da44b7a
-def _add_grad(self, grads:dict, k, g:Tensor, a:int, b:int):
+@patch
+def _add_grad(self:StagedStep, grads:dict, k, g:Tensor, a:int, b:int):
     "Add one chunk's gradient `g` of kept value `k` (samples a:b) into the window-sized `grads[k]`."
     # the first contribution to those samples is copied in as it is (no zero-fill, no sum on the host); a later one is
     # summed with it on the device, then copied in
@@ -265,7 +264,8 @@ def _add_grad(self, grads:dict, k, g:Tensor, a:int, b:int):
     else: self._put(t, a, b, self._grad_chunk(grads, k, a, b, g.device).add_(g), 'grad')  # a chunk of its own
     spans.append((a, b))
 
-def _grad_chunk(self, grads:dict, k, a:int, b:int, dev) -> Tensor:
+@patch
+def _grad_chunk(self:StagedStep, grads:dict, k, a:int, b:int, dev) -> Tensor:
     "Samples a:b of the gradient `grads[k]` on `dev`: zeros where no chunk has written one yet."
     t, spans = grads[k], self.written.get(k)
     if spans is None: return self._read(t[a:b], dev)  # the loss's gradient of an output: whole
@@ -277,7 +277,8 @@ def _grad_chunk(self, grads:dict, k, a:int, b:int, dev) -> Tensor:
         at = max(at, e)
     return v
 
-def _hold(self, n, v, a:int, b:int):
+@patch
+def _hold(self:StagedStep, n, v, a:int, b:int):
     "Keep node `n`'s value of samples a:b for later stages."
     # a tensor of the batch window-sized in `store`; any other value (`torch.Size`, an int, a tuple, None, a constant
     # tensor) as it is, per chunk
@@ -291,19 +292,17 @@ def _hold(self, n, v, a:int, b:int):
             v = [None if i in idx else t for i, t in enumerate(leaves)]  # the rest, carried
     self.carried.setdefault(n, {})[a, b] = v
 
-StagedStep._add_grad = _add_grad
-StagedStep._grad_chunk = _grad_chunk
-StagedStep._hold = _hold
-
 # %% ../nbs/02b_staged_exact.ipynb #a5754f9f
-def _batched(self, key, v, a:int, b:int) -> bool:
+@patch
+def _batched(self:StagedStep, key, v, a:int, b:int) -> bool:
     "Is `v`, the value of `key` (a node, or a container's (node, i)) on samples a:b, a batch tensor from the inputs?"
     # one row per sample, or k (`_factor`: views folded into the batch)
     n = key[0] if isinstance(key, tuple) else key
     return (isinstance(v, Tensor) and n in self.cut.from_input and v.dim() > 0
             and v.shape[0] == self._factor(key) * (b - a))
 
-def _carried(self, n, a:int, b:int):
+@patch
+def _carried(self:StagedStep, n, a:int, b:int):
     "Node `n`'s non-batch-tensor value for samples a:b: that chunk's, or the one every chunk gave."
     vals = self.carried[n]
     if (a, b) in vals: return vals[a, b]
@@ -318,9 +317,6 @@ def _carried(self, n, a:int, b:int):
     if all(_same(f, forms[0]) for f in forms): return _filled(forms[0], b - a)
     raise RuntimeError(f"staged exact: {n.name} (a {type(first).__name__}) differs from chunk to chunk "
                        "and is read by a stage chunked otherwise")
-
-StagedStep._carried = _carried
-StagedStep._batched = _batched
 
 # %% ../nbs/02b_staged_exact.ipynb #38865ca7
 class _Sized(int):
@@ -347,7 +343,8 @@ def _same(u, v) -> bool:
     except Exception: return False
 
 # %% ../nbs/02b_staged_exact.ipynb #0ad7c6be
-def _store_tensor(self, shape:tuple, dtype, device) -> Tensor:
+@patch
+def _store_tensor(self:StagedStep, shape:tuple, dtype, device) -> Tensor:
     "A window-sized tensor of the store: one an earlier window gave back (`_recycle`), or new; the link counts it."
     # a new host tensor of hundreds of MiB costs its page faults, about 4x a copy into it (a pinned one, its pinning):
     # only host tensors are reused, so the device holds nothing between windows
@@ -357,38 +354,41 @@ def _store_tensor(self, shape:tuple, dtype, device) -> Tensor:
     if key[2].type == 'cpu' and not self.shared: self.ours[id(t)] = (weakref.ref(t), key)
     return self.link.register(t) if key[2].type == 'cpu' else t
 
-def _recycle(self, ts):
+@patch
+def _recycle(self:StagedStep, ts):
     "Give the store's tensors among `ts` that nothing reads any more to `_store_tensor`, for the next of their shape."
     for t in ts:
         ref, key = self.ours.pop(id(t), (None, None)) if isinstance(t, Tensor) else (None, None)
         if ref is not None and ref() is t: self.pool.setdefault(key, []).append(t)
 
-StagedStep._store_tensor = _store_tensor
-StagedStep._recycle = _recycle
-
 # %% ../nbs/02b_staged_exact.ipynb #c2294600
-def _factor(self, key) -> int:
+@patch
+def _factor(self:StagedStep, key) -> int:
     "Rows a sample has in the value of `key` (a node, or (node, i)): k where k views are folded into the batch, else 1."
     return self.layouts.get(key, (1, None))[0] if self.layouts else 1
 
-def _stored(self, key, v:Tensor, n:int) -> Tensor:
+@patch
+def _stored(self:StagedStep, key, v:Tensor, n:int) -> Tensor:
     "`v`, the value of `key` on `n` samples, in the store's form: `(n, k, ...)` where it folds k views, else as it is."
     k, how = self.layouts.get(key, (1, None)) if self.layouts else (1, None)
     if k == 1: return v
     return v.unflatten(0, (n, k)) if how == 'sample' else v.unflatten(0, (k, n)).transpose(0, 1)
 
-def _unstored(self, key, t:Tensor, n:int) -> Tensor:
+@patch
+def _unstored(self:StagedStep, key, t:Tensor, n:int) -> Tensor:
     "The value of `key` on `n` samples from `t`, their part of the store (`_stored`'s inverse)."
     k, how = self.layouts.get(key, (1, None)) if self.layouts else (1, None)
     if k == 1: return t
     return (t if how == 'sample' else t.transpose(0, 1)).flatten(0, 1)
 
-def _folds(self, env:dict, n:int) -> bool:
+@patch
+def _folds(self:StagedStep, env:dict, n:int) -> bool:
     "Might a value in `env` (a chunk of `n` samples) fold views into the batch: rows from the inputs a multiple of `n`?"
     return any(t.dim() and t.shape[0] != n and t.shape[0] % n == 0
                for m, v in env.items() if m in self.cut.from_input for t in _tensors(v))
 
-def _find_layouts(self, dev) -> dict:
+@patch
+def _find_layouts(self:StagedStep, dev) -> dict:
     "`batch_layouts` of this window's inputs by node (and (node, i)), found once per input signature."
     xb = tuple(_to(t[:2], dev) if isinstance(t, Tensor) else t for t in self.xb)
     nodes = {n.name: n for n in self.cut.nodes}
@@ -397,14 +397,9 @@ def _find_layouts(self, dev) -> dict:
     self.layout_cache[self.signature] = found
     return found
 
-StagedStep._factor = _factor
-StagedStep._stored = _stored
-StagedStep._unstored = _unstored
-StagedStep._folds = _folds
-StagedStep._find_layouts = _find_layouts
-
 # %% ../nbs/02b_staged_exact.ipynb #b06b8998
-def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
+@patch
+def forward(self:StagedStep, xb:tuple, # the window's model inputs, one batch of W samples
             chunk:int, # samples per chunk
            ) -> Tensor:
     "The model's output for the window, computed stage by stage without a graph."
@@ -439,10 +434,9 @@ def _forward(self, xb:tuple, # the window's model inputs, one batch of W samples
     self.kept_sizes[self.signature, self.autocast] = {k: _nbytes(t) / self.W for k, t in self.kept.items()}
     return self._output(dev)
 
-StagedStep.forward = _forward
-
 # %% ../nbs/02b_staged_exact.ipynb #603fc20b
-def _producer_spans(self, s:int) -> list|None:
+@patch
+def _producer_spans(self:StagedStep, s:int) -> list|None:
     "The chunks of the stage that made a value stage `s` reads whose size arithmetic is unknown (`x.size(0) * 5`)."
     # seen at one chunk size only, such a value cannot be told from a constant: stage `s` runs in the same chunks
     for n in self.cut.stage_in[s]:
@@ -456,7 +450,8 @@ def _has_int(v) -> bool:
     if isinstance(v, (list, tuple)): return any(map(_has_int, v))
     return isinstance(v, int) and not isinstance(v, bool)
 
-def _kept_from(self) -> int:
+@patch
+def _kept_from(self:StagedStep) -> int:
     "The first of the last stages whose graphs for the whole window fit the budget together (their costs measured)."
     # late stages hold few bytes per sample but as much compute as early ones: their recompute is what this saves
     first, total = len(self.cut.stages), 0.
@@ -470,11 +465,9 @@ def _kept_from(self) -> int:
         first = s
     return first
 
-StagedStep._kept_from = _kept_from
-StagedStep._producer_spans = _producer_spans
-
 # %% ../nbs/02b_staged_exact.ipynb #1660e087
-def _first_chunk(self, s:int, chunk:int) -> tuple:
+@patch
+def _first_chunk(self:StagedStep, s:int, chunk:int) -> tuple:
     "(samples per chunk of stage `s`, whether its first chunk measures the stage's bytes per sample)."
     key = self._cost_key(s)
     if key in self.whole: return self.W, False  # the last stage, drawing random numbers: in one chunk, as before
@@ -488,7 +481,8 @@ def _first_chunk(self, s:int, chunk:int) -> tuple:
               for n in self.cut.stage_in[s]) / self.W  # bytes a sample brings in
     return min(self.W, max(chunk, int(chunk * per_input // max(per, 1)))), False
 
-def _beside(self, s:int, size=None) -> tuple:
+@patch
+def _beside(self:StagedStep, s:int, size=None) -> tuple:
     "(bytes beside every chunk of stage `s`, bytes per sample its next chunk's reads add while it computes)."
     # beside: its parameters' gradients as its backward makes them (summed in place into the step's); where the store
     # shares the budget's memory (a CPU), what it holds then, in this stage's forward and backward; the store's device
@@ -500,24 +494,22 @@ def _beside(self, s:int, size=None) -> tuple:
     ahead = sum(map(size, self.cut.stage_in[s] + self.cut.stage_out[s])) / self.W if self.link.apart else 0
     return grads + store + self.device_held[s], ahead
 
-def _sized(self, s:int, cost:float, chunk:int, size=None) -> int:
+@patch
+def _sized(self:StagedStep, s:int, cost:float, chunk:int, size=None) -> int:
     "The most samples (at least `chunk`) whose chunk of stage `s`, costing `cost` bytes per sample, fits the budget."
     beside, ahead = self._beside(s, size)
     return min(self.W, max(chunk, int((self.budget - beside) // max(cost + ahead, 1.))))
 
-def _cost_key(self, s:int) -> tuple:
+@patch
+def _cost_key(self:StagedStep, s:int) -> tuple:
     "Stage `s` (its nodes, the inputs' shapes and dtypes, training's autocast): what its bytes per sample depend on."
     # an empty first stage: a BatchNorm on the model's input
     first = self.cut.nodes[self.cut.stages[s][0]].name if self.cut.stages[s] else ''
     return first, len(self.cut.stages[s]), self.signature, self.autocast
 
-StagedStep._first_chunk = _first_chunk
-StagedStep._beside = _beside
-StagedStep._sized = _sized
-StagedStep._cost_key = _cost_key
-
 # %% ../nbs/02b_staged_exact.ipynb #1a447e1a
-def _device_part(self, chunk:int):
+@patch
+def _device_part(self:StagedStep, chunk:int):
     "Plan `device_part` ({kept key: (first, last) stage reading it}) and `device_held` (bytes it holds at each stage)."
     # only values read by several stages, none the model returns; a value and its gradient are counted at every stage
     # from its first reader to its last, within the room there (`_device_room`); the most-read first
@@ -547,7 +539,8 @@ def _device_part(self, chunk:int):
             for s in span: self.device_held[s] += 2 * sizes[k]
     self.device_plans[key] = self.device_part, tuple(self.device_held)
 
-def _device_room(self, chunk:int, costs:list, size) -> list:
+@patch
+def _device_room(self:StagedStep, chunk:int, costs:list, size) -> list:
     "Bytes the store's device part may hold at each stage: 90% of what the budget leaves there (-1: none)."
     # beside chunks that may shrink to `shrink` of their size without it (where the backward recomputes), or beside
     # the graphs kept since `kept_from` (where it keeps them: they hold the whole window already); none in a stage run
@@ -564,11 +557,9 @@ def _device_room(self, chunk:int, costs:list, size) -> list:
         room[s] = 0.9 * (self.budget - beside - self.margin * least * (cost + ahead))
     return room
 
-StagedStep._device_part = _device_part
-StagedStep._device_room = _device_room
-
 # %% ../nbs/02b_staged_exact.ipynb #55c31e92
-def _from_device_part(self, key, a:int, b:int, read) -> Tensor:
+@patch
+def _from_device_part(self:StagedStep, key, a:int, b:int, read) -> Tensor:
     "Samples a:b of kept tensor `key`: from its device part where that holds them, else `read()`, then kept there."
     if key not in self.device_part: return read()
     t, have = self.cache.get(key, (None, None))
@@ -582,17 +573,20 @@ def _from_device_part(self, key, a:int, b:int, read) -> Tensor:
     have[a:b] = [True] * (b - a)
     return v
 
-def _note_device_part(self):
+@patch
+def _note_device_part(self:StagedStep):
     "Note the most bytes the device part held in this window (`device_store_bytes`): values and summed gradients."
     now = _nbytes([t for t, _ in self.cache.values()]) + _nbytes(list(self.gcache.values()))
     self.device_store_bytes = max(self.device_store_bytes, now)
 
-def _on_device(self, key, a:int, b:int) -> bool:
+@patch
+def _on_device(self:StagedStep, key, a:int, b:int) -> bool:
     "Does the device part hold samples a:b of kept tensor `key`?"
     t, have = self.cache.get(key, (None, None))
     return t is not None and all(have[a:b])
 
-def _leave_device_part(self, s:int, grads:dict|None=None):
+@patch
+def _leave_device_part(self:StagedStep, s:int, grads:dict|None=None):
     "After stage `s`'s forward (`grads` None) or backward: drop the values it read last; write their summed gradients."
     for k, (first, last) in self.device_part.items():
         if s != (last if grads is None else first): continue
@@ -603,13 +597,9 @@ def _leave_device_part(self, s:int, grads:dict|None=None):
         self._put(grads[k], 0, self.W, g, 'grad')
         self.written[k] = [(0, self.W)]
 
-StagedStep._from_device_part = _from_device_part
-StagedStep._on_device = _on_device
-StagedStep._note_device_part = _note_device_part
-StagedStep._leave_device_part = _leave_device_part
-
 # %% ../nbs/02b_staged_exact.ipynb #927e133c
-def _stage_cost(self, env:dict, n:int, saved:dict) -> float:
+@patch
+def _stage_cost(self:StagedStep, env:dict, n:int, saved:dict) -> float:
     "Bytes per sample one chunk of a stage holds in its backward, from its forward on `n` samples with a graph."
     # every batch tensor it computed or read (`env`), those autograd saved besides (`saved`, {data_ptr: bytes}: the
     # input an in-place activation copies), plus twice the largest (the gradient being computed and the one it comes
@@ -619,8 +609,9 @@ def _stage_cost(self, env:dict, n:int, saved:dict) -> float:
         if t.dim() and t.shape[0] in rows: sizes[t.data_ptr()] = max(sizes.get(t.data_ptr(), 0), _nbytes(t))
     return (sum(sizes.values()) + 2 * max(sizes.values(), default=0)) / n
 
+@patch
 @contextlib.contextmanager
-def _saved_counted(self, sizes:dict):
+def _saved_counted(self:StagedStep, sizes:dict):
     "Count in `sizes` ({data_ptr: bytes}) the tensors autograd saves inside, other than the model's own."
     own = {t.data_ptr() for t in itertools.chain(self.model.parameters(), self.model.buffers())}
     def pack(t):
@@ -629,23 +620,21 @@ def _saved_counted(self, sizes:dict):
         return t.detach()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t): yield
 
-def _kept_bytes(self, n) -> int:
+@patch
+def _kept_bytes(self:StagedStep, n) -> int:
     "Bytes of the window-sized tensors kept for node `n` (a container's included; a model input's own)."
     if n.op == 'placeholder': return _nbytes(self.xb[self.cut.inputs.index(n)])
     if n in self.kept: return _nbytes(self.kept[n])
     return sum(_nbytes(self.kept[n, i]) for i in self.structs[n][1]) if n in self.structs else 0
 
-def _store_bytes(self, s:int) -> float:
+@patch
+def _store_bytes(self:StagedStep, s:int) -> float:
     "Bytes the store holds during stage `s`'s backward, as far as this window has kept them."
     return self.cut.store_bytes(s, self._kept_bytes)
 
-StagedStep._kept_bytes = _kept_bytes
-StagedStep._store_bytes = _store_bytes
-StagedStep._stage_cost = _stage_cost
-StagedStep._saved_counted = _saved_counted
-
 # %% ../nbs/02b_staged_exact.ipynb #a372d4ea
-def _stage_forward(self, s:int, dev, chunk:int):
+@patch
+def _stage_forward(self:StagedStep, s:int, dev, chunk:int):
     "Run stage `s` over the window chunk by chunk, no graph; keep what later stages and the output read."
     # the last stage reruns in one chunk if it draws random numbers (dropout): its masks are then the big batch's (the
     # window's memory for it is their price: `_plan` cuts it down to the ops from the first random one); its last chunk
@@ -695,10 +684,9 @@ def _next_span(b:int, c:int, W:int, fixed:list|None) -> tuple|None:
     if fixed: return next((span for span in fixed if span[0] == b), None)
     return (b, min(b + c, W)) if b < W else None
 
-StagedStep._stage_forward = _stage_forward
-
 # %% ../nbs/02b_staged_exact.ipynb #195244bf
-def _say_random(self):
+@patch
+def _say_random(self:StagedStep):
     "Warn once that some stages drew their random numbers (dropout masks) chunk by chunk."
     if self._said_random: return
     self._said_random = True
@@ -715,7 +703,8 @@ def _device(model:nn.Module, xb:tuple) -> torch.device:
     if t is None: t = next(iter(model.buffers()), None)
     return t.device if t is not None else next(x for x in xb if isinstance(x, Tensor)).device
 
-def _output(self, dev):
+@patch
+def _output(self:StagedStep, dev):
     "The window's output on `dev`, as the model returns it (a tensor, or a dict, tuple or list of them)."
     # a dict, tuple or list: torchvision's segmentation models
     def value(n):
@@ -735,12 +724,10 @@ def _plain_containers(o):
     if isinstance(o, (list, tuple)): return (list if isinstance(o, list) else tuple)(_plain_containers(v) for v in o)
     return o
 
-StagedStep._output = _output
-StagedStep._say_random = _say_random
-
 # %% ../nbs/02b_staged_exact.ipynb #eee4099d
+@patch
 @torch.no_grad()
-def _close(self, bar, st:ChannelStats):
+def _close(self:StagedStep, bar, st:ChannelStats):
     "Barrier node `bar` has seen its window: fix its statistics, commit its module's running statistics."
     # its window: under DDP the union of the processes' windows (one collective); the statistics are those it normalizes
     # with, and the running statistics are committed as BatchNorm on that batch does (once per call of the module)
@@ -757,7 +744,8 @@ def _close(self, bar, st:ChannelStats):
     # said at the forward's end (`_say_not_finite`), so that no layer waits for the device
     self.finite.append((bar, commit_stats(m, st, wait=False)))
 
-def _say_not_finite(self):
+@patch
+def _say_not_finite(self:StagedStep):
     "Warn about each layer whose window statistics were not finite (its running statistics kept): one sync a window."
     if not self.finite: return
     self.link.sync()
@@ -767,18 +755,17 @@ def _say_not_finite(self):
                                  stacklevel=4)
     self.finite = []
 
-StagedStep._close = _close
-StagedStep._say_not_finite = _say_not_finite
-
 # %% ../nbs/02b_staged_exact.ipynb #8f741383
-def _copies(self, dev) -> tuple:
+@patch
+def _copies(self:StagedStep, dev) -> tuple:
     "How the link issues its writes and its reads ahead: each on a CUDA stream of its own (made once per step), else as they come."
     if getattr(self, '_cuda_copies', None) is None and dev.type == 'cuda':
         self._cuda_copies = CudaCopies(dev), CudaCopies(dev)
     made = self._cuda_copies if dev.type == 'cuda' else (Copies(), Copies())
     return self.writes or made[0], self.reads or made[1]
 
-def _prefetch(self, s:int, span, grads:dict|None=None):
+@patch
+def _prefetch(self:StagedStep, s:int, span, grads:dict|None=None):
     "Start the reads of chunk `span` (a, b) of stage `s` (None: none), so they cross while this chunk computes."
     # the forward's: its inputs kept by earlier stages and the window's inputs; the backward's (`grads`): those again
     # for its recompute (not for a chunk whose graph the forward kept), its outputs' gradients and BatchNorm's fixed ones
@@ -803,11 +790,9 @@ def _prefetch(self, s:int, span, grads:dict|None=None):
             for fixed, *_ in self.projections.get(k, ()):
                 if self.link.holds(fixed): self.link.prefetch(fixed[a:b], dev)
 
-StagedStep._copies = _copies
-StagedStep._prefetch = _prefetch
-
 # %% ../nbs/02b_staged_exact.ipynb #1494d3bf
-def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shaped as the output: a tensor, a dict, ...)
+@patch
+def backward(self:StagedStep, grad, # the loss's gradient w.r.t. the window's output (shaped as the output: a tensor, a dict, ...)
               params:list|None=None, # parameters to return gradients of (default: all trainable, added to `.grad`)
               into:list|None=None, # per parameter, a tensor its gradient is summed into in place (None: a new one)
              ) -> list:
@@ -865,10 +850,9 @@ def _backward(self, grad, # the loss's gradient w.r.t. the window's output (shap
             if g is not None: p.grad = g if p.grad is None else p.grad + g
     return pgrads
 
-StagedStep.backward = _backward
-
 # %% ../nbs/02b_staged_exact.ipynb #59c3ea96
-def _affine_sums(self, s:int, bar, index:dict, pgrads:list):
+@patch
+def _affine_sums(self:StagedStep, s:int, bar, index:dict, pgrads:list):
     "A function giving barrier `bar`'s window sums from its weight's and bias's gradients, where they hold them."
     # BatchNorm with fixed statistics: g = dy·w·invstd, so Σ g = w·invstd·Σ dy (the bias's gradient) and
     # Σ g·x̂ = w·invstd·Σ dy·x̂ (the weight's): the backward computed them, no pass over the chunk is needed. Only where
@@ -887,11 +871,13 @@ def _affine_sums(self, s:int, bar, index:dict, pgrads:list):
         return torch.stack([scale * gb, scale * gw])
     return sums
 
-def _bar_params(self) -> set:
+@patch
+def _bar_params(self:StagedStep) -> set:
     "The ids of the training BatchNorm layers' parameters."
     return {id(p) for n in self.cut.bars if n is not None for p in self.modules[n.target].parameters()}
 
-def _param_readers(self) -> dict:
+@patch
+def _param_readers(self:StagedStep) -> dict:
     "{id of a parameter: how many nodes of the graph read it}, counted once per step."
     if self._readers is None:
         self._readers = {}
@@ -905,19 +891,17 @@ def _reads(self, n) -> set:
     if n.op == 'get_attr': return {id(self.runner.value(n, {}, ()))}
     return set()
 
-StagedStep._affine_sums = _affine_sums
-StagedStep._param_readers = _param_readers
-StagedStep._bar_params = _bar_params
-
 # %% ../nbs/02b_staged_exact.ipynb #cb12f709
-def _recomputed(self, s:int, a:int, b:int, dev, autocast) -> tuple:
+@patch
+def _recomputed(self:StagedStep, s:int, a:int, b:int, dev, autocast) -> tuple:
     "(values, BatchNorm input leaf) of stage `s` on samples a:b, run again with a graph, the forward's random state."
     env = self._stage_inputs(s, a, b, dev, grad=True)
     with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []), torch.enable_grad(), autocast:
         _set_rng_state(self.rng[s, a], dev)
         return env, self._run_stage(s, env, self._xb(a, b, dev, grad=True, s=s), grad=True)
 
-def _check_carried(self, s:int, env:dict):
+@patch
+def _check_carried(self:StagedStep, s:int, env:dict):
     "A carried value (not a batch tensor) needing a gradient cannot pass one back across a stage: refuse."
     for n in self.cut.stage_out[s]:
         if n not in self.carried: continue
@@ -927,7 +911,8 @@ def _check_carried(self, s:int, env:dict):
             raise RuntimeError(f"staged exact: {n.name}, a tensor computed from parameters alone, is read across "
                                "a BatchNorm layer: its gradient cannot be carried back")
 
-def _output_grads(self, grad) -> dict:
+@patch
+def _output_grads(self:StagedStep, grad) -> dict:
     "{output node: its window's gradient}, from `grad` shaped as the model's output."
     # a node returned twice: its gradients summed
     keys = map_aggregate(self.cut.output.args[0],
@@ -941,16 +926,13 @@ def _output_grads(self, grad) -> dict:
         grads[k.key] = g if k.key not in grads else grads[k.key] + g
     return grads
 
-StagedStep._output_grads = _output_grads
-StagedStep._check_carried = _check_carried
-StagedStep._recomputed = _recomputed
-
 # %% ../nbs/02b_staged_exact.ipynb #838034c4
 class _Key:
     "A key of `grads` (a node, or (node, i) for a container's i-th tensor), whole where pytree flattens."
     def __init__(self, key): self.key = key
 
-def _grads(self, pairs:list, leaves:list, params:list, pgrads:list, used:list) -> list:
+@patch
+def _grads(self:StagedStep, pairs:list, leaves:list, params:list, pgrads:list, used:list) -> list:
     "Gradients of `leaves` from one chunk's stage (None where unused)."
     # those of `params[i]` for `i` in `used` are added to `pgrads` (no `.grad` is touched)
     if not pairs or not (leaves or used): return [None] * len(leaves)
@@ -980,11 +962,10 @@ def _shared_storages(outs:list, got) -> set:
         seen.add(k)
     return shared
 
-StagedStep._grads = _grads
-
 # %% ../nbs/02b_staged_exact.ipynb #314cf5d5
+@patch
 @torch.no_grad()
-def _window_sums(self, bar, x:Tensor, g:Tensor, sums:Tensor|None) -> Tensor:
+def _window_sums(self:StagedStep, bar, x:Tensor, g:Tensor, sums:Tensor|None) -> Tensor:
     "`sums` plus one chunk's per-channel Σ g and Σ g·x̂, in at least float32."
     # g: the input gradient with the statistics held fixed; at least float32 as BatchNorm's own backward: an fp16 sum
     # over a window of scaled gradients overflows
@@ -993,8 +974,9 @@ def _window_sums(self, bar, x:Tensor, g:Tensor, sums:Tensor|None) -> Tensor:
     part = channel_sums(g, x, mean, invstd)
     return part if sums is None else sums + part
 
+@patch
 @torch.no_grad()
-def _project(self, s:int, bar, fixed:Tensor, sums:Tensor):
+def _project(self:StagedStep, s:int, bar, fixed:Tensor, sums:Tensor):
     "BatchNorm's exact backward at `bar`, from its window sums: dx = g - (Σ g + x̂ Σ g·x̂) / n, kept for `_out_grad`."
     # under DDP the window is all processes' windows: one collective per layer, as SyncBatchNorm's backward. dx is
     # computed where its input is on the device already: in the backward of the stage that made it, chunk by chunk
@@ -1006,8 +988,9 @@ def _project(self, s:int, bar, fixed:Tensor, sums:Tensor):
     mean_f, mean_fx = (sums / n).unbind(0)
     self.projections.setdefault(x, []).append((fixed, mean, invstd, mean_f, mean_fx))
 
+@patch
 @torch.no_grad()
-def _out_grad(self, grads:dict, k, a:int, b:int, x:Tensor) -> Tensor:
+def _out_grad(self:StagedStep, grads:dict, k, a:int, b:int, x:Tensor) -> Tensor:
     "The gradient of samples a:b of kept value `k`, whose chunk on the device is `x`: stored, plus BatchNorm's dx."
     # dx = g - s1 - (x - mean)·(invstd·s2) for each BatchNorm reading `x`: one temporary, in the sums' (at least
     # float32) precision
@@ -1018,10 +1001,6 @@ def _out_grad(self, grads:dict, k, a:int, b:int, x:Tensor) -> Tensor:
         f = project_(self._unstored(k, self._read(fixed[a:b], x.device), b - a), x.detach(), *stats)
         g = f if g is None else f.add_(g)
     return g
-
-StagedStep._window_sums = _window_sums
-StagedStep._project = _project
-StagedStep._out_grad = _out_grad
 
 # %% ../nbs/02b_staged_exact.ipynb #23d35454
 class _StagedFunction(torch.autograd.Function):

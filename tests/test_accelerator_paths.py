@@ -115,11 +115,11 @@ def test_fp16_autocast_with_grad_scaler_through_the_staged_step(monkeypatch):
     """float16 autocast and a GradScaler (scale 65,536) on the accelerator path, a window of 32 in chunks of 4, activations
     above 1e3: the window sums stay finite (float32), the scaler finds no inf, and the unscaled gradient is within 1.25x
     plain fp16 autocast's error against float64 (stated tolerance; both about 1e-3 relative)."""
-    from fastai_accum.staged_exact import _project
+    project = StagedStep._project
     sums = []  # the window sums each projection uses (from a pass over the chunks, or the layer's own weight and bias gradients)
     def spy(self, s, bar, fixed, window_sums):
         sums.append(window_sums)
-        return _project(self, s, bar, fixed, window_sums)
+        return project(self, s, bar, fixed, window_sums)
     monkeypatch.setattr(StagedStep, '_project', spy)
     torch.manual_seed(0); ref = Unscaled().double().train()
     batches = windows(n_win=1, n_step=8, bs=4, dtype=torch.float32, scale=3., size=16)
