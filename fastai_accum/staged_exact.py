@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn, fx, Tensor
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
+from typing import NamedTuple
 from torch.fx.node import map_aggregate
 from fastcore.basics import patch
 from torch.utils._pytree import tree_flatten, tree_unflatten, tree_map
@@ -27,8 +28,8 @@ from .link import Link, Copies, CudaCopies, _storage
 from .stage_cut import StageCut, cut_stages, _is_barrier
 
 # %% auto #0
-__all__ = ['StagedStep', 'store_per_sample', 'input_grads_asked', 'StagedForward', 'install_staged', 'uninstall_staged',
-           'samples_mixed', 'batch_layouts', 'verify_staged']
+__all__ = ['StagedStep', 'store_per_sample', 'LayerStats', 'Projection', 'WindowStats', 'input_grads_asked', 'StagedForward',
+           'install_staged', 'uninstall_staged', 'samples_mixed', 'batch_layouts', 'verify_staged']
 
 # %% ../nbs/02b_staged_exact.ipynb #47a3cd82
 _plain = plain_tensor  # a subclass such as fastai's `TensorImage` would make every op dispatch through it
@@ -161,8 +162,8 @@ def _run_stage(self:StagedStep, s:int, env:dict, xb:tuple, grad:bool):
         m = self.modules[n.target]
         x = self.runner.value(n.args[0], env, xb)
         if grad: x = leaf = x.detach().requires_grad_(True)  # its gradient: BatchNorm's with the statistics held fixed
-        mean, var, _ = self.stats[n]
-        env[n] = _extras(m, n, F.batch_norm(x, mean, var, m.weight, m.bias, False, 0., m.eps))
+        st = self.window_stats.layers[n]
+        env[n] = _extras(m, n, F.batch_norm(x, st.mean, st.var, m.weight, m.bias, False, 0., m.eps))
     return leaf
 
 # %% ../nbs/02b_staged_exact.ipynb #96d4120c
@@ -417,8 +418,9 @@ def forward(self:StagedStep, xb:tuple, # the window's model inputs, one batch of
     self.shared = not self.apart if self.apart is not None else self.store is None or torch.device(self.store) == dev
     # the one door between the host store and the device, and its ledger of what crossed (this window's)
     self.link = Link(not self.shared, *(self._copies(dev) if not self.shared else (None, None)))
-    self.ledger, self.finite, self.written, self.projections = self.link.ledger, [], {}, {}
-    self.kept, self.carried, self.structs, self.rng, self.stats, self.count, self.spans = {}, {}, {}, {}, {}, {}, []
+    self.ledger, self.written = self.link.ledger, {}
+    self.window_stats = WindowStats(reduce=world_size() > 1 and not self.local)  # BatchNorm's, fixed layer by layer
+    self.kept, self.carried, self.structs, self.rng, self.spans = {}, {}, {}, {}, []
     self.random_chunked = []  # stages that drew random numbers chunk by chunk
     # chunks run with their graph, kept for the backward (not recomputed): the last stage's last chunk, and every chunk
     # of the late stages whose graphs fit the budget together
@@ -429,7 +431,7 @@ def forward(self:StagedStep, xb:tuple, # the window's model inputs, one batch of
         self._stage_forward(s, dev, chunk)
     if self.layouts is None: self.layout_cache[self.signature] = self.layouts = {}  # no value folds views
     if self.random_chunked: self._say_random()
-    self._say_not_finite()
+    self.window_stats.say_not_finite(self.link.sync)
     self.store_costs[self.signature, self.autocast] = max(map(self._store_bytes, range(len(self.cut.stages)))) / self.W
     self.kept_sizes[self.signature, self.autocast] = {k: _nbytes(t) / self.W for k, t in self.kept.items()}
     return self._output(dev)
@@ -676,7 +678,7 @@ def _stage_forward(self:StagedStep, s:int, dev, chunk:int):
             self.graphs[s, a] = {n: env[n] for n in self.cut.stage_in[s] + self.cut.stage_out[s] if n in env}, leaf
         env = xb = leaf = None  # freed before the next chunk is computed
         a = b
-    for bar, st in sts.items(): self._close(bar, st)
+    for bar, st in sts.items(): self.window_stats.close(bar, self.modules[bar.target], st)
     self._leave_device_part(s)
 
 def _next_span(b:int, c:int, W:int, fixed:list|None) -> tuple|None:
@@ -725,35 +727,76 @@ def _plain_containers(o):
     return o
 
 # %% ../nbs/02b_staged_exact.ipynb #eee4099d
-@patch
-@torch.no_grad()
-def _close(self:StagedStep, bar, st:ChannelStats):
-    "Barrier node `bar` has seen its window: fix its statistics, commit its module's running statistics."
-    # its window: under DDP the union of the processes' windows (one collective); the statistics are those it normalizes
-    # with, and the running statistics are committed as BatchNorm on that batch does (once per call of the module)
-    m = self.modules[bar.target]
-    if world_size() > 1 and not self.local: all_reduce_stats([st], [m.num_features])
-    if st.count < 2:
-        raise ValueError(f"Expected more than 1 value per channel when training, got {st.count} in the window "
-                         f"at {bar.target} ({type(m).__name__}): a 1-sample window has no batch statistics")
-    dt = m.weight.dtype if m.weight is not None else st.mean.dtype
-    mean, var = st.mean.to(dt), st.biased_var.to(dt)
-    self.stats[bar], self.count[bar] = (mean, var, torch.rsqrt(var + m.eps)), st.count
-    if not (m.training and m.track_running_stats): return
-    # a window whose statistics are not finite (a NaN or inf in the input) commits none: decided on the device, and
-    # said at the forward's end (`_say_not_finite`), so that no layer waits for the device
-    self.finite.append((bar, commit_stats(m, st, wait=False)))
+class LayerStats(NamedTuple):
+    "The window statistics one BatchNorm call normalizes with, fixed once its window is complete."
+    mean:Tensor # per channel
+    var:Tensor # biased, per channel
+    invstd:Tensor # 1/sqrt(var + eps)
+    count:int # values per channel in the window (all processes' under DDP)
 
-@patch
-def _say_not_finite(self:StagedStep):
-    "Warn about each layer whose window statistics were not finite (its running statistics kept): one sync a window."
-    if not self.finite: return
-    self.link.sync()
-    for (bar, _), ok in zip(self.finite, torch.stack([f for _, f in self.finite]).tolist()):
-        if not ok: warnings.warn(f"staged exact: {bar.target}'s window statistics are not finite (a NaN or inf in "
-                                 "its input): its running statistics are not updated for this window", RuntimeWarning,
-                                 stacklevel=4)
-    self.finite = []
+class Projection(NamedTuple):
+    "BatchNorm's exact backward at one call, applied to the gradient of the value it reads: dx = fixed - mean_g - x̂·mean_gx."
+    fixed:Tensor # the window's input gradient with the statistics held fixed (window-sized, in the store)
+    mean:Tensor # the statistics it normalized with
+    invstd:Tensor
+    mean_g:Tensor # Σ fixed / count, per channel
+    mean_gx:Tensor # Σ fixed·x̂ / count, per channel
+
+class WindowStats:
+    "A window's BatchNorm statistics: fixed and committed once per layer call, and the projections its backward applies."
+    def __init__(self, reduce:bool): # over the processes' windows (DDP): one collective per layer and direction
+        self.reduce = reduce
+        self.layers = {}  # {BatchNorm node: its `LayerStats`}
+        self.finite = []  # [(BatchNorm node, a device flag: its statistics were finite and committed)]
+        self.projections = {}  # {node whose value BatchNorm layers read: [`Projection`]}
+
+    @torch.no_grad()
+    def close(self, bar:fx.Node, m:_BatchNorm, st:ChannelStats):
+        "BatchNorm node `bar` (module `m`) has seen its window `st`: fix its statistics, commit its running ones."
+        # its window: under DDP the union of the processes' windows (one collective); the statistics are those it
+        # normalizes with, and the running statistics are committed as BatchNorm on that batch does (once per call)
+        if self.reduce: all_reduce_stats([st], [m.num_features])
+        if st.count < 2:
+            raise ValueError(f"Expected more than 1 value per channel when training, got {st.count} in the window "
+                             f"at {bar.target} ({type(m).__name__}): a 1-sample window has no batch statistics")
+        dt = m.weight.dtype if m.weight is not None else st.mean.dtype
+        mean, var = st.mean.to(dt), st.biased_var.to(dt)
+        self.layers[bar] = LayerStats(mean, var, torch.rsqrt(var + m.eps), st.count)
+        if not (m.training and m.track_running_stats): return
+        # a window whose statistics are not finite (a NaN or inf in the input) commits none: decided on the device,
+        # and said at the forward's end (`say_not_finite`), so that no layer waits for the device
+        self.finite.append((bar, commit_stats(m, st, wait=False)))
+
+    def say_not_finite(self, sync):
+        "Warn about each layer whose statistics were not finite (its running statistics kept); `sync()` waits once."
+        if not self.finite: return
+        sync()
+        for (bar, _), ok in zip(self.finite, torch.stack([f for _, f in self.finite]).tolist()):
+            if not ok: warnings.warn(f"staged exact: {bar.target}'s window statistics are not finite (a NaN or inf "
+                                     "in its input): its running statistics are not updated for this window",
+                                     RuntimeWarning, stacklevel=4)
+        self.finite = []
+
+    @torch.no_grad()
+    def add_sums(self, bar:fx.Node, x:Tensor, g:Tensor, sums:Tensor|None) -> Tensor:
+        "`sums` plus one chunk's per-channel Σ g and Σ g·x̂ at `bar` (input `x`, gradient `g`), in at least float32."
+        # g: the input gradient with the statistics held fixed; at least float32 as BatchNorm's own backward: an fp16
+        # sum over a window of scaled gradients overflows. Σ g·x̂ = invstd · Σ g·(x - mean): one temporary
+        st = self.layers[bar]
+        part = channel_sums(g, x, st.mean, st.invstd)
+        return part if sums is None else sums + part
+
+    @torch.no_grad()
+    def project(self, bar:fx.Node, fixed:Tensor, sums:Tensor) -> bool:
+        "Keep BatchNorm's exact backward at `bar` from its window sums for the value it reads; False for a model input."
+        # under DDP the window is all processes' windows: one collective per layer, as SyncBatchNorm's backward
+        if self.reduce: dist.all_reduce(sums)
+        x = bar.args[0]
+        if not isinstance(x, fx.Node) or x.op == 'placeholder': return False  # no gradient to pass on
+        st = self.layers[bar]
+        mean_g, mean_gx = (sums / st.count).unbind(0)
+        self.projections.setdefault(x, []).append(Projection(fixed, st.mean, st.invstd, mean_g, mean_gx))
+        return True
 
 # %% ../nbs/02b_staged_exact.ipynb #8f741383
 @patch
@@ -787,8 +830,8 @@ def _prefetch(self:StagedStep, s:int, span, grads:dict|None=None):
             t = grads.get(k)
             if t is not None and self.link.holds(t) and any(u < b and a < e for u, e in self.written.get(k, ())):
                 self.link.prefetch(t[a:b], dev)
-            for fixed, *_ in self.projections.get(k, ()):
-                if self.link.holds(fixed): self.link.prefetch(fixed[a:b], dev)
+            for p in self.window_stats.projections.get(k, ()):
+                if self.link.holds(p.fixed): self.link.prefetch(p.fixed[a:b], dev)
 
 # %% ../nbs/02b_staged_exact.ipynb #1494d3bf
 @patch
@@ -805,7 +848,7 @@ def backward(self:StagedStep, grad, # the loss's gradient w.r.t. the window's ou
     autocast = torch.autocast(dev.type, dtype=self.autocast) if self.autocast else nullcontext()
     for s in reversed(range(len(self.cut.stages))):
         bar = self.cut.bars[s]
-        outs = [n for n in self.cut.stage_out[s] if any(k in grads or k in self.projections for k in self._keys(n))]
+        outs = [n for n in self.cut.stage_out[s] if any(k in grads or k in self.window_stats.projections for k in self._keys(n))]
         # the barrier's input gradient with its statistics held fixed (window-sized, in `store`); Σ g, Σ g·x̂
         fixed, sums = {}, None
         # autograd asked only for this stage's parameters
@@ -821,7 +864,7 @@ def backward(self:StagedStep, grad, # the loss's gradient w.r.t. the window's ou
             env, leaf = kept if kept is not None else self._recomputed(s, a, b, dev, autocast)
             self._check_carried(s, env)
             pairs = [(t, self._out_grad(grads, k, a, b, t)) for n in outs for k, t in self._struct_keys(n, env[n])
-                     if (k in grads or k in self.projections) and t.requires_grad]
+                     if (k in grads or k in self.window_stats.projections) and t.requires_grad]
             leaves = [(k, t) for n in self.cut.stage_in[s] if n in env for k, t in self._struct_keys(n, env[n])
                       if t.requires_grad]
             got = self._grads(pairs, [t for _, t in leaves] + ([leaf] if leaf is not None else []), params, pgrads,
@@ -830,21 +873,21 @@ def backward(self:StagedStep, grad, # the loss's gradient w.r.t. the window's ou
                 if g is not None: self._add_grad(grads, k, g, a, b)
             if bar is not None:
                 g = got[-1] if got and got[-1] is not None else torch.zeros_like(leaf)
-                if affine is None: sums = self._window_sums(bar, leaf.detach(), g, sums)
+                if affine is None: sums = self.window_stats.add_sums(bar, leaf.detach(), g, sums)
                 self._keep(fixed, bar, g, a, b, 'grad')
             kept = env = leaf = pairs = leaves = got = g = None  # freed before the next chunk is recomputed
         if affine is not None: sums = affine()
         self._recycle([grads.pop(k, None) for n in outs for k in self._keys(n)])
-        self._recycle([p[0] for n in outs for k in self._keys(n) for p in self.projections.pop(k, ())])
+        self._recycle([p.fixed for n in outs for k in self._keys(n) for p in self.window_stats.projections.pop(k, ())])
         if bar is not None: self._project(s, bar, fixed.get(bar), sums)
         self._recycle([self.kept.pop(k) for n in self.cut.freed[s] for k in self._keys(n) if k in self.kept])
         self._leave_device_part(s, grads)
     # the store's tensors, for the next window; not the output's (the model returned them)
     returned = {k for n in self.cut.output.all_input_nodes for k in self._keys(n)}
     self._recycle([t for k, t in itertools.chain(self.kept.items(), grads.items()) if k not in returned])
-    self._recycle([p[0] for ps in self.projections.values() for p in ps])
+    self._recycle([p.fixed for ps in self.window_stats.projections.values() for p in ps])
     self.link.done()  # what is computed next (the optimizer's step) waits for every write
-    self.kept = self.carried = self.structs = self.xb = self.graphs = self.projections = self.written = None
+    self.kept = self.carried = self.structs = self.xb = self.graphs = self.window_stats = self.written = None
     if own:
         for p, g in zip(params, pgrads):
             if g is not None: p.grad = g if p.grad is None else p.grad + g
@@ -866,7 +909,7 @@ def _affine_sums(self:StagedStep, s:int, bar, index:dict, pgrads:list):
     iw, ib = index[id(w)], index[id(b)]
     if pgrads[iw] is not None or pgrads[ib] is not None: return None  # a gradient from elsewhere already
     def sums():
-        scale = (w.detach() * self.stats[bar][2].to(w.dtype))
+        scale = w.detach() * self.window_stats.layers[bar].invstd.to(w.dtype)
         gw, gb = (pgrads[i] if pgrads[i] is not None else torch.zeros_like(w) for i in (iw, ib))
         return torch.stack([scale * gb, scale * gw])
     return sums
@@ -965,28 +1008,10 @@ def _shared_storages(outs:list, got) -> set:
 # %% ../nbs/02b_staged_exact.ipynb #314cf5d5
 @patch
 @torch.no_grad()
-def _window_sums(self:StagedStep, bar, x:Tensor, g:Tensor, sums:Tensor|None) -> Tensor:
-    "`sums` plus one chunk's per-channel Σ g and Σ g·x̂, in at least float32."
-    # g: the input gradient with the statistics held fixed; at least float32 as BatchNorm's own backward: an fp16 sum
-    # over a window of scaled gradients overflows
-    # Σ g·x̂ = invstd · Σ g·(x - mean): one temporary
-    mean, _, invstd = self.stats[bar]
-    part = channel_sums(g, x, mean, invstd)
-    return part if sums is None else sums + part
-
-@patch
-@torch.no_grad()
 def _project(self:StagedStep, s:int, bar, fixed:Tensor, sums:Tensor):
-    "BatchNorm's exact backward at `bar`, from its window sums: dx = g - (Σ g + x̂ Σ g·x̂) / n, kept for `_out_grad`."
-    # under DDP the window is all processes' windows: one collective per layer, as SyncBatchNorm's backward. dx is
-    # computed where its input is on the device already: in the backward of the stage that made it, chunk by chunk
-    if world_size() > 1 and not self.local: dist.all_reduce(sums)
-    x = bar.args[0]
-    if not isinstance(x, fx.Node) or x.op == 'placeholder':  # a model input: no gradient to pass on
-        return self._recycle([fixed])
-    n, (mean, _, invstd) = self.count[bar], self.stats[bar]
-    mean_f, mean_fx = (sums / n).unbind(0)
-    self.projections.setdefault(x, []).append((fixed, mean, invstd, mean_f, mean_fx))
+    "BatchNorm's exact backward at `bar` from its window sums, kept for `_out_grad`: dx = g - (Σ g + x̂ Σ g·x̂) / n."
+    # dx is computed where its input is on the device already: in the backward of the stage that made it, chunk by chunk
+    if not self.window_stats.project(bar, fixed, sums): self._recycle([fixed])  # a model input's
 
 @patch
 @torch.no_grad()
@@ -997,8 +1022,9 @@ def _out_grad(self:StagedStep, grads:dict, k, a:int, b:int, x:Tensor) -> Tensor:
     # dx is written over the fixed gradient's chunk (read for this chunk alone), so no chunk-sized gradient is added
     # to what the chunk's backward holds
     g = self._unstored(k, self._grad_chunk(grads, k, a, b, x.device), b - a) if k in grads else None
-    for fixed, *stats in self.projections.get(k, ()):
-        f = project_(self._unstored(k, self._read(fixed[a:b], x.device), b - a), x.detach(), *stats)
+    for p in self.window_stats.projections.get(k, ()):
+        f = project_(self._unstored(k, self._read(p.fixed[a:b], x.device), b - a), x.detach(), p.mean, p.invstd,
+                     p.mean_g, p.mean_gx)
         g = f if g is None else f.add_(g)
     return g
 

@@ -16,7 +16,7 @@ from ..prepass import window_prepasses, prepass_plan, prepass_info
 from ..plan import plan_training
 from ..core import Accumulation
 from ..exact import staging_budget
-from ..staged_exact import install_staged, uninstall_staged, verify_staged
+from ..staged_exact import install_staged, uninstall_staged, verify_staged, WindowStats
 from ..staged import staged_graph, traced_by
 from ..meters import _nbytes, LiveBytes
 from ..stats import ChannelStats
@@ -328,9 +328,13 @@ def profile_staged(model, x:Tensor, # the model (`install_staged` on it) and a w
             return r
         return run
     grad_of = lambda a, k: 'recompute' if k.get('grad', a[3] if len(a) > 3 else False) else 'forward'
-    wrapped = dict(_run_stage=grad_of, _grads='autograd', _window_sums='window sums', _project='projection',
-                   _close='running statistics', _keep='store copies', _stage_inputs='store reads', _xb='input copies')
+    wrapped = dict(_run_stage=grad_of, _grads='autograd', _project='projection', _keep='store copies',
+                   _stage_inputs='store reads', _xb='input copies')
     for k, name in wrapped.items(): setattr(step, k, timed(name, getattr(step, k)))
+    # the window statistics' passes: made per window (`WindowStats`), timed on their class as `ChannelStats.add` is
+    stats = dict(add_sums='window sums', close='running statistics')
+    own = {k: getattr(WindowStats, k) for k in stats}
+    for k, name in stats.items(): setattr(WindowStats, k, timed(name, own[k]))
     ChannelStats.add = timed('statistics', add)
     try:
         _train(model, x)
@@ -341,6 +345,7 @@ def profile_staged(model, x:Tensor, # the model (`install_staged` on it) and a w
             if best is None or total < best['total']: best = dict(times, total=total)
     finally:
         ChannelStats.add = add
+        for k, fn in own.items(): setattr(WindowStats, k, fn)
         for k in wrapped: delattr(step, k)
         model.zero_grad(set_to_none=True)
     best['other'] = best['total'] - sum(v for k, v in best.items() if k != 'total')
