@@ -1449,6 +1449,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                      'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact.Projection': ( 'staged_exact.html#projection',
                                                                                      'fastai_accum/staged_exact.py'),
+                                           'fastai_accum.staged_exact.StagedConfig': ( 'staged_exact.html#stagedconfig',
+                                                                                       'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact.StagedForward': ( 'staged_exact.html#stagedforward',
                                                                                         'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact.StagedForward.__call__': ( 'staged_exact.html#stagedforward.__call__',

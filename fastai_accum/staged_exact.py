@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn, fx, Tensor
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
+from dataclasses import dataclass
 from typing import NamedTuple
 from torch.fx.node import map_aggregate
 from fastcore.basics import patch
@@ -28,8 +29,8 @@ from .link import Link, Copies, CudaCopies, _storage
 from .stage_cut import StageCut, cut_stages, _is_barrier
 
 # %% auto #0
-__all__ = ['StagedStep', 'store_per_sample', 'LayerStats', 'Projection', 'WindowStats', 'input_grads_asked', 'StagedForward',
-           'install_staged', 'uninstall_staged', 'samples_mixed', 'batch_layouts', 'verify_staged']
+__all__ = ['StagedConfig', 'StagedStep', 'store_per_sample', 'LayerStats', 'Projection', 'WindowStats', 'input_grads_asked',
+           'StagedForward', 'install_staged', 'uninstall_staged', 'samples_mixed', 'batch_layouts', 'verify_staged']
 
 # %% ../nbs/02b_staged_exact.ipynb #47a3cd82
 _plain = plain_tensor  # a subclass such as fastai's `TensorImage` would make every op dispatch through it
@@ -46,35 +47,38 @@ def _same_state(a, b) -> bool:
 
 
 # %% ../nbs/02b_staged_exact.ipynb #b87c84e1
+@dataclass
+class StagedConfig:
+    "How a staged step runs: where its store lives, the device budget its chunks are sized to, and its copies."
+    store:str|None=None # device for the values kept between stages and their gradients (None: where computed)
+    apart:bool|None=None # the store is in memory apart from the device's (an accelerator's host; None: where it lives says)
+    # device bytes one chunk of a stage may hold in its backward: each stage's chunks as large as that allows, from its
+    # bytes per sample measured on its first chunk (None: the `grow` rule)
+    budget:int|None=None
+    grow:bool=True # without a budget, stages bringing in fewer bytes per sample run in larger chunks (False: in `chunk`)
+    local:bool=False # this process's window alone: no collective under DDP (the check on the user's model)
+    # the store's device part (`_device_part`) may take chunks down to this fraction of their size without it (1.: it
+    # takes only the room they leave)
+    shrink:float=0.5
+    # beside a stage's working set counted this many times: its bytes per sample are an estimate (a dense block's
+    # backward held twice its estimate), and the device part would fill the slack that hides the error
+    margin:float=2.
+    writes:Copies|None=None # how the link issues its writes (None: on CUDA, a stream of its own)
+    reads:Copies|None=None # and its reads ahead
+
 class StagedStep:
     "The big batch's forward and backward over a window, stage by stage and chunk by chunk."
     # a stage ends at a training BatchNorm layer
-    # stages that bring in fewer bytes per sample run in larger chunks (False: every stage in chunks of `chunk`)
-    grow = True
-    local = False  # this process's window alone: no collective under DDP (the check on the user's model)
-    _said_random = False  # the warning that chunked stages drew random numbers was given
-    pool_W = None  # the window size of the tensors in `pool`
-    pin = False  # the host store is pinned (a model on CUDA, kept values in host memory)
-    shared = False  # the store lives in the memory the budget counts (a CPU): chunks get what it leaves
-    apart = None  # the store is in memory apart from the device's (an accelerator's host; None: where it lives says)
-    # device bytes one chunk of a stage may hold in its backward: each stage's chunks as large as that allows, from its
-    # bytes per sample measured on its first chunk (None: the `grow` rule)
-    budget = None
-    _readers = None  # `_param_readers`, counted at the first backward
-    writes = reads = None  # how the link issues its writes and reads ahead (`Copies`; None: on CUDA, a stream each)
-    ledger = None  # what the last window moved between the host store and the device (`Ledger`)
-    # the store's device part (`_device_part`) may take chunks down to this fraction of their size without it (1.: it
-    # takes only the room they leave)
-    shrink = 0.5
-    # beside a stage's working set counted this many times: its bytes per sample are an estimate (a dense block's
-    # backward held twice its estimate), and the device part would fill the slack that hides the error
-    margin = 2.
     def __init__(self,
                  model:nn.Module, # the model (called through its modules; nothing is copied)
                  graph:fx.Graph, # its torch.fx graph with every BatchNorm layer a leaf (`bn_graph`)
-                 store=None, # device for the values kept between stages and their gradients (None: where computed)
+                 config:StagedConfig|None=None, # where the store lives, the budget, ... (default: `StagedConfig()`)
                 ):
-        self.model, self.graph, self.store = model, graph, store
+        self.model, self.graph, self.config = model, graph, config if config is not None else StagedConfig()
+        self.ledger = None  # what the last window moved between the host store and the device (`Ledger`)
+        self.said_random = False  # the warning that chunked stages drew random numbers was given
+        self.pool_W = None  # the window size of the tensors in `pool`
+        self._readers = None  # `_param_readers`, counted at the first backward
         self.runner = GraphRunner(model, graph)  # runs the graph's nodes
         self.modules = self.runner.modules
         self.cuts = {}  # `StageCut`s of the graph, by the modes of the layers and the parameters (`_cut`)
@@ -233,10 +237,11 @@ def _struct_keys(self:StagedStep, n, v) -> list:
 def _keep(self:StagedStep, d:dict, n, v:Tensor, a:int, b:int, kind:str='kept'):
     "Samples a:b of node `n`'s value (`kind` 'kept') or gradient ('grad') into the window-sized `d[n]`, in `store`."
     v = self._stored(n, v, b - a)
-    if b - a == self.W and not self.link.apart and (self.store is None or torch.device(self.store) == v.device):
+    store = self.config.store
+    if b - a == self.W and not self.link.apart and (store is None or torch.device(store) == v.device):
         d[n] = v.detach()  # the whole window, where the store is: kept as it is, no copy
         return
-    if n not in d: d[n] = self._store_tensor((self.W,) + v.shape[1:], v.dtype, self.store or v.device)
+    if n not in d: d[n] = self._store_tensor((self.W,) + v.shape[1:], v.dtype, store or v.device)
     self._put(d[n], a, b, v, kind)
 
 @patch
@@ -258,7 +263,7 @@ def _add_grad(self:StagedStep, grads:dict, k, g:Tensor, a:int, b:int):
             self._note_device_part()
         self.gcache[k][a:b] += g
         return
-    if k not in grads: grads[k] = self._store_tensor((self.W,) + g.shape[1:], g.dtype, self.store or g.device)
+    if k not in grads: grads[k] = self._store_tensor((self.W,) + g.shape[1:], g.dtype, self.config.store or g.device)
     spans, t = self.written.setdefault(k, []), grads[k]
     if not any(s < b and a < e for s, e in spans): self._put(t, a, b, g, 'grad')
     elif not self.link.holds(t): t[a:b] += g  # where the device is: in place
@@ -409,17 +414,18 @@ def forward(self:StagedStep, xb:tuple, # the window's model inputs, one batch of
     self.xb = tuple(_plain(t) for t in xb)
     self.W, dev = self.xb[0].shape[0], _device(self.model, self.xb)
     # a pinned host store
-    self.pin = self.store is not None and torch.device(self.store).type == 'cpu' and dev.type != 'cpu' and can_pin()
+    store, apart = self.config.store, self.config.apart
+    self.pin = store is not None and torch.device(store).type == 'cpu' and dev.type != 'cpu' and can_pin()
     self.autocast = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
     self.signature = tuple((tuple(t.shape[1:]), t.dtype) for t in self.xb if isinstance(t, Tensor))
     self.layouts = self.layout_cache.get(self.signature)  # views folded into the batch (`_find_layouts`)
     if self.W != self.pool_W: self.pool, self.ours, self.pool_W = {}, {}, self.W  # shapes of another window size
     # the store in the memory the budget counts (a CPU's): chunks get what it leaves, and nothing is pooled
-    self.shared = not self.apart if self.apart is not None else self.store is None or torch.device(self.store) == dev
+    self.shared = not apart if apart is not None else store is None or torch.device(store) == dev
     # the one door between the host store and the device, and its ledger of what crossed (this window's)
     self.link = Link(not self.shared, *(self._copies(dev) if not self.shared else (None, None)))
     self.ledger, self.written = self.link.ledger, {}
-    self.window_stats = WindowStats(reduce=world_size() > 1 and not self.local)  # BatchNorm's, fixed layer by layer
+    self.window_stats = WindowStats(reduce=world_size() > 1 and not self.config.local)  # BatchNorm's, layer by layer
     self.kept, self.carried, self.structs, self.rng, self.spans = {}, {}, {}, {}, []
     self.random_chunked = []  # stages that drew random numbers chunk by chunk
     # chunks run with their graph, kept for the backward (not recomputed): the last stage's last chunk, and every chunk
@@ -457,13 +463,13 @@ def _kept_from(self:StagedStep) -> int:
     "The first of the last stages whose graphs for the whole window fit the budget together (their costs measured)."
     # late stages hold few bytes per sample but as much compute as early ones: their recompute is what this saves
     first, total = len(self.cut.stages), 0.
-    if self.budget is None: return first
+    if self.config.budget is None: return first
     # where the store shares the budget's memory: the most it held in a window like this one
     if self.shared: total = self.store_costs.get((self.signature, self.autocast), float('inf')) * self.W
     for s in reversed(range(len(self.cut.stages))):
         cost = self.costs.get(self._cost_key(s))
         total += float('inf') if cost is None else cost * self.W
-        if total > self.budget: break
+        if total > self.config.budget: break
         first = s
     return first
 
@@ -473,10 +479,10 @@ def _first_chunk(self:StagedStep, s:int, chunk:int) -> tuple:
     "(samples per chunk of stage `s`, whether its first chunk measures the stage's bytes per sample)."
     key = self._cost_key(s)
     if key in self.whole: return self.W, False  # the last stage, drawing random numbers: in one chunk, as before
-    if self.budget is not None:
+    if self.config.budget is not None:
         cost = self.costs.get(key)
         return (self._sized(s, cost, chunk), False) if cost is not None else (min(chunk, self.W), True)
-    if not self.grow: return chunk, False
+    if not self.config.grow: return chunk, False
     # without a budget: as many bytes in as a micro-batch's input
     per_input = _nbytes(self.xb) / self.W
     per = sum(self._kept_bytes(n) if n in self.kept or n in self.carried else per_input * self.W
@@ -500,7 +506,7 @@ def _beside(self:StagedStep, s:int, size=None) -> tuple:
 def _sized(self:StagedStep, s:int, cost:float, chunk:int, size=None) -> int:
     "The most samples (at least `chunk`) whose chunk of stage `s`, costing `cost` bytes per sample, fits the budget."
     beside, ahead = self._beside(s, size)
-    return min(self.W, max(chunk, int((self.budget - beside) // max(cost + ahead, 1.))))
+    return min(self.W, max(chunk, int((self.config.budget - beside) // max(cost + ahead, 1.))))
 
 @patch
 def _cost_key(self:StagedStep, s:int) -> tuple:
@@ -520,8 +526,8 @@ def _device_part(self:StagedStep, chunk:int):
     self.device_held, self.device_part = [0] * n_st, {}
     per_sample = self.kept_sizes.get((self.signature, self.autocast))
     costs = [self.costs.get(self._cost_key(s)) for s in range(n_st)]
-    if not self.link.apart or self.budget is None or per_sample is None or None in costs: return
-    key = self.signature, self.autocast, self.W, self.budget, self.kept_from, len(self.whole)
+    if not self.link.apart or self.config.budget is None or per_sample is None or None in costs: return
+    key = self.signature, self.autocast, self.W, self.config.budget, self.kept_from, len(self.whole)
     if key in self.device_plans:
         self.device_part, held = self.device_plans[key]
         self.device_held = list(held)
@@ -553,10 +559,10 @@ def _device_room(self:StagedStep, chunk:int, costs:list, size) -> list:
         beside, ahead = self._beside(s, size)
         if s >= self.kept_from:
             graphs += cost * self.W
-            room[s] = 0.9 * (self.budget - beside - self.margin * graphs)
+            room[s] = 0.9 * (self.config.budget - beside - self.config.margin * graphs)
             continue
-        least = max(chunk, math.ceil(self.shrink * self._sized(s, cost, chunk, size)))  # the chunks it may take
-        room[s] = 0.9 * (self.budget - beside - self.margin * least * (cost + ahead))
+        least = max(chunk, math.ceil(self.config.shrink * self._sized(s, cost, chunk, size)))  # the chunks it may take
+        room[s] = 0.9 * (self.config.budget - beside - self.config.margin * least * (cost + ahead))
     return room
 
 # %% ../nbs/02b_staged_exact.ipynb #55c31e92
@@ -595,7 +601,7 @@ def _leave_device_part(self:StagedStep, s:int, grads:dict|None=None):
         self.cache.pop(k, None)
         g = self.gcache.pop(k, None)
         if g is None: continue
-        grads[k] = self._store_tensor(g.shape, g.dtype, self.store or g.device)
+        grads[k] = self._store_tensor(g.shape, g.dtype, self.config.store or g.device)
         self._put(grads[k], 0, self.W, g, 'grad')
         self.written[k] = [(0, self.W)]
 
@@ -690,8 +696,8 @@ def _next_span(b:int, c:int, W:int, fixed:list|None) -> tuple|None:
 @patch
 def _say_random(self:StagedStep):
     "Warn once that some stages drew their random numbers (dropout masks) chunk by chunk."
-    if self._said_random: return
-    self._said_random = True
+    if self.said_random: return
+    self.said_random = True
     where = ', '.join(f"after {self.cut.bars[s].target}" if self.cut.bars[s] is not None else
                       f"from {self.cut.nodes[self.cut.stages[s][0]].name}" if s else "before the first BatchNorm"
                       for s in self.random_chunked)
@@ -805,7 +811,7 @@ def _copies(self:StagedStep, dev) -> tuple:
     if getattr(self, '_cuda_copies', None) is None and dev.type == 'cuda':
         self._cuda_copies = CudaCopies(dev), CudaCopies(dev)
     made = self._cuda_copies if dev.type == 'cuda' else (Copies(), Copies())
-    return self.writes or made[0], self.reads or made[1]
+    return self.config.writes or made[0], self.config.reads or made[1]
 
 @patch
 def _prefetch(self:StagedStep, s:int, span, grads:dict|None=None):
@@ -1120,9 +1126,7 @@ class StagedForward(ReplacedForward):
         return self.step
 
     def _new_step(self, graph:fx.Graph) -> StagedStep:
-        step = StagedStep(self.model, graph, self.store)
-        step.budget, step.apart = self.budget, self.apart
-        return step
+        return StagedStep(self.model, graph, StagedConfig(self.store, self.apart, self.budget))
 
     @torch.compiler.disable  # in a compiled model (`torch.compile`): the staged step runs eagerly, stage by stage
     def __call__(self, *xb, **kwargs):
@@ -1379,7 +1383,7 @@ def _one_step(model:nn.Module, xb:tuple, chunk:int|None=None, landed=None, order
     if chunk:
         f = install_staged(model, chunk)
         f.step_for(xb)  # an aten-level graph's step is made for its inputs
-        f.step.grow, f.step.local = False, True
+        f.step.config.grow, f.step.config.local = False, True
     if landed is not None:
         hooks = [p.register_post_accumulate_grad_hook(functools.partial(_hand_over, n, landed))
                  for n, p in model.named_parameters() if p.requires_grad]

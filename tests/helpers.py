@@ -108,3 +108,13 @@ class Dense(nn.Module):
         feats = [self.stem(x)]
         for bn, conv in zip(self.bns, self.convs): feats.append(conv(F.relu(bn(torch.cat(feats, 1)))))
         return self.head(torch.cat(feats, 1).mean((2, 3)))
+
+
+def staged_config(monkeypatch, **changes):
+    "Every staged step made from here on runs with `changes` to its `StagedConfig` (a knob a test turns)."
+    from fastai_accum.staged_exact import StagedStep
+    init = StagedStep.__init__
+    def changed(self, *a, **k):
+        init(self, *a, **k)
+        for key, v in changes.items(): setattr(self.config, key, v)
+    monkeypatch.setattr(StagedStep, '__init__', changed)

@@ -12,7 +12,7 @@ from fastai_accum.helpers import emulated_accelerator
 from fastai_accum.staged_exact import StagedStep, install_staged
 import fastai_accum.exact as exact, fastai_accum.window as window, fastai_accum.plan as plan
 from helpers import forced_budget as budget  # a device budget the window does not fit, one chunk does
-from helpers import Dense
+from helpers import Dense, staged_config
 
 def net():
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
@@ -72,7 +72,7 @@ def test_a_dense_block_staged_on_an_accelerator_keeps_features_on_the_device_and
     between windows: from the second window on, features stay on the device between their reading stages (planned from
     the window before), and every window's gradients are the big batch's."""
     parts, plan = [], StagedStep._device_part
-    monkeypatch.setattr(StagedStep, 'margin', 1.)  # the mechanism, on a block too small for the default's room
+    staged_config(monkeypatch, margin=1.)  # the mechanism, on a block too small for the default's room
     def counted(self, chunk):
         plan(self, chunk)
         parts.append(len(self.device_part))

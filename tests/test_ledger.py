@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fastai_accum.helpers import emulated_accelerator
 from fastai_accum.link import DeferredCopies, Link
 from fastai_accum.staged_exact import StagedStep, install_staged, uninstall_staged
-from helpers import Dense
+from helpers import Dense, staged_config
 
 class Residual(nn.Module):
     "A BatchNorm on the input, a residual add (a value read by a later stage) and a BatchNorm read twice over a skip."
@@ -60,7 +60,7 @@ def counted_window(monkeypatch, model, x, chunk=2, budget=None, warm=0, writes=N
     monkeypatch.setattr(StagedStep, '_store_tensor', recorded)
     with emulated_accelerator():
         f = install_staged(model, chunk, budget=budget)
-        f.step.writes, f.step.reads = writes, reads
+        f.step.config.writes, f.step.config.reads = writes, reads
         try:
             for _ in range(warm): model(x).pow(2).mean().backward()
             # store tensors of earlier windows count only as reused (a freed one's address may be a device tensor's now)
@@ -96,7 +96,7 @@ def _step(model, x, writes=None, reads=None):
     m = copy.deepcopy(model)
     with emulated_accelerator():
         f = install_staged(m, 2)
-        f.step.writes, f.step.reads = writes, reads
+        f.step.config.writes, f.step.config.reads = writes, reads
         try: m(x).pow(2).mean().backward()
         finally: uninstall_staged(m)
     return [p.grad for p in m.parameters()] + [b for b in m.buffers()]
@@ -167,7 +167,7 @@ def test_values_several_stages_read_stay_on_the_device_between_reads(monkeypatch
     the floor, below the step without it, counted independently; two windows equal the big batch's two (float64), also
     with copies run as late as streams may."""
     from fastai_accum.staged_exact import StagedStep
-    monkeypatch.setattr(StagedStep, 'margin', 1.)  # the mechanism, on a block too small for the default's room
+    staged_config(monkeypatch, margin=1.)  # the mechanism, on a block too small for the default's room
     torch.manual_seed(0)
     model, x = Dense().double().train(), torch.randn(8, 3, 8, 8, dtype=torch.float64)
     big = copy.deepcopy(model)
