@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from .meters import SavedTensorMeter, LayerMeter, fmt_bytes, _nbytes
 from .cost import OpCount
-from .staged_exact import _device, store_per_sample, batch_layouts
+from .probes import _device, store_per_sample, batch_layouts
 from .stage_cut import stage_grads
 from .staged import staged_graph
 from .batchnorm import bn_layers

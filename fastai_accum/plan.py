@@ -15,7 +15,9 @@ from .meters import fmt_bytes, _nbytes
 from .cost import estimate_counts, measure_card, time_line
 from .batchnorm import bn_layers, bn_policies
 from .staged import staged_graph, bn_graph, traced_by
-from .staged_exact import samples_mixed, verify_staged, input_grads_asked
+from .staged_exact import input_grads_asked
+from .probes import samples_mixed
+from .staged_check import verify_staged
 from .distributed import world_size, collective_device
 from .exact import ExactPlan, ExactModeMemoryError, ExactModeRefusedError, plan_exact, measure_staged, recomputed_bns, leaves_no_trace
 from .ghost import check_ghost

@@ -165,7 +165,7 @@ def test_folded_views_cross_the_host_link_by_sample(cls):
 
 def test_batch_layouts_and_the_memory_plan_count_a_samples_views():
     "Each folded value's layout; a sample's store bytes and saved activations: twice a one-view model's (two views)."
-    from fastai_accum.staged_exact import batch_layouts, store_per_sample
+    from fastai_accum.probes import batch_layouts, store_per_sample
     from fastai_accum.exact import measure_footprint
     from fastai_accum.staged import staged_graph
     x = views()[0][:2]

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from fastai_accum.core import Accumulation
 from fastai_accum.exact import plan_exact, ExactModeMemoryError, ExactModeRefusedError
 from fastai_accum.plan import StagedMismatchError
-from fastai_accum.staged_exact import verify_staged
+from fastai_accum.staged_check import verify_staged
 import fastai_accum.exact as exact, fastai_accum.plan as plan
 from helpers import windows, train_both
 
@@ -364,7 +364,7 @@ class Padded(nn.Module):
 @pytest.mark.parametrize('value', [-float('inf'), float('inf')])
 def test_infinite_padding_is_per_sample_and_stages_as_the_big_batch(value):
     "`-inf - -inf` is NaN: the mixing check took an infinite pad for mixing samples. Infinities compare as values."
-    from fastai_accum.staged_exact import samples_mixed
+    from fastai_accum.probes import samples_mixed
     xb = (torch.randn(2, 3, 8, 8, dtype=torch.float64),)
     assert samples_mixed(Padded(value).double().train(), xb) is None
     assert 'combines the samples' in samples_mixed(Padded(value, mix=True).double().train(), xb)
@@ -378,5 +378,5 @@ class Overflows(nn.Module):
     def forward(s, x): return s.head((s.bn(s.c(x)).exp() * 1e300 * 1e300).clamp(max=1.).mean((2, 3)))
 
 def test_values_that_overflow_are_not_taken_for_mixing():
-    from fastai_accum.staged_exact import samples_mixed
+    from fastai_accum.probes import samples_mixed
     assert samples_mixed(Overflows().double().train(), (torch.randn(2, 3, 8, 8, dtype=torch.float64),)) is None

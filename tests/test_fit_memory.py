@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from fastai_accum.core import Accumulation
 from fastai_accum.exact import plan_exact, ExactModeMemoryError, staging_budget
 from fastai_accum.meters import LiveBytes
-from fastai_accum.staged_exact import verify_staged, _check_dtype
+from fastai_accum.staged_check import verify_staged, _check_dtype
 
 def block(i, o, s=1): return [nn.Conv2d(i, o, 3, stride=s, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU(inplace=True)]
 

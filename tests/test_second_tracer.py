@@ -127,7 +127,7 @@ def test_a_batchnorm_on_a_feature_from_an_earlier_stage_trains_as_the_big_batch(
 
 def test_the_check_copies_a_unet_whose_hooks_hold_activations():
     "After a training forward DynamicUnet's hooks keep tensors autograd made; the check's copy still runs (was 'not checked')."
-    from fastai_accum.staged_exact import verify_staged
+    from fastai_accum.staged_check import verify_staged
     m = DynamicUnet(create_body(resnet18(), pretrained=False), 3, (32, 32)).train()
     x = torch.randn(2, 3, 32, 32)
     m(x).sum().backward()

@@ -93,7 +93,7 @@ def test_half_precision_staged_step_is_as_accurate_as_plain_half_precision():
 def test_rounding_amplified_by_a_batchnorm_is_not_taken_for_mixing():
     "timm efficientnet_b0 at 32 px, float64: rounding amplified layer after layer (BatchNorm over 2 values per channel) was taken for mixing; each op is now checked on its own inputs."
     import timm
-    from fastai_accum.staged_exact import samples_mixed
+    from fastai_accum.probes import samples_mixed
     torch.manual_seed(0)
     m = timm.create_model('efficientnet_b0', num_classes=10).double().train()
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0)).double()

@@ -16,7 +16,8 @@ from ..prepass import window_prepasses, prepass_plan, prepass_info
 from ..plan import plan_training
 from ..core import Accumulation
 from ..exact import staging_budget
-from ..staged_exact import install_staged, uninstall_staged, verify_staged, WindowStats
+from ..staged_exact import install_staged, uninstall_staged, WindowStats
+from ..staged_check import verify_staged
 from ..staged import staged_graph, traced_by
 from ..meters import _nbytes, LiveBytes
 from ..stats import ChannelStats
