@@ -123,8 +123,8 @@ def test_unet_small_float32_refusal_is_the_checks_rounding_not_a_state_leak():
     one: it depends on the random state that draws the model and its input (10 of 388 seeds refused, seed 36 among
     them), not on state leaking between runs. In float64 the same model's staged step is the big batch's: the float32
     floor (the plain step with its samples reversed) underestimates how far two exact BatchNorm backwards (window sums
-    then projection, against the fused kernel) round apart on its ill-conditioned channels. `nbs/02b_staged_exact`."""
-    import fastai_accum.staged_exact as se
+    then projection, against the fused kernel) round apart on its ill-conditioned channels. `nbs/02f_staged_check`."""
+    import fastai_accum.staged_check as se
     pytest.importorskip('fastai.vision.models.unet')
     from fastai_accum.lab.bench_accuracy import unet_small
     said = {}
