@@ -29,8 +29,8 @@ from .stage_cut import StageCut, cut_stages
 from .probes import _plain, _rng_state, _set_rng_state, _same_state, _device, _extras, batch_layouts
 
 # %% auto #0
-__all__ = ['StagedConfig', 'StagedStep', 'LayerStats', 'Projection', 'WindowStats', 'input_grads_asked', 'StagedForward',
-           'install_staged', 'uninstall_staged']
+__all__ = ['StagedConfig', 'StagedStep', 'HostPool', 'DevicePart', 'LayerStats', 'Projection', 'WindowStats', 'input_grads_asked',
+           'StagedForward', 'install_staged', 'uninstall_staged']
 
 # %% ../nbs/02b_staged_exact.ipynb #b87c84e1
 @dataclass
@@ -43,7 +43,7 @@ class StagedConfig:
     budget:int|None=None
     grow:bool=True # without a budget, stages bringing in fewer bytes per sample run in larger chunks (False: in `chunk`)
     local:bool=False # this process's window alone: no collective under DDP (the check on the user's model)
-    # the store's device part (`_device_part`) may take chunks down to this fraction of their size without it (1.: it
+    # the store's device part (`_plan_device_part`) may take chunks down to this fraction of their size without it (1.: it
     # takes only the room they leave)
     shrink:float=0.5
     # beside a stage's working set counted this many times: its bytes per sample are an estimate (a dense block's
@@ -63,7 +63,6 @@ class StagedStep:
         self.model, self.graph, self.config = model, graph, config if config is not None else StagedConfig()
         self.ledger = None  # what the last window moved between the host store and the device (`Ledger`)
         self.said_random = False  # the warning that chunked stages drew random numbers was given
-        self.pool_W = None  # the window size of the tensors in `pool`
         self._readers = None  # `_param_readers`, counted at the first backward
         self.runner = GraphRunner(model, graph)  # runs the graph's nodes
         self.modules = self.runner.modules
@@ -72,11 +71,10 @@ class StagedStep:
         self.costs = {}  # bytes per sample of each stage's chunk in its backward (`_stage_cost`), by `_cost_key`
         self.store_costs = {}  # the most bytes per sample the store held in a window, by input signature and autocast
         self.kept_sizes = {}  # {kept key: its bytes per sample} in the last window, by input signature and autocast
-        self.device_plans = {}  # `_device_part`'s plans
+        self.device_plans = {}  # `_plan_device_part`'s plans
         self.whole = set()  # `_cost_key`s of last stages that draw random numbers: run in one chunk
-        # window-sized host tensors of the store the last window no longer reads, by (shape, dtype, device, pinned),
-        # and those in use ({id: (weakref, key)}): `_store_tensor`, `_recycle`
-        self.pool, self.ours = {}, {}
+        self.pool = HostPool()  # the store's host tensors, from window to window (`_store_tensor`, `_recycle`)
+        self.device = None  # the store's device part in the last window (`DevicePart`)
         self.layout_cache = {}  # {input signature: `_find_layouts`'s}
 
     def __repr__(self):
@@ -147,7 +145,7 @@ def _stage_inputs(self:StagedStep, s:int, a:int, b:int, dev, grad:bool=False) ->
 def _kept_chunk(self:StagedStep, key, a:int, b:int, dev, grad:bool) -> Tensor:
     "Samples a:b of the kept tensor `key` on `dev`; for a backward, a leaf collecting its gradient."
     t = self.kept[key][a:b]
-    v = self._unstored(key, self._from_device_part(key, a, b, lambda: self._read(t, dev)), b - a)
+    v = self._unstored(key, self.device.read(key, a, b, lambda: self._read(t, dev)), b - a)
     # a chunk of its own, as on an accelerator: what the backward holds is the chunk, not the store it is a view of
     if grad and _storage(v) == _storage(t): v = v.clone()
     return v.detach().requires_grad_(v.is_floating_point()) if grad else v
@@ -199,12 +197,7 @@ def _add_grad(self:StagedStep, grads:dict, k, g:Tensor, a:int, b:int):
     # the first contribution to those samples is copied in as it is (no zero-fill, no sum on the host); a later one is
     # summed with it on the device, then copied in
     g = self._stored(k, g, b - a)
-    if k in self.device_part:  # summed on the device, written once after its first reader's backward
-        if k not in self.gcache:
-            self.gcache[k] = torch.zeros((self.W,) + g.shape[1:], dtype=g.dtype, device=g.device)
-            self._note_device_part()
-        self.gcache[k][a:b] += g
-        return
+    if k in self.device: return self.device.add_grad(k, g, a, b)  # written once, after its first reader's backward
     if k not in grads: grads[k] = self._store_tensor((self.W,) + g.shape[1:], g.dtype, self.config.store or g.device)
     spans, t = self.written.setdefault(k, []), grads[k]
     if not any(s < b and a < e for s, e in spans): self._put(t, a, b, g, 'grad')
@@ -291,23 +284,42 @@ def _same(u, v) -> bool:
     except Exception: return False
 
 # %% ../nbs/02b_staged_exact.ipynb #0ad7c6be
+class HostPool:
+    "The store's window-sized host tensors, handed from window to window: a new one costs its page faults."
+    # a new host tensor of hundreds of MiB costs its page faults, about 4x a copy into it (a pinned one, its pinning)
+    def __init__(self): self.W, self.free, self.lent = None, {}, {}  # {(shape, dtype, device, pinned): [tensor]}, {id: }
+
+    def for_window(self, W:int):
+        "Start a window of `W` samples: the tensors of another window size are let go."
+        if W != self.W: self.W, self.free, self.lent = W, {}, {}
+
+    def take(self, shape:tuple, dtype, device, pin:bool, lend:bool) -> Tensor:
+        "A tensor of this shape, dtype and device: one given back, or new; `lend`: it may be given back (`give_back`)."
+        key = (tuple(shape), dtype, torch.device(device), pin)
+        free = self.free.get(key)
+        t = free.pop() if free else torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
+        if lend: self.lent[id(t)] = (weakref.ref(t), key)
+        return t
+
+    def give_back(self, ts):
+        "Take back the lent tensors among `ts` that nothing reads any more, for the next of their shape."
+        for t in ts:
+            ref, key = self.lent.pop(id(t), (None, None)) if isinstance(t, Tensor) else (None, None)
+            if ref is not None and ref() is t: self.free.setdefault(key, []).append(t)
+
 @patch
 def _store_tensor(self:StagedStep, shape:tuple, dtype, device) -> Tensor:
-    "A window-sized tensor of the store: one an earlier window gave back (`_recycle`), or new; the link counts it."
-    # a new host tensor of hundreds of MiB costs its page faults, about 4x a copy into it (a pinned one, its pinning):
-    # only host tensors are reused, so the device holds nothing between windows
-    key = (tuple(shape), dtype, torch.device(device), self.pin)
-    free = self.pool.get(key)
-    t = free.pop() if free else torch.empty(shape, dtype=dtype, device=device, pin_memory=self.pin)
-    if key[2].type == 'cpu' and not self.shared: self.ours[id(t)] = (weakref.ref(t), key)
-    return self.link.register(t) if key[2].type == 'cpu' else t
+    "A window-sized tensor of the store: from the pool (host tensors, given back by `_recycle`); the link counts it."
+    # only host tensors are reused, so the device holds nothing between windows; none where the store shares the
+    # budget's memory (a pool would keep freed values alive)
+    host = torch.device(device).type == 'cpu'
+    t = self.pool.take(shape, dtype, device, self.pin, lend=host and not self.shared)
+    return self.link.register(t) if host else t
 
 @patch
 def _recycle(self:StagedStep, ts):
-    "Give the store's tensors among `ts` that nothing reads any more to `_store_tensor`, for the next of their shape."
-    for t in ts:
-        ref, key = self.ours.pop(id(t), (None, None)) if isinstance(t, Tensor) else (None, None)
-        if ref is not None and ref() is t: self.pool.setdefault(key, []).append(t)
+    "Give the store's tensors among `ts` that nothing reads any more back to the pool."
+    self.pool.give_back(ts)
 
 # %% ../nbs/02b_staged_exact.ipynb #c2294600
 @patch
@@ -361,7 +373,7 @@ def forward(self:StagedStep, xb:tuple, # the window's model inputs, one batch of
     self.autocast = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
     self.signature = tuple((tuple(t.shape[1:]), t.dtype) for t in self.xb if isinstance(t, Tensor))
     self.layouts = self.layout_cache.get(self.signature)  # views folded into the batch (`_find_layouts`)
-    if self.W != self.pool_W: self.pool, self.ours, self.pool_W = {}, {}, self.W  # shapes of another window size
+    self.pool.for_window(self.W)
     # the store in the memory the budget counts (a CPU's): chunks get what it leaves, and nothing is pooled
     self.shared = not apart if apart is not None else store is None or torch.device(store) == dev
     # the one door between the host store and the device, and its ledger of what crossed (this window's)
@@ -373,7 +385,7 @@ def forward(self:StagedStep, xb:tuple, # the window's model inputs, one batch of
     # chunks run with their graph, kept for the backward (not recomputed): the last stage's last chunk, and every chunk
     # of the late stages whose graphs fit the budget together
     self.graphs, self.kept_from = {}, self._kept_from()
-    self._device_part(chunk)  # values several stages read, kept on the device between their reads where room is left
+    self._plan_device_part(chunk)  # values several stages read, kept on the device between their reads where room is left
     for s in range(len(self.cut.stages)):
         self.spans.append([])
         self._stage_forward(s, dev, chunk)
@@ -436,13 +448,13 @@ def _beside(self:StagedStep, s:int, size=None) -> tuple:
     "(bytes beside every chunk of stage `s`, bytes per sample its next chunk's reads add while it computes)."
     # beside: its parameters' gradients as its backward makes them (summed in place into the step's); where the store
     # shares the budget's memory (a CPU), what it holds then, in this stage's forward and backward; the store's device
-    # part then (`_device_part`). Read ahead (`_prefetch`): its inputs and its outputs' gradients. `size(node)`: the
+    # part then (`_plan_device_part`). Read ahead (`_prefetch`): its inputs and its outputs' gradients. `size(node)`: the
     # window's bytes of a node (default: this window's, as far as kept)
     size = size or self._kept_bytes
     grads = sum(_nbytes(p) for p in self.cut.stage_params[s] if p.requires_grad)
     store = max(_nbytes(list(self.kept.values())), self._store_bytes(s)) if self.shared else 0
     ahead = sum(map(size, self.cut.stage_in[s] + self.cut.stage_out[s])) / self.W if self.link.apart else 0
-    return grads + store + self.device_held[s], ahead
+    return grads + store + self.device.held[s], ahead
 
 @patch
 def _sized(self:StagedStep, s:int, cost:float, chunk:int, size=None) -> int:
@@ -459,20 +471,20 @@ def _cost_key(self:StagedStep, s:int) -> tuple:
 
 # %% ../nbs/02b_staged_exact.ipynb #1a447e1a
 @patch
-def _device_part(self:StagedStep, chunk:int):
-    "Plan `device_part` ({kept key: (first, last) stage reading it}) and `device_held` (bytes it holds at each stage)."
+def _plan_device_part(self:StagedStep, chunk:int):
+    "This window's `DevicePart`: which kept values it holds from which stage to which, and its bytes at each stage."
     # only values read by several stages, none the model returns; a value and its gradient are counted at every stage
     # from its first reader to its last, within the room there (`_device_room`); the most-read first
     # planned once per input signature, autocast, window size, budget and stages kept whole or with their graphs
-    n_st, self.cache, self.gcache, self.device_store_bytes = len(self.cut.stages), {}, {}, 0
-    self.device_held, self.device_part = [0] * n_st, {}
+    n_st = len(self.cut)
+    self.device = DevicePart(self.W, [0] * n_st)
     per_sample = self.kept_sizes.get((self.signature, self.autocast))
     costs = [self.costs.get(self._cost_key(s)) for s in range(n_st)]
     if not self.link.apart or self.config.budget is None or per_sample is None or None in costs: return
     key = self.signature, self.autocast, self.W, self.config.budget, self.kept_from, len(self.whole)
     if key in self.device_plans:
-        self.device_part, held = self.device_plans[key]
-        self.device_held = list(held)
+        self.device.spans, held = self.device_plans[key]
+        self.device.held = list(held)
         return
     node = lambda k: k[0] if isinstance(k, tuple) else k
     sizes, by_node, readers = {k: v * self.W for k, v in per_sample.items()}, collections.Counter(), {}
@@ -484,10 +496,10 @@ def _device_part(self:StagedStep, chunk:int):
     several = [(k, readers[node(k)]) for k in sizes if len(readers.get(node(k), ())) > 1 and node(k) not in returned]
     for k, rs in sorted(several, key=lambda kv: (-len(kv[1]), sizes[kv[0]])):
         span = range(rs[0], rs[-1] + 1)
-        if all(self.device_held[s] + 2 * sizes[k] <= room[s] for s in span):
-            self.device_part[k] = rs[0], rs[-1]
-            for s in span: self.device_held[s] += 2 * sizes[k]
-    self.device_plans[key] = self.device_part, tuple(self.device_held)
+        if all(self.device.held[s] + 2 * sizes[k] <= room[s] for s in span):
+            self.device.spans[k] = rs[0], rs[-1]
+            for s in span: self.device.held[s] += 2 * sizes[k]
+    self.device_plans[key] = self.device.spans, tuple(self.device.held)
 
 @patch
 def _device_room(self:StagedStep, chunk:int, costs:list, size) -> list:
@@ -508,41 +520,64 @@ def _device_room(self:StagedStep, chunk:int, costs:list, size) -> list:
     return room
 
 # %% ../nbs/02b_staged_exact.ipynb #55c31e92
-@patch
-def _from_device_part(self:StagedStep, key, a:int, b:int, read) -> Tensor:
-    "Samples a:b of kept tensor `key`: from its device part where that holds them, else `read()`, then kept there."
-    if key not in self.device_part: return read()
-    t, have = self.cache.get(key, (None, None))
-    if t is not None and all(have[a:b]): return t[a:b].clone()  # a chunk of its own: a stage may write into it
-    v = read()
-    if t is None:
-        t, have = torch.empty((self.W,) + v.shape[1:], dtype=v.dtype, device=v.device), [False] * self.W
-        self.cache[key] = t, have
-        self._note_device_part()
-    t[a:b].copy_(v)
-    have[a:b] = [True] * (b - a)
-    return v
+class DevicePart:
+    "The store's part on the device: values several stages read, held from their first reader to their last."
+    # and their gradients, summed there and written to the store once, after their first reader's backward
+    def __init__(self,
+                 W:int, # samples in the window
+                 held:list, # bytes planned at each stage (`_plan_device_part`)
+                ):
+        self.W, self.held = W, held
+        self.spans = {}  # {kept key: (first, last) stage reading it}
+        self.values, self.grads = {}, {}  # {key: (window-sized tensor, [sample held?])}, {key: summed gradient}
+        self.most = 0  # the most bytes it held in this window: values and summed gradients
 
-@patch
-def _note_device_part(self:StagedStep):
-    "Note the most bytes the device part held in this window (`device_store_bytes`): values and summed gradients."
-    now = _nbytes([t for t, _ in self.cache.values()]) + _nbytes(list(self.gcache.values()))
-    self.device_store_bytes = max(self.device_store_bytes, now)
+    def __contains__(self, key) -> bool: return key in self.spans
+    def __len__(self) -> int: return len(self.spans)
 
-@patch
-def _on_device(self:StagedStep, key, a:int, b:int) -> bool:
-    "Does the device part hold samples a:b of kept tensor `key`?"
-    t, have = self.cache.get(key, (None, None))
-    return t is not None and all(have[a:b])
+    def holds(self, key, a:int, b:int) -> bool:
+        "Does it hold samples a:b of kept tensor `key`?"
+        t, have = self.values.get(key, (None, None))
+        return t is not None and all(have[a:b])
+
+    def read(self, key, a:int, b:int, read) -> Tensor:
+        "Samples a:b of kept tensor `key`: held here, else `read()` and, where `key` is planned here, kept."
+        if key not in self.spans: return read()
+        if self.holds(key, a, b): return self.values[key][0][a:b].clone()  # its own: a stage may write into it
+        v = read()
+        if key not in self.values:
+            self.values[key] = torch.empty((self.W,) + v.shape[1:], dtype=v.dtype, device=v.device), [False] * self.W
+            self._note()
+        t, have = self.values[key]
+        t[a:b].copy_(v)
+        have[a:b] = [True] * (b - a)
+        return v
+
+    def add_grad(self, key, g:Tensor, a:int, b:int):
+        "Sum one chunk's gradient `g` (samples a:b) of kept value `key` into its window's, here."
+        if key not in self.grads:
+            self.grads[key] = torch.zeros((self.W,) + g.shape[1:], dtype=g.dtype, device=g.device)
+            self._note()
+        self.grads[key][a:b] += g
+
+    def leave(self, s:int, backward:bool) -> list:
+        "After stage `s`'s forward or backward: let go the values it read last; [(key, summed gradient)] to write."
+        out = []
+        for k, (first, last) in self.spans.items():
+            if s != (first if backward else last): continue
+            self.values.pop(k, None)
+            g = self.grads.pop(k, None)
+            if g is not None: out.append((k, g))
+        return out
+
+    def _note(self):
+        now = _nbytes([t for t, _ in self.values.values()]) + _nbytes(list(self.grads.values()))
+        self.most = max(self.most, now)
 
 @patch
 def _leave_device_part(self:StagedStep, s:int, grads:dict|None=None):
-    "After stage `s`'s forward (`grads` None) or backward: drop the values it read last; write their summed gradients."
-    for k, (first, last) in self.device_part.items():
-        if s != (last if grads is None else first): continue
-        self.cache.pop(k, None)
-        g = self.gcache.pop(k, None)
-        if g is None: continue
+    "After stage `s`'s forward (`grads` None) or backward: the device part lets go; its summed gradients written."
+    for k, g in self.device.leave(s, backward=grads is not None):
         grads[k] = self._store_tensor(g.shape, g.dtype, self.config.store or g.device)
         self._put(grads[k], 0, self.W, g, 'grad')
         self.written[k] = [(0, self.W)]
@@ -761,7 +796,7 @@ def _prefetch(self:StagedStep, s:int, span, grads:dict|None=None):
         for n in self.cut.stage_in[s]:
             if n.op == 'placeholder' or (n in self.carried and n not in self.structs): continue
             for k in self._keys(n):
-                if k in self.kept and self.link.holds(self.kept[k]) and not self._on_device(k, a, b):
+                if k in self.kept and self.link.holds(self.kept[k]) and not self.device.holds(k, a, b):
                     self.link.prefetch(self.kept[k][a:b], dev)
         if self.cut.reads_input[s]:
             for t in self.xb:

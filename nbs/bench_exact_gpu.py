@@ -149,7 +149,7 @@ def staged_window(model, opt, xs, ys, loss_func, chunk):
     try: one_batch_window(model, opt, xs, ys, loss_func, plan=None)
     finally: uninstall_staged(model)
     last_ledger['staged'] = f.step.ledger
-    last_ledger['device_store_bytes'] = getattr(f.step, 'device_store_bytes', 0)  # the store's device part, at most
+    last_ledger['device_store_bytes'] = getattr(f.step.device, 'most', 0)  # the store's device part, at most
 
 def timed(fn, dev, reps):
     fn(); sync(dev)  # warm-up (cuDNN autotuning, allocator, pinned host blocks)

@@ -71,12 +71,12 @@ def test_a_dense_block_staged_on_an_accelerator_keeps_features_on_the_device_and
     """A DenseNet block (each feature read by every later stage) staged under a budget that forces chunks, SGD steps
     between windows: from the second window on, features stay on the device between their reading stages (planned from
     the window before), and every window's gradients are the big batch's."""
-    parts, plan = [], StagedStep._device_part
+    parts, plan = [], StagedStep._plan_device_part
     staged_config(monkeypatch, margin=1.)  # the mechanism, on a block too small for the default's room
     def counted(self, chunk):
         plan(self, chunk)
-        parts.append(len(self.device_part))
-    monkeypatch.setattr(StagedStep, '_device_part', counted)
+        parts.append(len(self.device))
+    monkeypatch.setattr(StagedStep, '_plan_device_part', counted)
     pairs, acc, _ = grads_per_window('staged', make=lambda: Dense(out=5), n_win=3)
     assert acc.path == 'staged exact' and len(pairs) == 3 and parts[-1] > 0 and parts[0] == 0
     for got, ref in pairs:

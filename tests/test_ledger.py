@@ -163,7 +163,7 @@ def test_sibling_branches_read_the_value_they_branch_from_once(monkeypatch):
 @pytest.mark.parametrize('budget', [400_000, 10**9], ids=['recomputed', 'graphs_kept'])
 def test_values_several_stages_read_stay_on_the_device_between_reads(monkeypatch, budget):
     """With room left by the budget, the features several stages read stay on the device from their first reading stage
-    to their last (`_device_part`, planned from the window before), and their gradients are summed there: the ledger at
+    to their last (`_plan_device_part`, planned from the window before), and their gradients are summed there: the ledger at
     the floor, below the step without it, counted independently; two windows equal the big batch's two (float64), also
     with copies run as late as streams may."""
     from fastai_accum.staged_exact import StagedStep
@@ -179,7 +179,7 @@ def test_values_several_stages_read_stay_on_the_device_between_reads(monkeypatch
         deferred = (DeferredCopies(), DeferredCopies()) if copies == 'deferred' else (None, None)
         step, seen = counted_window(monkeypatch, m, x, budget=budget, warm=1, writes=deferred[0], reads=deferred[1])
         led = step.ledger
-        assert len(step.device_part) >= 2 and max(step.device_held) > 0
+        assert len(step.device) >= 2 and max(step.device.held) > 0
         assert (led.h2d_bytes, led.d2h_bytes, led.copies) == (seen.h2d, seen.d2h, seen.copies) and seen.math == []
         assert led.h2d_bytes + led.d2h_bytes <= 1.05 * led.floor() and led.syncs <= 2
         runs[copies] = [p.grad for p in m.parameters()] + list(m.buffers())
@@ -187,7 +187,7 @@ def test_values_several_stages_read_stay_on_the_device_between_reads(monkeypatch
     for a, b in zip(*runs.values()): assert torch.equal(a, b)
     monkeypatch.setattr(StagedStep, '_device_room', lambda self, *a: [-1.] * len(self.cut))  # no device part
     step, _ = counted_window(monkeypatch, copy.deepcopy(model), x, budget=budget, warm=1)
-    assert not step.device_part and step.ledger.h2d_bytes + step.ledger.d2h_bytes > led.h2d_bytes + led.d2h_bytes
+    assert not step.device and step.ledger.h2d_bytes + step.ledger.d2h_bytes > led.h2d_bytes + led.d2h_bytes
 
 def test_torchvision_densenet121_with_its_device_part_is_the_big_batch():
     """torchvision's densenet121 (every dense layer reads all features before it), float64, 32 px, a window of 8 in
@@ -209,8 +209,8 @@ def test_torchvision_densenet121_with_its_device_part_is_the_big_batch():
         try: two_windows(st)
         finally: uninstall_staged(st)
     step, led = f.step, f.step.ledger
-    assert len(step.device_part) > 10 and step.device_store_bytes > 0
-    assert any(last < step.kept_from for _, last in step.device_part.values())  # held where the backward recomputes
+    assert len(step.device) > 10 and step.device.most > 0
+    assert any(last < step.kept_from for _, last in step.device.spans.values())  # held where the backward recomputes
     assert led.h2d_bytes + led.d2h_bytes <= 1.05 * led.floor() and led.blocking_copies == 0 and led.syncs <= 2
     for a, b in zip(list(st.parameters()) + list(st.buffers()), list(big.parameters()) + list(big.buffers())):
         ga, gb = (a.grad, b.grad) if isinstance(a, nn.Parameter) else (a, b)

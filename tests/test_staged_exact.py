@@ -218,19 +218,19 @@ def test_windows_reuse_the_store_and_leave_the_output_alone():
     f.step.config.apart = True  # as on an accelerator: the store in host memory, apart from the device's (a CPU's is not pooled)
     for i, n in enumerate((8, 8, 5)):
         x = torch.randn(n, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
-        pooled = {id(t) for ts in f.step.pool.values() for t in ts}
+        pooled = {id(t) for ts in f.step.pool.free.values() for t in ts}
         outs = []
         for m in (big, st):
             m.zero_grad()
             out = m(x)
             (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
             outs.append(out.detach())
-        kept = {id(t) for ts in f.step.pool.values() for t in ts}
+        kept = {id(t) for ts in f.step.pool.free.values() for t in ts}
         assert rel(outs[1], outs[0]) < 1e-12 and rel(flat(p.grad for p in st.parameters()),
                                                      flat(p.grad for p in big.parameters())) < 1e-10
         assert all(b.allclose(a) for a, b in zip(big.buffers(), st.buffers()) if a.is_floating_point())
-        assert kept and not any(t.data_ptr() == outs[1].data_ptr() for ts in f.step.pool.values() for t in ts)
+        assert kept and not any(t.data_ptr() == outs[1].data_ptr() for ts in f.step.pool.free.values() for t in ts)
         if i == 1: assert kept == pooled, 'the second window of 8 reuses exactly what the first gave back'
-        if i == 2: assert {t.shape[0] for ts in f.step.pool.values() for t in ts} == {5}  # another size: afresh
+        if i == 2: assert {t.shape[0] for ts in f.step.pool.free.values() for t in ts} == {5}  # another size: afresh
         if i == 0: first, first_val = outs[1], outs[1].clone()
     assert torch.equal(first, first_val)  # the first window's output was not overwritten by the next windows

@@ -80,7 +80,7 @@ def ledger_window(model:str='resnet50', # a torchvision classifier or video netw
             traced = traced_by(net, (xm,))
         finally: uninstall_staged(net)
     n_micro = window / micro
-    return dict(ledger=led, store_bytes=int(store), device_store_bytes=int(step.device_store_bytes),
+    return dict(ledger=led, store_bytes=int(store), device_store_bytes=int(step.device.most),
                 flops_staged=int(flops_staged),
                 flops_naive=int(flops_micro * n_micro), ops_staged=ops_staged, ops_naive=int(ops_micro * n_micro),
                 ops_whole=ops_micro, saved_whole=int(saved.peak * n_micro), peak_device=int(peak),

@@ -261,7 +261,7 @@ def _on_host_store(step, meter:LiveBytes):
         with meter.as_host(): keep(d, n, v, a, b, kind)
         meter.to_host(d[n])
     def added(grads, k, g, a, b):
-        if k in step.device_part: return add(grads, k, g, a, b)
+        if k in step.device: return add(grads, k, g, a, b)
         with meter.as_host(): add(grads, k, g, a, b)
         meter.to_host(grads[k])
     def left(s, grads=None):
