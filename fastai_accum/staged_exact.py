@@ -6,7 +6,7 @@ channel."""
 
 # %% ../nbs/02b_staged_exact.ipynb #bc1cb743
 from __future__ import annotations
-import collections, contextlib, copy, itertools, math, warnings, weakref
+import collections, contextlib, copy, functools, itertools, math, warnings, weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -29,8 +29,8 @@ from .stage_cut import StageCut, cut_stages
 from .probes import _plain, _rng_state, _set_rng_state, _same_state, _device, _extras, batch_layouts
 
 # %% auto #0
-__all__ = ['StagedConfig', 'StagedStep', 'HostPool', 'DevicePart', 'LayerStats', 'Projection', 'WindowStats', 'input_grads_asked',
-           'StagedForward', 'install_staged', 'uninstall_staged']
+__all__ = ['PASSES', 'StagedConfig', 'StagedStep', 'HostPool', 'DevicePart', 'LayerStats', 'Projection', 'WindowStats',
+           'input_grads_asked', 'StagedForward', 'install_staged', 'uninstall_staged']
 
 # %% ../nbs/02b_staged_exact.ipynb #b87c84e1
 @dataclass
@@ -75,6 +75,8 @@ class StagedStep:
         self.whole = set()  # `_cost_key`s of last stages that draw random numbers: run in one chunk
         self.pool = HostPool()  # the store's host tensors, from window to window (`_store_tensor`, `_recycle`)
         self.device = None  # the store's device part in the last window (`DevicePart`)
+        # a profiler's hook: `timer(name)` gives a context manager entered around each pass of that kind (`PASSES`)
+        self.timer = None
         self.layout_cache = {}  # {input signature: `_find_layouts`'s}
 
     def __repr__(self):
@@ -87,8 +89,27 @@ class StagedStep:
         if key not in self.cuts: self.cuts[key] = cut_stages(self.model, self.graph)
         return self.cuts[key]
 
+    def _timed(self, name:str):
+        "The `timer`'s context around one pass called `name` (one of `PASSES`); none without a timer."
+        return self.timer(name) if self.timer is not None else nullcontext()
+
+# the passes a `timer` sees, each timed where it runs
+PASSES = ('forward', 'recompute', 'autograd', 'statistics', 'window sums', 'projection', 'running statistics',
+          'store copies', 'store reads', 'input copies')
+
+def _timed_pass(name):
+    "Run a step's method as a pass called `name` (a str, or a function of the method's arguments) for its `timer`."
+    def timed(f):
+        @functools.wraps(f)
+        def run(self, *args, **kwargs):
+            if self.timer is None: return f(self, *args, **kwargs)
+            with self.timer(name(*args, **kwargs) if callable(name) else name): return f(self, *args, **kwargs)
+        return run
+    return timed
+
 # %% ../nbs/02b_staged_exact.ipynb #97042fc2
 @patch
+@_timed_pass(lambda s, env, xb, grad: 'recompute' if grad else 'forward')
 def _run_stage(self:StagedStep, s:int, env:dict, xb:tuple, grad:bool):
     "Run stage `s` of one chunk on `env`; the BatchNorm opening it normalizes with window statistics."
     # that BatchNorm is one fused op; its input is a leaf of its own if `grad`, returned
@@ -112,6 +133,7 @@ def _run_stage(self:StagedStep, s:int, env:dict, xb:tuple, grad:bool):
 
 # %% ../nbs/02b_staged_exact.ipynb #96d4120c
 @patch
+@_timed_pass('input copies')
 def _xb(self:StagedStep, a:int, b:int, dev, grad:bool=False, s:int|None=None) -> tuple:
     "Samples a:b of the window's inputs (which may wait in host memory) on `dev`."
     # for a backward, a chunk of their own; none for a stage `s` that does not read them
@@ -130,6 +152,7 @@ def _read(self:StagedStep, t:Tensor, dev) -> Tensor:
     return self.link.read(t, dev) if self.link.holds(t) else _to(t, dev)
 
 @patch
+@_timed_pass('store reads')
 def _stage_inputs(self:StagedStep, s:int, a:int, b:int, dev, grad:bool=False) -> dict:
     "Samples a:b of the values stage `s` reads from earlier stages, on `dev`."
     # leaves that collect gradients if `grad`
@@ -174,6 +197,7 @@ def _struct_keys(self:StagedStep, n, v) -> list:
     return [((n, i), leaves[i]) for i in self.structs[n][1]]
 
 @patch
+@_timed_pass('store copies')
 def _keep(self:StagedStep, d:dict, n, v:Tensor, a:int, b:int, kind:str='kept'):
     "Samples a:b of node `n`'s value (`kind` 'kept') or gradient ('grad') into the window-sized `d[n]`, in `store`."
     v = self._stored(n, v, b - a)
@@ -653,7 +677,8 @@ def _stage_forward(self:StagedStep, s:int, dev, chunk:int):
         self.spans[s].append((a, b))
         with torch.no_grad():
             for n in self.cut.stage_out[s]: self._hold(n, env[n], a, b)
-            for bar, st in sts.items(): st.add(self.runner.value(bar.args[0], env, xb))  # window statistics
+            with self._timed('statistics'):  # window statistics
+                for bar, st in sts.items(): st.add(self.runner.value(bar.args[0], env, xb))
         if measure and a == 0:  # once its values' window-sized store is made; then the next chunk's reads start
             c = self._sized(s, cost, chunk)
             self._prefetch(s, _next_span(b, c, self.W, fixed))
@@ -661,7 +686,8 @@ def _stage_forward(self:StagedStep, s:int, dev, chunk:int):
             self.graphs[s, a] = {n: env[n] for n in self.cut.stage_in[s] + self.cut.stage_out[s] if n in env}, leaf
         env = xb = leaf = None  # freed before the next chunk is computed
         a = b
-    for bar, st in sts.items(): self.window_stats.close(bar, self.modules[bar.target], st)
+    with self._timed('running statistics'):
+        for bar, st in sts.items(): self.window_stats.close(bar, self.modules[bar.target], st)
     self._leave_device_part(s)
 
 def _next_span(b:int, c:int, W:int, fixed:list|None) -> tuple|None:
@@ -850,7 +876,8 @@ def backward(self:StagedStep, grad, # the loss's gradient w.r.t. the window's ou
                 if g is not None: self._add_grad(grads, k, g, a, b)
             if bar is not None:
                 g = got[-1] if got and got[-1] is not None else torch.zeros_like(leaf)
-                if affine is None: sums = self.window_stats.add_sums(bar, leaf.detach(), g, sums)
+                if affine is None:
+                    with self._timed('window sums'): sums = self.window_stats.add_sums(bar, leaf.detach(), g, sums)
                 self._keep(fixed, bar, g, a, b, 'grad')
             kept = env = leaf = pairs = leaves = got = g = None  # freed before the next chunk is recomputed
         if affine is not None: sums = affine()
@@ -952,6 +979,7 @@ class _Key:
     def __init__(self, key): self.key = key
 
 @patch
+@_timed_pass('autograd')
 def _grads(self:StagedStep, pairs:list, leaves:list, params:list, pgrads:list, used:list) -> list:
     "Gradients of `leaves` from one chunk's stage (None where unused)."
     # those of `params[i]` for `i` in `used` are added to `pgrads` (no `.grad` is touched)
@@ -984,6 +1012,7 @@ def _shared_storages(outs:list, got) -> set:
 
 # %% ../nbs/02b_staged_exact.ipynb #314cf5d5
 @patch
+@_timed_pass('projection')
 @torch.no_grad()
 def _project(self:StagedStep, s:int, bar, fixed:Tensor, sums:Tensor):
     "BatchNorm's exact backward at `bar` from its window sums, kept for `_out_grad`: dx = g - (Σ g + x̂ Σ g·x̂) / n."

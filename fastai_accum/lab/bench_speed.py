@@ -16,11 +16,10 @@ from ..prepass import window_prepasses, prepass_plan, prepass_info
 from ..plan import plan_training
 from ..core import Accumulation
 from ..exact import staging_budget
-from ..staged_exact import install_staged, uninstall_staged, WindowStats
+from ..staged_exact import install_staged, uninstall_staged
 from ..staged_check import verify_staged
 from ..staged import staged_graph, traced_by
 from ..meters import _nbytes, LiveBytes
-from ..stats import ChannelStats
 from ..helpers import _tensors
 from .experiments import (
     small_cnn, torchvision_resnet18, efficientnet_b0, synthetic_dls, default_policy, setting_batch_size,
@@ -310,33 +309,23 @@ _passes = {'forward': 'compute', 'recompute': 'compute', 'autograd': 'compute', 
 def profile_staged(model, x:Tensor, # the model (`install_staged` on it) and a window of inputs
                    reps:int=1, # profiled steps after a warm-up (the fastest is kept)
                   ) -> dict:
-    "Seconds per pass of one staged step of `model` on `x`: each pass of `_passes`, 'other' (the graph's interpretation)."
+    "Seconds per pass of one staged step of `model` on `x`: each pass of `PASSES`, 'other' (the graph's interpretation)."
     f = vars(model)['forward']
     step, dev = f.step_for((x,)), next(model.parameters()).device
-    times, add, inner = {}, ChannelStats.add, [0.]
-    def timed(name, fn):
+    times, inner = {}, [0.]
+    @contextmanager
+    def timer(name):
         # each pass's own time: a timed pass inside another (the store copies of the projection) counts once, its own
-        def run(*a, **k):
-            _sync(dev)
-            t = time.perf_counter()
-            inner.append(0.)
-            r = fn(*a, **k)
+        _sync(dev)
+        t = time.perf_counter()
+        inner.append(0.)
+        try: yield
+        finally:
             _sync(dev)
             spent = time.perf_counter() - t
-            key = name(a, k) if callable(name) else name
-            times[key] = times.get(key, 0.) + spent - inner.pop()
+            times[name] = times.get(name, 0.) + spent - inner.pop()
             inner[-1] += spent
-            return r
-        return run
-    grad_of = lambda a, k: 'recompute' if k.get('grad', a[3] if len(a) > 3 else False) else 'forward'
-    wrapped = dict(_run_stage=grad_of, _grads='autograd', _project='projection', _keep='store copies',
-                   _stage_inputs='store reads', _xb='input copies')
-    for k, name in wrapped.items(): setattr(step, k, timed(name, getattr(step, k)))
-    # the window statistics' passes: made per window (`WindowStats`), timed on their class as `ChannelStats.add` is
-    stats = dict(add_sums='window sums', close='running statistics')
-    own = {k: getattr(WindowStats, k) for k in stats}
-    for k, name in stats.items(): setattr(WindowStats, k, timed(name, own[k]))
-    ChannelStats.add = timed('statistics', add)
+    step.timer = timer  # the step's profiling hook: every pass of `PASSES`, timed where it runs
     try:
         _train(model, x)
         best = None
@@ -345,9 +334,7 @@ def profile_staged(model, x:Tensor, # the model (`install_staged` on it) and a w
             total = _fastest(lambda: _train(model, x), dev, 1)
             if best is None or total < best['total']: best = dict(times, total=total)
     finally:
-        ChannelStats.add = add
-        for k, fn in own.items(): setattr(WindowStats, k, fn)
-        for k in wrapped: delattr(step, k)
+        step.timer = None
         model.zero_grad(set_to_none=True)
     best['other'] = best['total'] - sum(v for k, v in best.items() if k != 'total')
     return best
