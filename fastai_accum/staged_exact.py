@@ -72,7 +72,7 @@ class StagedStep:
         self.store_costs = {}  # the most bytes per sample the store held in a window, by input signature and autocast
         self.kept_sizes = {}  # {kept key: its bytes per sample} in the last window, by input signature and autocast
         self.device_plans = {}  # `_plan_device_part`'s plans
-        self.whole = set()  # `_cost_key`s of last stages that draw random numbers: run in one chunk
+        self.one_chunk = set()  # `_cost_key`s of last stages that draw random numbers: run in one chunk
         self.pool = HostPool()  # the store's host tensors, from window to window (`_store_tensor`, `_recycle`)
         self.device = None  # the store's device part in the last window (`DevicePart`)
         # a profiler's hook: `timer(name)` gives a context manager entered around each pass of that kind (`PASSES`)
@@ -456,7 +456,7 @@ def _kept_from(self:StagedStep) -> int:
 def _first_chunk(self:StagedStep, s:int, chunk:int) -> tuple:
     "(samples per chunk of stage `s`, whether its first chunk measures the stage's bytes per sample)."
     key = self._cost_key(s)
-    if key in self.whole: return self.W, False  # the last stage, drawing random numbers: in one chunk, as before
+    if key in self.one_chunk: return self.W, False  # the last stage, drawing random numbers: in one chunk, as before
     if self.config.budget is not None:
         cost = self.costs.get(key)
         return (self._sized(s, cost, chunk), False) if cost is not None else (min(chunk, self.W), True)
@@ -505,7 +505,7 @@ def _plan_device_part(self:StagedStep, chunk:int):
     per_sample = self.kept_sizes.get((self.signature, self.autocast))
     costs = [self.costs.get(self._cost_key(s)) for s in range(n_st)]
     if not self.link.apart or self.config.budget is None or per_sample is None or None in costs: return
-    key = self.signature, self.autocast, self.W, self.config.budget, self.kept_from, len(self.whole)
+    key = self.signature, self.autocast, self.W, self.config.budget, self.kept_from, len(self.one_chunk)
     if key in self.device_plans:
         self.device.spans, held = self.device_plans[key]
         self.device.held = list(held)
@@ -533,7 +533,7 @@ def _device_room(self:StagedStep, chunk:int, costs:list, size) -> list:
     # whole. `size(node)`: a node's window bytes, the last window's
     room, graphs = [-1.] * len(self.cut.stages), 0.
     for s, cost in enumerate(costs):
-        if self._cost_key(s) in self.whole: continue
+        if self._cost_key(s) in self.one_chunk: continue
         beside, ahead = self._beside(s, size)
         if s >= self.kept_from:
             graphs += cost * self.W
@@ -650,16 +650,16 @@ def _stage_forward(self:StagedStep, s:int, dev, chunk:int):
     # runs with a graph, kept for the backward
     last = s + 1 == len(self.cut.stages)
     sts, (c, measure), a = {bar: ChannelStats() for bar in self.cut.gathers[s]}, self._first_chunk(s, chunk), 0
-    fixed = self._producer_spans(s)
-    if fixed: measure = False
+    producer = self._producer_spans(s)  # the chunks to run in, where a value it reads says
+    if producer: measure = False
     while a < self.W:
-        b = fixed[len(self.spans[s])][1] if fixed else min(a + c, self.W)
+        b = producer[len(self.spans[s])][1] if producer else min(a + c, self.W)
         graph = s >= self.kept_from or (last and b == self.W)
         # the chunk that measures the stage runs as its backward's recompute will, counting what autograd saves
         probe, saved = measure and a == 0 and not graph, {}
         grad = graph or probe
         env, xb = self._stage_inputs(s, a, b, dev, grad=grad), self._xb(a, b, dev, grad=grad, s=s)
-        if not (measure and a == 0): self._prefetch(s, _next_span(b, c, self.W, fixed))  # crossing while this computes
+        if not (measure and a == 0): self._prefetch(s, _next_span(b, c, self.W, producer))  # crossing while this computes
         self.rng[s, a] = state = _rng_state(dev)
         with torch.set_grad_enabled(grad), self._saved_counted(saved) if probe else nullcontext():
             leaf = self._run_stage(s, env, xb, grad=grad)
@@ -668,10 +668,10 @@ def _stage_forward(self:StagedStep, s:int, dev, chunk:int):
         if measure and a == 0:  # the stage's bytes per sample, measured once: the other chunks as large as they fit
             self.costs[self._cost_key(s)] = cost = self._stage_cost(env, b - a, saved)
         if a == 0 and b < self.W and not _same_state(state, _rng_state(dev)):  # it draws random numbers
-            if last and not fixed:
+            if last and not producer:
                 _set_rng_state(state, dev)
                 self.spans[s] = []
-                self.whole.add(self._cost_key(s))
+                self.one_chunk.add(self._cost_key(s))
                 return self._stage_forward(s, dev, self.W)
             self.random_chunked.append(s)
         self.spans[s].append((a, b))
@@ -681,7 +681,7 @@ def _stage_forward(self:StagedStep, s:int, dev, chunk:int):
                 for bar, st in sts.items(): st.add(self.runner.value(bar.args[0], env, xb))
         if measure and a == 0:  # once its values' window-sized store is made; then the next chunk's reads start
             c = self._sized(s, cost, chunk)
-            self._prefetch(s, _next_span(b, c, self.W, fixed))
+            self._prefetch(s, _next_span(b, c, self.W, producer))
         if graph:  # what the backward reads: the stage's inputs (leaves) and outputs; the graph holds the rest it needs
             self.graphs[s, a] = {n: env[n] for n in self.cut.stage_in[s] + self.cut.stage_out[s] if n in env}, leaf
         env = xb = leaf = None  # freed before the next chunk is computed
@@ -690,9 +690,9 @@ def _stage_forward(self:StagedStep, s:int, dev, chunk:int):
         for bar, st in sts.items(): self.window_stats.close(bar, self.modules[bar.target], st)
     self._leave_device_part(s)
 
-def _next_span(b:int, c:int, W:int, fixed:list|None) -> tuple|None:
-    "The chunk after the one ending at `b`: chunks of `c` up to `W`, or the next of the `fixed` spans (None: none)."
-    if fixed: return next((span for span in fixed if span[0] == b), None)
+def _next_span(b:int, c:int, W:int, spans:list|None) -> tuple|None:
+    "The chunk after the one ending at `b`: chunks of `c` up to `W`, or the next of the given `spans` (None: none)."
+    if spans: return next((span for span in spans if span[0] == b), None)
     return (b, min(b + c, W)) if b < W else None
 
 # %% ../nbs/02b_staged_exact.ipynb #195244bf
@@ -853,7 +853,7 @@ def backward(self:StagedStep, grad, # the loss's gradient w.r.t. the window's ou
         bar = self.cut.bars[s]
         outs = [n for n in self.cut.stage_out[s] if any(k in grads or k in self.window_stats.projections for k in self._keys(n))]
         # the barrier's input gradient with its statistics held fixed (window-sized, in `store`); Σ g, Σ g·x̂
-        fixed, sums = {}, None
+        fixed_grads, sums = {}, None
         # autograd asked only for this stage's parameters
         used = [index[id(p)] for p in self.cut.stage_params[s] if id(p) in index]
         affine = self._affine_sums(s, bar, index, pgrads) if bar is not None else None
@@ -863,8 +863,8 @@ def backward(self:StagedStep, grad, # the loss's gradient w.r.t. the window's ou
         order = sorted(self.spans[s], key=lambda span: (s, span[0]) not in self.graphs)
         for i, (a, b) in enumerate(order):
             self._prefetch(s, order[i + 1] if i + 1 < len(order) else None, grads)  # crossing while this one computes
-            kept = self.graphs.pop((s, a), None)  # its graph, from the forward
-            env, leaf = kept if kept is not None else self._recomputed(s, a, b, dev, autocast)
+            graph = self.graphs.pop((s, a), None)  # its graph, from the forward
+            env, leaf = graph if graph is not None else self._recomputed(s, a, b, dev, autocast)
             self._check_carried(s, env)
             pairs = [(t, self._out_grad(grads, k, a, b, t)) for n in outs for k, t in self._struct_keys(n, env[n])
                      if (k in grads or k in self.window_stats.projections) and t.requires_grad]
@@ -878,12 +878,12 @@ def backward(self:StagedStep, grad, # the loss's gradient w.r.t. the window's ou
                 g = got[-1] if got and got[-1] is not None else torch.zeros_like(leaf)
                 if affine is None:
                     with self._timed('window sums'): sums = self.window_stats.add_sums(bar, leaf.detach(), g, sums)
-                self._keep(fixed, bar, g, a, b, 'grad')
-            kept = env = leaf = pairs = leaves = got = g = None  # freed before the next chunk is recomputed
+                self._keep(fixed_grads, bar, g, a, b, 'grad')
+            graph = env = leaf = pairs = leaves = got = g = None  # freed before the next chunk is recomputed
         if affine is not None: sums = affine()
         self._recycle([grads.pop(k, None) for n in outs for k in self._keys(n)])
         self._recycle([p.fixed for n in outs for k in self._keys(n) for p in self.window_stats.projections.pop(k, ())])
-        if bar is not None: self._project(s, bar, fixed.get(bar), sums)
+        if bar is not None: self._project(s, bar, fixed_grads.get(bar), sums)
         self._recycle([self.kept.pop(k) for n in self.cut.freed[s] for k in self._keys(n) if k in self.kept])
         self._leave_device_part(s, grads)
     # the store's tensors, for the next window; not the output's (the model returned them)
