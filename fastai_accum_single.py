@@ -25,12 +25,12 @@ Contents (line: module: classes), dependencies first:
      2594: probes: -
      2830: exact: Footprint, ExactModeMemoryError, ExactPlan
      3249: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
-     3407: staged_exact: StagedConfig, StagedStep, LayerStats, Projection, WindowStats, StagedForward
-     4491: staged_check: -
-     4741: ghost: GhostForward
-     4796: plan: StagedMismatchError, TrainingPlan
-     5141: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     5757: callback: WindowPrefetch, GradientAccumulation
+     3407: staged_exact: StagedConfig, StagedStep, HostPool, DevicePart, LayerStats, Projection, WindowStats, StagedForward
+     4555: staged_check: -
+     4805: ghost: GhostForward
+     4860: plan: StagedMismatchError, TrainingPlan
+     5205: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     5821: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -2592,7 +2592,7 @@ def stage_grads(model:nn.Module, # the model, in the modes it trains in
     return max((sum(_nbytes(p) for p in ps if p.requires_grad) for ps in params), default=0)
 
 # ======== fastai_accum/probes.py ========
-# %% ../nbs/00c_probes.ipynb #39110911
+# %% ../nbs/00c_probes.ipynb #2948a445
 import weakref
 from contextlib import nullcontext
 import torch
@@ -2603,7 +2603,7 @@ from torch.utils._pytree import tree_flatten
 
 # %% auto #0
 
-# %% ../nbs/00c_probes.ipynb #ce0cdb58
+# %% ../nbs/00c_probes.ipynb #f996f417
 _plain = plain_tensor  # a subclass such as fastai's `TensorImage` would make every op dispatch through it
 
 def _rng_state(dev):
@@ -2627,7 +2627,7 @@ def _extras(m:nn.Module, n:fx.Node, y:Tensor) -> Tensor:
     # an aten graph's `batch_norm` (`norm_only`): its own nodes apply them
     return y if n.meta.get('norm_only') else _after_norm(m, y)
 
-# %% ../nbs/00c_probes.ipynb #16f9363b
+# %% ../nbs/00c_probes.ipynb #b21abe83
 _per_model = weakref.WeakKeyDictionary()  # model -> {(what, `_check_key`): a measurement or verdict on it}
 
 def _check_key(model:nn.Module, xb:tuple) -> tuple:
@@ -3406,7 +3406,7 @@ def done(self:Link):
 
 # ======== fastai_accum/staged_exact.py ========
 # %% ../nbs/02b_staged_exact.ipynb #bc1cb743
-import collections, contextlib, copy, itertools, math, warnings, weakref
+import collections, contextlib, copy, functools, itertools, math, warnings, weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -3432,7 +3432,7 @@ class StagedConfig:
     budget:int|None=None
     grow:bool=True # without a budget, stages bringing in fewer bytes per sample run in larger chunks (False: in `chunk`)
     local:bool=False # this process's window alone: no collective under DDP (the check on the user's model)
-    # the store's device part (`_device_part`) may take chunks down to this fraction of their size without it (1.: it
+    # the store's device part (`_plan_device_part`) may take chunks down to this fraction of their size without it (1.: it
     # takes only the room they leave)
     shrink:float=0.5
     # beside a stage's working set counted this many times: its bytes per sample are an estimate (a dense block's
@@ -3452,7 +3452,6 @@ class StagedStep:
         self.model, self.graph, self.config = model, graph, config if config is not None else StagedConfig()
         self.ledger = None  # what the last window moved between the host store and the device (`Ledger`)
         self.said_random = False  # the warning that chunked stages drew random numbers was given
-        self.pool_W = None  # the window size of the tensors in `pool`
         self._readers = None  # `_param_readers`, counted at the first backward
         self.runner = GraphRunner(model, graph)  # runs the graph's nodes
         self.modules = self.runner.modules
@@ -3461,11 +3460,12 @@ class StagedStep:
         self.costs = {}  # bytes per sample of each stage's chunk in its backward (`_stage_cost`), by `_cost_key`
         self.store_costs = {}  # the most bytes per sample the store held in a window, by input signature and autocast
         self.kept_sizes = {}  # {kept key: its bytes per sample} in the last window, by input signature and autocast
-        self.device_plans = {}  # `_device_part`'s plans
-        self.whole = set()  # `_cost_key`s of last stages that draw random numbers: run in one chunk
-        # window-sized host tensors of the store the last window no longer reads, by (shape, dtype, device, pinned),
-        # and those in use ({id: (weakref, key)}): `_store_tensor`, `_recycle`
-        self.pool, self.ours = {}, {}
+        self.device_plans = {}  # `_plan_device_part`'s plans
+        self.one_chunk = set()  # `_cost_key`s of last stages that draw random numbers: run in one chunk
+        self.pool = HostPool()  # the store's host tensors, from window to window (`_store_tensor`, `_recycle`)
+        self.device = None  # the store's device part in the last window (`DevicePart`)
+        # a profiler's hook: `timer(name)` gives a context manager entered around each pass of that kind (`PASSES`)
+        self.timer = None
         self.layout_cache = {}  # {input signature: `_find_layouts`'s}
 
     def __repr__(self):
@@ -3478,8 +3478,27 @@ class StagedStep:
         if key not in self.cuts: self.cuts[key] = cut_stages(self.model, self.graph)
         return self.cuts[key]
 
+    def _timed(self, name:str):
+        "The `timer`'s context around one pass called `name` (one of `PASSES`); none without a timer."
+        return self.timer(name) if self.timer is not None else nullcontext()
+
+# the passes a `timer` sees, each timed where it runs
+PASSES = ('forward', 'recompute', 'autograd', 'statistics', 'window sums', 'projection', 'running statistics',
+          'store copies', 'store reads', 'input copies')
+
+def _timed_pass(name):
+    "Run a step's method as a pass called `name` (a str, or a function of the method's arguments) for its `timer`."
+    def timed(f):
+        @functools.wraps(f)
+        def run(self, *args, **kwargs):
+            if self.timer is None: return f(self, *args, **kwargs)
+            with self.timer(name(*args, **kwargs) if callable(name) else name): return f(self, *args, **kwargs)
+        return run
+    return timed
+
 # %% ../nbs/02b_staged_exact.ipynb #97042fc2
 @patch
+@_timed_pass(lambda s, env, xb, grad: 'recompute' if grad else 'forward')
 def _run_stage(self:StagedStep, s:int, env:dict, xb:tuple, grad:bool):
     "Run stage `s` of one chunk on `env`; the BatchNorm opening it normalizes with window statistics."
     # that BatchNorm is one fused op; its input is a leaf of its own if `grad`, returned
@@ -3503,6 +3522,7 @@ def _run_stage(self:StagedStep, s:int, env:dict, xb:tuple, grad:bool):
 
 # %% ../nbs/02b_staged_exact.ipynb #96d4120c
 @patch
+@_timed_pass('input copies')
 def _xb(self:StagedStep, a:int, b:int, dev, grad:bool=False, s:int|None=None) -> tuple:
     "Samples a:b of the window's inputs (which may wait in host memory) on `dev`."
     # for a backward, a chunk of their own; none for a stage `s` that does not read them
@@ -3521,6 +3541,7 @@ def _read(self:StagedStep, t:Tensor, dev) -> Tensor:
     return self.link.read(t, dev) if self.link.holds(t) else _to(t, dev)
 
 @patch
+@_timed_pass('store reads')
 def _stage_inputs(self:StagedStep, s:int, a:int, b:int, dev, grad:bool=False) -> dict:
     "Samples a:b of the values stage `s` reads from earlier stages, on `dev`."
     # leaves that collect gradients if `grad`
@@ -3536,7 +3557,7 @@ def _stage_inputs(self:StagedStep, s:int, a:int, b:int, dev, grad:bool=False) ->
 def _kept_chunk(self:StagedStep, key, a:int, b:int, dev, grad:bool) -> Tensor:
     "Samples a:b of the kept tensor `key` on `dev`; for a backward, a leaf collecting its gradient."
     t = self.kept[key][a:b]
-    v = self._unstored(key, self._from_device_part(key, a, b, lambda: self._read(t, dev)), b - a)
+    v = self._unstored(key, self.device.read(key, a, b, lambda: self._read(t, dev)), b - a)
     # a chunk of its own, as on an accelerator: what the backward holds is the chunk, not the store it is a view of
     if grad and _storage(v) == _storage(t): v = v.clone()
     return v.detach().requires_grad_(v.is_floating_point()) if grad else v
@@ -3565,6 +3586,7 @@ def _struct_keys(self:StagedStep, n, v) -> list:
     return [((n, i), leaves[i]) for i in self.structs[n][1]]
 
 @patch
+@_timed_pass('store copies')
 def _keep(self:StagedStep, d:dict, n, v:Tensor, a:int, b:int, kind:str='kept'):
     "Samples a:b of node `n`'s value (`kind` 'kept') or gradient ('grad') into the window-sized `d[n]`, in `store`."
     v = self._stored(n, v, b - a)
@@ -3588,12 +3610,7 @@ def _add_grad(self:StagedStep, grads:dict, k, g:Tensor, a:int, b:int):
     # the first contribution to those samples is copied in as it is (no zero-fill, no sum on the host); a later one is
     # summed with it on the device, then copied in
     g = self._stored(k, g, b - a)
-    if k in self.device_part:  # summed on the device, written once after its first reader's backward
-        if k not in self.gcache:
-            self.gcache[k] = torch.zeros((self.W,) + g.shape[1:], dtype=g.dtype, device=g.device)
-            self._note_device_part()
-        self.gcache[k][a:b] += g
-        return
+    if k in self.device: return self.device.add_grad(k, g, a, b)  # written once, after its first reader's backward
     if k not in grads: grads[k] = self._store_tensor((self.W,) + g.shape[1:], g.dtype, self.config.store or g.device)
     spans, t = self.written.setdefault(k, []), grads[k]
     if not any(s < b and a < e for s, e in spans): self._put(t, a, b, g, 'grad')
@@ -3680,23 +3697,42 @@ def _same(u, v) -> bool:
     except Exception: return False
 
 # %% ../nbs/02b_staged_exact.ipynb #0ad7c6be
+class HostPool:
+    "The store's window-sized host tensors, handed from window to window: a new one costs its page faults."
+    # a new host tensor of hundreds of MiB costs its page faults, about 4x a copy into it (a pinned one, its pinning)
+    def __init__(self): self.W, self.free, self.lent = None, {}, {}  # {(shape, dtype, device, pinned): [tensor]}, {id: }
+
+    def for_window(self, W:int):
+        "Start a window of `W` samples: the tensors of another window size are let go."
+        if W != self.W: self.W, self.free, self.lent = W, {}, {}
+
+    def take(self, shape:tuple, dtype, device, pin:bool, lend:bool) -> Tensor:
+        "A tensor of this shape, dtype and device: one given back, or new; `lend`: it may be given back (`give_back`)."
+        key = (tuple(shape), dtype, torch.device(device), pin)
+        free = self.free.get(key)
+        t = free.pop() if free else torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
+        if lend: self.lent[id(t)] = (weakref.ref(t), key)
+        return t
+
+    def give_back(self, ts):
+        "Take back the lent tensors among `ts` that nothing reads any more, for the next of their shape."
+        for t in ts:
+            ref, key = self.lent.pop(id(t), (None, None)) if isinstance(t, Tensor) else (None, None)
+            if ref is not None and ref() is t: self.free.setdefault(key, []).append(t)
+
 @patch
 def _store_tensor(self:StagedStep, shape:tuple, dtype, device) -> Tensor:
-    "A window-sized tensor of the store: one an earlier window gave back (`_recycle`), or new; the link counts it."
-    # a new host tensor of hundreds of MiB costs its page faults, about 4x a copy into it (a pinned one, its pinning):
-    # only host tensors are reused, so the device holds nothing between windows
-    key = (tuple(shape), dtype, torch.device(device), self.pin)
-    free = self.pool.get(key)
-    t = free.pop() if free else torch.empty(shape, dtype=dtype, device=device, pin_memory=self.pin)
-    if key[2].type == 'cpu' and not self.shared: self.ours[id(t)] = (weakref.ref(t), key)
-    return self.link.register(t) if key[2].type == 'cpu' else t
+    "A window-sized tensor of the store: from the pool (host tensors, given back by `_recycle`); the link counts it."
+    # only host tensors are reused, so the device holds nothing between windows; none where the store shares the
+    # budget's memory (a pool would keep freed values alive)
+    host = torch.device(device).type == 'cpu'
+    t = self.pool.take(shape, dtype, device, self.pin, lend=host and not self.shared)
+    return self.link.register(t) if host else t
 
 @patch
 def _recycle(self:StagedStep, ts):
-    "Give the store's tensors among `ts` that nothing reads any more to `_store_tensor`, for the next of their shape."
-    for t in ts:
-        ref, key = self.ours.pop(id(t), (None, None)) if isinstance(t, Tensor) else (None, None)
-        if ref is not None and ref() is t: self.pool.setdefault(key, []).append(t)
+    "Give the store's tensors among `ts` that nothing reads any more back to the pool."
+    self.pool.give_back(ts)
 
 # %% ../nbs/02b_staged_exact.ipynb #c2294600
 @patch
@@ -3750,7 +3786,7 @@ def forward(self:StagedStep, xb:tuple, # the window's model inputs, one batch of
     self.autocast = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
     self.signature = tuple((tuple(t.shape[1:]), t.dtype) for t in self.xb if isinstance(t, Tensor))
     self.layouts = self.layout_cache.get(self.signature)  # views folded into the batch (`_find_layouts`)
-    if self.W != self.pool_W: self.pool, self.ours, self.pool_W = {}, {}, self.W  # shapes of another window size
+    self.pool.for_window(self.W)
     # the store in the memory the budget counts (a CPU's): chunks get what it leaves, and nothing is pooled
     self.shared = not apart if apart is not None else store is None or torch.device(store) == dev
     # the one door between the host store and the device, and its ledger of what crossed (this window's)
@@ -3762,7 +3798,7 @@ def forward(self:StagedStep, xb:tuple, # the window's model inputs, one batch of
     # chunks run with their graph, kept for the backward (not recomputed): the last stage's last chunk, and every chunk
     # of the late stages whose graphs fit the budget together
     self.graphs, self.kept_from = {}, self._kept_from()
-    self._device_part(chunk)  # values several stages read, kept on the device between their reads where room is left
+    self._plan_device_part(chunk)  # values several stages read, kept on the device between their reads where room is left
     for s in range(len(self.cut.stages)):
         self.spans.append([])
         self._stage_forward(s, dev, chunk)
@@ -3809,7 +3845,7 @@ def _kept_from(self:StagedStep) -> int:
 def _first_chunk(self:StagedStep, s:int, chunk:int) -> tuple:
     "(samples per chunk of stage `s`, whether its first chunk measures the stage's bytes per sample)."
     key = self._cost_key(s)
-    if key in self.whole: return self.W, False  # the last stage, drawing random numbers: in one chunk, as before
+    if key in self.one_chunk: return self.W, False  # the last stage, drawing random numbers: in one chunk, as before
     if self.config.budget is not None:
         cost = self.costs.get(key)
         return (self._sized(s, cost, chunk), False) if cost is not None else (min(chunk, self.W), True)
@@ -3825,13 +3861,13 @@ def _beside(self:StagedStep, s:int, size=None) -> tuple:
     "(bytes beside every chunk of stage `s`, bytes per sample its next chunk's reads add while it computes)."
     # beside: its parameters' gradients as its backward makes them (summed in place into the step's); where the store
     # shares the budget's memory (a CPU), what it holds then, in this stage's forward and backward; the store's device
-    # part then (`_device_part`). Read ahead (`_prefetch`): its inputs and its outputs' gradients. `size(node)`: the
+    # part then (`_plan_device_part`). Read ahead (`_prefetch`): its inputs and its outputs' gradients. `size(node)`: the
     # window's bytes of a node (default: this window's, as far as kept)
     size = size or self._kept_bytes
     grads = sum(_nbytes(p) for p in self.cut.stage_params[s] if p.requires_grad)
     store = max(_nbytes(list(self.kept.values())), self._store_bytes(s)) if self.shared else 0
     ahead = sum(map(size, self.cut.stage_in[s] + self.cut.stage_out[s])) / self.W if self.link.apart else 0
-    return grads + store + self.device_held[s], ahead
+    return grads + store + self.device.held[s], ahead
 
 @patch
 def _sized(self:StagedStep, s:int, cost:float, chunk:int, size=None) -> int:
@@ -3848,20 +3884,20 @@ def _cost_key(self:StagedStep, s:int) -> tuple:
 
 # %% ../nbs/02b_staged_exact.ipynb #1a447e1a
 @patch
-def _device_part(self:StagedStep, chunk:int):
-    "Plan `device_part` ({kept key: (first, last) stage reading it}) and `device_held` (bytes it holds at each stage)."
+def _plan_device_part(self:StagedStep, chunk:int):
+    "This window's `DevicePart`: which kept values it holds from which stage to which, and its bytes at each stage."
     # only values read by several stages, none the model returns; a value and its gradient are counted at every stage
     # from its first reader to its last, within the room there (`_device_room`); the most-read first
     # planned once per input signature, autocast, window size, budget and stages kept whole or with their graphs
-    n_st, self.cache, self.gcache, self.device_store_bytes = len(self.cut.stages), {}, {}, 0
-    self.device_held, self.device_part = [0] * n_st, {}
+    n_st = len(self.cut)
+    self.device = DevicePart(self.W, [0] * n_st)
     per_sample = self.kept_sizes.get((self.signature, self.autocast))
     costs = [self.costs.get(self._cost_key(s)) for s in range(n_st)]
     if not self.link.apart or self.config.budget is None or per_sample is None or None in costs: return
-    key = self.signature, self.autocast, self.W, self.config.budget, self.kept_from, len(self.whole)
+    key = self.signature, self.autocast, self.W, self.config.budget, self.kept_from, len(self.one_chunk)
     if key in self.device_plans:
-        self.device_part, held = self.device_plans[key]
-        self.device_held = list(held)
+        self.device.spans, held = self.device_plans[key]
+        self.device.held = list(held)
         return
     node = lambda k: k[0] if isinstance(k, tuple) else k
     sizes, by_node, readers = {k: v * self.W for k, v in per_sample.items()}, collections.Counter(), {}
@@ -3873,10 +3909,10 @@ def _device_part(self:StagedStep, chunk:int):
     several = [(k, readers[node(k)]) for k in sizes if len(readers.get(node(k), ())) > 1 and node(k) not in returned]
     for k, rs in sorted(several, key=lambda kv: (-len(kv[1]), sizes[kv[0]])):
         span = range(rs[0], rs[-1] + 1)
-        if all(self.device_held[s] + 2 * sizes[k] <= room[s] for s in span):
-            self.device_part[k] = rs[0], rs[-1]
-            for s in span: self.device_held[s] += 2 * sizes[k]
-    self.device_plans[key] = self.device_part, tuple(self.device_held)
+        if all(self.device.held[s] + 2 * sizes[k] <= room[s] for s in span):
+            self.device.spans[k] = rs[0], rs[-1]
+            for s in span: self.device.held[s] += 2 * sizes[k]
+    self.device_plans[key] = self.device.spans, tuple(self.device.held)
 
 @patch
 def _device_room(self:StagedStep, chunk:int, costs:list, size) -> list:
@@ -3886,7 +3922,7 @@ def _device_room(self:StagedStep, chunk:int, costs:list, size) -> list:
     # whole. `size(node)`: a node's window bytes, the last window's
     room, graphs = [-1.] * len(self.cut.stages), 0.
     for s, cost in enumerate(costs):
-        if self._cost_key(s) in self.whole: continue
+        if self._cost_key(s) in self.one_chunk: continue
         beside, ahead = self._beside(s, size)
         if s >= self.kept_from:
             graphs += cost * self.W
@@ -3897,41 +3933,64 @@ def _device_room(self:StagedStep, chunk:int, costs:list, size) -> list:
     return room
 
 # %% ../nbs/02b_staged_exact.ipynb #55c31e92
-@patch
-def _from_device_part(self:StagedStep, key, a:int, b:int, read) -> Tensor:
-    "Samples a:b of kept tensor `key`: from its device part where that holds them, else `read()`, then kept there."
-    if key not in self.device_part: return read()
-    t, have = self.cache.get(key, (None, None))
-    if t is not None and all(have[a:b]): return t[a:b].clone()  # a chunk of its own: a stage may write into it
-    v = read()
-    if t is None:
-        t, have = torch.empty((self.W,) + v.shape[1:], dtype=v.dtype, device=v.device), [False] * self.W
-        self.cache[key] = t, have
-        self._note_device_part()
-    t[a:b].copy_(v)
-    have[a:b] = [True] * (b - a)
-    return v
+class DevicePart:
+    "The store's part on the device: values several stages read, held from their first reader to their last."
+    # and their gradients, summed there and written to the store once, after their first reader's backward
+    def __init__(self,
+                 W:int, # samples in the window
+                 held:list, # bytes planned at each stage (`_plan_device_part`)
+                ):
+        self.W, self.held = W, held
+        self.spans = {}  # {kept key: (first, last) stage reading it}
+        self.values, self.grads = {}, {}  # {key: (window-sized tensor, [sample held?])}, {key: summed gradient}
+        self.most = 0  # the most bytes it held in this window: values and summed gradients
 
-@patch
-def _note_device_part(self:StagedStep):
-    "Note the most bytes the device part held in this window (`device_store_bytes`): values and summed gradients."
-    now = _nbytes([t for t, _ in self.cache.values()]) + _nbytes(list(self.gcache.values()))
-    self.device_store_bytes = max(self.device_store_bytes, now)
+    def __contains__(self, key) -> bool: return key in self.spans
+    def __len__(self) -> int: return len(self.spans)
 
-@patch
-def _on_device(self:StagedStep, key, a:int, b:int) -> bool:
-    "Does the device part hold samples a:b of kept tensor `key`?"
-    t, have = self.cache.get(key, (None, None))
-    return t is not None and all(have[a:b])
+    def holds(self, key, a:int, b:int) -> bool:
+        "Does it hold samples a:b of kept tensor `key`?"
+        t, have = self.values.get(key, (None, None))
+        return t is not None and all(have[a:b])
+
+    def read(self, key, a:int, b:int, read) -> Tensor:
+        "Samples a:b of kept tensor `key`: held here, else `read()` and, where `key` is planned here, kept."
+        if key not in self.spans: return read()
+        if self.holds(key, a, b): return self.values[key][0][a:b].clone()  # its own: a stage may write into it
+        v = read()
+        if key not in self.values:
+            self.values[key] = torch.empty((self.W,) + v.shape[1:], dtype=v.dtype, device=v.device), [False] * self.W
+            self._note()
+        t, have = self.values[key]
+        t[a:b].copy_(v)
+        have[a:b] = [True] * (b - a)
+        return v
+
+    def add_grad(self, key, g:Tensor, a:int, b:int):
+        "Sum one chunk's gradient `g` (samples a:b) of kept value `key` into its window's, here."
+        if key not in self.grads:
+            self.grads[key] = torch.zeros((self.W,) + g.shape[1:], dtype=g.dtype, device=g.device)
+            self._note()
+        self.grads[key][a:b] += g
+
+    def leave(self, s:int, backward:bool) -> list:
+        "After stage `s`'s forward or backward: let go the values it read last; [(key, summed gradient)] to write."
+        out = []
+        for k, (first, last) in self.spans.items():
+            if s != (first if backward else last): continue
+            self.values.pop(k, None)
+            g = self.grads.pop(k, None)
+            if g is not None: out.append((k, g))
+        return out
+
+    def _note(self):
+        now = _nbytes([t for t, _ in self.values.values()]) + _nbytes(list(self.grads.values()))
+        self.most = max(self.most, now)
 
 @patch
 def _leave_device_part(self:StagedStep, s:int, grads:dict|None=None):
-    "After stage `s`'s forward (`grads` None) or backward: drop the values it read last; write their summed gradients."
-    for k, (first, last) in self.device_part.items():
-        if s != (last if grads is None else first): continue
-        self.cache.pop(k, None)
-        g = self.gcache.pop(k, None)
-        if g is None: continue
+    "After stage `s`'s forward (`grads` None) or backward: the device part lets go; its summed gradients written."
+    for k, g in self.device.leave(s, backward=grads is not None):
         grads[k] = self._store_tensor(g.shape, g.dtype, self.config.store or g.device)
         self._put(grads[k], 0, self.W, g, 'grad')
         self.written[k] = [(0, self.W)]
@@ -3980,16 +4039,16 @@ def _stage_forward(self:StagedStep, s:int, dev, chunk:int):
     # runs with a graph, kept for the backward
     last = s + 1 == len(self.cut.stages)
     sts, (c, measure), a = {bar: ChannelStats() for bar in self.cut.gathers[s]}, self._first_chunk(s, chunk), 0
-    fixed = self._producer_spans(s)
-    if fixed: measure = False
+    producer = self._producer_spans(s)  # the chunks to run in, where a value it reads says
+    if producer: measure = False
     while a < self.W:
-        b = fixed[len(self.spans[s])][1] if fixed else min(a + c, self.W)
+        b = producer[len(self.spans[s])][1] if producer else min(a + c, self.W)
         graph = s >= self.kept_from or (last and b == self.W)
         # the chunk that measures the stage runs as its backward's recompute will, counting what autograd saves
         probe, saved = measure and a == 0 and not graph, {}
         grad = graph or probe
         env, xb = self._stage_inputs(s, a, b, dev, grad=grad), self._xb(a, b, dev, grad=grad, s=s)
-        if not (measure and a == 0): self._prefetch(s, _next_span(b, c, self.W, fixed))  # crossing while this computes
+        if not (measure and a == 0): self._prefetch(s, _next_span(b, c, self.W, producer))  # crossing while this computes
         self.rng[s, a] = state = _rng_state(dev)
         with torch.set_grad_enabled(grad), self._saved_counted(saved) if probe else nullcontext():
             leaf = self._run_stage(s, env, xb, grad=grad)
@@ -3998,29 +4057,31 @@ def _stage_forward(self:StagedStep, s:int, dev, chunk:int):
         if measure and a == 0:  # the stage's bytes per sample, measured once: the other chunks as large as they fit
             self.costs[self._cost_key(s)] = cost = self._stage_cost(env, b - a, saved)
         if a == 0 and b < self.W and not _same_state(state, _rng_state(dev)):  # it draws random numbers
-            if last and not fixed:
+            if last and not producer:
                 _set_rng_state(state, dev)
                 self.spans[s] = []
-                self.whole.add(self._cost_key(s))
+                self.one_chunk.add(self._cost_key(s))
                 return self._stage_forward(s, dev, self.W)
             self.random_chunked.append(s)
         self.spans[s].append((a, b))
         with torch.no_grad():
             for n in self.cut.stage_out[s]: self._hold(n, env[n], a, b)
-            for bar, st in sts.items(): st.add(self.runner.value(bar.args[0], env, xb))  # window statistics
+            with self._timed('statistics'):  # window statistics
+                for bar, st in sts.items(): st.add(self.runner.value(bar.args[0], env, xb))
         if measure and a == 0:  # once its values' window-sized store is made; then the next chunk's reads start
             c = self._sized(s, cost, chunk)
-            self._prefetch(s, _next_span(b, c, self.W, fixed))
+            self._prefetch(s, _next_span(b, c, self.W, producer))
         if graph:  # what the backward reads: the stage's inputs (leaves) and outputs; the graph holds the rest it needs
             self.graphs[s, a] = {n: env[n] for n in self.cut.stage_in[s] + self.cut.stage_out[s] if n in env}, leaf
         env = xb = leaf = None  # freed before the next chunk is computed
         a = b
-    for bar, st in sts.items(): self.window_stats.close(bar, self.modules[bar.target], st)
+    with self._timed('running statistics'):
+        for bar, st in sts.items(): self.window_stats.close(bar, self.modules[bar.target], st)
     self._leave_device_part(s)
 
-def _next_span(b:int, c:int, W:int, fixed:list|None) -> tuple|None:
-    "The chunk after the one ending at `b`: chunks of `c` up to `W`, or the next of the `fixed` spans (None: none)."
-    if fixed: return next((span for span in fixed if span[0] == b), None)
+def _next_span(b:int, c:int, W:int, spans:list|None) -> tuple|None:
+    "The chunk after the one ending at `b`: chunks of `c` up to `W`, or the next of the given `spans` (None: none)."
+    if spans: return next((span for span in spans if span[0] == b), None)
     return (b, min(b + c, W)) if b < W else None
 
 # %% ../nbs/02b_staged_exact.ipynb #195244bf
@@ -4150,7 +4211,7 @@ def _prefetch(self:StagedStep, s:int, span, grads:dict|None=None):
         for n in self.cut.stage_in[s]:
             if n.op == 'placeholder' or (n in self.carried and n not in self.structs): continue
             for k in self._keys(n):
-                if k in self.kept and self.link.holds(self.kept[k]) and not self._on_device(k, a, b):
+                if k in self.kept and self.link.holds(self.kept[k]) and not self.device.holds(k, a, b):
                     self.link.prefetch(self.kept[k][a:b], dev)
         if self.cut.reads_input[s]:
             for t in self.xb:
@@ -4181,7 +4242,7 @@ def backward(self:StagedStep, grad, # the loss's gradient w.r.t. the window's ou
         bar = self.cut.bars[s]
         outs = [n for n in self.cut.stage_out[s] if any(k in grads or k in self.window_stats.projections for k in self._keys(n))]
         # the barrier's input gradient with its statistics held fixed (window-sized, in `store`); Σ g, Σ g·x̂
-        fixed, sums = {}, None
+        fixed_grads, sums = {}, None
         # autograd asked only for this stage's parameters
         used = [index[id(p)] for p in self.cut.stage_params[s] if id(p) in index]
         affine = self._affine_sums(s, bar, index, pgrads) if bar is not None else None
@@ -4191,8 +4252,8 @@ def backward(self:StagedStep, grad, # the loss's gradient w.r.t. the window's ou
         order = sorted(self.spans[s], key=lambda span: (s, span[0]) not in self.graphs)
         for i, (a, b) in enumerate(order):
             self._prefetch(s, order[i + 1] if i + 1 < len(order) else None, grads)  # crossing while this one computes
-            kept = self.graphs.pop((s, a), None)  # its graph, from the forward
-            env, leaf = kept if kept is not None else self._recomputed(s, a, b, dev, autocast)
+            graph = self.graphs.pop((s, a), None)  # its graph, from the forward
+            env, leaf = graph if graph is not None else self._recomputed(s, a, b, dev, autocast)
             self._check_carried(s, env)
             pairs = [(t, self._out_grad(grads, k, a, b, t)) for n in outs for k, t in self._struct_keys(n, env[n])
                      if (k in grads or k in self.window_stats.projections) and t.requires_grad]
@@ -4204,13 +4265,14 @@ def backward(self:StagedStep, grad, # the loss's gradient w.r.t. the window's ou
                 if g is not None: self._add_grad(grads, k, g, a, b)
             if bar is not None:
                 g = got[-1] if got and got[-1] is not None else torch.zeros_like(leaf)
-                if affine is None: sums = self.window_stats.add_sums(bar, leaf.detach(), g, sums)
-                self._keep(fixed, bar, g, a, b, 'grad')
-            kept = env = leaf = pairs = leaves = got = g = None  # freed before the next chunk is recomputed
+                if affine is None:
+                    with self._timed('window sums'): sums = self.window_stats.add_sums(bar, leaf.detach(), g, sums)
+                self._keep(fixed_grads, bar, g, a, b, 'grad')
+            graph = env = leaf = pairs = leaves = got = g = None  # freed before the next chunk is recomputed
         if affine is not None: sums = affine()
         self._recycle([grads.pop(k, None) for n in outs for k in self._keys(n)])
         self._recycle([p.fixed for n in outs for k in self._keys(n) for p in self.window_stats.projections.pop(k, ())])
-        if bar is not None: self._project(s, bar, fixed.get(bar), sums)
+        if bar is not None: self._project(s, bar, fixed_grads.get(bar), sums)
         self._recycle([self.kept.pop(k) for n in self.cut.freed[s] for k in self._keys(n) if k in self.kept])
         self._leave_device_part(s, grads)
     # the store's tensors, for the next window; not the output's (the model returned them)
@@ -4306,6 +4368,7 @@ class _Key:
     def __init__(self, key): self.key = key
 
 @patch
+@_timed_pass('autograd')
 def _grads(self:StagedStep, pairs:list, leaves:list, params:list, pgrads:list, used:list) -> list:
     "Gradients of `leaves` from one chunk's stage (None where unused)."
     # those of `params[i]` for `i` in `used` are added to `pgrads` (no `.grad` is touched)
@@ -4338,6 +4401,7 @@ def _shared_storages(outs:list, got) -> set:
 
 # %% ../nbs/02b_staged_exact.ipynb #314cf5d5
 @patch
+@_timed_pass('projection')
 @torch.no_grad()
 def _project(self:StagedStep, s:int, bar, fixed:Tensor, sums:Tensor):
     "BatchNorm's exact backward at `bar` from its window sums, kept for `_out_grad`: dx = g - (Σ g + x̂ Σ g·x̂) / n."
@@ -4489,7 +4553,7 @@ def uninstall_staged(model:nn.Module):
     restore_forward(model, StagedForward)
 
 # ======== fastai_accum/staged_check.py ========
-# %% ../nbs/02f_staged_check.ipynb #43e7ff8f
+# %% ../nbs/02f_staged_check.ipynb #df85abc5
 import contextlib, copy, functools, gc, itertools, types, weakref
 import torch
 from torch import nn, Tensor
@@ -6136,7 +6200,7 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'stats_finite', 'commit_stats', 'channel_sums', 'project_', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'ExactModeRefusedError', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'materialize_lazy', 'uncompiled', 'plain_tensor', 'is_dropout', 'peek_batches', 'window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'loss_couples', 'unjoinable', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only', 'accumulating_class', 'bn_layers', 'kept_running_stats', 'restore_running_stats', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'in_regions', 'trace_model', 'bn_graph', 'untraceable_reason', 'GraphRunner', 'StagedGraph', 'aten_graph', 'graph_mismatch', 'same_trace', 'staged_graph', 'traced_by', 'few_values', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'RESNET50_FLOPS', 'sources', 'cards', 'STEP_FLOPS', 'STEP_KERNELS', 'STAGED_KERNELS', 'OpCount', 'Card', 'run_time', 'link_time', 'WindowCounts', 'Prediction', 'predict', 'estimate_counts', 'measure_card', 'time_line', 'StageCut', 'cut_stages', 'stage_grads', 'store_per_sample', 'samples_mixed', 'batch_layouts', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged', 'Ledger', 'Copies', 'CudaCopies', 'DeferredCopies', 'Link', 'StagedConfig', 'StagedStep', 'LayerStats', 'Projection', 'WindowStats', 'input_grads_asked', 'StagedForward', 'install_staged', 'uninstall_staged', 'verify_staged', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'predicted_time', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'AccumulationOptions', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'stats_finite', 'commit_stats', 'channel_sums', 'project_', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'ExactModeRefusedError', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'materialize_lazy', 'uncompiled', 'plain_tensor', 'is_dropout', 'peek_batches', 'window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'loss_couples', 'unjoinable', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only', 'accumulating_class', 'bn_layers', 'kept_running_stats', 'restore_running_stats', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'in_regions', 'trace_model', 'bn_graph', 'untraceable_reason', 'GraphRunner', 'StagedGraph', 'aten_graph', 'graph_mismatch', 'same_trace', 'staged_graph', 'traced_by', 'few_values', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'RESNET50_FLOPS', 'sources', 'cards', 'STEP_FLOPS', 'STEP_KERNELS', 'STAGED_KERNELS', 'OpCount', 'Card', 'run_time', 'link_time', 'WindowCounts', 'Prediction', 'predict', 'estimate_counts', 'measure_card', 'time_line', 'StageCut', 'cut_stages', 'stage_grads', 'store_per_sample', 'samples_mixed', 'batch_layouts', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged', 'Ledger', 'Copies', 'CudaCopies', 'DeferredCopies', 'Link', 'PASSES', 'StagedConfig', 'StagedStep', 'HostPool', 'DevicePart', 'LayerStats', 'Projection', 'WindowStats', 'input_grads_asked', 'StagedForward', 'install_staged', 'uninstall_staged', 'verify_staged', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'predicted_time', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'AccumulationOptions', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
 ''')
 globals().update({k: getattr(_fastai_accum, k) for k in _fastai_accum.__all__
                   if k not in globals() or k == 'GradientAccumulation'})
