@@ -25,12 +25,12 @@ Contents (line: module: classes), dependencies first:
      2594: probes: -
      2830: exact: Footprint, ExactModeMemoryError, ExactPlan
      3249: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
-     3407: staged_exact: StagedConfig, StagedStep, HostPool, DevicePart, LayerStats, Projection, WindowStats, StagedForward
-     4555: staged_check: -
-     4805: ghost: GhostForward
-     4860: plan: StagedMismatchError, TrainingPlan
-     5205: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     5821: callback: WindowPrefetch, GradientAccumulation
+     3407: staged_exact: StagedConfig, StagedStep, HostPool, ChunkSizer, DevicePart, LayerStats, Projection, WindowStats, StagedForward
+     4572: staged_check: -
+     4822: ghost: GhostForward
+     4877: plan: StagedMismatchError, TrainingPlan
+     5222: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     5838: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -3457,11 +3457,8 @@ class StagedStep:
         self.modules = self.runner.modules
         self.cuts = {}  # `StageCut`s of the graph, by the modes of the layers and the parameters (`_cut`)
         self.cut = None  # the cut of the last forward
-        self.costs = {}  # bytes per sample of each stage's chunk in its backward (`_stage_cost`), by `_cost_key`
-        self.store_costs = {}  # the most bytes per sample the store held in a window, by input signature and autocast
-        self.kept_sizes = {}  # {kept key: its bytes per sample} in the last window, by input signature and autocast
+        self.sizer = ChunkSizer(self.config)  # sizes chunks from what earlier windows measured
         self.device_plans = {}  # `_plan_device_part`'s plans
-        self.one_chunk = set()  # `_cost_key`s of last stages that draw random numbers: run in one chunk
         self.pool = HostPool()  # the store's host tensors, from window to window (`_store_tensor`, `_recycle`)
         self.device = None  # the store's device part in the last window (`DevicePart`)
         # a profiler's hook: `timer(name)` gives a context manager entered around each pass of that kind (`PASSES`)
@@ -3805,8 +3802,8 @@ def forward(self:StagedStep, xb:tuple, # the window's model inputs, one batch of
     if self.layouts is None: self.layout_cache[self.signature] = self.layouts = {}  # no value folds views
     if self.random_chunked: self._say_random()
     self.window_stats.say_not_finite(self.link.sync)
-    self.store_costs[self.signature, self.autocast] = max(map(self._store_bytes, range(len(self.cut.stages)))) / self.W
-    self.kept_sizes[self.signature, self.autocast] = {k: _nbytes(t) / self.W for k, t in self.kept.items()}
+    self.sizer.store_costs[self.signature, self.autocast] = max(map(self._store_bytes, range(len(self.cut.stages)))) / self.W
+    self.sizer.kept_sizes[self.signature, self.autocast] = {k: _nbytes(t) / self.W for k, t in self.kept.items()}
     return self._output(dev)
 
 # %% ../nbs/02b_staged_exact.ipynb #603fc20b
@@ -3827,27 +3824,47 @@ def _has_int(v) -> bool:
 
 @patch
 def _kept_from(self:StagedStep) -> int:
-    "The first of the last stages whose graphs for the whole window fit the budget together (their costs measured)."
-    # late stages hold few bytes per sample but as much compute as early ones: their recompute is what this saves
-    first, total = len(self.cut.stages), 0.
-    if self.config.budget is None: return first
-    # where the store shares the budget's memory: the most it held in a window like this one
-    if self.shared: total = self.store_costs.get((self.signature, self.autocast), float('inf')) * self.W
-    for s in reversed(range(len(self.cut.stages))):
-        cost = self.costs.get(self._cost_key(s))
-        total += float('inf') if cost is None else cost * self.W
-        if total > self.config.budget: break
-        first = s
-    return first
+    "The first of the last stages whose graphs for the whole window fit the budget together (`ChunkSizer.kept_from`)."
+    # where the store shares the budget's memory, beside the most it held in a window like this one
+    keys = [self._cost_key(s) for s in range(len(self.cut))]
+    return self.sizer.kept_from(keys, self.W, (self.signature, self.autocast) if self.shared else None)
+
 
 # %% ../nbs/02b_staged_exact.ipynb #1660e087
+class ChunkSizer:
+    "How many samples a stage's chunk holds: the budget over its bytes per sample, measured once and kept across windows."
+    def __init__(self, config:StagedConfig):
+        self.config = config
+        self.costs = {}  # bytes per sample of each stage's chunk in its backward (`_stage_cost`), by `_cost_key`
+        self.store_costs = {}  # the most bytes per sample the store held in a window, by input signature and autocast
+        self.kept_sizes = {}  # {kept key: its bytes per sample} in the last window, by input signature and autocast
+        self.one_chunk = set()  # `_cost_key`s of last stages that draw random numbers: run in one chunk
+
+    def fits(self, beside:float, per_sample:float, at_least:int, W:int) -> int:
+        "The most samples, at least `at_least` and at most `W`, whose chunk fits the budget beside `beside` bytes."
+        return min(W, max(at_least, int((self.config.budget - beside) // max(per_sample, 1.))))
+
+    def kept_from(self, keys:list, W:int, store=None) -> int:
+        "The first of the last stages (`keys`: their cost keys) whose graphs for the whole window fit the budget together."
+        # late stages hold few bytes per sample but as much compute as early ones: their recompute is what this saves.
+        # `store`: the key of `store_costs` whose bytes share the budget's memory (None: the store lives apart)
+        first, total = len(keys), 0.
+        if self.config.budget is None: return first
+        if store is not None: total = self.store_costs.get(store, float('inf')) * W
+        for s in reversed(range(len(keys))):
+            cost = self.costs.get(keys[s])
+            total += float('inf') if cost is None else cost * W
+            if total > self.config.budget: break
+            first = s
+        return first
+
 @patch
 def _first_chunk(self:StagedStep, s:int, chunk:int) -> tuple:
     "(samples per chunk of stage `s`, whether its first chunk measures the stage's bytes per sample)."
     key = self._cost_key(s)
-    if key in self.one_chunk: return self.W, False  # the last stage, drawing random numbers: in one chunk, as before
+    if key in self.sizer.one_chunk: return self.W, False  # the last stage, drawing random numbers: in one chunk, as before
     if self.config.budget is not None:
-        cost = self.costs.get(key)
+        cost = self.sizer.costs.get(key)
         return (self._sized(s, cost, chunk), False) if cost is not None else (min(chunk, self.W), True)
     if not self.config.grow: return chunk, False
     # without a budget: as many bytes in as a micro-batch's input
@@ -3873,7 +3890,7 @@ def _beside(self:StagedStep, s:int, size=None) -> tuple:
 def _sized(self:StagedStep, s:int, cost:float, chunk:int, size=None) -> int:
     "The most samples (at least `chunk`) whose chunk of stage `s`, costing `cost` bytes per sample, fits the budget."
     beside, ahead = self._beside(s, size)
-    return min(self.W, max(chunk, int((self.config.budget - beside) // max(cost + ahead, 1.))))
+    return self.sizer.fits(beside, cost + ahead, chunk, self.W)
 
 @patch
 def _cost_key(self:StagedStep, s:int) -> tuple:
@@ -3891,10 +3908,10 @@ def _plan_device_part(self:StagedStep, chunk:int):
     # planned once per input signature, autocast, window size, budget and stages kept whole or with their graphs
     n_st = len(self.cut)
     self.device = DevicePart(self.W, [0] * n_st)
-    per_sample = self.kept_sizes.get((self.signature, self.autocast))
-    costs = [self.costs.get(self._cost_key(s)) for s in range(n_st)]
+    per_sample = self.sizer.kept_sizes.get((self.signature, self.autocast))
+    costs = [self.sizer.costs.get(self._cost_key(s)) for s in range(n_st)]
     if not self.link.apart or self.config.budget is None or per_sample is None or None in costs: return
-    key = self.signature, self.autocast, self.W, self.config.budget, self.kept_from, len(self.one_chunk)
+    key = self.signature, self.autocast, self.W, self.config.budget, self.kept_from, len(self.sizer.one_chunk)
     if key in self.device_plans:
         self.device.spans, held = self.device_plans[key]
         self.device.held = list(held)
@@ -3922,7 +3939,7 @@ def _device_room(self:StagedStep, chunk:int, costs:list, size) -> list:
     # whole. `size(node)`: a node's window bytes, the last window's
     room, graphs = [-1.] * len(self.cut.stages), 0.
     for s, cost in enumerate(costs):
-        if self._cost_key(s) in self.one_chunk: continue
+        if self._cost_key(s) in self.sizer.one_chunk: continue
         beside, ahead = self._beside(s, size)
         if s >= self.kept_from:
             graphs += cost * self.W
@@ -4055,12 +4072,12 @@ def _stage_forward(self:StagedStep, s:int, dev, chunk:int):
         # views folded into the batch show in a stage's first chunk: looked for until a window has shown none
         if a == 0 and self.layouts is None and self._folds(env, b - a): self.layouts = self._find_layouts(dev)
         if measure and a == 0:  # the stage's bytes per sample, measured once: the other chunks as large as they fit
-            self.costs[self._cost_key(s)] = cost = self._stage_cost(env, b - a, saved)
+            self.sizer.costs[self._cost_key(s)] = cost = self._stage_cost(env, b - a, saved)
         if a == 0 and b < self.W and not _same_state(state, _rng_state(dev)):  # it draws random numbers
             if last and not producer:
                 _set_rng_state(state, dev)
                 self.spans[s] = []
-                self.one_chunk.add(self._cost_key(s))
+                self.sizer.one_chunk.add(self._cost_key(s))
                 return self._stage_forward(s, dev, self.W)
             self.random_chunked.append(s)
         self.spans[s].append((a, b))
@@ -6200,7 +6217,7 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'stats_finite', 'commit_stats', 'channel_sums', 'project_', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'ExactModeRefusedError', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'materialize_lazy', 'uncompiled', 'plain_tensor', 'is_dropout', 'peek_batches', 'window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'loss_couples', 'unjoinable', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only', 'accumulating_class', 'bn_layers', 'kept_running_stats', 'restore_running_stats', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'in_regions', 'trace_model', 'bn_graph', 'untraceable_reason', 'GraphRunner', 'StagedGraph', 'aten_graph', 'graph_mismatch', 'same_trace', 'staged_graph', 'traced_by', 'few_values', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'RESNET50_FLOPS', 'sources', 'cards', 'STEP_FLOPS', 'STEP_KERNELS', 'STAGED_KERNELS', 'OpCount', 'Card', 'run_time', 'link_time', 'WindowCounts', 'Prediction', 'predict', 'estimate_counts', 'measure_card', 'time_line', 'StageCut', 'cut_stages', 'stage_grads', 'store_per_sample', 'samples_mixed', 'batch_layouts', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged', 'Ledger', 'Copies', 'CudaCopies', 'DeferredCopies', 'Link', 'PASSES', 'StagedConfig', 'StagedStep', 'HostPool', 'DevicePart', 'LayerStats', 'Projection', 'WindowStats', 'input_grads_asked', 'StagedForward', 'install_staged', 'uninstall_staged', 'verify_staged', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'predicted_time', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'AccumulationOptions', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'stats_finite', 'commit_stats', 'channel_sums', 'project_', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'ExactModeRefusedError', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'materialize_lazy', 'uncompiled', 'plain_tensor', 'is_dropout', 'peek_batches', 'window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'loss_couples', 'unjoinable', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only', 'accumulating_class', 'bn_layers', 'kept_running_stats', 'restore_running_stats', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'in_regions', 'trace_model', 'bn_graph', 'untraceable_reason', 'GraphRunner', 'StagedGraph', 'aten_graph', 'graph_mismatch', 'same_trace', 'staged_graph', 'traced_by', 'few_values', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'RESNET50_FLOPS', 'sources', 'cards', 'STEP_FLOPS', 'STEP_KERNELS', 'STAGED_KERNELS', 'OpCount', 'Card', 'run_time', 'link_time', 'WindowCounts', 'Prediction', 'predict', 'estimate_counts', 'measure_card', 'time_line', 'StageCut', 'cut_stages', 'stage_grads', 'store_per_sample', 'samples_mixed', 'batch_layouts', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged', 'Ledger', 'Copies', 'CudaCopies', 'DeferredCopies', 'Link', 'PASSES', 'StagedConfig', 'StagedStep', 'HostPool', 'ChunkSizer', 'DevicePart', 'LayerStats', 'Projection', 'WindowStats', 'input_grads_asked', 'StagedForward', 'install_staged', 'uninstall_staged', 'verify_staged', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'predicted_time', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'AccumulationOptions', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
 ''')
 globals().update({k: getattr(_fastai_accum, k) for k in _fastai_accum.__all__
                   if k not in globals() or k == 'GradientAccumulation'})

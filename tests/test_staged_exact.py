@@ -115,15 +115,15 @@ def test_chunks_sized_per_stage_give_the_uniform_chunks_step(room):
     x = torch.randn(12, 3, 32, 32, dtype=torch.float64)
     f = install_staged(probe, chunk=2, budget=1)  # every stage in chunks of 2, each stage's cost measured
     probe(x).sum().backward()
-    costs = f.step.costs
+    costs = f.step.sizer.costs
     # the costliest stage: 3 samples per chunk or more, cheaper ones more; or room for every stage's graph. Beside each
     # chunk: its stage's parameters' gradients (at most the largest stage's) and, on a CPU, the store (at most its peak)
     grads = max(sum(p.numel() * p.element_size() for p in ps) for ps in f.step.cut.stage_params)
-    store = int(max(f.step.store_costs.values()) * len(x)) + 1
+    store = int(max(f.step.sizer.store_costs.values()) * len(x)) + 1
     budget = (int(3 * max(costs.values())) if room else int(sum(costs.values()) * len(x)) + 1) + grads + store
     fu, fs = install_staged(uniform, chunk=2), install_staged(sized, chunk=2, budget=budget)
     fu.step.config.grow = False
-    fs.step.costs, fs.step.store_costs = dict(costs), dict(f.step.store_costs)  # measured in a window before
+    fs.step.sizer.costs, fs.step.sizer.store_costs = dict(costs), dict(f.step.sizer.store_costs)  # measured in a window before
     res = []
     for m in (big, uniform, sized):
         torch.manual_seed(1); out = m(x)
@@ -159,9 +159,9 @@ def test_the_step_holds_its_budget_and_draws_the_head_masks_whole():
     x = torch.randn(32, 3, 24, 24, dtype=torch.float64)
     f = install_staged(probe, chunk=2, budget=1)  # every stage in chunks of 2, each stage's cost measured
     _train(probe, x)
-    budget = int(4 * max(f.step.costs.values()))
+    budget = int(4 * max(f.step.sizer.costs.values()))
     f = install_staged(st, chunk=2, budget=budget)
-    f.step.costs = dict(probe.forward.step.costs)
+    f.step.sizer.costs = dict(probe.forward.step.sizer.costs)
     grads = sum(p.numel() * p.element_size() for p in st.parameters())
     torch.manual_seed(1)
     peak = _device_peak(lambda: _train(st, x), torch.device('cpu'), f.step)

@@ -76,7 +76,7 @@ def ledger_window(model:str='resnet50', # a torchvision classifier or video netw
             flops_staged, ops_staged = counted['staged']
             step = f.step
             led = step.ledger
-            store = max(step.store_costs.values()) * window
+            store = max(step.sizer.store_costs.values()) * window
             traced = traced_by(net, (xm,))
         finally: uninstall_staged(net)
     n_micro = window / micro
