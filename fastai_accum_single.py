@@ -3840,7 +3840,7 @@ class ChunkSizer:
         self.kept_sizes = {}  # {kept key: its bytes per sample} in the last window, by input signature and autocast
         self.one_chunk = set()  # `_cost_key`s of last stages that draw random numbers: run in one chunk
 
-    def fits(self, beside:float, per_sample:float, at_least:int, W:int) -> int:
+    def samples_in(self, beside:float, per_sample:float, at_least:int, W:int) -> int:
         "The most samples, at least `at_least` and at most `W`, whose chunk fits the budget beside `beside` bytes."
         return min(W, max(at_least, int((self.config.budget - beside) // max(per_sample, 1.))))
 
@@ -3890,7 +3890,7 @@ def _beside(self:StagedStep, s:int, size=None) -> tuple:
 def _sized(self:StagedStep, s:int, cost:float, chunk:int, size=None) -> int:
     "The most samples (at least `chunk`) whose chunk of stage `s`, costing `cost` bytes per sample, fits the budget."
     beside, ahead = self._beside(s, size)
-    return self.sizer.fits(beside, cost + ahead, chunk, self.W)
+    return self.sizer.samples_in(beside, cost + ahead, chunk, self.W)
 
 @patch
 def _cost_key(self:StagedStep, s:int) -> tuple:
