@@ -21,7 +21,7 @@ then per window the cost model's prediction — on the measured card and on the 
 next to the measured ratios; then a summary line of ratios. Synthetic data, random init, SGD: memory and time only. Rows past
 `--minutes` are skipped (said), so one run fits a short lease of a GPU.
 """
-import argparse, contextlib, copy, sys, time
+import argparse, contextlib, copy, dataclasses, sys, time
 import torch, torchvision
 from torch import nn
 import torch.nn.functional as F
@@ -30,7 +30,7 @@ from fastai_accum.exact import plan_exact, saved_on_host, staging_budget
 from fastai_accum.helpers import emulated_accelerator, is_accelerator
 from fastai_accum.staged_exact import install_staged, uninstall_staged
 from fastai_accum.meters import fmt_bytes
-from fastai_accum.cost import OpCount, WindowCounts, measure_card, predict, cards
+from fastai_accum.cost import OpCount, estimate_counts, measure_card, predict, cards
 
 def parse():
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
@@ -173,8 +173,10 @@ def predicted_line(w, micro, flops, ops, card, res):
     "The cost model's ratios for window `w` from the counted ledger, on the measured card and the named classes, beside the measured."
     led = last_ledger.get('staged')
     if led is None: return
-    counts = WindowCounts(w, micro, 3 * flops * micro, 2.2 * ops, 3 * flops * w * 4 / 3, 6.5 * 2.2 * ops * w / micro,
-                          led.h2d_bytes, led.d2h_bytes, led.ahead_bytes, led.copies, led.syncs)
+    # FLOPs and kernels estimated as the plan estimates them (chunks of the micro-batch); the link's traffic counted
+    counts = dataclasses.replace(estimate_counts(w, micro, micro, flops, ops, kept=0), h2d=led.h2d_bytes,
+                                 d2h=led.d2h_bytes, ahead=led.ahead_bytes, copies=led.copies, syncs=led.syncs,
+                                 estimated=False)
     said = ', '.join(f"{c.name} {predict(counts, c).ratio():.2f}x" for c in [card, *cards.values()])
     got = res['staged exact'][0] / res['naive'][0]
     print(f"window {w:4d}  staged / naive: measured {got:.2f}x; predicted (ledger counted, FLOPs and kernels estimated) {said}",
