@@ -130,10 +130,6 @@ def _first_over(diffs:dict, dtype, floor:dict|None=None) -> tuple|None:
 
 _floor_times = 8  # a staged step's sums run in other orders than the big batch's: its rounding, a few times over
 
-def _first_diff(ref:dict, got:dict, dtype, floor:dict|None=None) -> tuple|None:
-    "(name, relative difference) of the first tensor in `got` not within tolerance of `ref`, or None; `got` is spent."
-    return _first_over({name: _diff(r, got.get(name)) for name, r in ref.items()}, dtype, floor)
-
 # %% ../nbs/02f_staged_check.ipynb #ac6951ed
 def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothing in it changes)
                   xb:tuple, # one micro-batch of its inputs
