@@ -1479,8 +1479,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                            'fastai_accum.staged_check._checked_copy': ( 'staged_check.html#_checked_copy',
                                                                                         'fastai_accum/staged_check.py'),
                                            'fastai_accum.staged_check._diff': ('staged_check.html#_diff', 'fastai_accum/staged_check.py'),
-                                           'fastai_accum.staged_check._first_diff': ( 'staged_check.html#_first_diff',
-                                                                                      'fastai_accum/staged_check.py'),
                                            'fastai_accum.staged_check._first_over': ( 'staged_check.html#_first_over',
                                                                                       'fastai_accum/staged_check.py'),
                                            'fastai_accum.staged_check._hand_over': ( 'staged_check.html#_hand_over',

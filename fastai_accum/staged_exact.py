@@ -66,7 +66,7 @@ class StagedStep:
         self._readers = None  # `_param_readers`, counted at the first backward
         self.runner = GraphRunner(model, graph)  # runs the graph's nodes
         self.modules = self.runner.modules
-        self.cuts = {}  # `StageCut`s of the graph, by the modes of the layers and the parameters (`_cut`)
+        self.cuts = {}  # {the layers' modes: (the parameters' ids, the graph's `StageCut`)} (`_cut`)
         self.cut = None  # the cut of the last forward
         self.sizer = ChunkSizer(self.config)  # sizes chunks from what earlier windows measured
         self.device_plans = {}  # `_plan_device_part`'s plans
@@ -81,10 +81,13 @@ class StagedStep:
         return f'{type(self).__name__}({len(self.cut.nodes)} nodes, {len(self.cut)} stages)'
 
     def _cut(self) -> StageCut:
-        "The graph's `StageCut` for the modes the layers are in now, made once per modes and parameters."
-        key = tuple(m.training for m in self.modules.values()), tuple(map(id, self.model.parameters()))
-        if key not in self.cuts: self.cuts[key] = cut_stages(self.model, self.graph)
-        return self.cuts[key]
+        "The graph's `StageCut` for the modes the layers are in now, made again where the parameters were replaced."
+        # one cut per set of modes; a cut holds the parameters it was made with (`load_state_dict(assign=True)` makes
+        # new ones): the old are let go with it
+        modes, params = tuple(m.training for m in self.modules.values()), tuple(map(id, self.model.parameters()))
+        made, cut = self.cuts.get(modes, (None, None))
+        if made != params: self.cuts[modes] = params, (cut := cut_stages(self.model, self.graph))
+        return cut
 
     def _timed(self, name:str):
         "The `timer`'s context around one pass called `name` (one of `PASSES`); none without a timer."
@@ -99,8 +102,7 @@ def _timed_pass(name):
     def timed(f):
         @functools.wraps(f)
         def run(self, *args, **kwargs):
-            if self.timer is None: return f(self, *args, **kwargs)
-            with self.timer(name(*args, **kwargs) if callable(name) else name): return f(self, *args, **kwargs)
+            with self._timed(name(*args, **kwargs) if callable(name) else name): return f(self, *args, **kwargs)
         return run
     return timed
 
@@ -308,7 +310,10 @@ def _same(u, v) -> bool:
 class HostPool:
     "The store's window-sized host tensors, handed from window to window: a new one costs its page faults."
     # a new host tensor of hundreds of MiB costs its page faults, about 4x a copy into it (a pinned one, its pinning)
-    def __init__(self): self.W, self.free, self.lent = None, {}, {}  # {(shape, dtype, device, pinned): [tensor]}, {id: }
+    def __init__(self):
+        self.W = None  # the window size of its tensors
+        self.free = {}  # {(shape, dtype, device, pinned): [tensors given back]}
+        self.lent = {}  # {id of a tensor lent: (a weak reference to it, its key)}
 
     def for_window(self, W:int):
         "Start a window of `W` samples: the tensors of another window size are let go."
