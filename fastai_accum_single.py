@@ -26,11 +26,11 @@ Contents (line: module: classes), dependencies first:
      2830: exact: Footprint, ExactModeMemoryError, ExactPlan
      3249: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
      3407: staged_exact: StagedConfig, StagedStep, HostPool, ChunkSizer, DevicePart, LayerStats, Projection, WindowStats, StagedForward
-     4572: staged_check: -
-     4822: ghost: GhostForward
-     4877: plan: StagedMismatchError, TrainingPlan
-     5222: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     5838: callback: WindowPrefetch, GradientAccumulation
+     4577: staged_check: -
+     4823: ghost: GhostForward
+     4878: plan: StagedMismatchError, TrainingPlan
+     5223: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     5839: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -3455,7 +3455,7 @@ class StagedStep:
         self._readers = None  # `_param_readers`, counted at the first backward
         self.runner = GraphRunner(model, graph)  # runs the graph's nodes
         self.modules = self.runner.modules
-        self.cuts = {}  # `StageCut`s of the graph, by the modes of the layers and the parameters (`_cut`)
+        self.cuts = {}  # {the layers' modes: (the parameters' ids, the graph's `StageCut`)} (`_cut`)
         self.cut = None  # the cut of the last forward
         self.sizer = ChunkSizer(self.config)  # sizes chunks from what earlier windows measured
         self.device_plans = {}  # `_plan_device_part`'s plans
@@ -3470,10 +3470,13 @@ class StagedStep:
         return f'{type(self).__name__}({len(self.cut.nodes)} nodes, {len(self.cut)} stages)'
 
     def _cut(self) -> StageCut:
-        "The graph's `StageCut` for the modes the layers are in now, made once per modes and parameters."
-        key = tuple(m.training for m in self.modules.values()), tuple(map(id, self.model.parameters()))
-        if key not in self.cuts: self.cuts[key] = cut_stages(self.model, self.graph)
-        return self.cuts[key]
+        "The graph's `StageCut` for the modes the layers are in now, made again where the parameters were replaced."
+        # one cut per set of modes; a cut holds the parameters it was made with (`load_state_dict(assign=True)` makes
+        # new ones): the old are let go with it
+        modes, params = tuple(m.training for m in self.modules.values()), tuple(map(id, self.model.parameters()))
+        made, cut = self.cuts.get(modes, (None, None))
+        if made != params: self.cuts[modes] = params, (cut := cut_stages(self.model, self.graph))
+        return cut
 
     def _timed(self, name:str):
         "The `timer`'s context around one pass called `name` (one of `PASSES`); none without a timer."
@@ -3488,8 +3491,7 @@ def _timed_pass(name):
     def timed(f):
         @functools.wraps(f)
         def run(self, *args, **kwargs):
-            if self.timer is None: return f(self, *args, **kwargs)
-            with self.timer(name(*args, **kwargs) if callable(name) else name): return f(self, *args, **kwargs)
+            with self._timed(name(*args, **kwargs) if callable(name) else name): return f(self, *args, **kwargs)
         return run
     return timed
 
@@ -3697,7 +3699,10 @@ def _same(u, v) -> bool:
 class HostPool:
     "The store's window-sized host tensors, handed from window to window: a new one costs its page faults."
     # a new host tensor of hundreds of MiB costs its page faults, about 4x a copy into it (a pinned one, its pinning)
-    def __init__(self): self.W, self.free, self.lent = None, {}, {}  # {(shape, dtype, device, pinned): [tensor]}, {id: }
+    def __init__(self):
+        self.W = None  # the window size of its tensors
+        self.free = {}  # {(shape, dtype, device, pinned): [tensors given back]}
+        self.lent = {}  # {id of a tensor lent: (a weak reference to it, its key)}
 
     def for_window(self, W:int):
         "Start a window of `W` samples: the tensors of another window size are let go."
@@ -4689,10 +4694,6 @@ def _first_over(diffs:dict, dtype, floor:dict|None=None) -> tuple|None:
     return None
 
 _floor_times = 8  # a staged step's sums run in other orders than the big batch's: its rounding, a few times over
-
-def _first_diff(ref:dict, got:dict, dtype, floor:dict|None=None) -> tuple|None:
-    "(name, relative difference) of the first tensor in `got` not within tolerance of `ref`, or None; `got` is spent."
-    return _first_over({name: _diff(r, got.get(name)) for name, r in ref.items()}, dtype, floor)
 
 # %% ../nbs/02f_staged_check.ipynb #ac6951ed
 def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothing in it changes)
