@@ -132,6 +132,7 @@ class StageCut:
     sizes:dict # {node: (kind, tensor)} of the nodes holding the batch's size: 'int' (`x.size(0)`), 'shape' (`x.shape`)
     held:list # per stage: (kept values, gradients, the fixed gradient's node) the store holds in its backward
     freed:list # per stage: the kept values no stage reads after its backward
+    readers:dict # {id of a parameter: how many nodes of the graph read it} (a BatchNorm's window sums from its own)
 
     def __len__(self): return len(self.stages)
     def __repr__(self): return f'{type(self).__name__}({len(self.nodes)} nodes, {len(self.stages)} stages)'
@@ -176,7 +177,7 @@ def cut_stages(model:nn.Module, # the traced model, in the modes it trains in
     held, freed = _store_plan(stages, opening, stage_in, stage_out, output)
     return StageCut(inputs, output, nodes, stages, opening, on_copies, frozenset(from_input), gathers, stage_in,
                     stage_out, [_params_of(model, modules, [nodes[i] for i in idx]) for idx in stages], reads_input,
-                    sizes, held, freed)
+                    sizes, held, freed, _readers(model, modules, all_nodes))
 
 # %% ../nbs/00b_stage_cut.ipynb #36f451eb
 def _reads_and_writes(nodes:list, stages:list, bars:list, owner:dict, modules:dict, output:fx.Node) -> tuple:
@@ -230,8 +231,16 @@ def _size_kind(n, sizes:dict):
         kind = ('int' if i == 0 else 'shape' if isinstance(i, slice) and i.start in (None, 0) and i.step in (None, 1)
                 else None)
     else: kind = None
-    # the tensor whose size it is (a folded value's size counts its views: `_carried`)
+    # the tensor whose size it is (a folded value's size counts its views: `WindowStore.carried_at`)
     if kind: sizes[n] = kind, (sizes[args[0]][1] if f is operator.getitem else args[0])
+
+def _readers(model:nn.Module, modules:dict, nodes:list) -> dict:
+    "{id of a parameter: how many of `nodes` read it}: those of a module they call, or one they get (`get_attr`)."
+    readers = collections.Counter()
+    for n in nodes:
+        if n.op == 'call_module': readers.update({id(p) for p in modules[n.target].parameters()})
+        elif n.op == 'get_attr': readers[id(_get_attr(model, n.target))] += 1
+    return dict(readers)
 
 def _params_of(model:nn.Module, modules:dict, nodes:list) -> list:
     "The parameters `nodes` use, once each: their modules' and those they read (`get_attr`)."

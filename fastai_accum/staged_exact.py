@@ -6,7 +6,7 @@ channel."""
 
 # %% ../nbs/02b_staged_exact.ipynb #bc1cb743
 from __future__ import annotations
-import collections, contextlib, copy, functools, itertools, math, warnings, weakref
+import collections, contextlib, copy, itertools, math, warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -15,22 +15,21 @@ import torch.distributed as dist
 from torch import nn, fx, Tensor
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.fx.node import map_aggregate
 from torch.utils._pytree import tree_flatten, tree_unflatten, tree_map
 from fastcore.basics import patch
 from .meters import _nbytes
-from .stats import ChannelStats, all_reduce_stats, commit_stats, channel_sums, project_
+from .stats import ChannelStats, all_reduce_stats, commit_stats, channel_sums
 from .distributed import world_size
 from .staged import GraphRunner, bn_graph, staged_graph, aten_graph, _signature
-from .helpers import (_to, _tensors, is_accelerator, can_pin, ReplacedForward, ExactModeRefusedError,
-                                  restore_forward)
-from .link import Link, Copies, CudaCopies, _storage
+from .helpers import _to, _tensors, is_accelerator, ReplacedForward, ExactModeRefusedError, restore_forward
+from .link import Copies, CudaCopies, _storage
 from .stage_cut import StageCut, cut_stages
 from .probes import _plain, _rng_state, _set_rng_state, _same_state, _device, _extras, batch_layouts
+from .window_store import PASSES, WindowStore, HostPool, DevicePart, _timed_pass
 
 # %% auto #0
-__all__ = ['PASSES', 'StagedConfig', 'StagedStep', 'HostPool', 'ChunkSizer', 'DevicePart', 'LayerStats', 'Projection',
-           'WindowStats', 'input_grads_asked', 'StagedForward', 'install_staged', 'uninstall_staged']
+__all__ = ['StagedConfig', 'StagedStep', 'Window', 'ChunkSizer', 'LayerStats', 'Projection', 'WindowStats', 'input_grads_asked',
+           'StagedForward', 'install_staged', 'uninstall_staged']
 
 # %% ../nbs/02b_staged_exact.ipynb #b87c84e1
 @dataclass
@@ -60,25 +59,40 @@ class StagedStep:
                  graph:fx.Graph, # its torch.fx graph with every BatchNorm layer a leaf (`bn_graph`)
                  config:StagedConfig|None=None, # where the store lives, the budget, ... (default: `StagedConfig()`)
                 ):
-        self.model, self.graph, self.config = model, graph, config if config is not None else StagedConfig()
-        self.ledger = None  # what the last window moved between the host store and the device (`Ledger`)
-        self.said_random = False  # the warning that chunked stages drew random numbers was given
-        self._readers = None  # `_param_readers`, counted at the first backward
+        self.model, self.config = model, config if config is not None else StagedConfig()
         self.runner = GraphRunner(model, graph)  # runs the graph's nodes
-        self.modules = self.runner.modules
         self.cuts = {}  # {the layers' modes: (the parameters' ids, the graph's `StageCut`)} (`_cut`)
-        self.cut = None  # the cut of the last forward
-        self.sizer = ChunkSizer(self.config)  # sizes chunks from what earlier windows measured
-        self.device_plans = {}  # `_plan_device_part`'s plans
-        self.pool = HostPool()  # the store's host tensors, from window to window (`_store_tensor`, `_recycle`)
-        self.device = None  # the store's device part in the last window (`DevicePart`)
+        self.sizer = ChunkSizer(self.config)  # sizes chunks and plans the store's device part from earlier windows
+        self.pool = HostPool()  # the store's host tensors, from window to window
+        self.layouts = {}  # {input signature: views folded into the batch by key (`_find_layouts`)}
+        self.copies = None  # the link's CUDA streams (writes, reads ahead), made at the first window on CUDA
+        self.said_random = False  # the warning that chunked stages drew random numbers was given
         # a profiler's hook: `timer(name)` gives a context manager entered around each pass of that kind (`PASSES`)
         self.timer = None
-        self.layout_cache = {}  # {input signature: `_find_layouts`'s}
+        # a meter's hook: `on_host()` gives a context around each write into the store, yielding `held(t)` for the
+        # window-sized tensor it leaves there (`profile_staged` counts the store as host memory so)
+        self.on_host = None
+        self.window = None  # the window in flight, or the last (`Window`: its store let go after its backward)
 
     def __repr__(self):
-        if self.cut is None: return f'{type(self).__name__}(not run yet)'
+        if self.window is None: return f'{type(self).__name__}(not run yet)'
         return f'{type(self).__name__}({len(self.cut.nodes)} nodes, {len(self.cut)} stages)'
+
+    @property
+    def graph(self) -> fx.Graph: return self.runner.graph
+    @property
+    def modules(self) -> dict: return self.runner.modules
+    # what tests and benchmarks read of the last window: its cut, chunks, graphs kept, ledger and device part
+    @property
+    def cut(self) -> StageCut|None: return self.window.cut if self.window is not None else None
+    @property
+    def spans(self) -> list|None: return self.window.spans if self.window is not None else None
+    @property
+    def kept_from(self) -> int|None: return self.window.kept_from if self.window is not None else None
+    @property
+    def ledger(self): return self.window.ledger if self.window is not None else None
+    @property
+    def device(self) -> DevicePart|None: return self.window.device if self.window is not None else None
 
     def _cut(self) -> StageCut:
         "The graph's `StageCut` for the modes the layers are in now, made again where the parameters were replaced."
@@ -93,18 +107,30 @@ class StagedStep:
         "The `timer`'s context around one pass called `name` (one of `PASSES`); none without a timer."
         return self.timer(name) if self.timer is not None else nullcontext()
 
-# the passes a `timer` sees, each timed where it runs
-PASSES = ('forward', 'recompute', 'autograd', 'statistics', 'window sums', 'projection', 'running statistics',
-          'store copies', 'store reads', 'input copies')
+class Window:
+    "One window through a staged step: its cut, store and BatchNorm statistics, and the schedule's record of its chunks."
+    def __init__(self, cut:StageCut, store:WindowStore, stats:WindowStats, signature:tuple, autocast):
+        self.cut, self.store, self.stats, self.signature, self.autocast = cut, store, stats, signature, autocast
+        self.kept_from = len(cut)  # the first of the last stages whose chunks keep their graphs for the backward
+        self.spans = [[] for _ in cut.stages]  # per stage: its chunks (a, b), in the order they ran
+        self.rng = {}  # {(stage, a): the random state its chunk started from}: the recompute's
+        self.graphs = {}  # {(stage, a): (the values it read and made, its BatchNorm leaf)}: chunks run with their graph
+        self.random_chunked = []  # stages that drew random numbers chunk by chunk
 
-def _timed_pass(name):
-    "Run a step's method as a pass called `name` (a str, or a function of the method's arguments) for its `timer`."
-    def timed(f):
-        @functools.wraps(f)
-        def run(self, *args, **kwargs):
-            with self._timed(name(*args, **kwargs) if callable(name) else name): return f(self, *args, **kwargs)
-        return run
-    return timed
+    def __repr__(self): return f'{type(self).__name__}(W={self.W}, chunks per stage {[len(s) for s in self.spans]})'
+    def __len__(self) -> int: return len(self.cut)
+    @property
+    def W(self) -> int: return self.store.W
+    @property
+    def ledger(self): return self.store.link.ledger  # what crossed the host link
+    @property
+    def device(self) -> DevicePart: return self.store.device
+
+    def close(self, returned:set):
+        "After the backward: the store's tensors back to the pool (not the output's, `returned` keys), the rest let go."
+        fixed = [p.fixed for ps in self.stats.projections.values() for p in ps]
+        self.store.done(returned, fixed)
+        self.graphs = self.rng = self.stats = None
 
 # %% ../nbs/02b_staged_exact.ipynb #97042fc2
 @patch
@@ -112,275 +138,34 @@ def _timed_pass(name):
 def _run_stage(self:StagedStep, s:int, env:dict, xb:tuple, grad:bool):
     "Run stage `s` of one chunk on `env`; the BatchNorm opening it normalizes with window statistics."
     # that BatchNorm is one fused op; its input is a leaf of its own if `grad`, returned
-    leaf, read = None, env
-    if self.cut.on_copies[s]:  # (the store's chunks, or leaves): copies, counted in its cost (`env['copies']`)
+    leaf, read, cut = None, env, self.window.cut
+    if cut.on_copies[s]:  # (the store's chunks, or leaves): copies, counted in its cost (`env['copies']`)
         read = dict(env)
-        for n in self.cut.stage_in[s]:
+        for n in cut.stage_in[s]:
             if n in env: read[n] = tree_map(lambda v: v.clone() if isinstance(v, Tensor) else v, env[n])
-        env['copies'] = [read[n] for n in self.cut.stage_in[s] if n in env]
-    for i in self.cut.stages[s]:
-        n = self.cut.nodes[i]
-        if i != self.cut.stages[s][0] or self.cut.bars[s] is None:
+        env['copies'] = [read[n] for n in cut.stage_in[s] if n in env]
+    for i in cut.stages[s]:
+        n = cut.nodes[i]
+        if i != cut.stages[s][0] or cut.bars[s] is None:
             env[n] = read[n] = _plain(self.runner.run_node(n, read, xb))
             continue
         m = self.modules[n.target]
         x = self.runner.value(n.args[0], env, xb)
         if grad: x = leaf = x.detach().requires_grad_(True)  # its gradient: BatchNorm's with the statistics held fixed
-        st = self.window_stats.layers[n]
+        st = self.window.stats.layers[n]
         env[n] = _extras(m, n, F.batch_norm(x, st.mean, st.var, m.weight, m.bias, False, 0., m.eps))
     return leaf
 
-# %% ../nbs/02b_staged_exact.ipynb #96d4120c
-@patch
-@_timed_pass('input copies')
-def _xb(self:StagedStep, a:int, b:int, dev, grad:bool=False, s:int|None=None) -> tuple:
-    "Samples a:b of the window's inputs (which may wait in host memory) on `dev`."
-    # for a backward, a chunk of their own; none for a stage `s` that does not read them
-    if s is not None and not self.cut.reads_input[s]: return ()
-    return tuple(self._input(t[a:b], dev, grad) if isinstance(t, Tensor) else t for t in self.xb)
-
-@patch
-def _input(self:StagedStep, t:Tensor, dev, grad:bool) -> Tensor:
-    "A chunk `t` of a window input on `dev`: through the link from host memory, else a chunk of its own for a backward."
-    if self.link.apart and t.device.type == 'cpu': return self.link.read(t, dev, 'input')
-    return t.clone() if grad and t.device == dev else _to(t, dev)
-
-@patch
-def _read(self:StagedStep, t:Tensor, dev) -> Tensor:
-    "`t` (a part of a window-sized tensor: the store's, or the loss's gradient) on `dev`; the store's through the link."
-    return self.link.read(t, dev) if self.link.holds(t) else _to(t, dev)
-
-@patch
-@_timed_pass('store reads')
-def _stage_inputs(self:StagedStep, s:int, a:int, b:int, dev, grad:bool=False) -> dict:
-    "Samples a:b of the values stage `s` reads from earlier stages, on `dev`."
-    # leaves that collect gradients if `grad`
-    env = {}
-    for n in self.cut.stage_in[s]:
-        if n.op == 'placeholder': continue
-        if n in self.structs: env[n] = self._struct(n, a, b, lambda key: self._kept_chunk(key, a, b, dev, grad))
-        elif n in self.carried: env[n] = self._carried(n, a, b)
-        else: env[n] = self._kept_chunk(n, a, b, dev, grad)
-    return env
-
-@patch
-def _kept_chunk(self:StagedStep, key, a:int, b:int, dev, grad:bool) -> Tensor:
-    "Samples a:b of the kept tensor `key` on `dev`; for a backward, a leaf collecting its gradient."
-    t = self.kept[key][a:b]
-    v = self._unstored(key, self.device.read(key, a, b, lambda: self._read(t, dev)), b - a)
-    # a chunk of its own, as on an accelerator: what the backward holds is the chunk, not the store it is a view of
-    if grad and _storage(v) == _storage(t): v = v.clone()
-    return v.detach().requires_grad_(v.is_floating_point()) if grad else v
-
-# %% ../nbs/02b_staged_exact.ipynb #549cdd9c
-@patch
-def _struct(self:StagedStep, n, a:int, b:int, tensor) -> object:
-    "Node `n`'s container value (a tuple, list or dict holding batch tensors) for samples a:b."
-    # its batch tensors from `tensor((n, i))`
-    spec, idx = self.structs[n]
-    leaves = list(self._carried(n, a, b))
-    for i in idx: leaves[i] = tensor((n, i))
-    return tree_unflatten(leaves, spec)
-
-@patch
-def _keys(self:StagedStep, n) -> list:
-    "The keys of node `n`'s kept tensors: `n`, or (`n`, i) for each batch tensor of a container."
-    return [(n, i) for i in self.structs[n][1]] if n in self.structs else [n]
-
-@patch
-def _struct_keys(self:StagedStep, n, v) -> list:
-    "[(key, tensor)] of the batch tensors in node `n`'s value `v`."
-    # (`n`, v) for a tensor, ((`n`, i), leaf) for a container's
-    if n not in self.structs: return [(n, v)] if isinstance(v, Tensor) else []
-    leaves, _ = tree_flatten(v)
-    return [((n, i), leaves[i]) for i in self.structs[n][1]]
-
-@patch
-@_timed_pass('store copies')
-def _keep(self:StagedStep, d:dict, n, v:Tensor, a:int, b:int, kind:str='kept'):
-    "Samples a:b of node `n`'s value (`kind` 'kept') or gradient ('grad') into the window-sized `d[n]`, in `store`."
-    v = self._stored(n, v, b - a)
-    store = self.config.store
-    if b - a == self.W and not self.link.apart and (store is None or torch.device(store) == v.device):
-        d[n] = v.detach()  # the whole window, where the store is: kept as it is, no copy
-        return
-    if n not in d: d[n] = self._store_tensor((self.W,) + v.shape[1:], v.dtype, store or v.device)
-    self._put(d[n], a, b, v, kind)
-
-@patch
-def _put(self:StagedStep, t:Tensor, a:int, b:int, v:Tensor, kind:str):
-    "Copy `v` into samples a:b of the window-sized `t`: through the link into the host store (asynchronously)."
-    if self.link.holds(t): self.link.write(t[a:b], v, kind)
-    else: t[a:b].copy_(v)
-
-# %% ../nbs/02b_staged_exact.ipynb #1da44b7a
-@patch
-def _add_grad(self:StagedStep, grads:dict, k, g:Tensor, a:int, b:int):
-    "Add one chunk's gradient `g` of kept value `k` (samples a:b) into the window-sized `grads[k]`."
-    # the first contribution to those samples is copied in as it is (no zero-fill, no sum on the host); a later one is
-    # summed with it on the device, then copied in
-    g = self._stored(k, g, b - a)
-    if k in self.device: return self.device.add_grad(k, g, a, b)  # written once, after its first reader's backward
-    if k not in grads: grads[k] = self._store_tensor((self.W,) + g.shape[1:], g.dtype, self.config.store or g.device)
-    spans, t = self.written.setdefault(k, []), grads[k]
-    if not any(s < b and a < e for s, e in spans): self._put(t, a, b, g, 'grad')
-    elif not self.link.holds(t): t[a:b] += g  # where the device is: in place
-    else: self._put(t, a, b, self._grad_chunk(grads, k, a, b, g.device).add_(g), 'grad')  # a chunk of its own
-    spans.append((a, b))
-
-@patch
-def _grad_chunk(self:StagedStep, grads:dict, k, a:int, b:int, dev) -> Tensor:
-    "Samples a:b of the gradient `grads[k]` on `dev`: zeros where no chunk has written one yet."
-    t, spans = grads[k], self.written.get(k)
-    if spans is None: return self._read(t[a:b], dev)  # the loss's gradient of an output: whole
-    got = sorted((max(s, a), min(e, b)) for s, e in spans if s < b and a < e)
-    if not got: return torch.zeros((b - a,) + t.shape[1:], dtype=t.dtype, device=dev)  # on the device: no copy
-    v, at = self._read(t[a:b], dev), a
-    for s, e in got + [(b, b)]:  # the samples no chunk wrote yet: zeros
-        if s > at: v[at - a:s - a].zero_()
-        at = max(at, e)
-    return v
-
-@patch
-def _hold(self:StagedStep, n, v, a:int, b:int):
-    "Keep node `n`'s value of samples a:b for later stages."
-    # a tensor of the batch window-sized in `store`; any other value (`torch.Size`, an int, a tuple, None, a constant
-    # tensor) as it is, per chunk
-    if self._batched(n, v, a, b): return self._keep(self.kept, n, v, a, b)
-    if isinstance(v, (list, tuple, dict)):  # a container of batch tensors (a namedtuple of outputs, a list of features)
-        leaves, spec = tree_flatten(v)
-        idx = [i for i, t in enumerate(leaves) if self._batched((n, i), t, a, b)]
-        if idx:
-            self.structs[n] = (spec, idx)
-            for i in idx: self._keep(self.kept, (n, i), leaves[i], a, b)
-            v = [None if i in idx else t for i, t in enumerate(leaves)]  # the rest, carried
-    self.carried.setdefault(n, {})[a, b] = v
-
-# %% ../nbs/02b_staged_exact.ipynb #a5754f9f
-@patch
-def _batched(self:StagedStep, key, v, a:int, b:int) -> bool:
-    "Is `v`, the value of `key` (a node, or a container's (node, i)) on samples a:b, a batch tensor from the inputs?"
-    # one row per sample, or k (`_factor`: views folded into the batch)
-    n = key[0] if isinstance(key, tuple) else key
-    return (isinstance(v, Tensor) and n in self.cut.from_input and v.dim() > 0
-            and v.shape[0] == self._factor(key) * (b - a))
-
-@patch
-def _carried(self:StagedStep, n, a:int, b:int):
-    "Node `n`'s non-batch-tensor value for samples a:b: that chunk's, or the one every chunk gave."
-    vals = self.carried[n]
-    if (a, b) in vals: return vals[a, b]
-    first = next(iter(vals.values()))
-    kind, of = self.cut.sizes.get(n, (None, None))
-    rows = self._factor(of) * (b - a)  # a value with views folded into the batch: k rows a sample
-    if kind == 'int': return rows
-    if kind == 'shape': return type(first)((rows,) + tuple(first[1:]))
-    if all(_same(v, first) for v in vals.values()): return first
-    # values that differ only by multiples of their chunk's size (`x.size(0) * 5`)
-    forms = [_form(v, e - s) for (s, e), v in vals.items()]
-    if all(_same(f, forms[0]) for f in forms): return _filled(forms[0], b - a)
-    raise RuntimeError(f"staged exact: {n.name} (a {type(first).__name__}) differs from chunk to chunk "
-                       "and is read by a stage chunked otherwise")
-
-# %% ../nbs/02b_staged_exact.ipynb #38865ca7
-class _Sized(int):
-    "Where a value held `k` times its chunk's size."
-
-def _form(v, n:int):
-    "`v` with every int that is a multiple k of the chunk size `n` marked as `_Sized(k)`."
-    # ints in tuples, lists and `torch.Size` too
-    if isinstance(v, int) and not isinstance(v, bool): return _Sized(v // n) if n and v % n == 0 else v
-    if isinstance(v, (tuple, list)): return (type(v), tuple(_form(x, n) for x in v))
-    return v
-
-def _filled(form, n:int):
-    "The value of `form` (`_form`) for a chunk of `n` samples."
-    if isinstance(form, _Sized): return int(form) * n
-    if isinstance(form, tuple) and len(form) == 2 and isinstance(form[0], type):
-        return form[0](_filled(x, n) for x in form[1])
-    return form
-
-def _same(u, v) -> bool:
-    if isinstance(u, Tensor) or isinstance(v, Tensor):
-        return isinstance(u, Tensor) and isinstance(v, Tensor) and u.shape == v.shape and torch.equal(u, v)
-    try: return bool(u == v)
-    except Exception: return False
-
-# %% ../nbs/02b_staged_exact.ipynb #0ad7c6be
-class HostPool:
-    "The store's window-sized host tensors, handed from window to window: a new one costs its page faults."
-    # a new host tensor of hundreds of MiB costs its page faults, about 4x a copy into it (a pinned one, its pinning)
-    def __init__(self):
-        self.W = None  # the window size of its tensors
-        self.free = {}  # {(shape, dtype, device, pinned): [tensors given back]}
-        self.lent = {}  # {id of a tensor lent: (a weak reference to it, its key)}
-
-    def for_window(self, W:int):
-        "Start a window of `W` samples: the tensors of another window size are let go."
-        if W != self.W: self.W, self.free, self.lent = W, {}, {}
-
-    def take(self, shape:tuple, dtype, device, pin:bool, lend:bool) -> Tensor:
-        "A tensor of this shape, dtype and device: one given back, or new; `lend`: it may be given back (`give_back`)."
-        key = (tuple(shape), dtype, torch.device(device), pin)
-        free = self.free.get(key)
-        t = free.pop() if free else torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
-        if lend: self.lent[id(t)] = (weakref.ref(t), key)
-        return t
-
-    def give_back(self, ts):
-        "Take back the lent tensors among `ts` that nothing reads any more, for the next of their shape."
-        for t in ts:
-            ref, key = self.lent.pop(id(t), (None, None)) if isinstance(t, Tensor) else (None, None)
-            if ref is not None and ref() is t: self.free.setdefault(key, []).append(t)
-
-@patch
-def _store_tensor(self:StagedStep, shape:tuple, dtype, device) -> Tensor:
-    "A window-sized tensor of the store: from the pool (host tensors, given back by `_recycle`); the link counts it."
-    # only host tensors are reused, so the device holds nothing between windows; none where the store shares the
-    # budget's memory (a pool would keep freed values alive)
-    host = torch.device(device).type == 'cpu'
-    t = self.pool.take(shape, dtype, device, self.pin, lend=host and not self.shared)
-    return self.link.register(t) if host else t
-
-@patch
-def _recycle(self:StagedStep, ts):
-    "Give the store's tensors among `ts` that nothing reads any more back to the pool."
-    self.pool.give_back(ts)
-
 # %% ../nbs/02b_staged_exact.ipynb #c2294600
-@patch
-def _factor(self:StagedStep, key) -> int:
-    "Rows a sample has in the value of `key` (a node, or (node, i)): k where k views are folded into the batch, else 1."
-    return self.layouts.get(key, (1, None))[0] if self.layouts else 1
-
-@patch
-def _stored(self:StagedStep, key, v:Tensor, n:int) -> Tensor:
-    "`v`, the value of `key` on `n` samples, in the store's form: `(n, k, ...)` where it folds k views, else as it is."
-    k, how = self.layouts.get(key, (1, None)) if self.layouts else (1, None)
-    if k == 1: return v
-    return v.unflatten(0, (n, k)) if how == 'sample' else v.unflatten(0, (k, n)).transpose(0, 1)
-
-@patch
-def _unstored(self:StagedStep, key, t:Tensor, n:int) -> Tensor:
-    "The value of `key` on `n` samples from `t`, their part of the store (`_stored`'s inverse)."
-    k, how = self.layouts.get(key, (1, None)) if self.layouts else (1, None)
-    if k == 1: return t
-    return (t if how == 'sample' else t.transpose(0, 1)).flatten(0, 1)
-
-@patch
-def _folds(self:StagedStep, env:dict, n:int) -> bool:
-    "Might a value in `env` (a chunk of `n` samples) fold views into the batch: rows from the inputs a multiple of `n`?"
-    return any(t.dim() and t.shape[0] != n and t.shape[0] % n == 0
-               for m, v in env.items() if m in self.cut.from_input for t in _tensors(v))
-
 @patch
 def _find_layouts(self:StagedStep, dev) -> dict:
     "`batch_layouts` of this window's inputs by node (and (node, i)), found once per input signature."
-    xb = tuple(_to(t[:2], dev) if isinstance(t, Tensor) else t for t in self.xb)
-    nodes = {n.name: n for n in self.cut.nodes}
+    w = self.window
+    xb = tuple(_to(t[:2], dev) if isinstance(t, Tensor) else t for t in w.store.xb)
+    nodes = {n.name: n for n in w.cut.nodes}
     node = lambda k: nodes.get(k) if isinstance(k, str) else (nodes[k[0]], k[1]) if k[0] in nodes else None
     found = {node(k): f for k, f in batch_layouts(self.model, xb).items() if node(k) is not None}
-    self.layout_cache[self.signature] = found
+    self.layouts[w.signature] = found
     return found
 
 # %% ../nbs/02b_staged_exact.ipynb #b06b8998
@@ -390,61 +175,34 @@ def forward(self:StagedStep, xb:tuple, # the window's model inputs, one batch of
            ) -> Tensor:
     "The model's output for the window, computed stage by stage without a graph."
     # BatchNorm running statistics committed once
-    self.cut = self._cut()
-    self.xb = tuple(_plain(t) for t in xb)
-    self.W, dev = self.xb[0].shape[0], _device(self.model, self.xb)
-    # a pinned host store
-    store, apart = self.config.store, self.config.apart
-    self.pin = store is not None and torch.device(store).type == 'cpu' and dev.type != 'cpu' and can_pin()
-    self.autocast = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
-    self.signature = tuple((tuple(t.shape[1:]), t.dtype) for t in self.xb if isinstance(t, Tensor))
-    self.layouts = self.layout_cache.get(self.signature)  # views folded into the batch (`_find_layouts`)
-    self.pool.for_window(self.W)
-    # the store in the memory the budget counts (a CPU's): chunks get what it leaves, and nothing is pooled
-    self.shared = not apart if apart is not None else store is None or torch.device(store) == dev
-    # the one door between the host store and the device, and its ledger of what crossed (this window's)
-    self.link = Link(not self.shared, *(self._copies(dev) if not self.shared else (None, None)))
-    self.ledger, self.written = self.link.ledger, {}
-    self.window_stats = WindowStats(reduce=world_size() > 1 and not self.config.local)  # BatchNorm's, layer by layer
-    self.kept, self.carried, self.structs, self.rng, self.spans = {}, {}, {}, {}, []
-    self.random_chunked = []  # stages that drew random numbers chunk by chunk
+    cut, xb = self._cut(), tuple(_plain(t) for t in xb)
+    dev = _device(self.model, xb)
+    autocast = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
+    signature = tuple((tuple(t.shape[1:]), t.dtype) for t in xb if isinstance(t, Tensor))
+    store = WindowStore(cut, xb, dev, self.config.store, self.config.apart, lambda: self._copies(dev), self.pool,
+                        self.layouts.get(signature), self.timer, self.on_host)
+    stats = WindowStats(reduce=world_size() > 1 and not self.config.local)  # BatchNorm's, layer by layer
+    self.window = w = Window(cut, store, stats, signature, autocast)
     # chunks run with their graph, kept for the backward (not recomputed): the last stage's last chunk, and every chunk
     # of the late stages whose graphs fit the budget together
-    self.graphs, self.kept_from = {}, self._kept_from()
+    w.kept_from = self._kept_from()
     self._plan_device_part(chunk)  # values several stages read, kept on the device between their reads where room is left
-    for s in range(len(self.cut.stages)):
-        self.spans.append([])
-        self._stage_forward(s, dev, chunk)
-    if self.layouts is None: self.layout_cache[self.signature] = self.layouts = {}  # no value folds views
-    if self.random_chunked: self._say_random()
-    self.window_stats.say_not_finite(self.link.sync)
-    self.sizer.store_costs[self.signature, self.autocast] = max(map(self._store_bytes, range(len(self.cut.stages)))) / self.W
-    self.sizer.kept_sizes[self.signature, self.autocast] = {k: _nbytes(t) / self.W for k, t in self.kept.items()}
-    return self._output(dev)
+    for s in range(len(cut)): self._stage_forward(s, dev, chunk)
+    if store.layouts is None: self.layouts[signature] = store.layouts = {}  # no value folds views
+    if w.random_chunked: self._say_random()
+    stats.say_not_finite(store.link.sync)
+    self.sizer.store_costs[signature, autocast] = max(map(store.store_bytes, range(len(cut)))) / w.W
+    self.sizer.kept_sizes[signature, autocast] = {k: _nbytes(t) / w.W for k, t in store.kept.items()}
+    return store.output(lambda n: self.runner.value(n, {}, xb))
 
 # %% ../nbs/02b_staged_exact.ipynb #603fc20b
-@patch
-def _producer_spans(self:StagedStep, s:int) -> list|None:
-    "The chunks of the stage that made a value stage `s` reads whose size arithmetic is unknown (`x.size(0) * 5`)."
-    # seen at one chunk size only, such a value cannot be told from a constant: stage `s` runs in the same chunks
-    for n in self.cut.stage_in[s]:
-        vals = self.carried.get(n)
-        if vals and n not in self.cut.sizes and len({b - a for a, b in vals}) < 2 and any(map(_has_int, vals.values())):
-            return sorted(vals)
-    return None
-
-def _has_int(v) -> bool:
-    "Does `v` hold an int (in a tuple, list or `torch.Size`)?"
-    if isinstance(v, (list, tuple)): return any(map(_has_int, v))
-    return isinstance(v, int) and not isinstance(v, bool)
-
 @patch
 def _kept_from(self:StagedStep) -> int:
     "The first of the last stages whose graphs for the whole window fit the budget together (`ChunkSizer.kept_from`)."
     # where the store shares the budget's memory, beside the most it held in a window like this one
-    keys = [self._cost_key(s) for s in range(len(self.cut))]
-    return self.sizer.kept_from(keys, self.W, (self.signature, self.autocast) if self.shared else None)
-
+    w = self.window
+    keys = [self._cost_key(s) for s in range(len(w.cut))]
+    return self.sizer.kept_from(keys, w.W, (w.signature, w.autocast) if w.store.shared else None)
 
 # %% ../nbs/02b_staged_exact.ipynb #1660e087
 class ChunkSizer:
@@ -455,6 +213,9 @@ class ChunkSizer:
         self.store_costs = {}  # the most bytes per sample the store held in a window, by input signature and autocast
         self.kept_sizes = {}  # {kept key: its bytes per sample} in the last window, by input signature and autocast
         self.one_chunk = set()  # `_cost_key`s of last stages that draw random numbers: run in one chunk
+        self.device_plans = {}  # the store's device part (its spans, bytes per stage) by window (`_plan_device_part`)
+
+    def __repr__(self): return f'{type(self).__name__}(budget={self.config.budget}, {len(self.costs)} stage costs)'
 
     def samples_in(self, beside:float, per_sample:float, at_least:int, W:int) -> int:
         "The most samples, at least `at_least` and at most `W`, whose chunk fits the budget beside `beside` bytes."
@@ -477,43 +238,46 @@ class ChunkSizer:
 @patch
 def _first_chunk(self:StagedStep, s:int, chunk:int) -> tuple:
     "(samples per chunk of stage `s`, whether its first chunk measures the stage's bytes per sample)."
-    key = self._cost_key(s)
-    if key in self.sizer.one_chunk: return self.W, False  # the last stage, drawing random numbers: in one chunk, as before
+    w, key = self.window, self._cost_key(s)
+    if key in self.sizer.one_chunk: return w.W, False  # the last stage, drawing random numbers: in one chunk, as before
     if self.config.budget is not None:
         cost = self.sizer.costs.get(key)
-        return (self._sized(s, cost, chunk), False) if cost is not None else (min(chunk, self.W), True)
+        return (self._sized(s, cost, chunk), False) if cost is not None else (min(chunk, w.W), True)
     if not self.config.grow: return chunk, False
     # without a budget: as many bytes in as a micro-batch's input
-    per_input = _nbytes(self.xb) / self.W
-    per = sum(self._kept_bytes(n) if n in self.kept or n in self.carried else per_input * self.W
-              for n in self.cut.stage_in[s]) / self.W  # bytes a sample brings in
-    return min(self.W, max(chunk, int(chunk * per_input // max(per, 1)))), False
+    store = w.store
+    per_input = _nbytes(store.xb) / w.W
+    per = sum(store.kept_bytes(n) if n in store.kept or n in store.carried else per_input * w.W
+              for n in w.cut.stage_in[s]) / w.W  # bytes a sample brings in
+    return min(w.W, max(chunk, int(chunk * per_input // max(per, 1)))), False
 
 @patch
 def _beside(self:StagedStep, s:int, size=None) -> tuple:
     "(bytes beside every chunk of stage `s`, bytes per sample its next chunk's reads add while it computes)."
     # beside: its parameters' gradients as its backward makes them (summed in place into the step's); where the store
     # shares the budget's memory (a CPU), what it holds then, in this stage's forward and backward; the store's device
-    # part then (`_plan_device_part`). Read ahead (`_prefetch`): its inputs and its outputs' gradients. `size(node)`: the
-    # window's bytes of a node (default: this window's, as far as kept)
-    size = size or self._kept_bytes
-    grads = sum(_nbytes(p) for p in self.cut.stage_params[s] if p.requires_grad)
-    store = max(_nbytes(list(self.kept.values())), self._store_bytes(s)) if self.shared else 0
-    ahead = sum(map(size, self.cut.stage_in[s] + self.cut.stage_out[s])) / self.W if self.link.apart else 0
-    return grads + store + self.device.held[s], ahead
+    # part then (`_plan_device_part`). Read ahead (`WindowStore.prefetch`): its inputs and its outputs' gradients.
+    # `size(node)`: the window's bytes of a node (default: this window's, as far as kept)
+    w, store = self.window, self.window.store
+    size = size or store.kept_bytes
+    grads = sum(_nbytes(p) for p in w.cut.stage_params[s] if p.requires_grad)
+    held = max(_nbytes(list(store.kept.values())), store.store_bytes(s)) if store.shared else 0
+    ahead = sum(map(size, w.cut.stage_in[s] + w.cut.stage_out[s])) / w.W if store.link.apart else 0
+    return grads + held + store.device.held[s], ahead
 
 @patch
 def _sized(self:StagedStep, s:int, cost:float, chunk:int, size=None) -> int:
     "The most samples (at least `chunk`) whose chunk of stage `s`, costing `cost` bytes per sample, fits the budget."
     beside, ahead = self._beside(s, size)
-    return self.sizer.samples_in(beside, cost + ahead, chunk, self.W)
+    return self.sizer.samples_in(beside, cost + ahead, chunk, self.window.W)
 
 @patch
 def _cost_key(self:StagedStep, s:int) -> tuple:
     "Stage `s` (its nodes, the inputs' shapes and dtypes, training's autocast): what its bytes per sample depend on."
     # an empty first stage: a BatchNorm on the model's input
-    first = self.cut.nodes[self.cut.stages[s][0]].name if self.cut.stages[s] else ''
-    return first, len(self.cut.stages[s]), self.signature, self.autocast
+    w, cut = self.window, self.window.cut
+    first = cut.nodes[cut.stages[s][0]].name if cut.stages[s] else ''
+    return first, len(cut.stages[s]), w.signature, w.autocast
 
 # %% ../nbs/02b_staged_exact.ipynb #1a447e1a
 @patch
@@ -522,30 +286,30 @@ def _plan_device_part(self:StagedStep, chunk:int):
     # only values read by several stages, none the model returns; a value and its gradient are counted at every stage
     # from its first reader to its last, within the room there (`_device_room`); the most-read first
     # planned once per input signature, autocast, window size, budget and stages kept whole or with their graphs
-    n_st = len(self.cut)
-    self.device = DevicePart(self.W, [0] * n_st)
-    per_sample = self.sizer.kept_sizes.get((self.signature, self.autocast))
-    costs = [self.sizer.costs.get(self._cost_key(s)) for s in range(n_st)]
-    if not self.link.apart or self.config.budget is None or per_sample is None or None in costs: return
-    key = self.signature, self.autocast, self.W, self.config.budget, self.kept_from, len(self.sizer.one_chunk)
-    if key in self.device_plans:
-        self.device.spans, held = self.device_plans[key]
-        self.device.held = list(held)
+    w, store = self.window, self.window.store
+    per_sample = self.sizer.kept_sizes.get((w.signature, w.autocast))
+    costs = [self.sizer.costs.get(self._cost_key(s)) for s in range(len(w.cut))]
+    if not store.link.apart or self.config.budget is None or per_sample is None or None in costs: return
+    key = w.signature, w.autocast, w.W, self.config.budget, w.kept_from, len(self.sizer.one_chunk)
+    if key in self.sizer.device_plans:
+        spans, held = self.sizer.device_plans[key]
+        store.device = DevicePart(w.W, list(held), spans)
         return
     node = lambda k: k[0] if isinstance(k, tuple) else k
-    sizes, by_node, readers = {k: v * self.W for k, v in per_sample.items()}, collections.Counter(), {}
+    sizes, by_node, readers = {k: v * w.W for k, v in per_sample.items()}, collections.Counter(), {}
     for k, v in sizes.items(): by_node[node(k)] += v
-    room = self._device_room(chunk, costs, lambda n: self._kept_bytes(n) if n.op == 'placeholder' else by_node[n])
-    for s, ins in enumerate(self.cut.stage_in):
+    room = self._device_room(chunk, costs, lambda n: store.kept_bytes(n) if n.op == 'placeholder' else by_node[n])
+    for s, ins in enumerate(w.cut.stage_in):
         for n in ins: readers.setdefault(n, []).append(s)
-    returned = set(self.cut.output.all_input_nodes)
+    returned = set(w.cut.output.all_input_nodes)
     several = [(k, readers[node(k)]) for k in sizes if len(readers.get(node(k), ())) > 1 and node(k) not in returned]
+    part = store.device
     for k, rs in sorted(several, key=lambda kv: (-len(kv[1]), sizes[kv[0]])):
         span = range(rs[0], rs[-1] + 1)
-        if all(self.device.held[s] + 2 * sizes[k] <= room[s] for s in span):
-            self.device.spans[k] = rs[0], rs[-1]
-            for s in span: self.device.held[s] += 2 * sizes[k]
-    self.device_plans[key] = self.device.spans, tuple(self.device.held)
+        if all(part.held[s] + 2 * sizes[k] <= room[s] for s in span):
+            part.spans[k] = rs[0], rs[-1]
+            for s in span: part.held[s] += 2 * sizes[k]
+    self.sizer.device_plans[key] = dict(part.spans), tuple(part.held)
 
 @patch
 def _device_room(self:StagedStep, chunk:int, costs:list, size) -> list:
@@ -553,80 +317,18 @@ def _device_room(self:StagedStep, chunk:int, costs:list, size) -> list:
     # beside chunks that may shrink to `shrink` of their size without it (where the backward recomputes), or beside
     # the graphs kept since `kept_from` (where it keeps them: they hold the whole window already); none in a stage run
     # whole. `size(node)`: a node's window bytes, the last window's
-    room, graphs = [-1.] * len(self.cut.stages), 0.
+    w = self.window
+    room, graphs = [-1.] * len(w.cut), 0.
     for s, cost in enumerate(costs):
         if self._cost_key(s) in self.sizer.one_chunk: continue
         beside, ahead = self._beside(s, size)
-        if s >= self.kept_from:
-            graphs += cost * self.W
+        if s >= w.kept_from:
+            graphs += cost * w.W
             room[s] = 0.9 * (self.config.budget - beside - self.config.margin * graphs)
             continue
         least = max(chunk, math.ceil(self.config.shrink * self._sized(s, cost, chunk, size)))  # the chunks it may take
         room[s] = 0.9 * (self.config.budget - beside - self.config.margin * least * (cost + ahead))
     return room
-
-# %% ../nbs/02b_staged_exact.ipynb #55c31e92
-class DevicePart:
-    "The store's part on the device: values several stages read, held from their first reader to their last."
-    # and their gradients, summed there and written to the store once, after their first reader's backward
-    def __init__(self,
-                 W:int, # samples in the window
-                 held:list, # bytes planned at each stage (`_plan_device_part`)
-                ):
-        self.W, self.held = W, held
-        self.spans = {}  # {kept key: (first, last) stage reading it}
-        self.values, self.grads = {}, {}  # {key: (window-sized tensor, [sample held?])}, {key: summed gradient}
-        self.most = 0  # the most bytes it held in this window: values and summed gradients
-
-    def __contains__(self, key) -> bool: return key in self.spans
-    def __len__(self) -> int: return len(self.spans)
-
-    def holds(self, key, a:int, b:int) -> bool:
-        "Does it hold samples a:b of kept tensor `key`?"
-        t, have = self.values.get(key, (None, None))
-        return t is not None and all(have[a:b])
-
-    def read(self, key, a:int, b:int, read) -> Tensor:
-        "Samples a:b of kept tensor `key`: held here, else `read()` and, where `key` is planned here, kept."
-        if key not in self.spans: return read()
-        if self.holds(key, a, b): return self.values[key][0][a:b].clone()  # its own: a stage may write into it
-        v = read()
-        if key not in self.values:
-            self.values[key] = torch.empty((self.W,) + v.shape[1:], dtype=v.dtype, device=v.device), [False] * self.W
-            self._note()
-        t, have = self.values[key]
-        t[a:b].copy_(v)
-        have[a:b] = [True] * (b - a)
-        return v
-
-    def add_grad(self, key, g:Tensor, a:int, b:int):
-        "Sum one chunk's gradient `g` (samples a:b) of kept value `key` into its window's, here."
-        if key not in self.grads:
-            self.grads[key] = torch.zeros((self.W,) + g.shape[1:], dtype=g.dtype, device=g.device)
-            self._note()
-        self.grads[key][a:b] += g
-
-    def leave(self, s:int, backward:bool) -> list:
-        "After stage `s`'s forward or backward: let go the values it read last; [(key, summed gradient)] to write."
-        out = []
-        for k, (first, last) in self.spans.items():
-            if s != (first if backward else last): continue
-            self.values.pop(k, None)
-            g = self.grads.pop(k, None)
-            if g is not None: out.append((k, g))
-        return out
-
-    def _note(self):
-        now = _nbytes([t for t, _ in self.values.values()]) + _nbytes(list(self.grads.values()))
-        self.most = max(self.most, now)
-
-@patch
-def _leave_device_part(self:StagedStep, s:int, grads:dict|None=None):
-    "After stage `s`'s forward (`grads` None) or backward: the device part lets go; its summed gradients written."
-    for k, g in self.device.leave(s, backward=grads is not None):
-        grads[k] = self._store_tensor(g.shape, g.dtype, self.config.store or g.device)
-        self._put(grads[k], 0, self.W, g, 'grad')
-        self.written[k] = [(0, self.W)]
 
 # %% ../nbs/02b_staged_exact.ipynb #927e133c
 @patch
@@ -634,8 +336,8 @@ def _stage_cost(self:StagedStep, env:dict, n:int, saved:dict) -> float:
     "Bytes per sample one chunk of a stage holds in its backward, from its forward on `n` samples with a graph."
     # every batch tensor it computed or read (`env`), those autograd saved besides (`saved`, {data_ptr: bytes}: the
     # input an in-place activation copies), plus twice the largest (the gradient being computed and the one it comes
-    # from)
-    sizes, rows = dict(saved), {n} | {k * n for k, _ in (self.layouts or {}).values()}  # k rows a sample: folded views
+    # from); k rows a sample where views are folded into the batch
+    sizes, rows = dict(saved), {n} | {k * n for k, _ in (self.window.store.layouts or {}).values()}
     for t in _tensors(list(env.values())):
         if t.dim() and t.shape[0] in rows: sizes[t.data_ptr()] = max(sizes.get(t.data_ptr(), 0), _nbytes(t))
     return (sum(sizes.values()) + 2 * max(sizes.values(), default=0)) / n
@@ -651,66 +353,55 @@ def _saved_counted(self:StagedStep, sizes:dict):
         return t.detach()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t): yield
 
-@patch
-def _kept_bytes(self:StagedStep, n) -> int:
-    "Bytes of the window-sized tensors kept for node `n` (a container's included; a model input's own)."
-    if n.op == 'placeholder': return _nbytes(self.xb[self.cut.inputs.index(n)])
-    if n in self.kept: return _nbytes(self.kept[n])
-    return sum(_nbytes(self.kept[n, i]) for i in self.structs[n][1]) if n in self.structs else 0
-
-@patch
-def _store_bytes(self:StagedStep, s:int) -> float:
-    "Bytes the store holds during stage `s`'s backward, as far as this window has kept them."
-    return self.cut.store_bytes(s, self._kept_bytes)
-
 # %% ../nbs/02b_staged_exact.ipynb #a372d4ea
 @patch
 def _stage_forward(self:StagedStep, s:int, dev, chunk:int):
     "Run stage `s` over the window chunk by chunk, no graph; keep what later stages and the output read."
     # the last stage reruns in one chunk if it draws random numbers (dropout): its masks are then the big batch's (the
-    # window's memory for it is their price: `_plan` cuts it down to the ops from the first random one); its last chunk
-    # runs with a graph, kept for the backward
-    last = s + 1 == len(self.cut.stages)
-    sts, (c, measure), a = {bar: ChannelStats() for bar in self.cut.gathers[s]}, self._first_chunk(s, chunk), 0
-    producer = self._producer_spans(s)  # the chunks to run in, where a value it reads says
+    # window's memory for it is their price: `cut_stages` cuts it down to the ops from the first random one); its last
+    # chunk runs with a graph, kept for the backward
+    w, store, cut = self.window, self.window.store, self.window.cut
+    last = s + 1 == len(cut)
+    sts, (c, measure), a = {bar: ChannelStats() for bar in cut.gathers[s]}, self._first_chunk(s, chunk), 0
+    producer = store.producer_spans(s)  # the chunks to run in, where a value it reads says
     if producer: measure = False
-    while a < self.W:
-        b = producer[len(self.spans[s])][1] if producer else min(a + c, self.W)
-        graph = s >= self.kept_from or (last and b == self.W)
+    while a < w.W:
+        b = producer[len(w.spans[s])][1] if producer else min(a + c, w.W)
+        graph = s >= w.kept_from or (last and b == w.W)
         # the chunk that measures the stage runs as its backward's recompute will, counting what autograd saves
         probe, saved = measure and a == 0 and not graph, {}
         grad = graph or probe
-        env, xb = self._stage_inputs(s, a, b, dev, grad=grad), self._xb(a, b, dev, grad=grad, s=s)
-        if not (measure and a == 0): self._prefetch(s, _next_span(b, c, self.W, producer))  # crossing while this computes
-        self.rng[s, a] = state = _rng_state(dev)
+        env, xb = store.stage_inputs(s, a, b, dev, grad=grad), store.inputs(a, b, dev, grad=grad, s=s)
+        if not (measure and a == 0): store.prefetch(s, _next_span(b, c, w.W, producer))  # crossing while this computes
+        w.rng[s, a] = state = _rng_state(dev)
         with torch.set_grad_enabled(grad), self._saved_counted(saved) if probe else nullcontext():
             leaf = self._run_stage(s, env, xb, grad=grad)
         # views folded into the batch show in a stage's first chunk: looked for until a window has shown none
-        if a == 0 and self.layouts is None and self._folds(env, b - a): self.layouts = self._find_layouts(dev)
+        if a == 0 and store.layouts is None and store.folds(env, b - a): store.layouts = self._find_layouts(dev)
         if measure and a == 0:  # the stage's bytes per sample, measured once: the other chunks as large as they fit
             self.sizer.costs[self._cost_key(s)] = cost = self._stage_cost(env, b - a, saved)
-        if a == 0 and b < self.W and not _same_state(state, _rng_state(dev)):  # it draws random numbers
+        if a == 0 and b < w.W and not _same_state(state, _rng_state(dev)):  # it draws random numbers
             if last and not producer:
                 _set_rng_state(state, dev)
-                self.spans[s] = []
+                w.spans[s] = []
                 self.sizer.one_chunk.add(self._cost_key(s))
-                return self._stage_forward(s, dev, self.W)
-            self.random_chunked.append(s)
-        self.spans[s].append((a, b))
+                return self._stage_forward(s, dev, w.W)
+            w.random_chunked.append(s)
+        w.spans[s].append((a, b))
         with torch.no_grad():
-            for n in self.cut.stage_out[s]: self._hold(n, env[n], a, b)
+            for n in cut.stage_out[s]: store.hold(n, env[n], a, b)
             with self._timed('statistics'):  # window statistics
                 for bar, st in sts.items(): st.add(self.runner.value(bar.args[0], env, xb))
         if measure and a == 0:  # once its values' window-sized store is made; then the next chunk's reads start
             c = self._sized(s, cost, chunk)
-            self._prefetch(s, _next_span(b, c, self.W, producer))
+            store.prefetch(s, _next_span(b, c, w.W, producer))
         if graph:  # what the backward reads: the stage's inputs (leaves) and outputs; the graph holds the rest it needs
-            self.graphs[s, a] = {n: env[n] for n in self.cut.stage_in[s] + self.cut.stage_out[s] if n in env}, leaf
+            w.graphs[s, a] = {n: env[n] for n in cut.stage_in[s] + cut.stage_out[s] if n in env}, leaf
         env = xb = leaf = None  # freed before the next chunk is computed
         a = b
     with self._timed('running statistics'):
-        for bar, st in sts.items(): self.window_stats.close(bar, self.modules[bar.target], st)
-    self._leave_device_part(s)
+        for bar, st in sts.items(): w.stats.close(bar, self.modules[bar.target], st)
+    store.leave_device(s)
 
 def _next_span(b:int, c:int, W:int, spans:list|None) -> tuple|None:
     "The chunk after the one ending at `b`: chunks of `c` up to `W`, or the next of the given `spans` (None: none)."
@@ -723,33 +414,13 @@ def _say_random(self:StagedStep):
     "Warn once that some stages drew their random numbers (dropout masks) chunk by chunk."
     if self.said_random: return
     self.said_random = True
-    where = ', '.join(f"after {self.cut.bars[s].target}" if self.cut.bars[s] is not None else
-                      f"from {self.cut.nodes[self.cut.stages[s][0]].name}" if s else "before the first BatchNorm"
-                      for s in self.random_chunked)
+    cut = self.window.cut
+    where = ', '.join(f"after {cut.bars[s].target}" if cut.bars[s] is not None else
+                      f"from {cut.nodes[cut.stages[s][0]].name}" if s else "before the first BatchNorm"
+                      for s in self.window.random_chunked)
     warnings.warn(f"staged exact: random ops (dropout, drop-path) in chunked stages ({where}) "
                   "draw their masks chunk by chunk: equal in distribution to the big batch's, not in value. "
                   "Everything else is the big batch's step.", stacklevel=2)
-
-@patch
-def _output(self:StagedStep, dev):
-    "The window's output on `dev`, as the model returns it (a tensor, or a dict, tuple or list of them)."
-    # a dict, tuple or list: torchvision's segmentation models
-    def value(n):
-        if not isinstance(n, fx.Node): return n
-        whole = lambda key: self._unstored(key, self._read(self.kept[key], dev), self.W)
-        if n in self.kept: return whole(n)
-        if n in self.structs: return self._struct(n, 0, self.W, whole)
-        if n in self.carried: return self._carried(n, 0, self.W)
-        return self.runner.value(n, {}, self.xb)  # a model input returned as it is
-    return _plain_containers(map_aggregate(self.cut.output.args[0], value))
-
-def _plain_containers(o):
-    "`o` with torch.fx's immutable dicts and lists made plain, as the model's own forward returns them."
-    if isinstance(o, dict): return {k: _plain_containers(v) for k, v in o.items()}
-    if isinstance(o, tuple) and hasattr(o, '_fields'):  # a namedtuple
-        return type(o)(*(_plain_containers(v) for v in o))
-    if isinstance(o, (list, tuple)): return (list if isinstance(o, list) else tuple)(_plain_containers(v) for v in o)
-    return o
 
 # %% ../nbs/02b_staged_exact.ipynb #eee4099d
 class LayerStats(NamedTuple):
@@ -827,36 +498,9 @@ class WindowStats:
 @patch
 def _copies(self:StagedStep, dev) -> tuple:
     "How the link issues its writes and its reads ahead: each on a CUDA stream of its own (made once per step), else as they come."
-    if getattr(self, '_cuda_copies', None) is None and dev.type == 'cuda':
-        self._cuda_copies = CudaCopies(dev), CudaCopies(dev)
-    made = self._cuda_copies if dev.type == 'cuda' else (Copies(), Copies())
+    if self.copies is None and dev.type == 'cuda': self.copies = CudaCopies(dev), CudaCopies(dev)
+    made = self.copies if dev.type == 'cuda' else (Copies(), Copies())
     return self.config.writes or made[0], self.config.reads or made[1]
-
-@patch
-def _prefetch(self:StagedStep, s:int, span, grads:dict|None=None):
-    "Start the reads of chunk `span` (a, b) of stage `s` (None: none), so they cross while this chunk computes."
-    # the forward's: its inputs kept by earlier stages and the window's inputs; the backward's (`grads`): those again
-    # for its recompute (not for a chunk whose graph the forward kept), its outputs' gradients and BatchNorm's fixed ones
-    if span is None or not self.link.apart: return
-    a, b = span
-    dev = _device(self.model, self.xb)
-    if grads is None or (s, a) not in self.graphs:
-        for n in self.cut.stage_in[s]:
-            if n.op == 'placeholder' or (n in self.carried and n not in self.structs): continue
-            for k in self._keys(n):
-                if k in self.kept and self.link.holds(self.kept[k]) and not self.device.holds(k, a, b):
-                    self.link.prefetch(self.kept[k][a:b], dev)
-        if self.cut.reads_input[s]:
-            for t in self.xb:
-                if isinstance(t, Tensor) and t.device.type == 'cpu': self.link.prefetch(t[a:b], dev, 'input')
-    if grads is None: return
-    for n in self.cut.stage_out[s]:
-        for k in self._keys(n):
-            t = grads.get(k)
-            if t is not None and self.link.holds(t) and any(u < b and a < e for u, e in self.written.get(k, ())):
-                self.link.prefetch(t[a:b], dev)
-            for p in self.window_stats.projections.get(k, ()):
-                if self.link.holds(p.fixed): self.link.prefetch(p.fixed[a:b], dev)
 
 # %% ../nbs/02b_staged_exact.ipynb #1494d3bf
 @patch
@@ -865,55 +509,54 @@ def backward(self:StagedStep, grad, # the loss's gradient w.r.t. the window's ou
               into:list|None=None, # per parameter, a tensor its gradient is summed into in place (None: a new one)
              ) -> list:
     "Back-propagate through the window: the big batch's gradient of each of `params`."
+    w, store, cut = self.window, self.window.store, self.window.cut
     own = params is None
     params = [p for p in self.model.parameters() if p.requires_grad] if own else list(params)
-    grads, pgrads = self._output_grads(grad), list(into) if into is not None else [None] * len(params)
-    dev = _device(self.model, self.xb)
-    index = {id(p): i for i, p in enumerate(params)}
-    autocast = torch.autocast(dev.type, dtype=self.autocast) if self.autocast else nullcontext()
-    for s in reversed(range(len(self.cut.stages))):
-        bar = self.cut.bars[s]
-        outs = [n for n in self.cut.stage_out[s] if any(k in grads or k in self.window_stats.projections for k in self._keys(n))]
+    pgrads = list(into) if into is not None else [None] * len(params)
+    store.take_output_grads(grad)
+    dev, index, projections = store.dev, {id(p): i for i, p in enumerate(params)}, w.stats.projections
+    autocast = torch.autocast(dev.type, dtype=w.autocast) if w.autocast else nullcontext()
+    for s in reversed(range(len(cut))):
+        bar = cut.bars[s]
+        outs = [n for n in cut.stage_out[s] if any(k in store.grads or k in projections for k in store.keys(n))]
         # the barrier's input gradient with its statistics held fixed (window-sized, in `store`); Σ g, Σ g·x̂
         fixed_grads, sums = {}, None
         # autograd asked only for this stage's parameters
-        used = [index[id(p)] for p in self.cut.stage_params[s] if id(p) in index]
+        used = [index[id(p)] for p in cut.stage_params[s] if id(p) in index]
         affine = self._affine_sums(s, bar, index, pgrads) if bar is not None else None
         if not outs and bar is None:  # no gradient reaches it (the empty stage before an input's BatchNorm): only what
-            self._leave_device_part(s, grads); continue  # it read last leaves the device
+            store.leave_device(s, backward=True); continue  # it read last leaves the device
         # chunks whose graph the forward kept first: they are not held while the others are recomputed
-        order = sorted(self.spans[s], key=lambda span: (s, span[0]) not in self.graphs)
+        order = sorted(w.spans[s], key=lambda span: (s, span[0]) not in w.graphs)
         for i, (a, b) in enumerate(order):
-            self._prefetch(s, order[i + 1] if i + 1 < len(order) else None, grads)  # crossing while this one computes
-            graph = self.graphs.pop((s, a), None)  # its graph, from the forward
+            nxt = order[i + 1] if i + 1 < len(order) else None  # its reads cross while this one computes
+            store.prefetch(s, nxt, backward=True, recompute=nxt is not None and (s, nxt[0]) not in w.graphs,
+                           projections=projections)
+            graph = w.graphs.pop((s, a), None)  # its graph, from the forward
             env, leaf = graph if graph is not None else self._recomputed(s, a, b, dev, autocast)
-            self._check_carried(s, env)
-            pairs = [(t, self._out_grad(grads, k, a, b, t)) for n in outs for k, t in self._struct_keys(n, env[n])
-                     if (k in grads or k in self.window_stats.projections) and t.requires_grad]
-            leaves = [(k, t) for n in self.cut.stage_in[s] if n in env for k, t in self._struct_keys(n, env[n])
+            store.check_carried(s, env)
+            pairs = [(t, store.out_grad(k, a, b, t, projections.get(k, ()))) for n in outs
+                     for k, t in store.struct_keys(n, env[n]) if (k in store.grads or k in projections) and t.requires_grad]
+            leaves = [(k, t) for n in cut.stage_in[s] if n in env for k, t in store.struct_keys(n, env[n])
                       if t.requires_grad]
             got = self._grads(pairs, [t for _, t in leaves] + ([leaf] if leaf is not None else []), params, pgrads,
                               used)
             for k, g in zip([k for k, _ in leaves], got):  # (a loop's `_` would hold the last leaf)
-                if g is not None: self._add_grad(grads, k, g, a, b)
+                if g is not None: store.add_grad(k, g, a, b)
             if bar is not None:
                 g = got[-1] if got and got[-1] is not None else torch.zeros_like(leaf)
                 if affine is None:
-                    with self._timed('window sums'): sums = self.window_stats.add_sums(bar, leaf.detach(), g, sums)
-                self._keep(fixed_grads, bar, g, a, b, 'grad')
+                    with self._timed('window sums'): sums = w.stats.add_sums(bar, leaf.detach(), g, sums)
+                store.keep(fixed_grads, bar, g, a, b, 'grad')
             graph = env = leaf = pairs = leaves = got = g = None  # freed before the next chunk is recomputed
         if affine is not None: sums = affine()
-        self._recycle([grads.pop(k, None) for n in outs for k in self._keys(n)])
-        self._recycle([p.fixed for n in outs for k in self._keys(n) for p in self.window_stats.projections.pop(k, ())])
+        store.recycle([store.grads.pop(k, None) for n in outs for k in store.keys(n)])
+        store.recycle([p.fixed for n in outs for k in store.keys(n) for p in projections.pop(k, ())])
         if bar is not None: self._project(s, bar, fixed_grads.get(bar), sums)
-        self._recycle([self.kept.pop(k) for n in self.cut.freed[s] for k in self._keys(n) if k in self.kept])
-        self._leave_device_part(s, grads)
+        store.recycle([store.kept.pop(k) for n in cut.freed[s] for k in store.keys(n) if k in store.kept])
+        store.leave_device(s, backward=True)
     # the store's tensors, for the next window; not the output's (the model returned them)
-    returned = {k for n in self.cut.output.all_input_nodes for k in self._keys(n)}
-    self._recycle([t for k, t in itertools.chain(self.kept.items(), grads.items()) if k not in returned])
-    self._recycle([p.fixed for ps in self.window_stats.projections.values() for p in ps])
-    self.link.done()  # what is computed next (the optimizer's step) waits for every write
-    self.kept = self.carried = self.structs = self.xb = self.graphs = self.window_stats = self.written = None
+    w.close({k for n in cut.output.all_input_nodes for k in store.keys(n)})
     if own:
         for p, g in zip(params, pgrads):
             if g is not None: p.grad = g if p.grad is None else p.grad + g
@@ -926,16 +569,17 @@ def _affine_sums(self:StagedStep, s:int, bar, index:dict, pgrads:list):
     # BatchNorm with fixed statistics: g = dy·w·invstd, so Σ g = w·invstd·Σ dy (the bias's gradient) and
     # Σ g·x̂ = w·invstd·Σ dy·x̂ (the weight's): the backward computed them, no pass over the chunk is needed. Only where
     # no other op of the model reads them, the gradients are kept in float32 or more, and autograd is asked for them
-    m = self.modules[bar.target]
+    m, window = self.modules[bar.target], self.window
     w, b = m.weight, m.bias
     if w is None or b is None or id(w) not in index or id(b) not in index: return None
     if w.dtype not in (torch.float32, torch.float64): return None
-    readers = self._param_readers()
+    readers = window.cut.readers
     if readers.get(id(w)) != 1 or readers.get(id(b)) != 1: return None  # another node reads them too
     iw, ib = index[id(w)], index[id(b)]
     if pgrads[iw] is not None or pgrads[ib] is not None: return None  # a gradient from elsewhere already
+    stats = window.stats
     def sums():
-        scale = w.detach() * self.window_stats.layers[bar].invstd.to(w.dtype)
+        scale = w.detach() * stats.layers[bar].invstd.to(w.dtype)
         gw, gb = (pgrads[i] if pgrads[i] is not None else torch.zeros_like(w) for i in (iw, ib))
         return torch.stack([scale * gb, scale * gw])
     return sums
@@ -945,61 +589,17 @@ def _bar_params(self:StagedStep) -> set:
     "The ids of the training BatchNorm layers' parameters."
     return {id(p) for n in self.cut.bars if n is not None for p in self.modules[n.target].parameters()}
 
-@patch
-def _param_readers(self:StagedStep) -> dict:
-    "{id of a parameter: how many nodes of the graph read it}, counted once per step."
-    if self._readers is None:
-        self._readers = {}
-        for n in self.graph.nodes:
-            for i in _reads(self, n): self._readers[i] = self._readers.get(i, 0) + 1
-    return self._readers
-
-def _reads(self, n) -> set:
-    "The ids of the parameters node `n` reads: its module's, or the one it gets (`get_attr`)."
-    if n.op == 'call_module': return {id(p) for p in self.modules[n.target].parameters()}
-    if n.op == 'get_attr': return {id(self.runner.value(n, {}, ()))}
-    return set()
-
 # %% ../nbs/02b_staged_exact.ipynb #cb12f709
 @patch
 def _recomputed(self:StagedStep, s:int, a:int, b:int, dev, autocast) -> tuple:
     "(values, BatchNorm input leaf) of stage `s` on samples a:b, run again with a graph, the forward's random state."
-    env = self._stage_inputs(s, a, b, dev, grad=True)
+    w = self.window
+    env = w.store.stage_inputs(s, a, b, dev, grad=True)
     with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []), torch.enable_grad(), autocast:
-        _set_rng_state(self.rng[s, a], dev)
-        return env, self._run_stage(s, env, self._xb(a, b, dev, grad=True, s=s), grad=True)
-
-@patch
-def _check_carried(self:StagedStep, s:int, env:dict):
-    "A carried value (not a batch tensor) needing a gradient cannot pass one back across a stage: refuse."
-    for n in self.cut.stage_out[s]:
-        if n not in self.carried: continue
-        kept = set(self.structs[n][1]) if n in self.structs else set()
-        leaves, _ = tree_flatten(env[n])
-        if any(isinstance(t, Tensor) and t.requires_grad and i not in kept for i, t in enumerate(leaves)):
-            raise RuntimeError(f"staged exact: {n.name}, a tensor computed from parameters alone, is read across "
-                               "a BatchNorm layer: its gradient cannot be carried back")
-
-@patch
-def _output_grads(self:StagedStep, grad) -> dict:
-    "{output node: its window's gradient}, from `grad` shaped as the model's output."
-    # a node returned twice: its gradients summed
-    keys = map_aggregate(self.cut.output.args[0],
-                         lambda n: self._struct(n, 0, self.W, _Key) if n in self.structs else _Key(n))
-    keys, _ = tree_flatten(_plain_containers(keys))
-    gs, _ = tree_flatten(grad)
-    grads = {}
-    for k, g in zip(keys, gs):
-        if not (isinstance(k, _Key) and isinstance(g, Tensor)): continue
-        g = self._stored(k.key, g, self.W)
-        grads[k.key] = g if k.key not in grads else grads[k.key] + g
-    return grads
+        _set_rng_state(w.rng[s, a], dev)
+        return env, self._run_stage(s, env, w.store.inputs(a, b, dev, grad=True, s=s), grad=True)
 
 # %% ../nbs/02b_staged_exact.ipynb #838034c4
-class _Key:
-    "A key of `grads` (a node, or (node, i) for a container's i-th tensor), whole where pytree flattens."
-    def __init__(self, key): self.key = key
-
 @patch
 @_timed_pass('autograd')
 def _grads(self:StagedStep, pairs:list, leaves:list, params:list, pgrads:list, used:list) -> list:
@@ -1037,24 +637,9 @@ def _shared_storages(outs:list, got) -> set:
 @_timed_pass('projection')
 @torch.no_grad()
 def _project(self:StagedStep, s:int, bar, fixed:Tensor, sums:Tensor):
-    "BatchNorm's exact backward at `bar` from its window sums, kept for `_out_grad`: dx = g - (Σ g + x̂ Σ g·x̂) / n."
+    "BatchNorm's exact backward at `bar` from its window sums, kept for `WindowStore.out_grad`: dx = g - (Σ g + x̂ Σ g·x̂) / n."
     # dx is computed where its input is on the device already: in the backward of the stage that made it, chunk by chunk
-    if not self.window_stats.project(bar, fixed, sums): self._recycle([fixed])  # a model input's
-
-@patch
-@torch.no_grad()
-def _out_grad(self:StagedStep, grads:dict, k, a:int, b:int, x:Tensor) -> Tensor:
-    "The gradient of samples a:b of kept value `k`, whose chunk on the device is `x`: stored, plus BatchNorm's dx."
-    # dx = g - s1 - (x - mean)·(invstd·s2) for each BatchNorm reading `x`: one temporary, in the sums' (at least
-    # float32) precision
-    # dx is written over the fixed gradient's chunk (read for this chunk alone), so no chunk-sized gradient is added
-    # to what the chunk's backward holds
-    g = self._unstored(k, self._grad_chunk(grads, k, a, b, x.device), b - a) if k in grads else None
-    for p in self.window_stats.projections.get(k, ()):
-        f = project_(self._unstored(k, self._read(p.fixed[a:b], x.device), b - a), x.detach(), p.mean, p.invstd,
-                     p.mean_g, p.mean_gx)
-        g = f if g is None else f.add_(g)
-    return g
+    if not self.window.stats.project(bar, fixed, sums): self.window.store.recycle([fixed])  # a model input's
 
 # %% ../nbs/02b_staged_exact.ipynb #23d35454
 class _StagedFunction(torch.autograd.Function):
@@ -1062,7 +647,7 @@ class _StagedFunction(torch.autograd.Function):
     # its backward returns the parameters' gradients, so each parameter's gradient arrives once per window, as DDP's
     # reducer expects
     @staticmethod
-    def forward(ctx, step, chunk, n_x, *inputs):
+    def forward(ctx, step, chunk, n_x, shape, *inputs):
         # the parameters themselves, not saved tensors: a saved-tensor hook (`save_on_cpu`, a memory meter) would
         # hand back new objects, and the backward finds each parameter's gradient by identity
         ctx.step, ctx.n_x, ctx.params = step, n_x, inputs[n_x:]
@@ -1070,8 +655,8 @@ class _StagedFunction(torch.autograd.Function):
         leaves, ctx.spec = tree_flatten(step.forward(inputs[:n_x], chunk))
         ctx.where = [i for i, v in enumerate(leaves) if isinstance(v, Tensor)]
         ctx.leaves = [None if isinstance(v, Tensor) else v for v in leaves]
-        # to rebuild the output around this node's
-        step.out_spec, step.out_where, step.out_leaves = ctx.spec, ctx.where, ctx.leaves
+        # to rebuild the output around this node's (`shape`: the caller's)
+        shape.update(spec=ctx.spec, where=ctx.where, leaves=ctx.leaves)
         return tuple(leaves[i] for i in ctx.where)
     @staticmethod
     def backward(ctx, *grads):
@@ -1084,7 +669,7 @@ class _StagedFunction(torch.autograd.Function):
         into = [_accumulator(p, bar) for p in params]
         got = step.backward(tree_unflatten(leaves, ctx.spec), params, into)
         # a gradient summed into `.grad` already reaches it as zeros (no memory): DDP's hooks still see it arrive
-        return (None, None, None) + (None,) * ctx.n_x + tuple(
+        return (None, None, None, None) + (None,) * ctx.n_x + tuple(
             g if a is None else torch.zeros((), dtype=p.dtype, device=p.device).expand_as(p)
             for g, a, p in zip(got, into, params))
 
@@ -1109,11 +694,11 @@ def _no_input_grads(xb:tuple):
     why = input_grads_asked(xb)
     if why: raise ExactModeRefusedError(f"staged exact: {why}")
 
-def _rebuilt(ctx_out:tuple, step) -> object:
-    "The model's output structure around the tensors the staged node returned."
-    leaves = list(step.out_leaves)
-    for i, t in zip(step.out_where, ctx_out): leaves[i] = t
-    return tree_unflatten(leaves, step.out_spec)
+def _rebuilt(ctx_out:tuple, shape:dict) -> object:
+    "The model's output structure (`shape`, as the staged node's forward saw it) around the tensors the node returned."
+    leaves = list(shape['leaves'])
+    for i, t in zip(shape['where'], ctx_out): leaves[i] = t
+    return tree_unflatten(leaves, shape['spec'])
 
 # %% ../nbs/02b_staged_exact.ipynb #6127ae52
 class StagedForward(ReplacedForward):
@@ -1158,7 +743,8 @@ class StagedForward(ReplacedForward):
         self.step_for(xb)
         params = [p for p in self.model.parameters() if p.requires_grad]
         with self.autocast() if self.autocast is not None else nullcontext():
-            out = _rebuilt(_StagedFunction.apply(self.step, self.chunk, len(xb), *xb, *params), self.step)
+            shape = {}
+            out = _rebuilt(_StagedFunction.apply(self.step, self.chunk, len(xb), shape, *xb, *params), shape)
         return tree_map(_fp32, out) if self.fp32 else out
     # a model pickled mid-fit (`torch.save(learn.model)`) keeps its own forward, loadable without this package
     def __reduce__(self):

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from fastai_accum.helpers import emulated_accelerator
 from fastai_accum.link import DeferredCopies, Link
-from fastai_accum.staged_exact import StagedStep, install_staged, uninstall_staged
+from fastai_accum.staged_exact import install_staged, uninstall_staged
+from fastai_accum.window_store import WindowStore
 from helpers import Dense, staged_config
 
 class Residual(nn.Module):
@@ -52,12 +53,12 @@ class StoreTraffic(TorchDispatchMode):
 def counted_window(monkeypatch, model, x, chunk=2, budget=None, warm=0, writes=None, reads=None):
     """One staged window of `model` on `x` under `emulated_accelerator`, every op on the store counted independently
     (after `warm` windows not counted; copies issued by `writes` and `reads`, default as they come)."""
-    host, make = {_storage(x)}, StagedStep._store_tensor
+    host, make = {_storage(x)}, WindowStore.new
     def recorded(self, *a, **k):
         t = make(self, *a, **k)
         if t.device.type == 'cpu': host.add(_storage(t))
         return t
-    monkeypatch.setattr(StagedStep, '_store_tensor', recorded)
+    monkeypatch.setattr(WindowStore, 'new', recorded)
     with emulated_accelerator():
         f = install_staged(model, chunk, budget=budget)
         f.step.config.writes, f.step.config.reads = writes, reads

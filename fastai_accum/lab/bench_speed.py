@@ -200,8 +200,8 @@ def staged_step(model_fn, # builds the model
         t_staged, staged = _step_cost(model, x, reps)
         by, t_trace = traced_by(model, (x[:bs],)) or ('?', float('nan'))  # traced by its first step, once
         with torch.no_grad(): f.step.forward((x,), chunk)  # what the step keeps between stages (host memory on an accelerator)
-        kept = sum(_nbytes(v) for v in f.step.kept.values())
-        f.step.kept = f.step.xb = f.step.carried = f.step.graphs = None
+        kept = sum(_nbytes(v) for v in f.step.window.store.kept.values())
+        f.step.window = None  # the window's store let go
     finally: uninstall_staged(model)
     t = time.perf_counter(); why, _ = verify_staged(model, (x[:bs].to(device),)); t_check = time.perf_counter() - t  # once per fit
     fit_ratio, fit_path = fit_peak(model, x, bs)
@@ -252,21 +252,13 @@ def fit_peak(model, x:Tensor, # the model (it trains) and a window of its inputs
     return peak / budget, acc.path
 
 # %% ../../nbs/21_bench_speed.ipynb #e35a0005
-def _on_host_store(step, meter:LiveBytes):
-    "Count what `step` keeps between stages (values, their gradients) as host memory, where an accelerator keeps it."
-    # (a gradient summed in the store's device part is device memory until `_leave_device_part` writes it out)
-    keep, add, leave = step._keep, step._add_grad, step._leave_device_part
-    def kept(d, n, v, a, b, kind='kept'):
-        with meter.as_host(): keep(d, n, v, a, b, kind)
-        meter.to_host(d[n])
-    def added(grads, k, g, a, b):
-        if k in step.device: return add(grads, k, g, a, b)
-        with meter.as_host(): add(grads, k, g, a, b)
-        meter.to_host(grads[k])
-    def left(s, grads=None):
-        with meter.as_host(): leave(s, grads)
-    step._keep, step._add_grad, step._leave_device_part = kept, added, left
-    return keep
+def _on_host_store(meter:LiveBytes):
+    "A staged step's `on_host` hook: what its store keeps between stages (values, their gradients) counted as host memory."
+    # as an accelerator keeps it (a gradient summed in the store's device part is device memory until it is written out)
+    @contextmanager
+    def on_host():
+        with meter.as_host(): yield meter.to_host
+    return on_host
 
 def _train(model, x:Tensor):
     "One forward and backward of `model` on `x`; gradients add up in `.grad`."
@@ -284,10 +276,10 @@ def _device_peak(fn, dev, step=None) -> int:
         torch.cuda.synchronize(dev)
         return torch.cuda.max_memory_allocated(dev) - base
     with LiveBytes() as meter:
-        own = _on_host_store(step, meter) if step is not None else None
+        if step is not None: step.on_host = _on_host_store(meter)
         try: fn()
         finally:
-            if own is not None: del step._keep, step._add_grad, step._leave_device_part  # back to the class's
+            if step is not None: step.on_host = None
     return meter.peak
 
 def _fastest(fn, dev, reps:int) -> float:
