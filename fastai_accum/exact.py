@@ -14,6 +14,7 @@ from .meters import SavedTensorMeter, LayerMeter, fmt_bytes, _nbytes
 from .cost import OpCount
 from .probes import _device, store_per_sample, batch_layouts
 from .stage_cut import stage_grads
+from .chunk_sizer import sample_cost, chunk_bytes
 from .staged import staged_graph
 from .batchnorm import bn_layers
 from .distributed import world_size
@@ -200,7 +201,8 @@ def fits(self:ExactPlan) -> bool:
 @patch(as_prop=True)
 def chunk_needed(self:ExactPlan) -> int:
     "Bytes one chunk of the micro-batch's size holds in its backward: its activations and working set."
-    return int((self.chunk or 1) * (self.footprint.saved + 2 * self.footprint.working))
+    # the rule a staged step sizes its chunks by (`nbs/00e_chunk_sizer`), from the measured footprint
+    return int(chunk_bytes(self.chunk or 1, sample_cost(self.footprint.saved, self.footprint.working)))
 
 @patch(as_prop=True)
 def staged_device_needed(self:ExactPlan) -> int:

@@ -18,7 +18,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten, tree_unflatten, tree_map
 from fastcore.basics import patch
 from .meters import _nbytes
-from .stats import ChannelStats, all_reduce_stats, commit_stats, channel_sums
+from .stats import ChannelStats, all_reduce_stats, commit_stats, channel_sums, project_
 from .distributed import world_size
 from .staged import GraphRunner, bn_graph, staged_graph, aten_graph, _signature
 from .helpers import _to, _tensors, is_accelerator, ReplacedForward, ExactModeRefusedError, restore_forward
@@ -26,9 +26,10 @@ from .link import Copies, CudaCopies, _storage
 from .stage_cut import StageCut, cut_stages
 from .probes import _plain, _rng_state, _set_rng_state, _same_state, _device, _extras, batch_layouts
 from .window_store import PASSES, WindowStore, HostPool, DevicePart, _timed_pass
+from .chunk_sizer import ChunkSizer, sample_cost
 
 # %% auto #0
-__all__ = ['StagedConfig', 'StagedStep', 'Window', 'ChunkSizer', 'LayerStats', 'Projection', 'WindowStats', 'input_grads_asked',
+__all__ = ['StagedConfig', 'StagedStep', 'Window', 'LayerStats', 'Projection', 'WindowStats', 'input_grads_asked',
            'StagedForward', 'install_staged', 'uninstall_staged']
 
 # %% ../nbs/02b_staged_exact.ipynb #b87c84e1
@@ -205,36 +206,6 @@ def _kept_from(self:StagedStep) -> int:
     return self.sizer.kept_from(keys, w.W, (w.signature, w.autocast) if w.store.shared else None)
 
 # %% ../nbs/02b_staged_exact.ipynb #1660e087
-class ChunkSizer:
-    "How many samples a stage's chunk holds: the budget over its bytes per sample, measured once and kept across windows."
-    def __init__(self, config:StagedConfig):
-        self.config = config
-        self.costs = {}  # bytes per sample of each stage's chunk in its backward (`_stage_cost`), by `_cost_key`
-        self.store_costs = {}  # the most bytes per sample the store held in a window, by input signature and autocast
-        self.kept_sizes = {}  # {kept key: its bytes per sample} in the last window, by input signature and autocast
-        self.one_chunk = set()  # `_cost_key`s of last stages that draw random numbers: run in one chunk
-        self.device_plans = {}  # the store's device part (its spans, bytes per stage) by window (`_plan_device_part`)
-
-    def __repr__(self): return f'{type(self).__name__}(budget={self.config.budget}, {len(self.costs)} stage costs)'
-
-    def samples_in(self, beside:float, per_sample:float, at_least:int, W:int) -> int:
-        "The most samples, at least `at_least` and at most `W`, whose chunk fits the budget beside `beside` bytes."
-        return min(W, max(at_least, int((self.config.budget - beside) // max(per_sample, 1.))))
-
-    def kept_from(self, keys:list, W:int, store=None) -> int:
-        "The first of the last stages (`keys`: their cost keys) whose graphs for the whole window fit the budget together."
-        # late stages hold few bytes per sample but as much compute as early ones: their recompute is what this saves.
-        # `store`: the key of `store_costs` whose bytes share the budget's memory (None: the store lives apart)
-        first, total = len(keys), 0.
-        if self.config.budget is None: return first
-        if store is not None: total = self.store_costs.get(store, float('inf')) * W
-        for s in reversed(range(len(keys))):
-            cost = self.costs.get(keys[s])
-            total += float('inf') if cost is None else cost * W
-            if total > self.config.budget: break
-            first = s
-        return first
-
 @patch
 def _first_chunk(self:StagedStep, s:int, chunk:int) -> tuple:
     "(samples per chunk of stage `s`, whether its first chunk measures the stage's bytes per sample)."
@@ -340,7 +311,7 @@ def _stage_cost(self:StagedStep, env:dict, n:int, saved:dict) -> float:
     sizes, rows = dict(saved), {n} | {k * n for k, _ in (self.window.store.layouts or {}).values()}
     for t in _tensors(list(env.values())):
         if t.dim() and t.shape[0] in rows: sizes[t.data_ptr()] = max(sizes.get(t.data_ptr(), 0), _nbytes(t))
-    return (sum(sizes.values()) + 2 * max(sizes.values(), default=0)) / n
+    return sample_cost(sum(sizes.values()), max(sizes.values(), default=0)) / n
 
 @patch
 @contextlib.contextmanager
@@ -483,6 +454,16 @@ class WindowStats:
         return part if sums is None else sums + part
 
     @torch.no_grad()
+    def applied(self, key, g:Tensor|None, x:Tensor, fixed) -> Tensor|None:
+        "`g`, a chunk's gradient of kept value `key` (None: none yet), plus the exact backward of each BatchNorm reading it."
+        # dx = g - s1 - (x - mean)·(invstd·s2): one temporary, in the sums' (at least float32) precision, written over
+        # `fixed(p)`, the chunk of projection p's fixed gradient (read for this chunk alone); `x`: the chunk of the value
+        for p in self.projections.get(key, ()):
+            f = project_(fixed(p), x.detach(), p.mean, p.invstd, p.mean_g, p.mean_gx)
+            g = f if g is None else f.add_(g)
+        return g
+
+    @torch.no_grad()
     def project(self, bar:fx.Node, fixed:Tensor, sums:Tensor) -> bool:
         "Keep BatchNorm's exact backward at `bar` from its window sums for the value it reads; False for a model input."
         # under DDP the window is all processes' windows: one collective per layer, as SyncBatchNorm's backward
@@ -509,58 +490,60 @@ def backward(self:StagedStep, grad, # the loss's gradient w.r.t. the window's ou
               into:list|None=None, # per parameter, a tensor its gradient is summed into in place (None: a new one)
              ) -> list:
     "Back-propagate through the window: the big batch's gradient of each of `params`."
-    w, store, cut = self.window, self.window.store, self.window.cut
-    own = params is None
+    w, own = self.window, params is None
     params = [p for p in self.model.parameters() if p.requires_grad] if own else list(params)
     pgrads = list(into) if into is not None else [None] * len(params)
-    store.take_output_grads(grad)
-    dev, index, projections = store.dev, {id(p): i for i, p in enumerate(params)}, w.stats.projections
-    autocast = torch.autocast(dev.type, dtype=w.autocast) if w.autocast else nullcontext()
-    for s in reversed(range(len(cut))):
-        bar = cut.bars[s]
-        outs = [n for n in cut.stage_out[s] if any(k in store.grads or k in projections for k in store.keys(n))]
-        # the barrier's input gradient with its statistics held fixed (window-sized, in `store`); Σ g, Σ g·x̂
-        fixed_grads, sums = {}, None
-        # autograd asked only for this stage's parameters
-        used = [index[id(p)] for p in cut.stage_params[s] if id(p) in index]
-        affine = self._affine_sums(s, bar, index, pgrads) if bar is not None else None
-        if not outs and bar is None:  # no gradient reaches it (the empty stage before an input's BatchNorm): only what
-            store.leave_device(s, backward=True); continue  # it read last leaves the device
-        # chunks whose graph the forward kept first: they are not held while the others are recomputed
-        order = sorted(w.spans[s], key=lambda span: (s, span[0]) not in w.graphs)
-        for i, (a, b) in enumerate(order):
-            nxt = order[i + 1] if i + 1 < len(order) else None  # its reads cross while this one computes
-            store.prefetch(s, nxt, backward=True, recompute=nxt is not None and (s, nxt[0]) not in w.graphs,
-                           projections=projections)
-            graph = w.graphs.pop((s, a), None)  # its graph, from the forward
-            env, leaf = graph if graph is not None else self._recomputed(s, a, b, dev, autocast)
-            store.check_carried(s, env)
-            pairs = [(t, store.out_grad(k, a, b, t, projections.get(k, ()))) for n in outs
-                     for k, t in store.struct_keys(n, env[n]) if (k in store.grads or k in projections) and t.requires_grad]
-            leaves = [(k, t) for n in cut.stage_in[s] if n in env for k, t in store.struct_keys(n, env[n])
-                      if t.requires_grad]
-            got = self._grads(pairs, [t for _, t in leaves] + ([leaf] if leaf is not None else []), params, pgrads,
-                              used)
-            for k, g in zip([k for k, _ in leaves], got):  # (a loop's `_` would hold the last leaf)
-                if g is not None: store.add_grad(k, g, a, b)
-            if bar is not None:
-                g = got[-1] if got and got[-1] is not None else torch.zeros_like(leaf)
-                if affine is None:
-                    with self._timed('window sums'): sums = w.stats.add_sums(bar, leaf.detach(), g, sums)
-                store.keep(fixed_grads, bar, g, a, b, 'grad')
-            graph = env = leaf = pairs = leaves = got = g = None  # freed before the next chunk is recomputed
-        if affine is not None: sums = affine()
-        store.recycle([store.grads.pop(k, None) for n in outs for k in store.keys(n)])
-        store.recycle([p.fixed for n in outs for k in store.keys(n) for p in projections.pop(k, ())])
-        if bar is not None: self._project(s, bar, fixed_grads.get(bar), sums)
-        store.recycle([store.kept.pop(k) for n in cut.freed[s] for k in store.keys(n) if k in store.kept])
-        store.leave_device(s, backward=True)
+    w.store.take_output_grads(grad)
+    for s in reversed(range(len(w.cut))): self._stage_backward(s, params, pgrads)
     # the store's tensors, for the next window; not the output's (the model returned them)
-    w.close({k for n in cut.output.all_input_nodes for k in store.keys(n)})
+    w.close({k for n in w.cut.output.all_input_nodes for k in w.store.keys(n)})
     if own:
         for p, g in zip(params, pgrads):
             if g is not None: p.grad = g if p.grad is None else p.grad + g
     return pgrads
+
+@patch
+def _stage_backward(self:StagedStep, s:int, params:list, pgrads:list):
+    "Stage `s`'s backward, chunk by chunk: its parameters' gradients summed into `pgrads`, its inputs' into the store."
+    # then the projection of the BatchNorm opening it, from its window sums; what the stage read last leaves the store
+    w, store, cut = self.window, self.window.store, self.window.cut
+    dev, projections, bar = store.dev, w.stats.projections, cut.bars[s]
+    index = {id(p): i for i, p in enumerate(params)}
+    autocast = torch.autocast(dev.type, dtype=w.autocast) if w.autocast else nullcontext()
+    outs = [n for n in cut.stage_out[s] if any(k in store.grads or k in projections for k in store.keys(n))]
+    # the barrier's input gradient with its statistics held fixed (window-sized, in `store`); Σ g, Σ g·x̂
+    fixed_grads, sums = {}, None
+    used = [index[id(p)] for p in cut.stage_params[s] if id(p) in index]  # autograd asked for this stage's parameters
+    affine = self._affine_sums(s, bar, index, pgrads) if bar is not None else None
+    if not outs and bar is None:  # no gradient reaches it (the empty stage before an input's BatchNorm)
+        return store.leave_device(s, backward=True)
+    # chunks whose graph the forward kept first: they are not held while the others are recomputed
+    order = sorted(w.spans[s], key=lambda span: (s, span[0]) not in w.graphs)
+    for i, (a, b) in enumerate(order):
+        nxt = order[i + 1] if i + 1 < len(order) else None  # its reads cross while this one computes
+        store.prefetch(s, nxt, backward=True, recompute=nxt is not None and (s, nxt[0]) not in w.graphs,
+                       projections=projections)
+        graph = w.graphs.pop((s, a), None)  # its graph, from the forward
+        env, leaf = graph if graph is not None else self._recomputed(s, a, b, dev, autocast)
+        store.check_carried(s, env)
+        pairs = [(t, store.out_grad(k, a, b, t, w.stats)) for n in outs
+                 for k, t in store.struct_keys(n, env[n]) if (k in store.grads or k in projections) and t.requires_grad]
+        leaves = [(k, t) for n in cut.stage_in[s] if n in env for k, t in store.struct_keys(n, env[n]) if t.requires_grad]
+        got = self._grads(pairs, [t for _, t in leaves] + ([leaf] if leaf is not None else []), params, pgrads, used)
+        for k, g in zip([k for k, _ in leaves], got):  # (a loop's `_` would hold the last leaf)
+            if g is not None: store.add_grad(k, g, a, b)
+        if bar is not None:
+            g = got[-1] if got and got[-1] is not None else torch.zeros_like(leaf)
+            if affine is None:
+                with self._timed('window sums'): sums = w.stats.add_sums(bar, leaf.detach(), g, sums)
+            store.keep(fixed_grads, bar, g, a, b, 'grad')
+        graph = env = leaf = pairs = leaves = got = g = None  # freed before the next chunk is recomputed
+    if affine is not None: sums = affine()
+    store.recycle([store.grads.pop(k, None) for n in outs for k in store.keys(n)])
+    store.recycle([p.fixed for n in outs for k in store.keys(n) for p in projections.pop(k, ())])
+    if bar is not None: self._project(s, bar, fixed_grads.get(bar), sums)
+    store.recycle([store.kept.pop(k) for n in cut.freed[s] for k in store.keys(n) if k in store.kept])
+    store.leave_device(s, backward=True)
 
 # %% ../nbs/02b_staged_exact.ipynb #59c3ea96
 @patch

@@ -12,7 +12,6 @@ from torch.fx.node import map_aggregate
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from fastcore.basics import patch
 from .meters import _nbytes
-from .stats import project_
 from .helpers import _to, _tensors, can_pin
 from .link import Link, _storage
 from .stage_cut import StageCut
@@ -409,17 +408,12 @@ def grad_chunk(self:WindowStore, k, a:int, b:int, dev) -> Tensor:
 
 @patch
 @torch.no_grad()
-def out_grad(self:WindowStore, k, a:int, b:int, x:Tensor, projections:list) -> Tensor:
+def out_grad(self:WindowStore, k, a:int, b:int, x:Tensor, stats) -> Tensor:
     "The gradient of samples a:b of kept value `k`, whose chunk on the device is `x`: stored, plus BatchNorm's dx."
-    # dx = g - s1 - (x - mean)·(invstd·s2) for each `Projection` of a BatchNorm reading `x`: one temporary, in the
-    # sums' (at least float32) precision, written over the fixed gradient's chunk (read for this chunk alone), so no
+    # dx from `stats` (`WindowStats.applied`), over each projection's fixed gradient read for this chunk alone: no
     # chunk-sized gradient is added to what the chunk's backward holds
     g = self.unstored(k, self.grad_chunk(k, a, b, x.device), b - a) if k in self.grads else None
-    for p in projections:
-        f = project_(self.unstored(k, self.read(p.fixed[a:b], x.device), b - a), x.detach(), p.mean, p.invstd,
-                     p.mean_g, p.mean_gx)
-        g = f if g is None else f.add_(g)
-    return g
+    return stats.applied(k, g, x, lambda p: self.unstored(k, self.read(p.fixed[a:b], x.device), b - a))
 
 @patch
 def leave_device(self:WindowStore, s:int, backward:bool=False):

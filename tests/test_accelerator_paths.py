@@ -156,12 +156,13 @@ def test_fp16_autocast_with_grad_scaler_through_the_staged_step(monkeypatch):
 def test_inputs_are_copied_only_by_the_stages_that_read_them(monkeypatch):
     "Each chunk of the window's inputs goes to the device once in the forward and once in the backward (and for a BatchNorm on the input): not once per stage."
     copies = []
-    orig = StagedStep._xb
+    from fastai_accum.window_store import WindowStore
+    orig = WindowStore.inputs
     def spy(self, *a, **kw):
         out = orig(self, *a, **kw)
         if out: copies.append(out)
         return out
-    monkeypatch.setattr(StagedStep, '_xb', spy)
+    monkeypatch.setattr(WindowStore, 'inputs', spy)
     m = net().double().train(); f = install_staged(m, chunk=2)
     m(torch.randn(8, 3, 8, 8, dtype=torch.float64)).sum().backward()
     assert len(f.step.cut) == 4 and f.step.cut.reads_input == [True, False, False, False]
