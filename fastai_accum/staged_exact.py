@@ -78,6 +78,8 @@ class StagedStep:
     def __repr__(self):
         if self.window is None: return f'{type(self).__name__}(not run yet)'
         return f'{type(self).__name__}({len(self.cut.nodes)} nodes, {len(self.cut)} stages)'
+    def __len__(self) -> int: return len(self.cut) if self.window is not None else 0  # the last window's stages
+    def __bool__(self) -> bool: return True  # a step, run or not
 
     @property
     def graph(self) -> fx.Graph: return self.runner.graph
@@ -703,6 +705,10 @@ class StagedForward(ReplacedForward):
         self.by_fx = not isinstance(graph, str)
         if self.by_fx: self.step = self._new_step(graph)
         else: self.step, self.steps = None, {}  # aten-level: a step per input signature, made at its first window
+
+    def __repr__(self):
+        traced = 'torch.fx' if self.by_fx else 'the aten tracer'
+        return f'{type(self).__name__}(chunk={self.chunk}, budget={self.budget}, store={self.store!r}, traced by {traced})'
 
     def step_for(self, xb:tuple) -> StagedStep:
         "The staged step for inputs like `xb`: torch.fx's one, or the aten-level graph's for their signature."

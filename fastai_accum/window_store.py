@@ -185,8 +185,9 @@ class WindowStore:
 
     def __repr__(self):
         where = 'host, apart' if self.link.apart else 'shared'
+        if self.kept is None: return f'{type(self).__name__}(W={self.W}, done, {where})'
         return f'{type(self).__name__}(W={self.W}, {len(self)} kept, {len(self.grads)} gradients, {where})'
-    def __len__(self) -> int: return len(self.kept) if self.kept is not None else 0
+    def __len__(self) -> int: return len(self.kept) if self.kept is not None else 0  # values kept
 
     def _timed(self, name:str):
         "The `timer`'s context around one pass called `name` (one of `PASSES`); none without a timer."
