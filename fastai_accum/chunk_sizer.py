@@ -32,6 +32,10 @@ class ChunkSizer:
         self.kept_sizes = {}  # {kept key: its bytes per sample} in the last window, by input signature and autocast
         self.one_chunk = set()  # keys of last stages that draw random numbers: run in one chunk
         self.device_plans = {}  # the store's device part (its spans, bytes per stage) by window (`_plan_device_part`)
+        # for the stages made again (`nbs/00f_remade`): each stage's forward FLOPs a sample (by its key), the keys of
+        # stages that keep their values (they drew random numbers, or made a value other than a batch tensor), the bytes
+        # a sample of each value kept or made again (by input signature and autocast), and the stages chosen, by window
+        self.flops, self.not_remade, self.value_sizes, self.remade_plans = {}, set(), {}, {}
 
     def __repr__(self): return f'{type(self).__name__}(budget={self.config.budget}, {len(self)} stage costs)'
     def __len__(self) -> int: return len(self.costs)

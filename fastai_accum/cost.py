@@ -12,7 +12,8 @@ from torch.utils.flop_counter import flop_registry
 
 # %% auto #0
 __all__ = ['RESNET50_FLOPS', 'sources', 'cards', 'STEP_FLOPS', 'STEP_KERNELS', 'STAGED_KERNELS', 'OpCount', 'Card', 'run_time',
-           'link_time', 'WindowCounts', 'Prediction', 'predict', 'estimate_counts', 'measure_card', 'time_line']
+           'link_time', 'WindowCounts', 'Prediction', 'predict', 'staged_time', 'recompute_pays', 'estimate_counts',
+           'measure_card', 'time_line']
 
 # %% ../nbs/01c_cost.ipynb #90c1b0d0
 class OpCount(TorchDispatchMode):
@@ -110,13 +111,28 @@ def predict(c:WindowCounts, card:Card) -> Prediction:
     n_micro = c.window / c.micro
     naive = run_time(card, c.amp, c.flops_micro, c.ops_micro) * n_micro
     whole = run_time(card, c.amp, c.flops_micro * n_micro, c.ops_micro)
+    staged, bound = staged_time(c, card)
+    prepass = run_time(card, c.amp, c.flops_micro * n_micro / 3, c.ops_micro / 3)
+    return Prediction(card, naive, staged, whole, whole + 2 * c.saved_whole / (card.link_GBps * 1e9), naive + prepass, bound)
+
+def staged_time(c:WindowCounts, card:Card) -> tuple:
+    "(seconds of the staged window on `card`, what bounds it: 'the host link' or 'compute')."
     compute = run_time(card, c.amp, c.flops_staged, c.ops_staged, c.copies)
     ahead = c.h2d if c.ahead is None else c.ahead
     beside = link_time(card, ahead, c.d2h)  # on copy streams, overlapping the compute
-    staged = max(compute, beside) + (c.h2d - ahead) / (card.link_GBps * 1e9) + c.syncs * card.sync_us * 1e-6
-    prepass = run_time(card, c.amp, c.flops_micro * n_micro / 3, c.ops_micro / 3)
-    return Prediction(card, naive, staged, whole, whole + 2 * c.saved_whole / (card.link_GBps * 1e9), naive + prepass,
-                      'the host link' if beside > compute else 'compute')
+    serial = (c.h2d - ahead) / (card.link_GBps * 1e9) + c.syncs * card.sync_us * 1e-6
+    return max(compute, beside) + serial, 'the host link' if beside > compute else 'compute'
+
+# %% ../nbs/01c_cost.ipynb #d8cca1e8
+def recompute_pays(card:Card, c:WindowCounts) -> callable:
+    "`pays(before, after)` for `choose_remade`: does trading `before` for `after` lower window `c`'s staged time on `card`?"
+    # each a (bytes not written, bytes not read, FLOPs added) a sample, summed over the stages chosen
+    def counts(trade):
+        written, read, flops = (t * c.window for t in trade)
+        more = flops / max(c.flops_staged, 1.)
+        return replace(c, h2d=c.h2d - read, ahead=None if c.ahead is None else max(c.ahead - read, 0.), d2h=c.d2h - written,
+                       flops_staged=c.flops_staged + flops, ops_staged=c.ops_staged * (1 + more))
+    return lambda before, after: staged_time(counts(after), card)[0] < staged_time(counts(before), card)[0]
 
 # %% ../nbs/01c_cost.ipynb #df90b5f7
 STEP_FLOPS, STEP_KERNELS, STAGED_KERNELS = 3., 2.2, 6.5  # a step per forward; a staged chunk per plain step (above)

@@ -27,6 +27,8 @@ from .stage_cut import StageCut, cut_stages
 from .probes import _plain, _rng_state, _set_rng_state, _same_state, _device, _extras, batch_layouts
 from .window_store import PASSES, WindowStore, HostPool, DevicePart, _timed_pass
 from .chunk_sizer import ChunkSizer, sample_cost
+from .remade import choose_remade
+from .cost import OpCount
 
 # %% auto #0
 __all__ = ['StagedConfig', 'StagedStep', 'Window', 'LayerStats', 'Projection', 'WindowStats', 'input_grads_asked',
@@ -50,6 +52,12 @@ class StagedConfig:
     # backward held twice its estimate), and the device part would fill the slack that hides the error
     margin:float=2.
     writes:Copies|None=None # how the link issues its writes (None: on CUDA, a stream of its own)
+    # make some stages again where their values are read rather than keep them (`nbs/00f_remade`): fewer bytes cross
+    # the link, more FLOPs; chosen from the first window's measurements, from the second window on
+    recompute:bool=False
+    # pays(before, after): is making these stages again worth it (`choose_remade`; None: every candidate is;
+    # `fastai_accum.cost.recompute_pays` asks the cost model of a card)
+    pays:object=None
     reads:Copies|None=None # and its reads ahead
 
 class StagedStep:
@@ -119,6 +127,7 @@ class Window:
         self.rng = {}  # {(stage, a): the random state its chunk started from}: the recompute's
         self.graphs = {}  # {(stage, a): (the values it read and made, its BatchNorm leaf)}: chunks run with their graph
         self.random_chunked = []  # stages that drew random numbers chunk by chunk
+        self.remade = set()  # stages whose values are not kept but made again where read (`_remade`)
 
     def __repr__(self): return f'{type(self).__name__}(W={self.W}, chunks per stage {[len(s) for s in self.spans]})'
     def __len__(self) -> int: return len(self.cut)
@@ -189,6 +198,9 @@ def forward(self:StagedStep, xb:tuple, # the window's model inputs, one batch of
     # chunks run with their graph, kept for the backward (not recomputed): the last stage's last chunk, and every chunk
     # of the late stages whose graphs fit the budget together
     w.kept_from = self._kept_from()
+    w.remade = set(self._remade())  # stages made again where their values are read (`nbs/00f_remade`)
+    store.remade = {n: r for r in w.remade for n in cut.stage_out[r]}
+    store.remake = self._remake
     self._plan_device_part(chunk)  # values several stages read, kept on the device between their reads where room is left
     for s in range(len(cut)): self._stage_forward(s, dev, chunk)
     if store.layouts is None: self.layouts[signature] = store.layouts = {}  # no value folds views
@@ -196,6 +208,9 @@ def forward(self:StagedStep, xb:tuple, # the window's model inputs, one batch of
     stats.say_not_finite(store.link.sync)
     self.sizer.store_costs[signature, autocast] = max(map(store.store_bytes, range(len(cut)))) / w.W
     self.sizer.kept_sizes[signature, autocast] = {k: _nbytes(t) / w.W for k, t in store.kept.items()}
+    self.sizer.value_sizes[signature, autocast] = {
+        **{n: _nbytes(t) / w.W for n, t in zip(cut.inputs, xb) if isinstance(t, Tensor)},
+        **{k: _nbytes(t) / w.W for k, t in store.kept.items() if isinstance(k, fx.Node)}, **store.remade_sizes}
     return store.output(lambda n: self.runner.value(n, {}, xb))
 
 # %% ../nbs/02b_staged_exact.ipynb #603fc20b
@@ -206,6 +221,41 @@ def _kept_from(self:StagedStep) -> int:
     w = self.window
     keys = [self._cost_key(s) for s in range(len(w.cut))]
     return self.sizer.kept_from(keys, w.W, (w.signature, w.autocast) if w.store.shared else None)
+
+# %% ../nbs/02b_staged_exact.ipynb #280d3a74
+@patch
+def _remade(self:StagedStep) -> frozenset:
+    "The stages this window makes again where their values are read (`choose_remade`), from what earlier windows measured."
+    # none in the first window of an input signature: it measures each stage's FLOPs and each value's bytes
+    w, sizer = self.window, self.sizer
+    sizes = sizer.value_sizes.get((w.signature, w.autocast))
+    if not self.config.recompute or sizes is None: return frozenset()
+    keys = [self._cost_key(s) for s in range(len(w.cut))]
+    exclude = frozenset(s for s, k in enumerate(keys) if k in sizer.not_remade)
+    plan = w.signature, w.autocast, w.kept_from, exclude
+    if plan not in sizer.remade_plans:
+        flops = [sizer.flops.get(k) for k in keys]
+        sizer.remade_plans[plan] = choose_remade(w.cut, sizes, flops, w.kept_from, exclude, self.config.pays)
+    return sizer.remade_plans[plan]
+
+@patch
+def _remake(self:StagedStep, r:int, a:int, b:int, have:dict) -> dict:
+    "Stage `r`'s values on samples a:b, made again without a graph from what the store keeps (`Window.remade`)."
+    # `have`: values read for the stage asking (not read twice). Its BatchNorm normalizes with the window statistics
+    # fixed in its forward: the values it made then
+    w = self.window
+    dev = w.store.dev
+    env = w.store.stage_inputs(r, a, b, dev, have=have)
+    autocast = torch.autocast(dev.type, dtype=w.autocast) if w.autocast else nullcontext()
+    with torch.no_grad(), autocast: self._run_stage(r, env, w.store.inputs(a, b, dev, s=r), grad=False)
+    return env
+
+@patch
+def _keep_remade(self:StagedStep, s:int):
+    "Keep stage `s`'s values after all (it drew random numbers, or made a value that is not a batch tensor)."
+    w = self.window
+    w.remade.discard(s)
+    for n in w.cut.stage_out[s]: w.store.remade.pop(n, None)
 
 # %% ../nbs/02b_staged_exact.ipynb #1660e087
 @patch
@@ -263,7 +313,7 @@ def _plan_device_part(self:StagedStep, chunk:int):
     per_sample = self.sizer.kept_sizes.get((w.signature, w.autocast))
     costs = [self.sizer.costs.get(self._cost_key(s)) for s in range(len(w.cut))]
     if not store.link.apart or self.config.budget is None or per_sample is None or None in costs: return
-    key = w.signature, w.autocast, w.W, self.config.budget, w.kept_from, len(self.sizer.one_chunk)
+    key = w.signature, w.autocast, w.W, self.config.budget, w.kept_from, len(self.sizer.one_chunk), frozenset(w.remade)
     if key in self.sizer.device_plans:
         spans, held = self.sizer.device_plans[key]
         store.device = DevicePart(w.W, list(held), spans)
@@ -275,7 +325,8 @@ def _plan_device_part(self:StagedStep, chunk:int):
     for s, ins in enumerate(w.cut.stage_in):
         for n in ins: readers.setdefault(n, []).append(s)
     returned = set(w.cut.output.all_input_nodes)
-    several = [(k, readers[node(k)]) for k in sizes if len(readers.get(node(k), ())) > 1 and node(k) not in returned]
+    several = [(k, readers[node(k)]) for k in sizes
+               if len(readers.get(node(k), ())) > 1 and node(k) not in returned and node(k) not in store.remade]
     part = store.device
     for k, rs in sorted(several, key=lambda kv: (-len(kv[1]), sizes[kv[0]])):
         span = range(rs[0], rs[-1] + 1)
@@ -334,7 +385,7 @@ def _stage_forward(self:StagedStep, s:int, dev, chunk:int):
     # window's memory for it is their price: `cut_stages` cuts it down to the ops from the first random one); its last
     # chunk runs with a graph, kept for the backward
     w, store, cut = self.window, self.window.store, self.window.cut
-    last = s + 1 == len(cut)
+    last, key = s + 1 == len(cut), self._cost_key(s)
     sts, (c, measure), a = {bar: ChannelStats() for bar in cut.gathers[s]}, self._first_chunk(s, chunk), 0
     producer = store.producer_spans(s)  # the chunks to run in, where a value it reads says
     if producer: measure = False
@@ -347,12 +398,19 @@ def _stage_forward(self:StagedStep, s:int, dev, chunk:int):
         env, xb = store.stage_inputs(s, a, b, dev, grad=grad), store.inputs(a, b, dev, grad=grad, s=s)
         if not (measure and a == 0): store.prefetch(s, _next_span(b, c, w.W, producer))  # crossing while this computes
         w.rng[s, a] = state = _rng_state(dev)
-        with torch.set_grad_enabled(grad), self._saved_counted(saved) if probe else nullcontext():
+        # its FLOPs, counted once where stages may be made again (`_remade`)
+        counted = OpCount() if a == 0 and self.config.recompute and key not in self.sizer.flops else nullcontext()
+        with torch.set_grad_enabled(grad), self._saved_counted(saved) if probe else nullcontext(), counted:
             leaf = self._run_stage(s, env, xb, grad=grad)
+        if isinstance(counted, OpCount): self.sizer.flops[key] = counted.flops / (b - a)
         # views folded into the batch show in a stage's first chunk: looked for until a window has shown none
         if a == 0 and store.layouts is None and store.folds(env, b - a): store.layouts = self._find_layouts(dev)
         if measure and a == 0:  # the stage's bytes per sample, measured once: the other chunks as large as they fit
             self.sizer.costs[self._cost_key(s)] = cost = self._stage_cost(env, b - a, saved)
+        if a == 0 and s in w.remade and (not _same_state(state, _rng_state(dev)) or
+                                         not all(store.batched(n, env[n], a, b) for n in cut.stage_out[s])):
+            self.sizer.not_remade.add(key)  # made again, its values would differ: kept (from the next window, not chosen)
+            self._keep_remade(s)
         if a == 0 and b < w.W and not _same_state(state, _rng_state(dev)):  # it draws random numbers
             if last and not producer:
                 _set_rng_state(state, dev)

@@ -182,6 +182,10 @@ class WindowStore:
         self.kept, self.carried, self.structs = {}, {}, {}  # {key: window tensor}, {node: {(a, b): value}}, {node: (spec, idx)}
         self.grads, self.written = {}, {}  # {key: the window's gradient}, {key: [(a, b) written]}
         self.device = DevicePart(self.W, [0] * len(cut))  # held on the device: planned by the step (`_plan_device_part`)
+        # values not kept, made again where read: {value: the stage making it}, and `remake(stage, a, b, have)` giving
+        # that stage's values on samples a:b (the step's; `have`: values read already); their bytes a sample as seen
+        # (`nbs/00f_remade`)
+        self.remade, self.remake, self.remade_sizes = {}, None, {}
 
     def __repr__(self):
         where = 'host, apart' if self.link.apart else 'shared'
@@ -254,13 +258,19 @@ def read(self:WindowStore, t:Tensor, dev) -> Tensor:
 
 @patch
 @_timed_pass('store reads')
-def stage_inputs(self:WindowStore, s:int, a:int, b:int, dev, grad:bool=False) -> dict:
-    "Samples a:b of the values stage `s` reads from earlier stages, on `dev`."
-    # leaves that collect gradients if `grad`
-    env = {}
-    for n in self.cut.stage_in[s]:
+def stage_inputs(self:WindowStore, s:int, a:int, b:int, dev, grad:bool=False, have:dict|None=None) -> dict:
+    "Samples a:b of the values stage `s` reads from earlier stages, on `dev` (`have`: some read already)."
+    # leaves that collect gradients if `grad`; values made again last, from those read for `s` and what else they need
+    env, made = {}, {}
+    for n in sorted(self.cut.stage_in[s], key=lambda n: n in self.remade):
         if n.op == 'placeholder': continue
-        if n in self.structs: env[n] = self.struct(n, a, b, lambda key: self.kept_chunk(key, a, b, dev, grad))
+        if have is not None and n in have: env[n] = have[n]
+        elif n in self.remade:  # its maker run again, once for all it reads
+            r = self.remade[n]
+            if r not in made: made[r] = self.remake(r, a, b, {m: v.detach() for m, v in env.items() if isinstance(v, Tensor)})
+            v = made[r][n]
+            env[n] = v.detach().requires_grad_(v.is_floating_point()) if grad else v
+        elif n in self.structs: env[n] = self.struct(n, a, b, lambda key: self.kept_chunk(key, a, b, dev, grad))
         elif n in self.carried: env[n] = self.carried_at(n, a, b)
         else: env[n] = self.kept_chunk(n, a, b, dev, grad)
     return env
@@ -322,6 +332,9 @@ def hold(self:WindowStore, n, v, a:int, b:int):
     "Keep node `n`'s value of samples a:b for later stages."
     # a tensor of the batch window-sized; any other value (`torch.Size`, an int, a tuple, None, a constant tensor) as
     # it is, per chunk
+    if n in self.remade:  # not kept: made again where read
+        self.remade_sizes[n] = _nbytes(v) / (b - a)
+        return
     if self.batched(n, v, a, b): return self.keep(self.kept, n, v, a, b)
     if isinstance(v, (list, tuple, dict)):  # a container of batch tensors (a namedtuple of outputs, a list of features)
         leaves, spec = tree_flatten(v)
@@ -433,12 +446,14 @@ def prefetch(self:WindowStore, s:int, span, backward:bool=False, recompute:bool=
     if span is None or not self.link.apart: return
     a, b = span
     if recompute:
-        for n in self.cut.stage_in[s]:
+        # a value made again: what its maker reads
+        read = dict.fromkeys(m for n in self.cut.stage_in[s] for m in (self.cut.stage_in[self.remade[n]] if n in self.remade else [n]))
+        for n in read:
             if n.op == 'placeholder' or (n in self.carried and n not in self.structs): continue
             for k in self.keys(n):
                 if k in self.kept and self.link.holds(self.kept[k]) and not self.device.holds(k, a, b):
                     self.link.prefetch(self.kept[k][a:b], self.dev)
-        if self.cut.reads_input[s]:
+        if self.cut.reads_input[s] or any(self.cut.reads_input[self.remade[n]] for n in self.cut.stage_in[s] if n in self.remade):
             for t in self.xb:
                 if isinstance(t, Tensor) and t.device.type == 'cpu': self.link.prefetch(t[a:b], self.dev, 'input')
     if not backward: return

@@ -51,8 +51,10 @@ def ledger_window(model:str='resnet50', # a torchvision classifier or video netw
                   amp:str|None=None, # 'bf16': bfloat16 autocast
                   seed:int=0,
                   channels:int=3, # input channels
+                  recompute:bool=True, # also count the window with stages made again (`nbs/00f_remade`: every candidate)
                  ) -> dict:
     "One staged window under `emulated_accelerator()` on naive accumulation's device peak: its ledger and costs."
+    # with `recompute`, `remade` holds the same of a window making stages again (chunks as sized for the first)
     torch.manual_seed(seed)
     net, shape = _build(model, size, channels)
     net.train()
@@ -78,6 +80,7 @@ def ledger_window(model:str='resnet50', # a torchvision classifier or video netw
             led = step.ledger
             store = max(step.sizer.store_costs.values()) * window
             traced = traced_by(net, (xm,))
+            remade = _remade_window(net, x, step, dev, train, counted) if recompute else None
         finally: uninstall_staged(net)
     n_micro = window / micro
     return dict(ledger=led, store_bytes=int(store), device_store_bytes=int(step.device.most),
@@ -85,15 +88,29 @@ def ledger_window(model:str='resnet50', # a torchvision classifier or video netw
                 flops_naive=int(flops_micro * n_micro), ops_staged=ops_staged, ops_naive=int(ops_micro * n_micro),
                 ops_whole=ops_micro, saved_whole=int(saved.peak * n_micro), peak_device=int(peak),
                 naive_peak_device=int(naive_peak), traced=traced, model=model, size=size, window=window, micro=micro, amp=amp or 'fp32',
-                channels=channels, chunks=_chunks(step))
+                channels=channels, chunks=_chunks(step), remade=remade)
+
+def _remade_window(net, x, step, dev, train, counted:dict) -> dict|None:
+    "The counts of a window making every candidate stage again (the first window so asked measures FLOPs a stage)."
+    step.config.recompute = True
+    _train(net, x)
+    net.zero_grad(set_to_none=True)
+    peak = _device_peak(lambda: train(net, x), dev, step)
+    net.zero_grad(set_to_none=True)
+    if not step.window.remade: return None
+    flops, ops = counted['staged']
+    return dict(ledger=step.ledger, flops_staged=int(flops), ops_staged=ops, peak_device=int(peak),
+                stages=len(step.window.remade), of=len(step.cut))
 
 # %% ../../nbs/23_bench_ledger.ipynb #df348196
 def window_counts(r:dict, # `ledger_window`'s result
+                  remade:bool=False, # the window making stages again (`r['remade']`)
                  ) -> WindowCounts:
     "The cost model's counts of the window `r` counted."
-    led, n_micro = r['ledger'], r['window'] / r['micro']
+    n_micro, s = r['window'] / r['micro'], r['remade'] if remade else r
+    led = s['ledger']
     return WindowCounts(window=r['window'], micro=r['micro'], flops_micro=r['flops_naive'] / n_micro,
-                        ops_micro=r['ops_whole'], flops_staged=r['flops_staged'], ops_staged=r['ops_staged'],
+                        ops_micro=r['ops_whole'], flops_staged=s['flops_staged'], ops_staged=s['ops_staged'],
                         h2d=led.h2d_bytes, d2h=led.d2h_bytes, ahead=led.ahead_bytes, copies=led.copies,
                         syncs=led.syncs, saved_whole=r['saved_whole'], amp=r['amp'])
 
@@ -104,15 +121,33 @@ def _traced_line(traced:tuple|None) -> str:
     return f"graph: traced by {traced[0]} in {traced[1]:.1f} s, once per model and input shape"
 
 def _card_lines(r:dict, card) -> list:
-    "The prediction on `card` and the constants it took, with their sources."
+    "The prediction on `card` and the constants it took, with their sources; the schedule the model chooses there."
     p, amp = predict(window_counts(r), card), r['amp']
-    return [f"  {card.name}: naive {p.naive:.3f}, staged {p.staged:.3f} ({p.ratio():.2f}x naive, bound by "
-            f"{p.bound}), whole {p.whole:.3f}, offloaded {p.offloaded:.3f}, window BN {p.window_bn:.3f}",
+    lines = [f"  {card.name}: naive {p.naive:.3f}, staged {p.staged:.3f} ({p.ratio():.2f}x naive, bound by "
+             f"{p.bound}), whole {p.whole:.3f}, offloaded {p.offloaded:.3f}, window BN {p.window_bn:.3f}"]
+    if r.get('remade'):
+        q = predict(window_counts(r, remade=True), card)
+        chosen = f"{r['remade']['stages']} stages made again" if q.staged < p.staged else 'every value kept'
+        lines.append(f"    stages made again: staged {q.staged:.3f} ({q.ratio():.2f}x naive, bound by {q.bound}); "
+                     f"chosen here: {chosen}, {min(p, q, key=lambda x: x.staged).ratio():.2f}x naive")
+    return lines + [
             f"    assumes {card.what}: resnet50 {card.img_s[amp]:.0f} img/s {amp} at a large batch "
             f"({card.rate(amp) / 1e12:.1f} TFLOP/s), {card.kernel_us:.0f} us a kernel on the card, "
             f"{card.launch_us:.0f} us to launch one, {card.copy_us:.0f} us to issue a copy, sync {card.sync_us:.0f} us, "
             f"link {card.link_GBps:.0f} GB/s one way, {card.link_both_GBps:.0f} GB/s each way at once",
             f"    sources: {card.sources}"]
+
+def _remade_line(r:dict) -> list:
+    "The ledger of the window making stages again, against the one keeping every value."
+    m = r.get('remade')
+    if not m: return ["stages made again: none (no stage a candidate: `nbs/00f_remade`)"] if 'remade' in r else []
+    led, base = m['ledger'], r['ledger']
+    moved = lambda l: l.h2d_bytes + l.d2h_bytes
+    return [f"stages made again ({m['stages']} of {m['of']}, every candidate): " + led.line(
+                flops_staged=m['flops_staged'], peak_device=m['peak_device']),
+            f"  crossings / keeping every value's: {moved(led) / moved(base):.3f} (h2d {led.h2d_bytes / base.h2d_bytes:.3f}, "
+            f"d2h {led.d2h_bytes / base.d2h_bytes:.3f}); FLOPs {m['flops_staged'] / r['flops_staged']:.3f}x, kernels "
+            f"{m['ops_staged'] / r['ops_staged']:.3f}x; peak / naive's {m['peak_device'] / r['naive_peak_device']:.3f}"]
 
 def ledger_report(r:dict) -> str:
     "The lines `fastai-accum bench ledger` prints for `ledger_window`'s result `r`."
@@ -128,6 +163,7 @@ def ledger_report(r:dict) -> str:
              f"naive {r['ops_naive']}, whole {r['ops_whole']}; staged chunks {r.get('chunks', '-')}",
              f"FLOPs (torch.utils.flop_counter, 2 per multiply-add): {r['flops_naive'] / r['window'] / 1e9:.2f} "
              f"GFLOP a sample forward + backward, staged {r['flops_staged'] / r['flops_naive']:.2f}x naive's",
+             *_remade_line(r),
              _traced_line(r.get('traced')),
              'predicted seconds per window (a model, not a measurement; no GPU has run it yet):']
     for card in cards.values(): lines += _card_lines(r, card)
