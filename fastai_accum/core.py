@@ -122,7 +122,7 @@ class BatchNormInstaller:
         m = how.memory
         if how.staged:
             install_staged(module, m.chunk, store=m.device if m.whole else None, autocast=self.autocast,
-                           budget=m.chunk_budget)
+                           budget=m.chunk_budget, remade=m.remade)
         elif how.ghost_micro: install_ghost(module, self.bn_batch)  # plain layers, each micro-batch in ghost batches
         elif how.layers is not None:
             self._wrap(module, how.layers, how.wrap_plain)

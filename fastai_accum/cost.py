@@ -12,7 +12,7 @@ from torch.utils.flop_counter import flop_registry
 
 # %% auto #0
 __all__ = ['RESNET50_FLOPS', 'sources', 'cards', 'STEP_FLOPS', 'STEP_KERNELS', 'STAGED_KERNELS', 'OpCount', 'Card', 'run_time',
-           'link_time', 'WindowCounts', 'Prediction', 'predict', 'staged_time', 'recompute_pays', 'estimate_counts',
+           'link_time', 'WindowCounts', 'Prediction', 'predict', 'staged_time', 'RecomputePays', 'estimate_counts',
            'measure_card', 'time_line']
 
 # %% ../nbs/01c_cost.ipynb #90c1b0d0
@@ -124,15 +124,22 @@ def staged_time(c:WindowCounts, card:Card) -> tuple:
     return max(compute, beside) + serial, 'the host link' if beside > compute else 'compute'
 
 # %% ../nbs/01c_cost.ipynb #d8cca1e8
-def recompute_pays(card:Card, c:WindowCounts) -> callable:
+@dataclass(frozen=True)
+class RecomputePays:
     "`pays(before, after)` for `choose_remade`: does trading `before` for `after` lower window `c`'s staged time on `card`?"
-    # each a (bytes not written, bytes not read, FLOPs added) a sample, summed over the stages chosen
-    def counts(trade):
+    card:Card # the card it trains on
+    c:WindowCounts # the window's counts, keeping every value
+    def __call__(self, before:tuple, after:tuple) -> bool:
+        # each a (bytes not written, bytes not read, FLOPs added) a sample, summed over the stages chosen
+        return staged_time(self.counts(after), self.card)[0] < staged_time(self.counts(before), self.card)[0]
+
+    def counts(self, trade:tuple) -> WindowCounts:
+        "The window's counts where it makes stages again, trading `trade` a sample."
+        c = self.c
         written, read, flops = (t * c.window for t in trade)
         more = flops / max(c.flops_staged, 1.)
         return replace(c, h2d=c.h2d - read, ahead=None if c.ahead is None else max(c.ahead - read, 0.), d2h=c.d2h - written,
                        flops_staged=c.flops_staged + flops, ops_staged=c.ops_staged * (1 + more))
-    return lambda before, after: staged_time(counts(after), card)[0] < staged_time(counts(before), card)[0]
 
 # %% ../nbs/01c_cost.ipynb #df90b5f7
 STEP_FLOPS, STEP_KERNELS, STAGED_KERNELS = 3., 2.2, 6.5  # a step per forward; a staged chunk per plain step (above)

@@ -158,6 +158,9 @@ class ExactPlan:
     store:float|None=None # bytes per sample a staged step's store holds at most (`store_per_sample`; None: `saved`)
     recomputed:tuple=()   # BatchNorm layers the backward runs again (activation checkpointing: `recomputed_bns`)
     predicted:str|None=None # the path's predicted time against naive accumulation's (`fastai_accum.cost.time_line`)
+    # on a measured card whose host link binds the staged step: which stages it makes again rather than keep
+    # (`fastai_accum.cost.RecomputePays`; None: every value kept)
+    remade:object=None
     loss:int=0            # bytes the loss keeps over the window's outputs (a similarity matrix: the window squared)
 
     @property

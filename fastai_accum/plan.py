@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from .meters import fmt_bytes, _nbytes
-from .cost import estimate_counts, measure_card, time_line
+from .cost import estimate_counts, measure_card, time_line, predict, RecomputePays
 from .batchnorm import bn_layers, bn_policies
 from .staged import staged_graph, bn_graph, traced_by
 from .staged_exact import input_grads_asked
@@ -95,7 +95,7 @@ def choose_exact(policy:str, # the callback's policy: 'exact', 'staged', 'auto' 
     m = _Measured(plan, model, xb, name, verify, synced, staged_asked, unfit, unjoinable)
     exact, plan = {'exact': _pick_exact, 'staged': _pick_staged, 'auto': _pick_auto}[policy](m)
     if exact and ((plan.staged and not plan.whole) or (plan.offload and not plan.staged)):
-        plan.predicted = predicted_time(plan, model, xb, autocast)
+        plan.predicted, plan.remade = predicted_time(plan, model, xb, autocast)
     return exact, plan
 
 @dataclass
@@ -181,13 +181,18 @@ def _this_card(model:nn.Module, xb:tuple, plan:ExactPlan, amp:str, autocast=None
 def predicted_time(plan:ExactPlan, # a plan that trains staged or offloaded
                    model:nn.Module, xb:tuple, # the model and one micro-batch of its inputs
                    autocast=None, # callable returning training's autocast context
-                  ) -> str:
-    "The pre-flight's time line: the path's predicted time against naive accumulation's, on this card or the named classes."
+                  ) -> tuple:
+    """(the pre-flight's time line: the path's predicted time against naive accumulation's, on this card or the named
+    classes; on a measured card whose host link binds the staged step, which stages it makes again: `RecomputePays`)"""
     amp, fp = _amp(autocast), plan.footprint
     inputs = sum(_nbytes(t) for t in xb if torch.is_tensor(t)) * plan.window / plan.micro
     counts = estimate_counts(plan.window, plan.micro, plan.chunk, fp.flops, fp.ops, plan.staged_host_needed, inputs,
                              fp.saved * plan.window, amp)
-    return time_line(counts, 'staged exact' if plan.staged else 'exact, offloaded', _this_card(model, xb, plan, amp, autocast) or None)
+    card = _this_card(model, xb, plan, amp, autocast)
+    line = time_line(counts, 'staged exact' if plan.staged else 'exact, offloaded', card or None)
+    link_bound = plan.staged and card and predict(counts, card[0]).bound == 'the host link'
+    if not link_bound: return line, None
+    return line + '; where that saves time there, stages are made again rather than kept (`nbs/00f_remade`)', RecomputePays(card[0], counts)
 
 # %% ../nbs/02e_plan.ipynb #a1b2c3d9
 class StagedMismatchError(ExactModeRefusedError):

@@ -56,7 +56,7 @@ class StagedConfig:
     # the link, more FLOPs; chosen from the first window's measurements, from the second window on
     recompute:bool=False
     # pays(before, after): is making these stages again worth it (`choose_remade`; None: every candidate is;
-    # `fastai_accum.cost.recompute_pays` asks the cost model of a card)
+    # `fastai_accum.cost.RecomputePays` asks the cost model of a card)
     pays:object=None
     reads:Copies|None=None # and its reads ahead
 
@@ -292,7 +292,15 @@ def _beside(self:StagedStep, s:int, size=None) -> tuple:
 def _sized(self:StagedStep, s:int, cost:float, chunk:int, size=None) -> int:
     "The most samples (at least `chunk`) whose chunk of stage `s`, costing `cost` bytes per sample, fits the budget."
     beside, ahead = self._beside(s, size)
-    return self.sizer.samples_in(beside, cost + ahead, chunk, self.window.W)
+    return self.sizer.samples_in(beside, cost + ahead + self._remake_cost(s), chunk, self.window.W)
+
+@patch
+def _remake_cost(self:StagedStep, s:int) -> float:
+    "Bytes per sample a chunk of stage `s` holds besides its own in its backward: the stages it makes again (`_remake`)."
+    # each one's chunk as its backward holds it (a bound: made again without a graph, it holds less)
+    w = self.window
+    makers = {r for n in w.cut.stage_in[s] for r in [w.store.remade.get(n)] if r is not None}
+    return sum(self.sizer.costs.get(self._cost_key(r), 0.) for r in makers)
 
 @patch
 def _cost_key(self:StagedStep, s:int) -> tuple:
@@ -751,9 +759,10 @@ class StagedForward(ReplacedForward):
                  store=None, # where values kept between stages live (default: the host, for a model on an accelerator)
                  autocast=None, # callable giving training's autocast context (replaces a wrapper such as Accelerate's)
                  budget:int|None=None, # device bytes a stage's chunk may hold (`StagedStep.budget`)
+                 remade=None, # pays(before, after): which stages each window makes again (`StagedConfig.pays`; None: none)
                 ):
         super().__init__(model)  # `own`: a forward set on the instance (Accelerate's autocast wrapper), put back after
-        self.model, self.chunk, self.autocast, self.budget = model, chunk, autocast, budget
+        self.model, self.chunk, self.autocast, self.budget, self.remade = model, chunk, autocast, budget, remade
         # Accelerate's mixed precision returns float32 outputs: so does the staged step
         self.fp32 = _converts_to_fp32(self.own)
         dev = next(model.parameters()).device
@@ -780,7 +789,8 @@ class StagedForward(ReplacedForward):
         return self.step
 
     def _new_step(self, graph:fx.Graph) -> StagedStep:
-        return StagedStep(self.model, graph, StagedConfig(self.store, self.apart, self.budget))
+        return StagedStep(self.model, graph, StagedConfig(self.store, self.apart, self.budget,
+                                                          recompute=self.remade is not None, pays=self.remade))
 
     @torch.compiler.disable  # in a compiled model (`torch.compile`): the staged step runs eagerly, stage by stage
     def __call__(self, *xb, **kwargs):
@@ -807,11 +817,12 @@ def _converts_to_fp32(f) -> bool:
 
 def _fp32(t): return t.float() if isinstance(t, Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t
 
-def install_staged(model:nn.Module, chunk:int, store=None, autocast=None, budget:int|None=None) -> StagedForward:
+def install_staged(model:nn.Module, chunk:int, store=None, autocast=None, budget:int|None=None, remade=None) -> StagedForward:
     "Make `model` train each batch as a staged exact step, chunks of `chunk` (until `uninstall_staged`)."
-    # `budget`: device bytes a stage's chunk may hold (chunks sized stage by stage, at least `chunk`)
+    # `budget`: device bytes a stage's chunk may hold (chunks sized stage by stage, at least `chunk`); `remade`:
+    # pays(before, after) choosing the stages each window makes again (`nbs/00f_remade`; None: every value kept)
     uninstall_staged(model)
-    model.forward = f = StagedForward(model, chunk, store, autocast, budget)
+    model.forward = f = StagedForward(model, chunk, store, autocast, budget, remade)
     return f
 
 def uninstall_staged(model:nn.Module):

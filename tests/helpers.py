@@ -110,11 +110,13 @@ class Dense(nn.Module):
         return self.head(torch.cat(feats, 1).mean((2, 3)))
 
 
-def staged_config(monkeypatch, **changes):
-    "Every staged step made from here on runs with `changes` to its `StagedConfig` (a knob a test turns)."
+def staged_config(monkeypatch, **changes) -> list:
+    "Every staged step made from here on runs with `changes` to its `StagedConfig` (a knob a test turns); the steps made."
     from fastai_accum.staged_exact import StagedStep
-    init = StagedStep.__init__
+    init, made = StagedStep.__init__, []
     def changed(self, *a, **k):
         init(self, *a, **k)
         for key, v in changes.items(): setattr(self.config, key, v)
+        made.append(self)
     monkeypatch.setattr(StagedStep, '__init__', changed)
+    return made

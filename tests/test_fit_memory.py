@@ -32,10 +32,14 @@ def budget_between(model, xb, window, opt_state, frac=0.3):
 
 def rel(a, b): return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
-@pytest.mark.parametrize('frac,to_none', [(0.05, True), (0.5, True), (0.3, False)])
-def test_a_plain_loop_fit_holds_its_budget_and_leaves_nothing_behind(frac, to_none):
+@pytest.mark.parametrize('frac,to_none,recompute', [(0.05, True, False), (0.5, True, False), (0.3, False, False),
+                                                   (0.05, True, True)])
+def test_a_plain_loop_fit_holds_its_budget_and_leaves_nothing_behind(monkeypatch, frac, to_none, recompute):
     """3 epochs of the README's plain loop, SGD with momentum: peak <= budget, live bytes flat, the big batch's steps;
-    `to_none=False`: the loop keeps zeroed gradients, which the staged step sums the window's into in place."""
+    `to_none=False`: the loop keeps zeroed gradients, which the staged step sums the window's into in place;
+    `recompute`: stages made again where their values are read (`nbs/00f_remade`)."""
+    from helpers import staged_config
+    steps = staged_config(monkeypatch, recompute=recompute)
     x, y = data()
     torch.manual_seed(0); big = cnn().double().train()
     ours = copy.deepcopy(big)
@@ -53,6 +57,7 @@ def test_a_plain_loop_fit_holds_its_budget_and_leaves_nothing_behind(frac, to_no
     assert acc.path == 'staged exact' and acc.plan.checked.startswith('checked on this model: equal'), acc.plan.checked
     assert meter.peak <= budget, (meter.peak, budget)
     assert after[0] == after[1] == after[2], after
+    assert bool(steps[-1].window.remade) == recompute, steps[-1].window.remade
     for epoch in range(3):
         for i in range(0, len(x), 2 * n_step):
             F.cross_entropy(big(x[i:i + 2 * n_step]), y[i:i + 2 * n_step]).backward(); opts[0].step(); opts[0].zero_grad()

@@ -216,3 +216,56 @@ def test_torchvision_densenet121_with_its_device_part_is_the_big_batch():
     for a, b in zip(list(st.parameters()) + list(st.buffers()), list(big.parameters()) + list(big.buffers())):
         ga, gb = (a.grad, b.grad) if isinstance(a, nn.Parameter) else (a, b)
         assert torch.allclose(ga.double(), gb.double(), rtol=1e-9, atol=1e-12)
+
+def _trained_by(model, x, windows=2):
+    "(gradients, running statistics) of the big batch's `windows` windows on `x`, summed as the staged windows sum them."
+    big = copy.deepcopy(model)
+    for _ in range(windows): big(x).pow(2).mean().backward()
+    return [p.grad for p in big.parameters()] + list(big.buffers())
+
+@pytest.mark.parametrize('budget', [None, 400_000], ids=['graphs_kept', 'recomputed'])
+def test_stages_made_again_cross_fewer_bytes_and_give_the_big_batch(monkeypatch, budget):
+    """With `recompute`, the second window makes stages again where their values are read rather than keeping them
+    (`nbs/00f_remade`): fewer bytes cross the link each way than keeping every value, counted independently, no
+    arithmetic on the host; two windows equal the big batch's two (float64), also with copies run as late as streams may."""
+    torch.manual_seed(0)
+    model, x = Residual().double().train(), torch.randn(8, 3, 8, 8, dtype=torch.float64)
+    ref, kept = _trained_by(model, x), counted_window(monkeypatch, copy.deepcopy(model), x, budget=budget, warm=1)[0].ledger
+    staged_config(monkeypatch, recompute=True)
+    runs = []
+    for writes, reads in ((None, None), (DeferredCopies(), DeferredCopies())):
+        m = copy.deepcopy(model)
+        step, seen = counted_window(monkeypatch, m, x, budget=budget, warm=1, writes=writes, reads=reads)
+        led = step.ledger
+        assert step.window.remade and all(r < step.kept_from for r in step.window.remade), step.window.remade
+        assert (led.h2d_bytes, led.d2h_bytes, led.copies) == (seen.h2d, seen.d2h, seen.copies) and seen.math == []
+        assert led.d2h_bytes < kept.d2h_bytes and led.h2d_bytes < kept.h2d_bytes, (led, kept)
+        runs.append([p.grad for p in m.parameters()] + list(m.buffers()))
+        for a, r in zip(runs[-1], ref): assert torch.allclose(a, r, rtol=1e-9, atol=1e-12)
+    for a, b in zip(*runs): assert torch.equal(a, b)
+
+class DropFirst(Residual):
+    "`Residual` with dropout in its first stage (the one made again without it)."
+    def forward(self, x):
+        h = F.relu(self.bn1(self.conv1(F.dropout(self.bn0(x), 0.3, self.training))))
+        h = F.relu(self.bn2(self.conv2(h)) + h)
+        h = F.relu(self.bn3(self.conv3(h))) + h
+        return self.head(h.mean((2, 3)))
+
+def test_a_stage_drawing_random_numbers_keeps_its_values(monkeypatch):
+    """Made again, a stage drawing random numbers would draw other masks: the window that finds it draws keeps its values
+    (the step as without `recompute`, to the bit, over three windows), and later windows choose around it."""
+    torch.manual_seed(0)
+    model, x = DropFirst().double().train(), torch.randn(8, 3, 8, 8, dtype=torch.float64)
+    runs = {}
+    for recompute in (False, True):
+        staged_config(monkeypatch, recompute=recompute)
+        m = copy.deepcopy(model)
+        torch.manual_seed(5)
+        with pytest.warns(UserWarning): step, seen = counted_window(monkeypatch, m, x, warm=2)
+        runs[recompute] = [p.grad for p in m.parameters()] + list(m.buffers())
+    random_stage = next(s for s in range(len(step.cut)) if any(
+        step.cut.nodes[i].name == 'dropout' for i in step.cut.stages[s]))
+    assert step.window.remade and random_stage not in step.window.remade, (random_stage, step.window.remade)
+    assert len(step.sizer.not_remade) == 1
+    for a, b in zip(*runs.values()): assert torch.equal(a, b)
