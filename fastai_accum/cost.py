@@ -12,7 +12,7 @@ from torch.utils.flop_counter import flop_registry
 
 # %% auto #0
 __all__ = ['RESNET50_FLOPS', 'sources', 'cards', 'STEP_FLOPS', 'STEP_KERNELS', 'STAGED_KERNELS', 'OpCount', 'Card', 'run_time',
-           'link_time', 'WindowCounts', 'Prediction', 'predict', 'staged_time', 'RecomputePays', 'estimate_counts',
+           'link_time', 'WindowCounts', 'Prediction', 'predict', 'staged_time', 'RemadeTime', 'estimate_counts',
            'measure_card', 'time_line']
 
 # %% ../nbs/01c_cost.ipynb #90c1b0d0
@@ -121,25 +121,25 @@ def staged_time(c:WindowCounts, card:Card) -> tuple:
     ahead = c.h2d if c.ahead is None else c.ahead
     beside = link_time(card, ahead, c.d2h)  # on copy streams, overlapping the compute
     serial = (c.h2d - ahead) / (card.link_GBps * 1e9) + c.syncs * card.sync_us * 1e-6
-    return max(compute, beside) + serial, 'the host link' if beside > compute else 'compute'
+    # bound by the link where its copies, beside the compute and in series, take longer than the compute
+    return max(compute, beside) + serial, 'the host link' if beside + serial > compute else 'compute'
 
 # %% ../nbs/01c_cost.ipynb #d8cca1e8
 @dataclass(frozen=True)
-class RecomputePays:
-    "`pays(before, after)` for `choose_remade`: does trading `before` for `after` lower window `c`'s staged time on `card`?"
+class RemadeTime:
+    "`time(trade)` for `choose_remade`: seconds of window `c` on `card` where it makes stages again, trading `trade`."
     card:Card # the card it trains on
     c:WindowCounts # the window's counts, keeping every value
-    def __call__(self, before:tuple, after:tuple) -> bool:
-        # each a (bytes not written, bytes not read, FLOPs added) a sample, summed over the stages chosen
-        return staged_time(self.counts(after), self.card)[0] < staged_time(self.counts(before), self.card)[0]
+    def __call__(self, trade:tuple) -> float: return staged_time(self.counts(trade), self.card)[0]
 
-    def counts(self, trade:tuple) -> WindowCounts:
-        "The window's counts where it makes stages again, trading `trade` a sample."
+    def counts(self, trade:tuple, # (bytes not written, bytes not read, FLOPs added) a sample (`remade_trade`, summed)
+              ) -> WindowCounts:
+        "The window's counts where it makes stages again, trading `trade`."
         c = self.c
         written, read, flops = (t * c.window for t in trade)
-        more = flops / max(c.flops_staged, 1.)
-        return replace(c, h2d=c.h2d - read, ahead=None if c.ahead is None else max(c.ahead - read, 0.), d2h=c.d2h - written,
-                       flops_staged=c.flops_staged + flops, ops_staged=c.ops_staged * (1 + more))
+        left = (c.h2d - read) / max(c.h2d, 1.)  # of the reads, those left: ahead and in series alike
+        return replace(c, h2d=c.h2d - read, ahead=None if c.ahead is None else c.ahead * left, d2h=c.d2h - written,
+                       flops_staged=c.flops_staged + flops, ops_staged=c.ops_staged * (1 + flops / max(c.flops_staged, 1.)))
 
 # %% ../nbs/01c_cost.ipynb #df90b5f7
 STEP_FLOPS, STEP_KERNELS, STAGED_KERNELS = 3., 2.2, 6.5  # a step per forward; a staged chunk per plain step (above)

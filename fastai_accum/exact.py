@@ -159,7 +159,7 @@ class ExactPlan:
     recomputed:tuple=()   # BatchNorm layers the backward runs again (activation checkpointing: `recomputed_bns`)
     predicted:str|None=None # the path's predicted time against naive accumulation's (`fastai_accum.cost.time_line`)
     # on a measured card whose host link binds the staged step: which stages it makes again rather than keep
-    # (`fastai_accum.cost.RecomputePays`; None: every value kept)
+    # (the window's time by `fastai_accum.cost.RemadeTime`, the quickest taken; None: every value kept)
     remade:object=None
     loss:int=0            # bytes the loss keeps over the window's outputs (a similarity matrix: the window squared)
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from .meters import fmt_bytes, _nbytes
-from .cost import estimate_counts, measure_card, time_line, predict, RecomputePays
+from .cost import estimate_counts, measure_card, time_line, predict, RemadeTime
 from .batchnorm import bn_layers, bn_policies
 from .staged import staged_graph, bn_graph, traced_by
 from .staged_exact import input_grads_asked
@@ -183,7 +183,7 @@ def predicted_time(plan:ExactPlan, # a plan that trains staged or offloaded
                    autocast=None, # callable returning training's autocast context
                   ) -> tuple:
     """(the pre-flight's time line: the path's predicted time against naive accumulation's, on this card or the named
-    classes; on a measured card whose host link binds the staged step, which stages it makes again: `RecomputePays`)"""
+    classes; on a measured card whose host link binds the staged step, which stages it makes again: `RemadeTime`)"""
     amp, fp = _amp(autocast), plan.footprint
     inputs = sum(_nbytes(t) for t in xb if torch.is_tensor(t)) * plan.window / plan.micro
     counts = estimate_counts(plan.window, plan.micro, plan.chunk, fp.flops, fp.ops, plan.staged_host_needed, inputs,
@@ -192,7 +192,7 @@ def predicted_time(plan:ExactPlan, # a plan that trains staged or offloaded
     line = time_line(counts, 'staged exact' if plan.staged else 'exact, offloaded', card or None)
     link_bound = plan.staged and card and predict(counts, card[0]).bound == 'the host link'
     if not link_bound: return line, None
-    return line + '; where that saves time there, stages are made again rather than kept (`nbs/00f_remade`)', RecomputePays(card[0], counts)
+    return line + '; where that saves time there, stages are made again rather than kept (`nbs/00f_remade`)', RemadeTime(card[0], counts)
 
 # %% ../nbs/02e_plan.ipynb #a1b2c3d9
 class StagedMismatchError(ExactModeRefusedError):

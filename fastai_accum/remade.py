@@ -26,15 +26,18 @@ def remade_trade(cut:StageCut, # the stages
                  r:int, # a stage
                  sizes:dict, # {value: bytes a sample} of the values the stages keep
                  flops:list, # per stage: FLOPs a sample of its forward (None: not measured)
+                 kept_from:int|None=None, # the first stage whose graphs the forward keeps (None: none)
                 ) -> tuple:
     "(bytes not written, bytes not read, FLOPs added), a sample, where stage `r` is made again rather than kept."
-    # each reading stage runs it in its forward and again in its backward, reading what `r` reads and it does not
+    # each reading stage runs it in its forward and again in its backward (once: a stage keeping its graph), reading
+    # what `r` reads and it does not
     readers, outs = stage_readers(cut), cut.stage_out[r]
     consumers = sorted({c for n in outs for c in readers.get(n, ())})
+    runs = {c: 1 if kept_from is not None and c >= kept_from else 2 for c in consumers}
     own = [m for m in cut.stage_in[r] if m in sizes]
-    read = sum(2 * (sum(sizes[n] for n in outs if n in cut.stage_in[c]) - sum(sizes[m] for m in own if m not in cut.stage_in[c]))
+    read = sum(runs[c] * (sum(sizes[n] for n in outs if n in cut.stage_in[c]) - sum(sizes[m] for m in own if m not in cut.stage_in[c]))
                for c in consumers)
-    return sum(sizes[n] for n in outs), read, 2 * len(consumers) * flops[r]
+    return sum(sizes[n] for n in outs), read, sum(runs.values()) * flops[r]
 
 # %% ../nbs/00f_remade.ipynb #e3e83a07
 def remade_candidates(cut:StageCut, # the stages
@@ -49,22 +52,24 @@ def remade_candidates(cut:StageCut, # the stages
         outs = cut.stage_out[r]
         return (r < kept_from and r + 1 < len(cut) and outs and r not in exclude and not cut.on_copies[r]
                 and flops[r] is not None and all(n in sizes and n not in returned for n in outs))
-    trade = {r: remade_trade(cut, r, sizes, flops) for r in range(len(cut)) if allowed(r)}
+    trade = {r: remade_trade(cut, r, sizes, flops, kept_from) for r in range(len(cut)) if allowed(r)}
     saved = {r: t[0] + t[1] for r, t in trade.items()}
     return sorted((r for r in trade if saved[r] > 0), key=lambda r: -saved[r] / max(trade[r][2], 1.))
 
 # %% ../nbs/00f_remade.ipynb #ac1a8c28
 def choose_remade(cut:StageCut, sizes:dict, flops:list, kept_from:int, exclude=(), # as `remade_candidates`
-                  pays=None, # pays(before, after): is the trade of the stages chosen so far with one more (`after`) better than without (`before`)? (None: yes)
+                  time=None, # time(trade): the window's seconds where it trades so (`fastai_accum.cost.RemadeTime`; None: every candidate)
                  ) -> frozenset:
-    "The stages to make again: candidates best first, none reading or read by another chosen, each where `pays` says so."
-    # a trade: (bytes not written, bytes not read, FLOPs added) a sample (`remade_trade`), summed over the stages chosen
-    makers, chosen, totals = stage_makers(cut), set(), (0., 0., 0.)
+    "The stages to make again: the first candidates (best first, none reading or read by another taken) whose trade `time` finds quickest."
+    # a trade: (bytes not written, bytes not read, FLOPs added) a sample (`remade_trade`), summed over the stages taken.
+    # The quickest of all first-k (not stage by stage: one stage's FLOPs may cost more than its bytes save where
+    # compute and the link overlap, while a few more save more)
+    makers, taken, totals = stage_makers(cut), [], [(0., 0., 0.)]
     near = lambda r: {makers[n] for n in cut.stage_in[r] if n in makers} | {
         c for c, ins in enumerate(cut.stage_in) if any(makers.get(n) == r for n in ins)}
     for r in remade_candidates(cut, sizes, flops, kept_from, exclude):
-        if near(r) & chosen: continue
-        more = tuple(t + d for t, d in zip(totals, remade_trade(cut, r, sizes, flops)))
-        if pays is not None and not pays(totals, more): continue
-        chosen.add(r); totals = more
-    return frozenset(chosen)
+        if near(r) & set(taken): continue
+        taken.append(r)
+        totals.append(tuple(t + d for t, d in zip(totals[-1], remade_trade(cut, r, sizes, flops, kept_from))))
+    k = len(taken) if time is None else min(range(len(totals)), key=lambda i: time(totals[i]))  # fewest on a tie
+    return frozenset(taken[:k])

@@ -27,7 +27,7 @@ from .stage_cut import StageCut, cut_stages
 from .probes import _plain, _rng_state, _set_rng_state, _same_state, _device, _extras, batch_layouts
 from .window_store import PASSES, WindowStore, HostPool, DevicePart, _timed_pass
 from .chunk_sizer import ChunkSizer, sample_cost
-from .remade import choose_remade
+from .remade import choose_remade, remade_trade
 from .cost import OpCount
 
 # %% auto #0
@@ -55,9 +55,9 @@ class StagedConfig:
     # make some stages again where their values are read rather than keep them (`nbs/00f_remade`): fewer bytes cross
     # the link, more FLOPs; chosen from the first window's measurements, from the second window on
     recompute:bool=False
-    # pays(before, after): is making these stages again worth it (`choose_remade`; None: every candidate is;
-    # `fastai_accum.cost.RecomputePays` asks the cost model of a card)
-    pays:object=None
+    # time(trade): the window's seconds where it makes stages again so (`choose_remade`: the quickest; None: every
+    # candidate; `fastai_accum.cost.RemadeTime` asks the cost model of a card)
+    remade_time:object=None
     reads:Copies|None=None # and its reads ahead
 
 class StagedStep:
@@ -228,15 +228,28 @@ def _remade(self:StagedStep) -> frozenset:
     "The stages this window makes again where their values are read (`choose_remade`), from what earlier windows measured."
     # none in the first window of an input signature: it measures each stage's FLOPs and each value's bytes
     w, sizer = self.window, self.sizer
+    if not self.config.recompute or (w.signature, w.autocast) not in sizer.value_sizes: return frozenset()
+    keys = [self._cost_key(s) for s in range(len(w.cut))]
+    plan = w.signature, w.autocast, w.kept_from, frozenset(s for s, k in enumerate(keys) if k in sizer.not_remade)
+    if plan in sizer.remade_plans: return sizer.remade_plans[plan]
+    chosen = self.remade_for(self.config.remade_time)[0]
+    if all(k in sizer.flops for k in keys): sizer.remade_plans[plan] = chosen  # kept once every stage's FLOPs are known
+    return chosen
+
+@patch
+def remade_for(self:StagedStep, time=None, # time(trade), as `StagedConfig.remade_time`
+              ) -> tuple:
+    "(the stages this window would make again, the quickest by `time`, their trade a sample summed: `remade_trade`)."
+    # from what earlier windows measured: each stage's FLOPs, each value's bytes (none measured: none made again)
+    w, sizer = self.window, self.sizer
     sizes = sizer.value_sizes.get((w.signature, w.autocast))
-    if not self.config.recompute or sizes is None: return frozenset()
+    if sizes is None: return frozenset(), (0., 0., 0.)
     keys = [self._cost_key(s) for s in range(len(w.cut))]
     exclude = frozenset(s for s, k in enumerate(keys) if k in sizer.not_remade)
-    plan = w.signature, w.autocast, w.kept_from, exclude
-    if plan not in sizer.remade_plans:
-        flops = [sizer.flops.get(k) for k in keys]
-        sizer.remade_plans[plan] = choose_remade(w.cut, sizes, flops, w.kept_from, exclude, self.config.pays)
-    return sizer.remade_plans[plan]
+    flops = [sizer.flops.get(k) for k in keys]
+    chosen = choose_remade(w.cut, sizes, flops, w.kept_from, exclude, time)
+    trades = [remade_trade(w.cut, r, sizes, flops, w.kept_from) for r in chosen]
+    return chosen, tuple(sum(t) for t in zip((0., 0., 0.), *trades))
 
 @patch
 def _remake(self:StagedStep, r:int, a:int, b:int, have:dict) -> dict:
@@ -759,7 +772,7 @@ class StagedForward(ReplacedForward):
                  store=None, # where values kept between stages live (default: the host, for a model on an accelerator)
                  autocast=None, # callable giving training's autocast context (replaces a wrapper such as Accelerate's)
                  budget:int|None=None, # device bytes a stage's chunk may hold (`StagedStep.budget`)
-                 remade=None, # pays(before, after): which stages each window makes again (`StagedConfig.pays`; None: none)
+                 remade=None, # time(trade): which stages each window makes again (`StagedConfig.remade_time`; None: none)
                 ):
         super().__init__(model)  # `own`: a forward set on the instance (Accelerate's autocast wrapper), put back after
         self.model, self.chunk, self.autocast, self.budget, self.remade = model, chunk, autocast, budget, remade
@@ -790,7 +803,7 @@ class StagedForward(ReplacedForward):
 
     def _new_step(self, graph:fx.Graph) -> StagedStep:
         return StagedStep(self.model, graph, StagedConfig(self.store, self.apart, self.budget,
-                                                          recompute=self.remade is not None, pays=self.remade))
+                                                          recompute=self.remade is not None, remade_time=self.remade))
 
     @torch.compiler.disable  # in a compiled model (`torch.compile`): the staged step runs eagerly, stage by stage
     def __call__(self, *xb, **kwargs):
@@ -820,7 +833,7 @@ def _fp32(t): return t.float() if isinstance(t, Tensor) and t.dtype in (torch.fl
 def install_staged(model:nn.Module, chunk:int, store=None, autocast=None, budget:int|None=None, remade=None) -> StagedForward:
     "Make `model` train each batch as a staged exact step, chunks of `chunk` (until `uninstall_staged`)."
     # `budget`: device bytes a stage's chunk may hold (chunks sized stage by stage, at least `chunk`); `remade`:
-    # pays(before, after) choosing the stages each window makes again (`nbs/00f_remade`; None: every value kept)
+    # time(trade) choosing the stages each window makes again (`nbs/00f_remade`; None: every value kept)
     uninstall_staged(model)
     model.forward = f = StagedForward(model, chunk, store, autocast, budget, remade)
     return f

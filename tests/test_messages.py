@@ -120,11 +120,11 @@ def test_a_staged_plan_says_its_predicted_time_on_each_named_card():
 
 def test_a_plan_on_a_card_whose_link_binds_makes_stages_again(monkeypatch):
     """On a measured card whose host link binds the staged step (a slow link stands in for a GPU's), the plan asks the
-    cost model which stages to make again (`RecomputePays`), says so in its time line, the step makes some again, and
+    cost model which stages to make again (`RemadeTime`), says so in its time line, the step makes some again, and
     training is still the big batch's (float64, under `emulated_accelerator`); where compute binds, none."""
     import dataclasses
     import fastai_accum.plan as plan_module
-    from fastai_accum.cost import cards, RecomputePays
+    from fastai_accum.cost import cards, RemadeTime
     from fastai_accum.helpers import emulated_accelerator
     from helpers import staged_config, train_both
     make = lambda: nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
@@ -136,6 +136,6 @@ def test_a_plan_on_a_card_whose_link_binds_makes_stages_again(monkeypatch):
         monkeypatch.setattr(plan_module, '_this_card', lambda *a, **k: [card])
         diff, acc = train_both(make, 'staged', context=emulated_accelerator)
         assert acc.path == 'staged exact' and diff < 1e-9, diff
-        assert isinstance(acc.plan.remade, RecomputePays) == made and ('stages are made again' in str(acc)) == made
+        assert isinstance(acc.plan.remade, RemadeTime) == made and ('stages are made again' in str(acc)) == made
         assert 'H200, measured' in acc.plan.predicted
-        assert bool(steps[-1].window.remade) == made and steps[-1].config.pays == acc.plan.remade
+        assert bool(steps[-1].window.remade) == made and steps[-1].config.remade_time == acc.plan.remade

@@ -12,7 +12,7 @@ from ..meters import _nbytes, SavedTensorMeter
 from ..staged_exact import uninstall_staged
 from ..staged import staged_graph, traced_by
 from ..batchnorm import bn_layers
-from ..cost import OpCount, WindowCounts, predict, cards, sources as cost_sources
+from ..cost import OpCount, WindowCounts, RemadeTime, predict, cards, sources as cost_sources
 from .bench_speed import _matched_staged, _device_peak, _train
 
 # %% auto #0
@@ -99,8 +99,10 @@ def _remade_window(net, x, step, dev, train, counted:dict) -> dict|None:
     net.zero_grad(set_to_none=True)
     if not step.window.remade: return None
     flops, ops = counted['staged']
+    # `choose(time)`: the stages a card's cost model would make again, and their trade (`StagedStep.remade_for`)
     return dict(ledger=step.ledger, flops_staged=int(flops), ops_staged=ops, peak_device=int(peak),
-                stages=len(step.window.remade), of=len(step.cut))
+                stages=len(step.window.remade), of=len(step.cut), choose=step.remade_for,
+                trade=step.remade_for()[1])
 
 # %% ../../nbs/23_bench_ledger.ipynb #df348196
 def window_counts(r:dict, # `ledger_window`'s result
@@ -125,11 +127,14 @@ def _card_lines(r:dict, card) -> list:
     p, amp = predict(window_counts(r), card), r['amp']
     lines = [f"  {card.name}: naive {p.naive:.3f}, staged {p.staged:.3f} ({p.ratio():.2f}x naive, bound by "
              f"{p.bound}), whole {p.whole:.3f}, offloaded {p.offloaded:.3f}, window BN {p.window_bn:.3f}"]
-    if r.get('remade'):
-        q = predict(window_counts(r, remade=True), card)
-        chosen = f"{r['remade']['stages']} stages made again" if q.staged < p.staged else 'every value kept'
-        lines.append(f"    stages made again: staged {q.staged:.3f} ({q.ratio():.2f}x naive, bound by {q.bound}); "
-                     f"chosen here: {chosen}, {min(p, q, key=lambda x: x.staged).ratio():.2f}x naive")
+    if r.get('remade'):  # the stages this card's model chooses to make again (`RemadeTime`), from the counts above
+        time = RemadeTime(card, window_counts(r))
+        chosen, trade = r['remade']['choose'](time)
+        c = time.counts(trade)
+        q = predict(c, card)
+        lines.append(f"    chosen here: {len(chosen)} of {r['remade']['of']} stages made again (h2d {c.h2d / 1e6:.1f} MB, "
+                     f"d2h {c.d2h / 1e6:.1f} MB, staged FLOPs {c.flops_staged / r['flops_naive']:.2f}x naive's): staged "
+                     f"{q.staged:.3f} ({q.ratio():.2f}x naive, bound by {q.bound})")
     return lines + [
             f"    assumes {card.what}: resnet50 {card.img_s[amp]:.0f} img/s {amp} at a large batch "
             f"({card.rate(amp) / 1e12:.1f} TFLOP/s), {card.kernel_us:.0f} us a kernel on the card, "
@@ -143,8 +148,11 @@ def _remade_line(r:dict) -> list:
     if not m: return ["stages made again: none (no stage a candidate: `nbs/00f_remade`)"] if 'remade' in r else []
     led, base = m['ledger'], r['ledger']
     moved = lambda l: l.h2d_bytes + l.d2h_bytes
+    written, read, flops = (t * r['window'] for t in m['trade'])  # the trade model's bytes and FLOPs for these stages
     return [f"stages made again ({m['stages']} of {m['of']}, every candidate): " + led.line(
                 flops_staged=m['flops_staged'], peak_device=m['peak_device']),
+            f"  by the trade model (`remade_trade`): h2d {(base.h2d_bytes - read) / 1e6:.2f} MB, d2h "
+            f"{(base.d2h_bytes - written) / 1e6:.2f} MB, FLOPs +{flops / r['flops_staged']:.3f}x of staged's",
             f"  crossings / keeping every value's: {moved(led) / moved(base):.3f} (h2d {led.h2d_bytes / base.h2d_bytes:.3f}, "
             f"d2h {led.d2h_bytes / base.d2h_bytes:.3f}); FLOPs {m['flops_staged'] / r['flops_staged']:.3f}x, kernels "
             f"{m['ops_staged'] / r['ops_staged']:.3f}x; peak / naive's {m['peak_device'] / r['naive_peak_device']:.3f}"]
