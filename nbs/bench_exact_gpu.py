@@ -1,7 +1,8 @@
 """The exact modes on an accelerator, in one run: first a correctness check, then peak memory and time per window of
 training each window as one batch (saved activations in pinned host memory; or staged: stage by stage in chunks of the
 micro-batch, inputs and kept values in pinned host memory), against naive accumulation at the micro-batch and against
-one batch held on the device.
+one batch held on the device; and staged with the stages this card's cost model finds worth making again rather
+than keeping (`nbs/00f_remade`, chosen by `RemadeTime` on the measured card from the staged row's ledger).
 
     python nbs/bench_exact_gpu.py                     # resnet50, 224 px, windows 64 and 256, micro-batch 2, CUDA: < 5 min on one GPU
     python nbs/bench_exact_gpu.py --device cpu --model resnet18 --size 32 --windows 8 --reps 1   # a smoke test (CPU as an accelerator)
@@ -30,7 +31,7 @@ from fastai_accum.exact import plan_exact, saved_on_host, staging_budget
 from fastai_accum.helpers import emulated_accelerator, is_accelerator
 from fastai_accum.staged_exact import install_staged, uninstall_staged
 from fastai_accum.meters import fmt_bytes
-from fastai_accum.cost import OpCount, estimate_counts, measure_card, predict, cards
+from fastai_accum.cost import OpCount, RemadeTime, estimate_counts, measure_card, predict, cards
 
 def parse():
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
@@ -151,6 +152,20 @@ def staged_window(model, opt, xs, ys, loss_func, chunk):
     last_ledger['staged'] = f.step.ledger
     last_ledger['device_store_bytes'] = getattr(f.step.device, 'most', 0)  # the store's device part, at most
 
+held = {}  # the staged forward making stages again, kept across its row's windows (its first window measures)
+
+def remade_window(model, opt, xs, ys, loss_func, chunk, time):
+    "As `staged_window`, the stages the cost model's `time` (`RemadeTime` on this card) finds quickest made again."
+    if 'remade' not in held: held['remade'] = install_staged(model, chunk, remade=time)
+    one_batch_window(model, opt, xs, ys, loss_func, plan=None)
+    step = held['remade'].step
+    last_ledger['remade'], last_ledger['remade_stages'] = step.ledger, (len(step.window.remade), len(step.cut))
+
+def counted(w, micro, flops, ops, led):
+    "The cost model's counts of window `w`: the link's traffic counted (`led`), FLOPs and kernels estimated as the plan does."
+    return dataclasses.replace(estimate_counts(w, micro, micro, flops, ops, kept=0), h2d=led.h2d_bytes, d2h=led.d2h_bytes,
+                               ahead=led.ahead_bytes, copies=led.copies, syncs=led.syncs, estimated=False)
+
 def timed(fn, dev, reps):
     fn(); sync(dev)  # warm-up (cuDNN autotuning, allocator, pinned host blocks)
     peak_reset(dev)
@@ -173,14 +188,19 @@ def predicted_line(w, micro, flops, ops, card, res):
     "The cost model's ratios for window `w` from the counted ledger, on the measured card and the named classes, beside the measured."
     led = last_ledger.get('staged')
     if led is None: return
-    # FLOPs and kernels estimated as the plan estimates them (chunks of the micro-batch); the link's traffic counted
-    counts = dataclasses.replace(estimate_counts(w, micro, micro, flops, ops, kept=0), h2d=led.h2d_bytes,
-                                 d2h=led.d2h_bytes, ahead=led.ahead_bytes, copies=led.copies, syncs=led.syncs,
-                                 estimated=False)
+    counts = counted(w, micro, flops, ops, led)
     said = ', '.join(f"{c.name} {predict(counts, c).ratio():.2f}x" for c in [card, *cards.values()])
     got = res['staged exact'][0] / res['naive'][0]
     print(f"window {w:4d}  staged / naive: measured {got:.2f}x; predicted (ledger counted, FLOPs and kernels estimated) {said}",
           flush=True)
+    if 'remade' in last_ledger:  # its own ledger counted; its FLOPs as the cost model traded them
+        made = last_ledger['remade']
+        trade = ((led.d2h_bytes - made.d2h_bytes) / w, (led.h2d_bytes - made.h2d_bytes) / w, 0.)
+        q = predict(RemadeTime(card, counts).counts(trade), card)
+        got = res['staged, made again'][0] / res['naive'][0]
+        print(f"window {w:4d}  staged, {last_ledger['remade_stages'][0]} of {last_ledger['remade_stages'][1]} stages made "
+              f"again / naive: measured {got:.2f}x; predicted on this card (bytes counted, FLOPs not added) {q.ratio():.2f}x",
+              flush=True)
 
 def main():
     a = parse()
@@ -206,6 +226,7 @@ def main():
     card, flops, ops = measured_card(model, torch.randn(a.micro_bs, 3, a.size, a.size, device=dev), a.micro_bs, dev)
     summary = {}
     for w in [int(s) for s in a.windows.split(',')]:
+        last_ledger.clear()
         pin = dev.type == 'cuda'
         xs = [torch.randn(a.micro_bs, 3, a.size, a.size, pin_memory=pin) for _ in range(w // a.micro_bs)]  # in host memory
         ys = [torch.randint(0, 10, (a.micro_bs,), device=dev) for _ in xs]
@@ -214,27 +235,35 @@ def main():
         rows = [('naive', lambda: naive_window(model, opt, xs, ys, loss_func, dev), None),
                 ('exact, host offload', lambda: one_batch_window(model, opt, xs, ys, loss_func, offloaded, dev), offloaded),
                 ('staged exact', lambda: staged_window(model, opt, xs, ys, loss_func, a.micro_bs), 'staged'),
+                # the stages this card's cost model finds worth making again, from the staged row's ledger
+                ('staged, made again', lambda: remade_window(model, opt, xs, ys, loss_func, a.micro_bs, RemadeTime(
+                    card, counted(w, a.micro_bs, flops, ops, last_ledger['staged']))), 'remade'),
                 ('one batch on device', lambda: one_batch_window(model, opt, xs, ys, loss_func, on_device, dev), on_device)]
         res = {}
         for name, fn, plan in rows:
-            if time.perf_counter() - start > 60 * a.minutes:
+            if time.perf_counter() - start > 60 * a.minutes or (plan == 'remade' and 'staged' not in last_ledger):
                 print(f'window {w:4d}  {name:20s} skipped: past --minutes {a.minutes}', flush=True)
                 res[name] = (float('nan'), float('nan'))
                 continue
             try: secs, mem = timed(fn, dev, a.reps)
             except torch.cuda.OutOfMemoryError: secs, mem = float('nan'), float('nan'); opt.zero_grad(); peak_reset(dev)
+            finally:
+                if held.pop('remade', None) is not None: uninstall_staged(model)
             res[name] = (secs, mem)
-            est = ('' if plan is None else f'  host traffic: {fmt_bytes(2 * on_device.staged_host_needed + sum(x.nbytes for x in xs))} per window (kept values out and back, inputs in)'
+            est = ('' if plan in (None, 'remade') else f'  host traffic: {fmt_bytes(2 * on_device.staged_host_needed + sum(x.nbytes for x in xs))} per window (kept values out and back, inputs in)'
                    if plan == 'staged' else f'  estimate: device {fmt_bytes(plan.device_needed)}, host {fmt_bytes(plan.host_needed)}')
             print(f'window {w:4d}  {name:20s} {secs:8.3f} s/window  peak {fmt_bytes(mem) if mem == mem else "n/a":>10s}{est}', flush=True)
             if plan == 'staged' and 'staged' in last_ledger:  # beside the time it took: the cost model's inputs
                 print(f'window {w:4d}  {last_ledger["staged"].line(device_store_bytes=last_ledger["device_store_bytes"])} '
                       '(predicted by `fastai-accum bench ledger`)', flush=True)
+            if plan == 'remade' and 'remade' in last_ledger:
+                print(f'window {w:4d}  {last_ledger["remade"].line()} ({last_ledger["remade_stages"][0]} stages made again)', flush=True)
         predicted_line(w, a.micro_bs, flops, ops, card, res)
         def vs(name): return res[name][0] / res['naive'][0], res[name][1] / res['naive'][1] if res['naive'][1] == res['naive'][1] and res['naive'][1] else float('nan')
-        summary[w] = vs('exact, host offload') + vs('staged exact')
+        summary[w] = vs('exact, host offload') + vs('staged exact') + vs('staged, made again')
     print(' '.join(f'exact_time_vs_naive_w{w}={t:.2f} exact_peak_vs_naive_w{w}={m:.2f} staged_time_vs_naive_w{w}={ts:.2f} '
-                   f'staged_peak_vs_naive_w{w}={ms:.2f}' for w, (t, m, ts, ms) in summary.items()))
+                   f'staged_peak_vs_naive_w{w}={ms:.2f} remade_time_vs_naive_w{w}={tr:.2f} remade_peak_vs_naive_w{w}={mr:.2f}'
+                   for w, (t, m, ts, ms, tr, mr) in summary.items()))
     print(f'total {time.perf_counter() - start:.0f} s', flush=True)
 
 if __name__ == '__main__': main()

@@ -185,7 +185,7 @@ def test_gpu_benchmark_script_runs_on_cpu():
                         '--reps', '1'], capture_output=True, text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert r.returncode == 0, r.stderr[-3000:]
     assert 'exact_time_vs_naive_w4=' in r.stdout and 'estimate: device' in r.stdout
-    assert 'staged_time_vs_naive_w4=' in r.stdout and 'host traffic:' in r.stdout
+    assert 'staged_time_vs_naive_w4=' in r.stdout and 'host traffic:' in r.stdout and 'remade_time_vs_naive_w4=' in r.stdout
     assert r.stdout.count('-> ok') == 3 and 'FAILED' not in r.stdout  # staged and offloaded float64, staged fp16 + GradScaler
 
 def test_exact_at_micro_batch_1_equals_big_batch():
