@@ -5,6 +5,7 @@
 # %% ../../nbs/23_bench_ledger.ipynb #a70a9ed1
 from __future__ import annotations
 import argparse, sys
+from dataclasses import replace
 from contextlib import nullcontext
 import torch, torchvision
 from ..helpers import emulated_accelerator
@@ -157,6 +158,25 @@ def _remade_line(r:dict) -> list:
             f"d2h {led.d2h_bytes / base.d2h_bytes:.3f}); FLOPs {m['flops_staged'] / r['flops_staged']:.3f}x, kernels "
             f"{m['ops_staged'] / r['ops_staged']:.3f}x; peak / naive's {m['peak_device'] / r['naive_peak_device']:.3f}"]
 
+def _bf16_lines(r:dict) -> list:
+    "For a float32 window: the prediction in bfloat16 estimated from its counts, every byte halved (FLOPs and kernels as counted)."
+    if r['amp'] != 'fp32': return []
+    c = window_counts(r)
+    half = replace(c, amp='bf16', h2d=c.h2d / 2, d2h=c.d2h / 2, ahead=None if c.ahead is None else c.ahead / 2,
+                   saved_whole=c.saved_whole / 2)
+    lines = ['bf16, estimated from these counts with every byte halved (FLOPs and kernels as counted; a bf16 run counts them):']
+    for card in cards.values():
+        p = predict(half, card)
+        line = f"  {card.name}: naive {p.naive:.3f}, staged {p.staged:.3f} ({p.ratio():.2f}x naive, bound by {p.bound})"
+        if r.get('remade'):
+            time = RemadeTime(card, half)
+            halved = lambda trade: (trade[0] / 2, trade[1] / 2, trade[2])
+            chosen, trade = r['remade']['choose'](lambda t: time(halved(t)))
+            q = predict(time.counts(halved(trade)), card)
+            line += f"; chosen here: {len(chosen)} stages made again, staged {q.staged:.3f} ({q.ratio():.2f}x naive, bound by {q.bound})"
+        lines.append(line)
+    return lines
+
 def ledger_report(r:dict) -> str:
     "The lines `fastai-accum bench ledger` prints for `ledger_window`'s result `r`."
     led = r['ledger']
@@ -175,7 +195,7 @@ def ledger_report(r:dict) -> str:
              _traced_line(r.get('traced')),
              'predicted seconds per window (a model, not a measurement; no GPU has run it yet):']
     for card in cards.values(): lines += _card_lines(r, card)
-    lines += ["  staged: compute and copies beside the reads ahead and the writes (both ways at once); other reads and "
+    lines += [*_bf16_lines(r), "  staged: compute and copies beside the reads ahead and the writes (both ways at once); other reads and "
               "syncs in series; offloaded: the whole window plus autograd's saved bytes out and back, in series",
               f"  sources every card shares: {cost_sources}"]
     return '\n'.join(lines)
