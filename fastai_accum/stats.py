@@ -211,4 +211,6 @@ def project_(f:Tensor, # BatchNorm's input gradient with its statistics held fix
     "BatchNorm's exact input gradient, written over `f`: f - mean(f) - x̂·mean(f·x̂), in `mean_f`'s precision."
     shape, dt = [1, -1] + [1] * (f.dim() - 2), mean_f.dtype
     scale = (invstd.to(dt) * mean_fx).view(shape)
+    if f.dtype == dt:  # in place, no temporary the size of `f` (a staged chunk's backward holds no more): f - x·s + (mean·s - mean(f))
+        return f.addcmul_(x, scale, value=-1).add_(mean.to(dt).view(shape) * scale - mean_f.view(shape))
     return f.copy_((mean.to(dt).view(shape) - x.to(dt)).mul_(scale).add_(f).sub_(mean_f.view(shape)))
