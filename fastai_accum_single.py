@@ -13,27 +13,27 @@ notebook only fastai's star import and the public names fastai does not have (al
 
 Contents (line: module: classes), dependencies first:
        53: stats: ChannelStats
-      262: distributed: -
-      297: helpers: ReplacedForward, ExactModeRefusedError
-      480: window: AccumulationWindow, WindowLoader
-      809: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
-     1272: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
-     1446: staged: GraphRunner, StagedGraph
-     1916: prepass: PrepassPlan, PreflightTable
-     2140: cost: OpCount, Card, WindowCounts, Prediction, RemadeTime
-     2354: stage_cut: StageCut
-     2628: probes: -
-     2864: chunk_sizer: ChunkSizer
-     2919: exact: Footprint, ExactModeMemoryError, ExactPlan
-     3342: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
-     3500: window_store: HostPool, DevicePart, WindowStore
-     4017: remade: -
-     4087: staged_exact: StagedConfig, StagedStep, Window, LayerStats, Projection, WindowStats, StagedForward
-     4911: staged_check: -
-     5157: ghost: GhostForward
-     5212: plan: StagedMismatchError, TrainingPlan
-     5562: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     6178: callback: WindowPrefetch, GradientAccumulation
+      264: distributed: -
+      299: helpers: ReplacedForward, ExactModeRefusedError
+      482: window: AccumulationWindow, WindowLoader
+      811: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
+     1274: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
+     1448: staged: GraphRunner, StagedGraph
+     1918: prepass: PrepassPlan, PreflightTable
+     2142: cost: OpCount, Card, WindowCounts, Prediction, RemadeTime
+     2356: stage_cut: StageCut
+     2630: probes: -
+     2866: chunk_sizer: ChunkSizer
+     2921: exact: Footprint, ExactModeMemoryError, ExactPlan
+     3344: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
+     3502: window_store: HostPool, DevicePart, WindowStore
+     4019: remade: -
+     4089: staged_exact: StagedConfig, StagedStep, Window, LayerStats, Projection, WindowStats, StagedForward
+     4913: staged_check: -
+     5159: ghost: GhostForward
+     5214: plan: StagedMismatchError, TrainingPlan
+     5564: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     6180: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -257,6 +257,8 @@ def project_(f:Tensor, # BatchNorm's input gradient with its statistics held fix
     "BatchNorm's exact input gradient, written over `f`: f - mean(f) - x̂·mean(f·x̂), in `mean_f`'s precision."
     shape, dt = [1, -1] + [1] * (f.dim() - 2), mean_f.dtype
     scale = (invstd.to(dt) * mean_fx).view(shape)
+    if f.dtype == dt:  # in place, no temporary the size of `f` (a staged chunk's backward holds no more): f - x·s + (mean·s - mean(f))
+        return f.addcmul_(x, scale, value=-1).add_(mean.to(dt).view(shape) * scale - mean_f.view(shape))
     return f.copy_((mean.to(dt).view(shape) - x.to(dt)).mul_(scale).add_(f).sub_(mean_f.view(shape)))
 
 # ======== fastai_accum/distributed.py ========
@@ -2870,8 +2872,8 @@ def _folded(x, y, na:int, random:bool, inherited:tuple|None=None) -> tuple|None:
 def sample_cost(held:float, # bytes a sample's values hold in the chunk's backward (those computed and those autograd saves)
                 largest:float, # bytes a sample has in the chunk's largest tensor
                ) -> float:
-    "Bytes one sample costs a chunk in its backward: what it holds, plus the gradient being computed and the one it comes from."
-    return held + 2 * largest
+    "Bytes one sample costs a chunk in its backward: what it holds, plus the gradients autograd holds at once (three)."
+    return held + 3 * largest
 
 def chunk_bytes(samples:int, # samples in the chunk
                 per_sample:float, # bytes a sample costs it (`sample_cost`)

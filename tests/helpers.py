@@ -110,13 +110,18 @@ class Dense(nn.Module):
         return self.head(torch.cat(feats, 1).mean((2, 3)))
 
 
+class _Made(list):
+    "Staged steps, held weakly: a test's list keeps no step (nor the model copy a check staged) alive."
+    def __getitem__(self, i): return super().__getitem__(i)()
+
 def staged_config(monkeypatch, **changes) -> list:
     "Every staged step made from here on runs with `changes` to its `StagedConfig` (a knob a test turns); the steps made."
+    import weakref
     from fastai_accum.staged_exact import StagedStep
-    init, made = StagedStep.__init__, []
+    init, made = StagedStep.__init__, _Made()
     def changed(self, *a, **k):
         init(self, *a, **k)
         for key, v in changes.items(): setattr(self.config, key, v)
-        made.append(self)
+        made.append(weakref.ref(self))
     monkeypatch.setattr(StagedStep, '__init__', changed)
     return made
