@@ -12,8 +12,8 @@ __all__ = ['sample_cost', 'chunk_bytes', 'ChunkSizer']
 def sample_cost(held:float, # bytes a sample's values hold in the chunk's backward (those computed and those autograd saves)
                 largest:float, # bytes a sample has in the chunk's largest tensor
                ) -> float:
-    "Bytes one sample costs a chunk in its backward: what it holds, plus the gradients autograd holds at once (three)."
-    return held + 3 * largest
+    "Bytes one sample costs a chunk in its backward: what it holds, plus the gradient being computed and the one it comes from."
+    return held + 2 * largest
 
 def chunk_bytes(samples:int, # samples in the chunk
                 per_sample:float, # bytes a sample costs it (`sample_cost`)
