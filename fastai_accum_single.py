@@ -29,11 +29,11 @@ Contents (line: module: classes), dependencies first:
      3502: window_store: HostPool, DevicePart, WindowStore
      4019: remade: -
      4089: staged_exact: StagedConfig, StagedStep, Window, LayerStats, Projection, WindowStats, StagedForward
-     4913: staged_check: -
-     5159: ghost: GhostForward
-     5214: plan: StagedMismatchError, TrainingPlan
-     5564: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     6180: callback: WindowPrefetch, GradientAccumulation
+     4914: staged_check: -
+     5160: ghost: GhostForward
+     5215: plan: StagedMismatchError, TrainingPlan
+     5565: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     6181: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -4195,7 +4195,6 @@ class Window:
         self.rng = {}  # {(stage, a): the random state its chunk started from}: the recompute's
         self.graphs = {}  # {(stage, a): (the values it read and made, its BatchNorm leaf)}: chunks run with their graph
         self.random_chunked = []  # stages that drew random numbers chunk by chunk
-        self.remade = set()  # stages whose values are not kept but made again where read (`_remade`)
 
     def __repr__(self): return f'{type(self).__name__}(W={self.W}, chunks per stage {[len(s) for s in self.spans]})'
     def __len__(self) -> int: return len(self.cut)
@@ -4205,6 +4204,10 @@ class Window:
     def ledger(self): return self.store.link.ledger  # what crossed the host link
     @property
     def device(self) -> DevicePart: return self.store.device
+    @property
+    def remade(self) -> set:
+        "The stages whose values are not kept but made again where read (`StagedStep._remade`; the store's map)."
+        return set(self.store.remade.values())
 
     def close(self, returned:set):
         "After the backward: the store's tensors back to the pool (not the output's, `returned` keys), the rest let go."
@@ -4266,8 +4269,8 @@ def forward(self:StagedStep, xb:tuple, # the window's model inputs, one batch of
     # chunks run with their graph, kept for the backward (not recomputed): the last stage's last chunk, and every chunk
     # of the late stages whose graphs fit the budget together
     w.kept_from = self._kept_from()
-    w.remade = set(self._remade())  # stages made again where their values are read (`nbs/00f_remade`)
-    store.remade = {n: r for r in w.remade for n in cut.stage_out[r]}
+    # stages made again where their values are read (`nbs/00f_remade`)
+    store.remade = {n: r for r in self._remade() for n in cut.stage_out[r]}
     store.remake = self._remake
     self._plan_device_part(chunk)  # values several stages read, kept on the device between their reads where room is left
     for s in range(len(cut)): self._stage_forward(s, dev, chunk)
@@ -4334,9 +4337,7 @@ def _remake(self:StagedStep, r:int, a:int, b:int, have:dict) -> dict:
 @patch
 def _keep_remade(self:StagedStep, s:int):
     "Keep stage `s`'s values after all (it drew random numbers, or made a value that is not a batch tensor)."
-    w = self.window
-    w.remade.discard(s)
-    for n in w.cut.stage_out[s]: w.store.remade.pop(n, None)
+    for n in self.window.cut.stage_out[s]: self.window.store.remade.pop(n, None)
 
 # %% ../nbs/02b_staged_exact.ipynb #1660e087
 @patch

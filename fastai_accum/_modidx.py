@@ -1646,6 +1646,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                         'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact.Window.ledger': ( 'staged_exact.html#window.ledger',
                                                                                         'fastai_accum/staged_exact.py'),
+                                           'fastai_accum.staged_exact.Window.remade': ( 'staged_exact.html#window.remade',
+                                                                                        'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact.WindowStats': ( 'staged_exact.html#windowstats',
                                                                                       'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact.WindowStats.__init__': ( 'staged_exact.html#windowstats.__init__',

@@ -127,7 +127,6 @@ class Window:
         self.rng = {}  # {(stage, a): the random state its chunk started from}: the recompute's
         self.graphs = {}  # {(stage, a): (the values it read and made, its BatchNorm leaf)}: chunks run with their graph
         self.random_chunked = []  # stages that drew random numbers chunk by chunk
-        self.remade = set()  # stages whose values are not kept but made again where read (`_remade`)
 
     def __repr__(self): return f'{type(self).__name__}(W={self.W}, chunks per stage {[len(s) for s in self.spans]})'
     def __len__(self) -> int: return len(self.cut)
@@ -137,6 +136,10 @@ class Window:
     def ledger(self): return self.store.link.ledger  # what crossed the host link
     @property
     def device(self) -> DevicePart: return self.store.device
+    @property
+    def remade(self) -> set:
+        "The stages whose values are not kept but made again where read (`StagedStep._remade`; the store's map)."
+        return set(self.store.remade.values())
 
     def close(self, returned:set):
         "After the backward: the store's tensors back to the pool (not the output's, `returned` keys), the rest let go."
@@ -198,8 +201,8 @@ def forward(self:StagedStep, xb:tuple, # the window's model inputs, one batch of
     # chunks run with their graph, kept for the backward (not recomputed): the last stage's last chunk, and every chunk
     # of the late stages whose graphs fit the budget together
     w.kept_from = self._kept_from()
-    w.remade = set(self._remade())  # stages made again where their values are read (`nbs/00f_remade`)
-    store.remade = {n: r for r in w.remade for n in cut.stage_out[r]}
+    # stages made again where their values are read (`nbs/00f_remade`)
+    store.remade = {n: r for r in self._remade() for n in cut.stage_out[r]}
     store.remake = self._remake
     self._plan_device_part(chunk)  # values several stages read, kept on the device between their reads where room is left
     for s in range(len(cut)): self._stage_forward(s, dev, chunk)
@@ -266,9 +269,7 @@ def _remake(self:StagedStep, r:int, a:int, b:int, have:dict) -> dict:
 @patch
 def _keep_remade(self:StagedStep, s:int):
     "Keep stage `s`'s values after all (it drew random numbers, or made a value that is not a batch tensor)."
-    w = self.window
-    w.remade.discard(s)
-    for n in w.cut.stage_out[s]: w.store.remade.pop(n, None)
+    for n in self.window.cut.stage_out[s]: self.window.store.remade.pop(n, None)
 
 # %% ../nbs/02b_staged_exact.ipynb #1660e087
 @patch
