@@ -24,16 +24,16 @@ Contents (line: module: classes), dependencies first:
      2356: stage_cut: StageCut
      2630: probes: -
      2866: chunk_sizer: ChunkSizer
-     2921: exact: Footprint, ExactModeMemoryError, ExactPlan
-     3344: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
-     3502: window_store: HostPool, DevicePart, WindowStore
-     4019: remade: -
-     4089: staged_exact: StagedConfig, StagedStep, Window, LayerStats, Projection, WindowStats, StagedForward
-     4914: staged_check: -
-     5160: ghost: GhostForward
-     5215: plan: StagedMismatchError, TrainingPlan
-     5565: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     6181: callback: WindowPrefetch, GradientAccumulation
+     2922: exact: Footprint, ExactModeMemoryError, ExactPlan
+     3345: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
+     3503: window_store: HostPool, DevicePart, WindowStore
+     4020: remade: -
+     4090: staged_exact: StagedConfig, StagedStep, Window, LayerStats, Projection, WindowStats, StagedForward
+     4950: staged_check: -
+     5196: ghost: GhostForward
+     5251: plan: StagedMismatchError, TrainingPlan
+     5601: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     6217: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -1433,10 +1433,10 @@ class LiveBytes(TorchDispatchMode):
 
     @contextmanager
     def as_host(self):
-        "Storages made inside are host memory: not counted."
-        self.host = True
+        "Storages made inside are host memory: not counted (nested: as the outer one says after)."
+        before, self.host = self.host, True
         try: yield
-        finally: self.host = False
+        finally: self.host = before
 
 # %% ../nbs/00_meters.ipynb #9e497026
 def fmt_bytes(n:float) -> str:
@@ -2871,9 +2871,10 @@ def _folded(x, y, na:int, random:bool, inherited:tuple|None=None) -> tuple|None:
 # %% ../nbs/00e_chunk_sizer.ipynb #6d7f557b
 def sample_cost(held:float, # bytes a sample's values hold in the chunk's backward (those computed and those autograd saves)
                 largest:float, # bytes a sample has in the chunk's largest tensor
+                backward:float|None=None, # bytes a sample's backward makes at its peak, measured (None: not measured)
                ) -> float:
-    "Bytes one sample costs a chunk in its backward: what it holds, plus the gradient being computed and the one it comes from."
-    return held + 2 * largest
+    "Bytes one sample costs a chunk in its backward: what it holds, plus what its backward makes (unmeasured: the gradient being computed and the one it comes from)."
+    return held + (2 * largest if backward is None else backward)
 
 def chunk_bytes(samples:int, # samples in the chunk
                 per_sample:float, # bytes a sample costs it (`sample_cost`)
@@ -4362,13 +4363,25 @@ def _beside(self:StagedStep, s:int, size=None) -> tuple:
     # beside: its parameters' gradients as its backward makes them (summed in place into the step's); where the store
     # shares the budget's memory (a CPU), what it holds then, in this stage's forward and backward; the store's device
     # part then (`_plan_device_part`). Read ahead (`WindowStore.prefetch`): its inputs and its outputs' gradients.
-    # `size(node)`: the window's bytes of a node (default: this window's, as far as kept)
+    # `size(node)`: the window's bytes of a node (default: `_value_bytes`)
     w, store = self.window, self.window.store
-    size = size or store.kept_bytes
+    size = size or self._value_bytes
     grads = sum(_nbytes(p) for p in w.cut.stage_params[s] if p.requires_grad)
     held = max(_nbytes(list(store.kept.values())), store.store_bytes(s)) if store.shared else 0
     ahead = sum(map(size, w.cut.stage_in[s] + w.cut.stage_out[s])) / w.W if store.link.apart else 0
     return grads + held + store.device.held[s], ahead
+
+@patch
+def _value_bytes(self:StagedStep, n:fx.Node) -> float:
+    "Window bytes of node `n`'s values: as this window keeps them, else as the last window did (not made here yet)."
+    # a stage is sized before it runs: its outputs, whose gradients its backward reads ahead, are not kept yet
+    w = self.window
+    kept = w.store.kept_bytes(n)
+    if kept or n.op == 'placeholder': return kept
+    key = w.signature, w.autocast
+    parts = self.sizer.kept_sizes.get(key, {})  # a container's, by (node, index)
+    per = self.sizer.value_sizes.get(key, {}).get(n) or sum(v for k, v in parts.items() if isinstance(k, tuple) and k[0] is n)
+    return w.W * per
 
 @patch
 def _sized(self:StagedStep, s:int, cost:float, chunk:int, size=None) -> int:
@@ -4446,15 +4459,16 @@ def _device_room(self:StagedStep, chunk:int, costs:list, size) -> list:
 
 # %% ../nbs/02b_staged_exact.ipynb #927e133c
 @patch
-def _stage_cost(self:StagedStep, env:dict, n:int, saved:dict) -> float:
+def _stage_cost(self:StagedStep, env:dict, n:int, saved:dict, made:int|None=None) -> float:
     "Bytes per sample one chunk of a stage holds in its backward, from its forward on `n` samples with a graph."
     # every batch tensor it computed or read (`env`), those autograd saved besides (`saved`, {data_ptr: bytes}: the
-    # input an in-place activation copies), plus twice the largest (the gradient being computed and the one it comes
-    # from); k rows a sample where views are folded into the batch
+    # input an in-place activation copies), plus what its backward made at its peak (`made`, `_backward_made`; not
+    # measured: twice the largest, the gradient being computed and the one it comes from); k rows a sample where views
+    # are folded into the batch
     sizes, rows = dict(saved), {n} | {k * n for k, _ in (self.window.store.layouts or {}).values()}
     for t in _tensors(list(env.values())):
         if t.dim() and t.shape[0] in rows: sizes[t.data_ptr()] = max(sizes.get(t.data_ptr(), 0), _nbytes(t))
-    return sample_cost(sum(sizes.values()), max(sizes.values(), default=0)) / n
+    return sample_cost(sum(sizes.values()), max(sizes.values(), default=0), made) / n
 
 @patch
 @contextlib.contextmanager
@@ -4466,6 +4480,27 @@ def _saved_counted(self:StagedStep, sizes:dict):
         # detached: a saved output would hold its own node, a cycle that outlives the chunk (it has no backward)
         return t.detach()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t): yield
+
+@patch
+def _backward_made(self:StagedStep, s:int, env:dict, leaf) -> int:
+    "Bytes stage `s`'s backward makes at its peak on the chunk whose forward made `env` (its graph), run once, its gradients dropped."
+    # every storage made inside `autograd.grad` and alive at once (`LiveBytes`): the output gradients (zeros: the bytes
+    # do not depend on the values), the gradients each op makes from them, its temporaries, the inputs' gradients. Not
+    # the parameters' (asked for only where no input wants one, then taken off): a chunk's do not grow with its samples,
+    # they are counted beside it (`_beside`). A stage's backward is plain arithmetic on what the forward saved: no
+    # random numbers, no statistics; the model's backward hooks would see this run, so where it has some the rule's
+    # estimate stands
+    cut = self.window.cut
+    if any(m._backward_hooks or m._backward_pre_hooks for m in self.model.modules()): return None
+    outs = [t for n in cut.stage_out[s] if n in env for t in _tensors(env[n]) if t.requires_grad]
+    ins = [t for n in cut.stage_in[s] if n in env for t in _tensors(env[n]) if t.requires_grad]
+    ins += [leaf] if leaf is not None else []
+    params = [] if ins else [p for p in cut.stage_params[s] if p.requires_grad]
+    if not outs or not (ins or params): return 0
+    with LiveBytes() as meter:
+        got = torch.autograd.grad(outs, ins + params, [torch.zeros_like(t) for t in outs], allow_unused=True)
+    del got
+    return max(meter.peak - _nbytes(params), 0)
 
 # %% ../nbs/02b_staged_exact.ipynb #a372d4ea
 @patch
@@ -4492,11 +4527,12 @@ def _stage_forward(self:StagedStep, s:int, dev, chunk:int):
         counted = OpCount() if a == 0 and self.config.recompute and key not in self.sizer.flops else nullcontext()
         with torch.set_grad_enabled(grad), self._saved_counted(saved) if probe else nullcontext(), counted:
             leaf = self._run_stage(s, env, xb, grad=grad)
+        made = self._backward_made(s, env, leaf) if probe else None  # its graph then dropped
         if isinstance(counted, OpCount): self.sizer.flops[key] = counted.flops / (b - a)
         # views folded into the batch show in a stage's first chunk: looked for until a window has shown none
         if a == 0 and store.layouts is None and store.folds(env, b - a): store.layouts = self._find_layouts(dev)
         if measure and a == 0:  # the stage's bytes per sample, measured once: the other chunks as large as they fit
-            self.sizer.costs[self._cost_key(s)] = cost = self._stage_cost(env, b - a, saved)
+            self.sizer.costs[self._cost_key(s)] = cost = self._stage_cost(env, b - a, saved, made)
         if a == 0 and s in w.remade and (not _same_state(state, _rng_state(dev)) or
                                          not all(store.batched(n, env[n], a, b) for n in cut.stage_out[s])):
             self.sizer.not_remade.add(key)  # made again, its values would differ: kept (from the next window, not chosen)

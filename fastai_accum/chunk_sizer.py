@@ -11,9 +11,10 @@ __all__ = ['sample_cost', 'chunk_bytes', 'ChunkSizer']
 # %% ../nbs/00e_chunk_sizer.ipynb #6d7f557b
 def sample_cost(held:float, # bytes a sample's values hold in the chunk's backward (those computed and those autograd saves)
                 largest:float, # bytes a sample has in the chunk's largest tensor
+                backward:float|None=None, # bytes a sample's backward makes at its peak, measured (None: not measured)
                ) -> float:
-    "Bytes one sample costs a chunk in its backward: what it holds, plus the gradient being computed and the one it comes from."
-    return held + 2 * largest
+    "Bytes one sample costs a chunk in its backward: what it holds, plus what its backward makes (unmeasured: the gradient being computed and the one it comes from)."
+    return held + (2 * largest if backward is None else backward)
 
 def chunk_bytes(samples:int, # samples in the chunk
                 per_sample:float, # bytes a sample costs it (`sample_cost`)

@@ -166,10 +166,10 @@ class LiveBytes(TorchDispatchMode):
 
     @contextmanager
     def as_host(self):
-        "Storages made inside are host memory: not counted."
-        self.host = True
+        "Storages made inside are host memory: not counted (nested: as the outer one says after)."
+        before, self.host = self.host, True
         try: yield
-        finally: self.host = False
+        finally: self.host = before
 
 # %% ../nbs/00_meters.ipynb #9e497026
 def fmt_bytes(n:float) -> str:

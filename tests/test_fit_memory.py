@@ -205,10 +205,10 @@ def test_a_fit_of_a_model_folding_views_into_the_batch_holds_its_budget():
     for a, b in zip(ours.state_dict().values(), big.state_dict().values()):
         assert (rel(a, b) < 1e-9) if a.is_floating_point() else torch.equal(a, b)
 
-def _emulated_fit(monkeypatch, recompute:bool) -> tuple:
-    """(device peak, live bytes after each epoch, the model) of 3 epochs of the plain loop inside `emulated_accelerator`
-    at the smallest staged budget: the store's tensors, the loader's batches and the window's joined inputs counted as
-    host memory, as a GPU keeps them."""
+def _emulated_fit(monkeypatch, recompute:bool, frac:float) -> tuple:
+    """(device peak, device budget, live bytes after each epoch, the model) of 3 epochs of the plain loop inside
+    `emulated_accelerator` at `budget_between(..., frac)`: the store's tensors, the loader's batches and the window's
+    joined inputs counted as host memory, as a GPU keeps them."""
     import fastai_accum.core as core
     from fastai_accum.helpers import emulated_accelerator
     from fastai_accum.lab.bench_speed import _on_host_store
@@ -218,7 +218,7 @@ def _emulated_fit(monkeypatch, recompute:bool) -> tuple:
     x, y = data()
     torch.manual_seed(0); ours = cnn().double().train()
     opt = torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9)
-    with emulated_accelerator(): budget = budget_between(ours, x[:2], 16, 1., 0.05)
+    with emulated_accelerator(): budget = budget_between(ours, x[:2], 16, 1., frac)
     batches = list(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=2))  # host memory
     after, made, joined = [], StagedStep.__init__, core.cat_batches
     with emulated_accelerator(), LiveBytes(ours) as meter:
@@ -236,15 +236,18 @@ def _emulated_fit(monkeypatch, recompute:bool) -> tuple:
             after.append(meter.live)
     assert acc.path == 'staged exact' and acc.plan.on_accelerator and acc.inputs_on == 'cpu'
     assert bool(steps[-1].window.remade) == recompute
-    return meter.peak, after, ours
+    return meter.peak, budget, after, ours
 
-def test_stages_made_again_hold_no_more_device_memory_over_a_fit_on_an_accelerator(monkeypatch):
-    """Inside `emulated_accelerator`, 3 epochs of the plain loop with stages made again (`nbs/00f_remade`) from the
-    second window on: the device peak is at most the one keeping every value, nothing outlives an epoch, and the model
-    trains to the same parameters (float64). (Either peak against `device_memory`: `nbs/00e_chunk_sizer`, measured.)"""
-    kept_peak, _, kept = _emulated_fit(monkeypatch, recompute=False)
-    peak, after, ours = _emulated_fit(monkeypatch, recompute=True)
+@pytest.mark.parametrize('frac', [0.05, 0.3])
+def test_a_fit_on_an_accelerator_holds_its_device_budget_every_value_kept_or_made_again(monkeypatch, frac):
+    """Inside `emulated_accelerator`, 3 epochs of the plain loop keeping every value, then with stages made again
+    (`nbs/00f_remade`) from the second window on: each device peak within `device_memory` (chunks sized by each stage's
+    measured backward, `nbs/00e_chunk_sizer`), made again at most kept, nothing outlives an epoch, and both train to the
+    same parameters (float64)."""
+    kept_peak, budget, kept_after, kept = _emulated_fit(monkeypatch, recompute=False, frac=frac)
+    peak, _, after, ours = _emulated_fit(monkeypatch, recompute=True, frac=frac)
+    assert kept_peak <= budget and peak <= budget, (kept_peak, peak, budget)
     assert peak <= kept_peak, (peak, kept_peak)
-    assert after[0] == after[1] == after[2], after
+    assert kept_after[0] == kept_after[1] == kept_after[2] and after[0] == after[1] == after[2], (kept_after, after)
     for a, b in zip(ours.state_dict().values(), kept.state_dict().values()):
         assert (rel(a, b) < 1e-9) if a.is_floating_point() else torch.equal(a, b)
