@@ -29,11 +29,11 @@ Contents (line: module: classes), dependencies first:
      3503: window_store: HostPool, DevicePart, WindowStore
      4020: remade: -
      4090: staged_exact: StagedConfig, StagedStep, Window, LayerStats, Projection, WindowStats, StagedForward
-     4950: staged_check: -
-     5196: ghost: GhostForward
-     5251: plan: StagedMismatchError, TrainingPlan
-     5601: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     6217: callback: WindowPrefetch, GradientAccumulation
+     4975: staged_check: -
+     5221: ghost: GhostForward
+     5276: plan: StagedMismatchError, TrainingPlan
+     5626: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     6242: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -4196,6 +4196,7 @@ class Window:
         self.rng = {}  # {(stage, a): the random state its chunk started from}: the recompute's
         self.graphs = {}  # {(stage, a): (the values it read and made, its BatchNorm leaf)}: chunks run with their graph
         self.random_chunked = []  # stages that drew random numbers chunk by chunk
+        self.drops = {}  # per stage: {node: the stage's values no later node of it reads} (`StagedStep._drops`)
 
     def __repr__(self): return f'{type(self).__name__}(W={self.W}, chunks per stage {[len(s) for s in self.spans]})'
     def __len__(self) -> int: return len(self.cut)
@@ -4218,11 +4219,14 @@ class Window:
 
 # %% ../nbs/02b_staged_exact.ipynb #97042fc2
 @patch
-@_timed_pass(lambda s, env, xb, grad: 'recompute' if grad else 'forward')
-def _run_stage(self:StagedStep, s:int, env:dict, xb:tuple, grad:bool):
+@_timed_pass(lambda s, env, xb, grad, drop=True: 'recompute' if grad else 'forward')
+def _run_stage(self:StagedStep, s:int, env:dict, xb:tuple, grad:bool, drop:bool=True):
     "Run stage `s` of one chunk on `env`; the BatchNorm opening it normalizes with window statistics."
-    # that BatchNorm is one fused op; its input is a leaf of its own if `grad`, returned
+    # that BatchNorm is one fused op; its input is a leaf of its own if `grad`, returned. `drop`: each value let go
+    # once no later node of the stage reads it (`_drops`): what autograd saves it keeps, the rest is freed as in a
+    # plain forward (a U-Net's up-sampling and concatenations would otherwise hold every value of the chunk)
     leaf, read, cut = None, env, self.window.cut
+    drops = self._drops(s) if drop else {}
     if cut.on_copies[s]:  # (the store's chunks, or leaves): copies, counted in its cost (`env['copies']`)
         read = dict(env)
         for n in cut.stage_in[s]:
@@ -4232,13 +4236,33 @@ def _run_stage(self:StagedStep, s:int, env:dict, xb:tuple, grad:bool):
         n = cut.nodes[i]
         if i != cut.stages[s][0] or cut.bars[s] is None:
             env[n] = read[n] = _plain(self.runner.run_node(n, read, xb))
+            for v in drops.get(n, ()): env.pop(v, None), read.pop(v, None)
             continue
         m = self.modules[n.target]
         x = self.runner.value(n.args[0], env, xb)
         if grad: x = leaf = x.detach().requires_grad_(True)  # its gradient: BatchNorm's with the statistics held fixed
         st = self.window.stats.layers[n]
         env[n] = _extras(m, n, F.batch_norm(x, st.mean, st.var, m.weight, m.bias, False, 0., m.eps))
+        for v in drops.get(n, ()): env.pop(v, None), read.pop(v, None)
     return leaf
+
+@patch
+def _drops(self:StagedStep, s:int) -> dict:
+    "{node: the values of stage `s` no node after it in the stage reads}, kept: what later stages, the output and the stage's statistics read."
+    w = self.window
+    if s in w.drops: return w.drops[s]
+    cut = w.cut
+    members = [cut.nodes[i] for i in cut.stages[s]]
+    keep = set(cut.stage_out[s]) | {bar.args[0] for bar in cut.gathers[s]}
+    last = {}
+    for n in members:
+        for a in n.all_input_nodes: last[a] = n  # in order: the last reader wins
+        last[n] = n  # read by none in the stage: let go once made
+    own = set(members)
+    drops = w.drops[s] = {}
+    for v, n in last.items():
+        if v in own and v not in keep: drops.setdefault(n, []).append(v)
+    return drops
 
 # %% ../nbs/02b_staged_exact.ipynb #c2294600
 @patch
@@ -4459,14 +4483,15 @@ def _device_room(self:StagedStep, chunk:int, costs:list, size) -> list:
 
 # %% ../nbs/02b_staged_exact.ipynb #927e133c
 @patch
-def _stage_cost(self:StagedStep, env:dict, n:int, saved:dict, made:int|None=None) -> float:
-    "Bytes per sample one chunk of a stage holds in its backward, from its forward on `n` samples with a graph."
+def _stage_cost(self:StagedStep, s:int, env:dict, n:int, saved:dict, made:int|None=None) -> float:
+    "Bytes per sample one chunk of stage `s` holds in its backward, from its forward on `n` samples with a graph."
     # every batch tensor it computed or read (`env`), those autograd saved besides (`saved`, {data_ptr: bytes}: the
     # input an in-place activation copies), plus what its backward made at its peak (`made`, `_backward_made`; not
     # measured: twice the largest, the gradient being computed and the one it comes from); k rows a sample where views
     # are folded into the batch
     sizes, rows = dict(saved), {n} | {k * n for k, _ in (self.window.store.layouts or {}).values()}
-    for t in _tensors(list(env.values())):
+    dropped = {v for vs in self._drops(s).values() for v in vs}  # let go as the chunk runs: in `saved` where kept
+    for t in _tensors([v for m, v in env.items() if m not in dropped]):
         if t.dim() and t.shape[0] in rows: sizes[t.data_ptr()] = max(sizes.get(t.data_ptr(), 0), _nbytes(t))
     return sample_cost(sum(sizes.values()), max(sizes.values(), default=0), made) / n
 
@@ -4526,13 +4551,13 @@ def _stage_forward(self:StagedStep, s:int, dev, chunk:int):
         # its FLOPs, counted once where stages may be made again (`_remade`)
         counted = OpCount() if a == 0 and self.config.recompute and key not in self.sizer.flops else nullcontext()
         with torch.set_grad_enabled(grad), self._saved_counted(saved) if probe else nullcontext(), counted:
-            leaf = self._run_stage(s, env, xb, grad=grad)
+            leaf = self._run_stage(s, env, xb, grad=grad, drop=not (a == 0 and store.layouts is None))
         made = self._backward_made(s, env, leaf) if probe else None  # its graph then dropped
         if isinstance(counted, OpCount): self.sizer.flops[key] = counted.flops / (b - a)
         # views folded into the batch show in a stage's first chunk: looked for until a window has shown none
         if a == 0 and store.layouts is None and store.folds(env, b - a): store.layouts = self._find_layouts(dev)
         if measure and a == 0:  # the stage's bytes per sample, measured once: the other chunks as large as they fit
-            self.sizer.costs[self._cost_key(s)] = cost = self._stage_cost(env, b - a, saved, made)
+            self.sizer.costs[self._cost_key(s)] = cost = self._stage_cost(s, env, b - a, saved, made)
         if a == 0 and s in w.remade and (not _same_state(state, _rng_state(dev)) or
                                          not all(store.batched(n, env[n], a, b) for n in cut.stage_out[s])):
             self.sizer.not_remade.add(key)  # made again, its values would differ: kept (from the next window, not chosen)

@@ -1575,6 +1575,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                           'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact.StagedStep._device_room': ( 'staged_exact.html#stagedstep._device_room',
                                                                                                   'fastai_accum/staged_exact.py'),
+                                           'fastai_accum.staged_exact.StagedStep._drops': ( 'staged_exact.html#stagedstep._drops',
+                                                                                            'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact.StagedStep._find_layouts': ( 'staged_exact.html#stagedstep._find_layouts',
                                                                                                    'fastai_accum/staged_exact.py'),
                                            'fastai_accum.staged_exact.StagedStep._first_chunk': ( 'staged_exact.html#stagedstep._first_chunk',
