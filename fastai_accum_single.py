@@ -4507,7 +4507,7 @@ def _saved_counted(self:StagedStep, sizes:dict):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t): yield
 
 @patch
-def _backward_made(self:StagedStep, s:int, env:dict, leaf) -> int:
+def _backward_made(self:StagedStep, s:int, env:dict, leaf) -> int|None:
     "Bytes stage `s`'s backward makes at its peak on the chunk whose forward made `env` (its graph), run once, its gradients dropped."
     # every storage made inside `autograd.grad` and alive at once (`LiveBytes`): the output gradients (zeros: the bytes
     # do not depend on the values), the gradients each op makes from them, its temporaries, the inputs' gradients. Not

@@ -242,12 +242,54 @@ def _emulated_fit(monkeypatch, recompute:bool, frac:float) -> tuple:
 def test_a_fit_on_an_accelerator_holds_its_device_budget_every_value_kept_or_made_again(monkeypatch, frac):
     """Inside `emulated_accelerator`, 3 epochs of the plain loop keeping every value, then with stages made again
     (`nbs/00f_remade`) from the second window on: each device peak within `device_memory` (chunks sized by each stage's
-    measured backward, `nbs/00e_chunk_sizer`), made again at most kept, nothing outlives an epoch, and both train to the
-    same parameters (float64)."""
+    measured backward, `nbs/00e_chunk_sizer`), made again at most kept, nothing outlives an epoch, and both train as
+    the big batch (float64)."""
     kept_peak, budget, kept_after, kept = _emulated_fit(monkeypatch, recompute=False, frac=frac)
     peak, _, after, ours = _emulated_fit(monkeypatch, recompute=True, frac=frac)
     assert kept_peak <= budget and peak <= budget, (kept_peak, peak, budget)
     assert peak <= kept_peak, (peak, kept_peak)
     assert kept_after[0] == kept_after[1] == kept_after[2] and after[0] == after[1] == after[2], (kept_after, after)
-    for a, b in zip(ours.state_dict().values(), kept.state_dict().values()):
-        assert (rel(a, b) < 1e-9) if a.is_floating_point() else torch.equal(a, b)
+    x, y = data()
+    torch.manual_seed(0); big = cnn().double().train()
+    opt = torch.optim.SGD(big.parameters(), lr=0.05, momentum=0.9)
+    for epoch in range(3):
+        for i in range(0, len(x), 16): F.cross_entropy(big(x[i:i + 16]), y[i:i + 16]).backward(); opt.step(); opt.zero_grad()
+    for m in (kept, ours):
+        for a, b in zip(m.state_dict().values(), big.state_dict().values()):
+            assert (rel(a, b) < 1e-9) if a.is_floating_point() else torch.equal(a, b)
+
+class _Widening(nn.Module):
+    "Values autograd does not save (sums, a concatenation): a plain forward frees each once read, as a U-Net's decoder."
+    def forward(self, x):
+        y = x
+        for _ in range(6): y = y + 1.
+        return torch.cat([y, x], 1)
+
+def test_a_stage_lets_go_of_values_it_no_longer_reads(monkeypatch):
+    """A stage's chunk holds what later stages read and autograd saves, not every value its nodes made (`_drops`): the
+    staged window's device peak, chunks of 2 inside `emulated_accelerator`, is below the one holding every value, and
+    both train as the big batch (float64)."""
+    from fastai_accum.helpers import emulated_accelerator
+    from fastai_accum.staged_exact import install_staged, uninstall_staged, StagedStep
+    torch.manual_seed(0)
+    big = nn.Sequential(*block(3, 16), _Widening(), *block(32, 16), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                        nn.Linear(16, 10)).double().train()
+    x = torch.randn(8, 3, 32, 32, dtype=torch.float64)
+    loss = lambda out: (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum()
+    def staged_peak():
+        m = copy.deepcopy(big)
+        with emulated_accelerator():
+            f = install_staged(m, 2)
+            f.step_for((x,)).config.grow = False  # chunks of 2 in every stage
+            try:
+                with LiveBytes(m) as meter: loss(m(x)).backward()
+            finally: uninstall_staged(m)
+        return meter.peak, m
+    peak, ours = staged_peak()
+    with monkeypatch.context() as mp:
+        mp.setattr(StagedStep, '_drops', lambda self, s: {})  # every value of a stage held until its chunk ends
+        held_peak, held = staged_peak()
+    loss(big(x)).backward()
+    assert peak < held_peak, (peak, held_peak)
+    for m in (ours, held):
+        for a, b in zip(m.parameters(), big.parameters()): assert rel(a.grad, b.grad) < 1e-10
