@@ -8,6 +8,9 @@ before the first staged window, the store, the chunks and the optimizer included
     python nbs/bench_fit_memory.py unet_resnet18 64 8 0.3        # fastai unet_learner(resnet18): the same fits
     python nbs/bench_fit_memory.py regnetx_002 64 8 0.3 fault     # the loop raises mid-window in the first epoch
     python nbs/bench_fit_memory.py resnet26d 64 8 0.3 bf16        # float32 under bf16 autocast
+    python nbs/bench_fit_memory.py resnet18 64 8 0.05 emulated    # the plain loop as on a GPU (`emulated_accelerator`): the
+                                                                 # store, the loader's batches, the joined window and
+                                                                 # the check's copy in host memory, not counted
 
 float64 on the CPU (the Learner: float32), micro-batch 2, 3 epochs of 4 windows (the plain loop, SGD momentum) or a Learner's fits; the budget
 lies a fraction f of the way from a staged step's need (as the plan counts it) to the whole window's (`staging_budget`).
@@ -24,12 +27,33 @@ from fastai_accum.staged import staged_graph
 
 def mib(n): return f'{n / 2**20:.1f}'
 
-def plain_fit(model, n_step, size, budget, meter, autocast=None, fault=False):
+@contextlib.contextmanager
+def on_accelerator(meter):
+    "Inside `emulated_accelerator`, what a GPU keeps in host memory made as host memory in `meter`: the staged store, the window's joined inputs, the check's copy."
+    import fastai_accum.core as core, fastai_accum.staged_check as check
+    from fastai_accum.helpers import emulated_accelerator
+    from fastai_accum.lab.bench_speed import _on_host_store
+    from fastai_accum.staged_exact import StagedStep
+    made, joined, copied = StagedStep.__init__, core.cat_batches, check._checked_copy
+    def init(self, *a, **k):
+        made(self, *a, **k)
+        self.on_host = _on_host_store(meter)
+    def host(f):
+        def g(*a, **k):
+            with meter.as_host(): return f(*a, **k)
+        return g
+    StagedStep.__init__, core.cat_batches, check._checked_copy = init, host(joined), host(copied)
+    try:
+        with emulated_accelerator(): yield
+    finally: StagedStep.__init__, core.cat_batches, check._checked_copy = made, joined, copied
+
+def plain_fit(model, n_step, size, budget, meter, autocast=None, fault=False, host=False):
     "The README's plain loop, SGD momentum: 3 epochs; live bytes after each. `fault`: the loop raises mid-window once."
     dtype = next(model.parameters()).dtype
     xs = torch.randn(n_step * 2 * 4, 3, size, size, dtype=dtype)
     ys = torch.randint(0, 10, (len(xs),))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=2)
+    if host: loader = list(loader)  # made before the meter counts: host memory, as a GPU's loader keeps its batches
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     acc = Accumulation(model, n_step=n_step, optimizer=opt, device_memory=budget, autocast=autocast)
     after, ctx = [], autocast or contextlib.nullcontext
@@ -59,7 +83,7 @@ def learner_fits(learn, n_step, budget, meter):
     return learn.gradient_accumulation.path, after
 
 def main(name='resnet18', size='96', n_step='16', frac='0.3', *how):
-    "`how`: 'bf16' (a float32 model under bf16 autocast), 'fault' (the plain loop raises in the second window once)."
+    "`how`: 'bf16' (a float32 model under bf16 autocast), 'fault' (the plain loop raises in the second window once), 'emulated' (as on a GPU)."
     size, n_step, frac = int(size), int(n_step), float(frac)
     autocast = (lambda: torch.autocast('cpu', dtype=torch.bfloat16)) if 'bf16' in how else None
     warnings.simplefilter('ignore')
@@ -86,6 +110,13 @@ def main(name='resnet18', size='96', n_step='16', frac='0.3', *how):
     dtype = torch.float32 if learn is not None or autocast is not None else torch.float64
     model = model.to(dtype).train()
     micro = (torch.randn(2, 3, size, size, dtype=dtype),)
+    meter = LiveBytes(model)
+    where = on_accelerator(meter) if 'emulated' in how else contextlib.nullcontext()
+    with where: return _fit(name, size, n_step, frac, how, autocast, learn, model, opt_state, micro, meter)
+
+def _fit(name, size, n_step, frac, how, autocast, learn, model, opt_state, micro, meter):
+    "`main`'s plan, budget and fit (inside `on_accelerator` where emulated)."
+    t = time.perf_counter()
     p = plan_exact(model, micro, n_step * 2, opt_state=opt_state, autocast=autocast)
     p.chunk = 2
     measure_staged(p, model, staged_graph(model, micro), micro, autocast)
@@ -93,9 +124,8 @@ def main(name='resnet18', size='96', n_step='16', frac='0.3', *how):
     print(f'{name} {size} px, {n_step} x 2: staged need {mib(p.staged_device_needed)} MiB, whole '
           f'{mib(p.device_needed)} MiB, budget {mib(budget)} MiB; store {fmt_bytes(p.store)}/sample = '
           f'{p.store / p.footprint.saved:.2f} x the saved activations, largest stage\'s gradients {fmt_bytes(p.stage_grads)}')
-    t, meter = time.perf_counter(), LiveBytes(model)
     path, after = (learner_fits(learn, n_step, budget, meter) if learn is not None
-                   else plain_fit(model, n_step, size, budget, meter, autocast, 'fault' in how))
+                   else plain_fit(model, n_step, size, budget, meter, autocast, 'fault' in how, 'emulated' in how))
     print(f'{" ".join(how + ("",))}path {path!r}: peak / budget {meter.peak / budget:.3f} ({mib(meter.peak)} MiB), live after each '
           f'{"fit" if learn is not None else "epoch"} {", ".join(mib(a) for a in after)} MiB, '
           f'{time.perf_counter() - t:.1f} s')
