@@ -47,6 +47,7 @@ _examples = dict(demo=_example('demo mnist', 'demo mnist --settings forum --epoc
                  accuracy=_example('bench accuracy --quick'), speed=_example('bench speed --quick'),
                  gradient=_example('bench gradient --models vision_resnet18 --at 0'),
                  fallback=_example('bench fallback --cases bn1d_few_values,untracked_bn'),
+                 dtype=_example('bench dtype', 'bench dtype --rows resnet50:64,mobilenet_v2:64 --amp bf16'),
                  ledger=_example('bench ledger --model resnet50 --size 224 --window 16',
                                  'bench ledger --model resnet18 --size 32 --window 8 --amp bf16'))
 _examples['build-single-file'] = _example('build-single-file fastai_accum_single.py')
@@ -79,6 +80,11 @@ def _bench_args(p):
                                "the big batch's, and the largest gradient with random masks on")
     add_fallback_args(fb)
     fb.set_defaults(run=fallback_main)
+    from fastai_accum.lab.bench_dtype import add_dtype_args, dtype_main
+    dt = _sub(sub, 'dtype', "The staged step in float32 (or bfloat16 autocast) against the big batch, beside the big "
+                            "batch's own rounding")
+    add_dtype_args(dt)
+    dt.set_defaults(run=dtype_main)
     try: from fastai_accum.lab.bench_gradient import add_gradient_args, gradient_main
     except ImportError: return
     g = _sub(sub, 'gradient', "One window's gradient per policy against the big batch's (cosine, relative error, "
