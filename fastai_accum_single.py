@@ -13,27 +13,27 @@ notebook only fastai's star import and the public names fastai does not have (al
 
 Contents (line: module: classes), dependencies first:
        53: stats: ChannelStats
-      264: distributed: -
-      299: helpers: ReplacedForward, ExactModeRefusedError
-      482: window: AccumulationWindow, WindowLoader
-      811: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
-     1274: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
-     1448: staged: GraphRunner, StagedGraph
-     1918: prepass: PrepassPlan, PreflightTable
-     2142: cost: OpCount, Card, WindowCounts, Prediction, RemadeTime
-     2356: stage_cut: StageCut
-     2630: probes: -
-     2866: chunk_sizer: ChunkSizer
-     2922: exact: Footprint, ExactModeMemoryError, ExactPlan
-     3345: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
-     3503: window_store: HostPool, DevicePart, WindowStore
-     4020: remade: -
-     4090: staged_exact: StagedConfig, StagedStep, Window, LayerStats, Projection, WindowStats, StagedForward
-     4975: staged_check: -
-     5221: ghost: GhostForward
-     5276: plan: StagedMismatchError, TrainingPlan
-     5626: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     6242: callback: WindowPrefetch, GradientAccumulation
+      279: distributed: -
+      314: helpers: ReplacedForward, ExactModeRefusedError
+      497: window: AccumulationWindow, WindowLoader
+      826: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
+     1301: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
+     1475: staged: GraphRunner, StagedGraph
+     1964: prepass: PrepassPlan, PreflightTable
+     2188: cost: OpCount, Card, WindowCounts, Prediction, RemadeTime
+     2402: stage_cut: StageCut
+     2676: probes: -
+     2912: chunk_sizer: ChunkSizer
+     2968: exact: Footprint, ExactModeMemoryError, ExactPlan
+     3391: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
+     3549: window_store: HostPool, DevicePart, WindowStore
+     4066: remade: -
+     4136: staged_exact: StagedConfig, StagedStep, Window, LayerStats, Projection, WindowStats, StagedForward
+     5021: staged_check: -
+     5301: ghost: GhostForward
+     5356: plan: StagedMismatchError, TrainingPlan
+     5706: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     6322: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -254,12 +254,27 @@ def project_(f:Tensor, # BatchNorm's input gradient with its statistics held fix
              mean_f:Tensor, # the mean of `f` per channel over the batch the statistics are of
              mean_fx:Tensor, # and the mean of f·x̂
             ) -> Tensor:
-    "BatchNorm's exact input gradient, written over `f`: f - mean(f) - x̂·mean(f·x̂), in `mean_f`'s precision."
+    "BatchNorm's exact input gradient, written over `f`: f - mean(f) - (x - mean)·invstd·mean(f·x̂), in `mean_f`'s precision."
+    # x is centred before it is scaled, as torch's kernel does: x·s - mean·s cancels where |mean| >> std (3x plain
+    # BatchNorm's error at |mean| = 1000 std). In place in blocks: no temporary the size of `f` (a staged chunk's
+    # backward holds no more than its graph), one block of at most a sixteenth of it
     shape, dt = [1, -1] + [1] * (f.dim() - 2), mean_f.dtype
-    scale = (invstd.to(dt) * mean_fx).view(shape)
-    if f.dtype == dt:  # in place, no temporary the size of `f` (a staged chunk's backward holds no more): f - x·s + (mean·s - mean(f))
-        return f.addcmul_(x, scale, value=-1).add_(mean.to(dt).view(shape) * scale - mean_f.view(shape))
-    return f.copy_((mean.to(dt).view(shape) - x.to(dt)).mul_(scale).add_(f).sub_(mean_f.view(shape)))
+    scale, centre = (invstd.to(dt) * mean_fx).view(shape), mean.to(dt).view(shape)
+    if f.dtype != dt: return f.copy_((x.to(dt) - centre).mul_(scale).neg_().add_(f).sub_(mean_f.view(shape)))
+    f.sub_(mean_f.view(shape))
+    for fb, xb in zip(_blocks(f), _blocks(x)): fb.sub_((xb.to(dt) - centre).mul_(scale))
+    return f
+
+def _blocks(t:Tensor, parts:int=16) -> list:
+    "Views of `t` covering it once, each at most about `1/parts` of it: rows of dimension 0, else slices of dimension 2."
+    n = t.shape[0] if t.dim() else 1
+    if t.dim() < 2 or n == 0: return [t]
+    per_row, most = t[0].numel(), max(t.numel() // parts, 1)
+    if per_row <= most or t.dim() < 3:
+        rows = max(most // max(per_row, 1), 1)
+        return [t[a:a + rows] for a in range(0, n, rows)]
+    step = max(most // max(per_row // t.shape[2], 1), 1)
+    return [t[i:i + 1, :, h:h + step] for i in range(n) for h in range(0, t.shape[2], step)]
 
 # ======== fastai_accum/distributed.py ========
 # %% ../nbs/03b_distributed.ipynb #9359139a
@@ -971,6 +986,18 @@ def norm_only(m:nn.Module, # a BatchNorm layer, whatever its class adds after no
         _norm_alone.reset(token)
         if own is None: m.__dict__.pop('forward', None)
         else: m.forward = own
+
+def own_forward(m:nn.Module) -> bool:
+    "Does BatchNorm layer `m` compute more than torch's BatchNorm (and a timm norm-act layer's `drop` and `act`)?"
+    # a subclass with a forward of its own (a shifted output, statistics over splits of the batch): a path that
+    # normalizes in its place (the staged step) would not be this layer's step
+    return not (_forward_is_known(type(m)) or isinstance(m, AccumulateBatchNorm) or 'act' in m._modules)
+
+def own_forward_layers(model:nn.Module) -> str|None:
+    "The training BatchNorm layers of `model` with a forward of their own (`own_forward`), named with their classes, or None."
+    odd = [f"{n} ({type(m).__name__})" for n, m in model.named_modules()
+           if isinstance(m, _BatchNorm) and m.training and own_forward(m)]
+    return (', '.join(odd[:3]) + (f" and {len(odd) - 3} more" if len(odd) > 3 else '')) if odd else None
 
 # %% ../nbs/01_batchnorm.ipynb #b53b9605
 _accumulating = {}  # plain BatchNorm class -> its accumulating class
@@ -1757,6 +1784,15 @@ def _bn_owners(model:nn.Module) -> dict:
     return {f'{name}.{k}' if name else k: name for name, m in model.named_modules() if isinstance(m, _BatchNorm)
             for k in ('weight', 'bias', 'running_mean', 'running_var', 'num_batches_tracked')}
 
+def _other_call(n:fx.Node, layer:str, holds:dict) -> str|None:
+    "How aten `batch_norm` node `n` of BatchNorm `layer` is called otherwise than torch's layer calls it, or None."
+    # the staged step normalizes with the layer's own weight, bias and running statistics, as they are: a forward of
+    # its own that passes others (lightly's SplitBatchNorm: C x splits statistics, a repeated weight) is not its step
+    for a, k in zip(n.args[1:5], ('weight', 'bias', 'running_mean', 'running_var')):
+        if a is not None and holds.get(a) != (f'{layer}.{k}' if layer else k):
+            return f"its {k} is {a.name if isinstance(a, fx.Node) else a!r}, not the layer's"
+    return None
+
 def _staged_form(gm, names:list, ends:list, owners:dict, tree) -> fx.Graph:
     "`gm`'s aten graph as the staged step runs it: inputs, `get_attr` weights, BatchNorm as `call_module`, no in-place."
     g, env, current, root = fx.Graph(), {}, {}, {}
@@ -1771,7 +1807,10 @@ def _staged_form(gm, names:list, ends:list, owners:dict, tree) -> fx.Graph:
         if n.target is _aten.batch_norm.default:
             layers = {owners.get(holds.get(a)) for a in n.args[1:5] if isinstance(a, fx.Node)} - {None}
             if len(layers) != 1: raise ValueError(f"a batch_norm of no BatchNorm layer ({n.name})")
-            env[n] = g.call_module(layers.pop(), (look(n.args[0]),))
+            layer = layers.pop()
+            other = _other_call(n, layer, holds)
+            if other: raise ValueError(f"{layer} calls batch_norm otherwise than torch's BatchNorm does ({other})")
+            env[n] = g.call_module(layer, (look(n.args[0]),))
             env[n].meta['norm_only'] = True  # what the layer's class adds (timm's activation) follows as nodes
             continue
         op = _in_place(n)
@@ -1902,10 +1941,17 @@ def traced_by(model:nn.Module, # a model `staged_graph` traced
     "(which tracer gave `model`'s staged graph for inputs like `xb`: 'torch.fx', 'make_fx' or 'torch.export', seconds it took), or None."
     return _trace_times.get(model, {}).get(_signature(xb))
 
+def fx_staged_graph(model:nn.Module) -> fx.Graph|str:
+    "torch.fx's graph of `model` for a staged step (`bn_graph`), or why it is not one."
+    # a BatchNorm with a forward of its own: torch.fx calls it whole, and the step would normalize in its place; the
+    # aten-level trace goes through it, its batch_norm checked to be torch's (`_other_call`), its other ops nodes
+    odd = own_forward_layers(model)
+    return f"{odd}: a BatchNorm with a forward of its own, which torch.fx calls whole" if odd else bn_graph(model)
+
 def _staged_graph(model:nn.Module, xb:tuple) -> fx.Graph|str:
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')  # torch.fx's failure is said below, with the second tracer's
-        g = bn_graph(model)
+        g = fx_staged_graph(model)
         if not isinstance(g, str) and model not in _graph_verdicts:  # run on a real micro-batch before anything relies on it
             why = graph_mismatch(model, g, xb)
             if why is not ...: _graph_verdicts[model] = why
@@ -4911,7 +4957,7 @@ class StagedForward(ReplacedForward):
         dev = next(model.parameters()).device
         self.store = store if store is not None or not is_accelerator(dev) else 'cpu'
         self.apart = is_accelerator(dev) and self.store is not None and torch.device(self.store).type == 'cpu'
-        graph = bn_graph(model)
+        graph = fx_staged_graph(model)
         self.by_fx = not isinstance(graph, str)
         if self.by_fx: self.step = self._new_step(graph)
         else: self.step, self.steps = None, {}  # aten-level: a step per input signature, made at its first window
@@ -5029,19 +5075,37 @@ def _hold_random(model:nn.Module, xb:tuple):
     for m in inner: m.training = False  # this module only: BatchNorm layers inside keep their mode
     return inner
 
+# %% ../nbs/02f_staged_check.ipynb #256d5cfe
+def rounded_once_more(model:nn.Module, # the model whose BatchNorm layers' inputs are rounded once more
+                      seed:int, # draws which way each value moves (a generator of its own: torch's is untouched)
+                     ) -> list:
+    "Hooks moving each BatchNorm input of `model` one unit in its last place, up or down at random; `h.remove()` each."
+    gens = {}
+    def nudge(m, args):
+        x = args[0]
+        if not (isinstance(x, Tensor) and x.is_floating_point()): return None
+        g = gens.setdefault(x.device, torch.Generator(x.device).manual_seed(seed))
+        up = torch.rand(x.shape, generator=g, device=x.device, dtype=torch.float32) < .5
+        with torch.no_grad(): moved = torch.nextafter(x, torch.where(up, torch.inf, -torch.inf).to(x.dtype)) - x
+        return (x + moved, *args[1:])  # the gradient passes unchanged
+    return [m.register_forward_pre_hook(nudge) for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
 # %% ../nbs/02f_staged_check.ipynb #2f9273c6
-def _one_step(model:nn.Module, xb:tuple, chunk:int|None=None, landed=None, order:Tensor|None=None) -> tuple:
+def _one_step(model:nn.Module, xb:tuple, chunk:int|None=None, landed=None, order:Tensor|None=None,
+              rounded:int|None=None) -> tuple:
     "(output, gradients, buffers) by name after one training step of `model` on `xb` from torch seed 0."
     # plain, or staged in chunks of `chunk` (every stage, no collective); `landed(name, grad)`: called with each
     # parameter's gradient as the backward makes it, which is then freed (not returned); `order`: the samples fed in
-    # that order, the outputs put back in theirs (the same step, rounded otherwise)
+    # that order, the outputs put back in theirs; `rounded`: each BatchNorm input rounded once more (`rounded_once_more`
+    # with that seed). Both: the same step, rounded otherwise
     f, hooks = None, []
+    if rounded is not None: hooks = rounded_once_more(model, rounded)
     if chunk:
         f = install_staged(model, chunk)
         f.step_for(xb)  # an aten-level graph's step is made for its inputs
         f.step.config.grow, f.step.config.local = False, True
     if landed is not None:
-        hooks = [p.register_post_accumulate_grad_hook(functools.partial(_hand_over, n, landed))
+        hooks += [p.register_post_accumulate_grad_hook(functools.partial(_hand_over, n, landed))
                  for n, p in model.named_parameters() if p.requires_grad]
     try:
         torch.manual_seed(0)
@@ -5145,8 +5209,12 @@ def _checked_copy(model:nn.Module, xb:tuple, dt) -> tuple:
                 grads.update((n, _diff(None, g)) for n, g in waiting.items())  # gradients only the staged step made
                 diffs = _step_diffs(ref, got, grads)
                 over = _over(diffs, dt)
-                # in float32 a deep net's big batch moves with the order of its samples about as much: measured
-                if any(over) and dt != torch.float64: over = _over(diffs, dt, _rounding_floor(work, x, bufs))
+                # in float32 the big batch itself moves about as much rounded otherwise: measured, as needed
+                floor = None
+                for seeds in _floor_seeds if any(over) and dt != torch.float64 else ():
+                    floor = _rounding_floor(work, x, bufs, seeds, floor)
+                    over = _over(diffs, dt, floor)
+                    if not any(over): break
         except Exception as e: return None, f"not checked: a {name} copy on the CPU does not train ({_said(e, 200)})"
         finally: work = bufs = None
         if copy_ref() is not None: gc.collect()  # a cycle kept the copy: freed before training starts
@@ -5170,26 +5238,38 @@ def _over(diffs:tuple, dt, floor:tuple=({}, {}, {})) -> tuple:
     "The first output, gradient and buffer of `_step_diffs` out of tolerance (`_first_over`), each or None."
     return tuple(_first_over(d, dt, f) for d, f in zip(diffs, floor))
 
-def _rounding_floor(work:nn.Module, x:tuple, bufs:list) -> tuple:
-    "(outputs, gradients, buffers) by name: how far the plain step moves with the window's samples in reverse order."
-    # one gradient set held, the other compared as it lands (the check's memory)
+def _rounding_floor(work:nn.Module, x:tuple, bufs:list, seeds=range(4), floor:tuple|None=None) -> tuple:
+    "(outputs, gradients, buffers) by name: how far the plain step moves rounded otherwise, the most of a few ways."
+    # each BatchNorm input rounded once more (`rounded_once_more`) with each of `seeds`, and (with no `floor` to widen
+    # yet) the window's samples in reverse order: the float32 big batch's own rounding. One gradient set held, the
+    # others compared as they land
     def restore():
         with torch.no_grad():
             for b, v in bufs: b.copy_(v)
     restore()
     first = {}
     ref = _one_step(work, x, landed=first.__setitem__)
-    restore()
-    grads = {}
-    def landed(n, g): grads[n] = _diff(first.pop(n, None), g)
     n = x[0].shape[0]
-    # an output with views folded into the batch cannot be put back in order: no floor (the check as strict as in float64)
-    if any(o.dim() and o.shape[0] != n for o in ref[0]): return {}, {}, {}
-    again = _one_step(work, x, landed=landed, order=torch.arange(n - 1, -1, -1))
+    per_sample = [o.dim() and o.shape[0] == n for o in ref[0]]  # only those can be put back in order
+    floor = floor or ({}, {}, {})
+    def widen(again, grads, reordered):
+        for part, got in zip(floor, _step_diffs(ref, again, grads)):
+            for k, (d, _, _) in got.items():
+                if reordered and part is floor[0] and not (k < len(per_sample) and per_sample[k]): d = 0.
+                part[k] = max(part.get(k, 0.), d)
+    # an output with views folded into the batch cannot be put back in order: that way is not taken
+    reorder = any(floor) or any(o.dim() and o.shape[0] != n for o in ref[0])
+    for how in ([] if reorder else [dict(order=torch.arange(n - 1, -1, -1))]) + [dict(rounded=s) for s in seeds]:
+        restore()
+        grads = {}
+        def landed(k, g): grads[k] = _diff(first.get(k), g)
+        widen(_one_step(work, x, landed=landed, **how), grads, 'order' in how)
     restore()
-    per_sample = [o.dim() and o.shape[0] == n for o in ref[0]]  # only those are put back in order: the others not
-    outs, grads, bufs = ({k: d for k, (d, _, _) in part.items()} for part in _step_diffs(ref, again, grads))
-    return {i: d if i < len(per_sample) and per_sample[i] else 0. for i, d in outs.items()}, grads, bufs
+    return floor
+
+# the big batch's rounding is heavy-tailed per tensor (a value at a kink of ReLU or max-pooling goes one way or the
+# other): the floor is widened with more seeds while the staged step is beyond it, up to 16 in all
+_floor_seeds = (range(4), range(4, 8), range(8, 16))
 
 def _said(e:BaseException, n:int|None=None) -> str:
     "The exception's type and message on one line (its first `n` characters of message)."
@@ -6621,7 +6701,7 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'stats_finite', 'commit_stats', 'channel_sums', 'project_', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'ExactModeRefusedError', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'materialize_lazy', 'uncompiled', 'plain_tensor', 'is_dropout', 'peek_batches', 'window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'loss_couples', 'unjoinable', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only', 'accumulating_class', 'bn_layers', 'kept_running_stats', 'restore_running_stats', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'in_regions', 'trace_model', 'bn_graph', 'untraceable_reason', 'GraphRunner', 'StagedGraph', 'aten_graph', 'graph_mismatch', 'same_trace', 'staged_graph', 'traced_by', 'few_values', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'RESNET50_FLOPS', 'sources', 'cards', 'STEP_FLOPS', 'STEP_KERNELS', 'STAGED_KERNELS', 'OpCount', 'Card', 'run_time', 'link_time', 'WindowCounts', 'Prediction', 'predict', 'staged_time', 'RemadeTime', 'estimate_counts', 'measure_card', 'time_line', 'StageCut', 'cut_stages', 'stage_grads', 'store_per_sample', 'samples_mixed', 'batch_layouts', 'sample_cost', 'chunk_bytes', 'ChunkSizer', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged', 'Ledger', 'Copies', 'CudaCopies', 'DeferredCopies', 'Link', 'PASSES', 'HostPool', 'DevicePart', 'WindowStore', 'stage_readers', 'stage_makers', 'remade_trade', 'remade_candidates', 'choose_remade', 'StagedConfig', 'StagedStep', 'Window', 'LayerStats', 'Projection', 'WindowStats', 'input_grads_asked', 'StagedForward', 'install_staged', 'uninstall_staged', 'verify_staged', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'predicted_time', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'AccumulationOptions', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'stats_finite', 'commit_stats', 'channel_sums', 'project_', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'ExactModeRefusedError', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'materialize_lazy', 'uncompiled', 'plain_tensor', 'is_dropout', 'peek_batches', 'window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'loss_couples', 'unjoinable', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only', 'own_forward', 'own_forward_layers', 'accumulating_class', 'bn_layers', 'kept_running_stats', 'restore_running_stats', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'in_regions', 'trace_model', 'bn_graph', 'untraceable_reason', 'GraphRunner', 'StagedGraph', 'aten_graph', 'graph_mismatch', 'same_trace', 'staged_graph', 'traced_by', 'fx_staged_graph', 'few_values', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'RESNET50_FLOPS', 'sources', 'cards', 'STEP_FLOPS', 'STEP_KERNELS', 'STAGED_KERNELS', 'OpCount', 'Card', 'run_time', 'link_time', 'WindowCounts', 'Prediction', 'predict', 'staged_time', 'RemadeTime', 'estimate_counts', 'measure_card', 'time_line', 'StageCut', 'cut_stages', 'stage_grads', 'store_per_sample', 'samples_mixed', 'batch_layouts', 'sample_cost', 'chunk_bytes', 'ChunkSizer', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged', 'Ledger', 'Copies', 'CudaCopies', 'DeferredCopies', 'Link', 'PASSES', 'HostPool', 'DevicePart', 'WindowStore', 'stage_readers', 'stage_makers', 'remade_trade', 'remade_candidates', 'choose_remade', 'StagedConfig', 'StagedStep', 'Window', 'LayerStats', 'Projection', 'WindowStats', 'input_grads_asked', 'StagedForward', 'install_staged', 'uninstall_staged', 'rounded_once_more', 'verify_staged', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'predicted_time', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'AccumulationOptions', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
 ''')
 globals().update({k: getattr(_fastai_accum, k) for k in _fastai_accum.__all__
                   if k not in globals() or k == 'GradientAccumulation'})

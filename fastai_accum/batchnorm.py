@@ -17,9 +17,9 @@ from .helpers import plain_tensor
 
 # %% auto #0
 __all__ = ['bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm',
-           'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only',
-           'accumulating_class', 'bn_layers', 'kept_running_stats', 'restore_running_stats', 'wrap_bn', 'unwrap_layer',
-           'unwrap_bn', 'update_bn_stats', 'reset_bn_stats']
+           'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only', 'own_forward',
+           'own_forward_layers', 'accumulating_class', 'bn_layers', 'kept_running_stats', 'restore_running_stats',
+           'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats']
 
 # %% ../nbs/01_batchnorm.ipynb #6839b6a1
 # how a layer normalizes; the front ends' 'auto' chooses among 'exact', 'staged' and 'window'
@@ -171,6 +171,18 @@ def norm_only(m:nn.Module, # a BatchNorm layer, whatever its class adds after no
         _norm_alone.reset(token)
         if own is None: m.__dict__.pop('forward', None)
         else: m.forward = own
+
+def own_forward(m:nn.Module) -> bool:
+    "Does BatchNorm layer `m` compute more than torch's BatchNorm (and a timm norm-act layer's `drop` and `act`)?"
+    # a subclass with a forward of its own (a shifted output, statistics over splits of the batch): a path that
+    # normalizes in its place (the staged step) would not be this layer's step
+    return not (_forward_is_known(type(m)) or isinstance(m, AccumulateBatchNorm) or 'act' in m._modules)
+
+def own_forward_layers(model:nn.Module) -> str|None:
+    "The training BatchNorm layers of `model` with a forward of their own (`own_forward`), named with their classes, or None."
+    odd = [f"{n} ({type(m).__name__})" for n, m in model.named_modules()
+           if isinstance(m, _BatchNorm) and m.training and own_forward(m)]
+    return (', '.join(odd[:3]) + (f" and {len(odd) - 3} more" if len(odd) > 3 else '')) if odd else None
 
 # %% ../nbs/01_batchnorm.ipynb #b53b9605
 _accumulating = {}  # plain BatchNorm class -> its accumulating class

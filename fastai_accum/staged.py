@@ -17,11 +17,11 @@ from torch.utils._pytree import tree_unflatten
 from fastcore.basics import patch
 from .meters import ByteMeter, _tensors
 from .helpers import _to, random_state_kept, plain_tensor
-from .batchnorm import norm_only
+from .batchnorm import norm_only, own_forward_layers
 
 # %% auto #0
 __all__ = ['in_regions', 'trace_model', 'bn_graph', 'untraceable_reason', 'GraphRunner', 'StagedGraph', 'aten_graph',
-           'graph_mismatch', 'same_trace', 'staged_graph', 'traced_by']
+           'graph_mismatch', 'same_trace', 'staged_graph', 'traced_by', 'fx_staged_graph']
 
 # %% ../nbs/00a_staged.ipynb #2e019787
 def in_regions(n:fx.Node):
@@ -321,6 +321,15 @@ def _bn_owners(model:nn.Module) -> dict:
     return {f'{name}.{k}' if name else k: name for name, m in model.named_modules() if isinstance(m, _BatchNorm)
             for k in ('weight', 'bias', 'running_mean', 'running_var', 'num_batches_tracked')}
 
+def _other_call(n:fx.Node, layer:str, holds:dict) -> str|None:
+    "How aten `batch_norm` node `n` of BatchNorm `layer` is called otherwise than torch's layer calls it, or None."
+    # the staged step normalizes with the layer's own weight, bias and running statistics, as they are: a forward of
+    # its own that passes others (lightly's SplitBatchNorm: C x splits statistics, a repeated weight) is not its step
+    for a, k in zip(n.args[1:5], ('weight', 'bias', 'running_mean', 'running_var')):
+        if a is not None and holds.get(a) != (f'{layer}.{k}' if layer else k):
+            return f"its {k} is {a.name if isinstance(a, fx.Node) else a!r}, not the layer's"
+    return None
+
 def _staged_form(gm, names:list, ends:list, owners:dict, tree) -> fx.Graph:
     "`gm`'s aten graph as the staged step runs it: inputs, `get_attr` weights, BatchNorm as `call_module`, no in-place."
     g, env, current, root = fx.Graph(), {}, {}, {}
@@ -335,7 +344,10 @@ def _staged_form(gm, names:list, ends:list, owners:dict, tree) -> fx.Graph:
         if n.target is _aten.batch_norm.default:
             layers = {owners.get(holds.get(a)) for a in n.args[1:5] if isinstance(a, fx.Node)} - {None}
             if len(layers) != 1: raise ValueError(f"a batch_norm of no BatchNorm layer ({n.name})")
-            env[n] = g.call_module(layers.pop(), (look(n.args[0]),))
+            layer = layers.pop()
+            other = _other_call(n, layer, holds)
+            if other: raise ValueError(f"{layer} calls batch_norm otherwise than torch's BatchNorm does ({other})")
+            env[n] = g.call_module(layer, (look(n.args[0]),))
             env[n].meta['norm_only'] = True  # what the layer's class adds (timm's activation) follows as nodes
             continue
         op = _in_place(n)
@@ -466,10 +478,17 @@ def traced_by(model:nn.Module, # a model `staged_graph` traced
     "(which tracer gave `model`'s staged graph for inputs like `xb`: 'torch.fx', 'make_fx' or 'torch.export', seconds it took), or None."
     return _trace_times.get(model, {}).get(_signature(xb))
 
+def fx_staged_graph(model:nn.Module) -> fx.Graph|str:
+    "torch.fx's graph of `model` for a staged step (`bn_graph`), or why it is not one."
+    # a BatchNorm with a forward of its own: torch.fx calls it whole, and the step would normalize in its place; the
+    # aten-level trace goes through it, its batch_norm checked to be torch's (`_other_call`), its other ops nodes
+    odd = own_forward_layers(model)
+    return f"{odd}: a BatchNorm with a forward of its own, which torch.fx calls whole" if odd else bn_graph(model)
+
 def _staged_graph(model:nn.Module, xb:tuple) -> fx.Graph|str:
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')  # torch.fx's failure is said below, with the second tracer's
-        g = bn_graph(model)
+        g = fx_staged_graph(model)
         if not isinstance(g, str) and model not in _graph_verdicts:  # run on a real micro-batch before anything relies on it
             why = graph_mismatch(model, g, xb)
             if why is not ...: _graph_verdicts[model] = why

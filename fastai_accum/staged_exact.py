@@ -20,7 +20,7 @@ from fastcore.basics import patch
 from .meters import _nbytes, LiveBytes
 from .stats import ChannelStats, all_reduce_stats, commit_stats, channel_sums, project_
 from .distributed import world_size
-from .staged import GraphRunner, bn_graph, staged_graph, aten_graph, _signature
+from .staged import GraphRunner, bn_graph, fx_staged_graph, staged_graph, aten_graph, _signature
 from .helpers import _to, _tensors, is_accelerator, ReplacedForward, ExactModeRefusedError, restore_forward
 from .link import Copies, CudaCopies, _storage
 from .stage_cut import StageCut, cut_stages
@@ -842,7 +842,7 @@ class StagedForward(ReplacedForward):
         dev = next(model.parameters()).device
         self.store = store if store is not None or not is_accelerator(dev) else 'cpu'
         self.apart = is_accelerator(dev) and self.store is not None and torch.device(self.store).type == 'cpu'
-        graph = bn_graph(model)
+        graph = fx_staged_graph(model)
         self.by_fx = not isinstance(graph, str)
         if self.by_fx: self.step = self._new_step(graph)
         else: self.step, self.steps = None, {}  # aten-level: a step per input signature, made at its first window
