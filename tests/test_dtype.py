@@ -47,17 +47,18 @@ def test_float32_check_still_refuses_a_step_that_is_not_the_big_batch(monkeypatc
     why, checked = se.verify_staged(m, (torch.randn(2, 3, 64, 64),))
     assert checked is None and 'not the big batch (float32' in why, why
 
-def test_auto_under_a_staging_budget_trains_mobilenet_v2_staged_exact_checked_in_float32(monkeypatch):
-    """'auto' under `staging_budget`, the check in float32: 'staged exact', checked equal (it trained 'window' on 5 of
-    5 seeds), and the fit's step within the big batch's own rounding."""
+@pytest.mark.parametrize('name,size', [('mobilenet_v2', 96), ('resnet50', 64)])
+def test_auto_under_a_staging_budget_trains_staged_exact_checked_in_float32(monkeypatch, name, size):
+    """'auto' under `staging_budget`, the check in float32: 'staged exact', checked equal (mobilenet_v2 trained
+    'window' on 5 of 5 seeds)."""
     import torchvision
     import fastai_accum.staged_check as se
     from fastai_accum.core import Accumulation
     from fastai_accum.exact import staging_budget
     monkeypatch.setattr(se, '_check_dtype', lambda model, memory, saved: torch.float32)
     torch.manual_seed(0)
-    m = torchvision.models.mobilenet_v2(num_classes=4).train()
-    x, y = torch.randn(16, 3, 96, 96), torch.randint(0, 4, (16,))
+    m = getattr(torchvision.models, name)(num_classes=4).train()
+    x, y = torch.randn(16, 3, size, size), torch.randint(0, 4, (16,))
     acc = Accumulation(m, n_step=8, device_memory=staging_budget(m, (x[:2],), 16))
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
