@@ -30,10 +30,10 @@ Contents (line: module: classes), dependencies first:
      4066: remade: -
      4136: staged_exact: StagedConfig, StagedStep, Window, LayerStats, Projection, WindowStats, StagedForward
      5021: staged_check: -
-     5301: ghost: GhostForward
-     5356: plan: StagedMismatchError, TrainingPlan
-     5706: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     6322: callback: WindowPrefetch, GradientAccumulation
+     5362: ghost: GhostForward
+     5417: plan: StagedMismatchError, TrainingPlan
+     5770: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     6394: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -5020,7 +5020,7 @@ def uninstall_staged(model:nn.Module):
 
 # ======== fastai_accum/staged_check.py ========
 # %% ../nbs/02f_staged_check.ipynb #df85abc5
-import contextlib, copy, functools, gc, itertools, types, weakref
+import contextlib, copy, functools, gc, itertools, math, types, weakref
 import torch
 from torch import nn, Tensor
 
@@ -5160,7 +5160,7 @@ _floor_times = 8  # a staged step's sums run in other orders than the big batch'
 # %% ../nbs/02f_staged_check.ipynb #ac6951ed
 def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothing in it changes)
                   xb:tuple, # one micro-batch of its inputs
-                  memory:int|None=None, # host bytes the check may hold: its copy, gradients, activations (None: any)
+                  memory:int|None=None, # bytes the check may hold: its copy, gradients, activations (None: any)
                   saved:float=0., # bytes a sample's training forward saves (`Footprint.saved`), to size the check
                  ) -> tuple:
     "(why the staged step is not the big batch on `model`, or None; what was checked)."
@@ -5169,22 +5169,27 @@ def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothi
     if key in known:
         why, checked = known[key]
         return why, checked and f"{checked}, as an earlier fit found"
+    # a copy in float64 (or float32) where it fits; else (or where the copy does not train) the model itself on a
+    # window of 2 in chunks of 1, which needs about what one chunk of the staged step does; else not checked, said
     dt = _check_dtype(model, memory, saved)
-    if dt is None:
-        return None, f"not checked: its copy, gradients and activations do not fit in {fmt_bytes(memory)}"
-    verdict = _checked_copy(model, xb, dt)
+    verdict = _checked_copy(model, xb, dt) if dt is not None else None
+    if verdict is None or verdict[1] is not None and verdict[1].startswith('not checked'):
+        if _in_place_fits(model, memory, saved): verdict = _checked_in_place(model, xb)
+        elif verdict is None: return None, f"not checked: its gradients and a window of 2 do not fit in {fmt_bytes(memory)}"
     if verdict[1] is None or verdict[1].startswith('checked'): known[key] = verdict  # not "not checked": room may come
     return verdict
 
 # %% ../nbs/02f_staged_check.ipynb #aa5bf466
+def _check_window(xb:tuple, n:int, dt, device) -> tuple:
+    "The check's window: `n` of `xb`'s samples (padded with other samples of the same shapes), floats in `dt`, on `device`."
+    x = tuple(_plain(t) for t in xb)
+    while x[0].shape[0] < n: x = _cat(x, _perturbed(x))
+    return tuple(t[:n].to(device, dt if t.is_floating_point() else t.dtype) if isinstance(t, Tensor) else t for t in x)
+
 def _checked_copy(model:nn.Module, xb:tuple, dt) -> tuple:
     "`verify_staged`'s verdict from one step on a window of 4 of `xb`'s samples, staged in chunks of 2 and plain."
-    # on a `dt` copy in host memory; the staged step's gradients wait, the plain step's are compared one by one as
-    # its backward makes them and freed with their match: the check holds one set of gradients
-    x = tuple(_plain(t) for t in xb)
-    while x[0].shape[0] < 4: x = _cat(x, _perturbed(x))
-    x = tuple(t[:4].to('cpu', dt if t.is_floating_point() else t.dtype) if isinstance(t, Tensor) else t for t in x)
-    name = str(dt).replace('torch.', '')
+    # on a `dt` copy in host memory
+    x, name = _check_window(xb, 4, dt, 'cpu'), str(dt).replace('torch.', '')
     with random_state_kept(), torch.enable_grad(), torch.autocast('cpu', enabled=False), _no_cuda_autocast():
         # where the copy or its plain step fail (a tensor attribute on the accelerator, a module that does not copy)
         # nothing is known
@@ -5194,32 +5199,55 @@ def _checked_copy(model:nn.Module, xb:tuple, dt) -> tuple:
                 # their layers' inputs and outputs are compared, not their gradient
                 if p.numel() > _check_max_numel: p.requires_grad_(False)
             held = _hold_random(work, x)
-            bufs = [(b, b.clone()) for b in work.buffers()]
         except Exception as e: return None, f"not checked: a {name} copy on the CPU does not train ({_said(e, 200)})"
         copy_ref = weakref.ref(work)
-        try: got, failed = _one_step(work, x, chunk=2), None
-        except Exception as e: got, failed = None, e
+        over, verdict = _compared(work, x, 2, f"a {name} copy on the CPU")
+        work = None
+        if copy_ref() is not None: gc.collect()  # a cycle kept the copy: freed before training starts
+    return verdict or _verdict(over, f"{name}, a window of 4 in chunks of 2", held)
+
+inconclusive = "not checked: the check's window is not finite"  # the verdict of a window that decides nothing
+
+def _compared(work:nn.Module, x:tuple, chunk:int, what:str):
+    "(`_over` of a staged step in chunks of `chunk` and a plain step of `work` on window `x`, or None; a verdict, or None)."
+    # the staged step's gradients wait, the plain step's are compared one by one as its backward makes them and
+    # freed with their match: the check holds one set of gradients. `work`'s buffers are as they were after
+    bufs = [(b, b.clone()) for b in work.buffers()]
+    def restore():
         with torch.no_grad():
             for b, v in bufs: b.copy_(v)
-        waiting, grads = (got[1] if got else {}), {}
-        def landed(n, g): grads[n] = _diff(g, waiting.pop(n, None))
-        try:
-            ref = _one_step(work, x, landed=landed if got else None)
-            if failed is None:
-                grads.update((n, _diff(None, g)) for n, g in waiting.items())  # gradients only the staged step made
-                diffs = _step_diffs(ref, got, grads)
-                over = _over(diffs, dt)
-                # in float32 the big batch itself moves about as much rounded otherwise: measured, as needed
-                floor = None
-                for seeds in _floor_seeds if any(over) and dt != torch.float64 else ():
-                    floor = _rounding_floor(work, x, bufs, seeds, floor)
-                    over = _over(diffs, dt, floor)
-                    if not any(over): break
-        except Exception as e: return None, f"not checked: a {name} copy on the CPU does not train ({_said(e, 200)})"
-        finally: work = bufs = None
-        if copy_ref() is not None: gc.collect()  # a cycle kept the copy: freed before training starts
-        if failed is not None: return f"the staged step fails on this model ({_said(failed)})", None
-    how = f"{name}, a window of 4 in chunks of 2{f', {len(held)} random modules held fixed' if held else ''}"
+    try: got, failed = _one_step(work, x, chunk=chunk), None
+    except Exception as e: got, failed = None, e
+    restore()
+    waiting, grads, finite = (got[1] if got else {}), {}, [True]
+    def landed(n, g):
+        grads[n] = d = _diff(g, waiting.pop(n, None))
+        finite[0] = finite[0] and math.isfinite(d[1])  # its largest value: NaN or inf where one of its values is
+    dt = next((p.dtype for p in work.parameters() if p.is_floating_point()), torch.float32)
+    try:
+        ref = _one_step(work, x, landed=landed if got else None)
+        if failed is not None: return None, (f"the staged step fails on this model ({_said(failed)})", None)
+        # a NaN or inf in the big batch's own step (a sample of the window): nothing is decided, a later window decides
+        if not (finite[0] and all(bool(torch.isfinite(t).all()) for t in ref[0] + list(ref[2].values()) if t.is_floating_point())):
+            return None, (None, f"{inconclusive} (a NaN or inf in the big batch's step on its samples); "
+                                "a later window is checked")
+        grads.update((n, _diff(None, g)) for n, g in waiting.items())  # gradients only the staged step made
+        diffs = _step_diffs(ref, got, grads)
+        over = _over(diffs, dt)
+        # the big batch itself moves about as much rounded otherwise (float32; float64 on ill-conditioned channels, a
+        # window of 2's deep statistics): measured, as needed
+        floor = None
+        for seeds in _floor_seeds if any(over) else ():
+            floor = _rounding_floor(work, x, bufs, seeds, floor)
+            over = _over(diffs, dt, floor)
+            if not any(over): break
+    except Exception as e: return None, (None, f"not checked: {what} does not train ({_said(e, 200)})")
+    finally: restore()
+    return over, None
+
+def _verdict(over, how:str, held:list) -> tuple:
+    "`verify_staged`'s verdict from the first output, gradient and buffer out of tolerance (`_over`), the check described by `how`."
+    how += f", {len(held)} random modules held fixed" if held else ''
     out, grad, buf = over
     if not (out or grad or buf): return None, f"checked on this model: equal to the big batch ({how})"
     what = '; '.join(s for s in (out and f"output off by {out[1]:.2g}",
@@ -5298,6 +5326,39 @@ def _check_dtype(model:nn.Module, memory:int|None, saved:float):
 def _no_cuda_autocast():
     return torch.autocast('cuda', enabled=False) if torch.cuda.is_available() else contextlib.nullcontext()
 
+# %% ../nbs/02f_staged_check.ipynb #47db2dcf
+def _in_place_fits(model:nn.Module, memory:int|None, saved:float) -> bool:
+    "Does the check on the model itself (`_checked_in_place`) fit `memory`: one set of gradients, a window of 2's activations twice?"
+    diff = [_nbytes(p) for p in model.parameters() if p.requires_grad and p.numel() <= _check_max_numel]
+    return memory is None or sum(diff) + max(diff, default=0) + 4 * saved <= memory
+
+def _checked_in_place(model:nn.Module, xb:tuple) -> tuple:
+    "`verify_staged`'s verdict from one step of `model` itself on a window of 2 of `xb`'s samples, in chunks of 1 and plain."
+    # every state it changes put back
+    ps = list(model.parameters())
+    dev = next((p.device for p in ps), torch.device('cpu'))
+    dt = next((p.dtype for p in ps if p.is_floating_point()), torch.float32)
+    x, name = _check_window(xb, 2, dt, dev), str(dt).replace('torch.', '')
+    stash = [(p, p.grad, p.requires_grad) for p in ps]
+    bufs = [(b, b.clone()) for b in model.buffers()]
+    held = []
+    with random_state_kept(), torch.enable_grad(), torch.autocast(dev.type, enabled=False), _no_cuda_autocast():
+        try:
+            for p in ps:
+                p.grad = None
+                if p.numel() > _check_max_numel: p.requires_grad_(False)
+            held = _hold_random(model, x)
+            with torch.no_grad():
+                for b, v in bufs: b.copy_(v)
+            over, verdict = _compared(model, x, 1, f"the model itself ({name})")
+        except Exception as e: over, verdict = None, (None, f"not checked: the model itself does not train ({_said(e, 200)})")
+        finally:
+            for m in held: m.training = True
+            with torch.no_grad():
+                for b, v in bufs: b.copy_(v)
+            for p, g, rg in stash: p.grad = g; p.requires_grad_(rg)
+    return verdict or _verdict(over, f"{name}, the model itself on a window of 2 in chunks of 1", held)
+
 # ======== fastai_accum/ghost.py ========
 # %% ../nbs/02c_ghost.ipynb #d8f4d777
 import torch
@@ -5355,7 +5416,7 @@ def check_ghost(k, # samples per ghost batch, as the user gave it
 
 # ======== fastai_accum/plan.py ========
 # %% ../nbs/02e_plan.ipynb #a1b2c3d2
-import contextlib, difflib, time
+import contextlib, difflib, time, warnings
 from dataclasses import dataclass
 import torch
 import torch.distributed as dist
@@ -5541,6 +5602,9 @@ def _verified(plan:ExactPlan, model:nn.Module, xb:tuple) -> str|None:
     t = time.perf_counter()
     why, checked = verify_staged(model, xb, plan.check_memory, plan.footprint.saved)
     plan.checked, plan.check_time = checked or why, time.perf_counter() - t
+    if why is None and checked.startswith('not checked'):  # said where it happens, not in `repr` alone
+        warnings.warn(f"staged exact is {checked}: the fit trains staged{' until then' if checked.startswith(inconclusive) else ''} "
+                      "without the check", RuntimeWarning, stacklevel=2)
     return why
 
 def _whole_staged(plan:ExactPlan):
@@ -5928,8 +5992,9 @@ def _bn_modes(self:Accumulation) -> tuple: return tuple(m.training for m in bn_l
 
 @patch
 def needs_setup(self:Accumulation) -> bool:
-    "Must `setup` plan (again)? Before the first window, and when other BatchNorm layers train (a freeze)."
-    return self.how is None or self._bn_modes() != self._modes
+    "Must `setup` plan (again)? Before the first window, when other BatchNorm layers train (a freeze), and while the check decided nothing."
+    return self.how is None or self._bn_modes() != self._modes or self.check_pending
+
 
 @patch
 def find_bns(self:Accumulation):
@@ -5943,6 +6008,13 @@ def release(self:Accumulation):
     self.clear()
     self.installer.release(self.module, self.bns)
     self.bns, self.needs_window = [], False
+
+# %% ../nbs/02d_core.ipynb #d5215a92
+@patch(as_prop=True)
+def check_pending(self:Accumulation) -> bool:
+    "Did the check of the staged step decide nothing (a NaN or inf in its window)? A later window plans and checks again."
+    plan = self.plan
+    return bool(plan is not None and plan.staged and (plan.checked or '').startswith(inconclusive))
 
 # %% ../nbs/02d_core.ipynb #a8eee9e9
 @patch
@@ -6048,14 +6120,14 @@ def _batches(self:Accumulation, loader):
 # %% ../nbs/02d_core.ipynb #c0e1a014
 @patch
 def _ready(self:Accumulation, window:list) -> bool:
-    "Before the first window: plan from its first micro-batch (again if the modes changed); say so if asked."
+    "Before the first window: plan from its first micro-batch (again if the modes changed); say so if asked; planned?"
     first = place_batch(window[0], self.device)
     said = self.path
     if self.needs_setup(): self.setup(first, unjoinable(window) if len(window) > 1 else None)
     else: self.find_bns()
     if self._say and self.path != said: print(self.preflight(tuple(self.inputs(first))))
     if self.inputs_on is None: window[0] = first  # placed once
-    return True
+    return not self.check_pending  # else the next window is ready again: planned and checked on its samples
 
 @patch
 def _drop_unfinished(self:Accumulation):
@@ -6701,7 +6773,7 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'stats_finite', 'commit_stats', 'channel_sums', 'project_', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'ExactModeRefusedError', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'materialize_lazy', 'uncompiled', 'plain_tensor', 'is_dropout', 'peek_batches', 'window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'loss_couples', 'unjoinable', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only', 'own_forward', 'own_forward_layers', 'accumulating_class', 'bn_layers', 'kept_running_stats', 'restore_running_stats', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'in_regions', 'trace_model', 'bn_graph', 'untraceable_reason', 'GraphRunner', 'StagedGraph', 'aten_graph', 'graph_mismatch', 'same_trace', 'staged_graph', 'traced_by', 'fx_staged_graph', 'few_values', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'RESNET50_FLOPS', 'sources', 'cards', 'STEP_FLOPS', 'STEP_KERNELS', 'STAGED_KERNELS', 'OpCount', 'Card', 'run_time', 'link_time', 'WindowCounts', 'Prediction', 'predict', 'staged_time', 'RemadeTime', 'estimate_counts', 'measure_card', 'time_line', 'StageCut', 'cut_stages', 'stage_grads', 'store_per_sample', 'samples_mixed', 'batch_layouts', 'sample_cost', 'chunk_bytes', 'ChunkSizer', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged', 'Ledger', 'Copies', 'CudaCopies', 'DeferredCopies', 'Link', 'PASSES', 'HostPool', 'DevicePart', 'WindowStore', 'stage_readers', 'stage_makers', 'remade_trade', 'remade_candidates', 'choose_remade', 'StagedConfig', 'StagedStep', 'Window', 'LayerStats', 'Projection', 'WindowStats', 'input_grads_asked', 'StagedForward', 'install_staged', 'uninstall_staged', 'rounded_once_more', 'verify_staged', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'predicted_time', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'AccumulationOptions', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'stats_finite', 'commit_stats', 'channel_sums', 'project_', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'ExactModeRefusedError', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'materialize_lazy', 'uncompiled', 'plain_tensor', 'is_dropout', 'peek_batches', 'window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'loss_couples', 'unjoinable', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only', 'own_forward', 'own_forward_layers', 'accumulating_class', 'bn_layers', 'kept_running_stats', 'restore_running_stats', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'in_regions', 'trace_model', 'bn_graph', 'untraceable_reason', 'GraphRunner', 'StagedGraph', 'aten_graph', 'graph_mismatch', 'same_trace', 'staged_graph', 'traced_by', 'fx_staged_graph', 'few_values', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'RESNET50_FLOPS', 'sources', 'cards', 'STEP_FLOPS', 'STEP_KERNELS', 'STAGED_KERNELS', 'OpCount', 'Card', 'run_time', 'link_time', 'WindowCounts', 'Prediction', 'predict', 'staged_time', 'RemadeTime', 'estimate_counts', 'measure_card', 'time_line', 'StageCut', 'cut_stages', 'stage_grads', 'store_per_sample', 'samples_mixed', 'batch_layouts', 'sample_cost', 'chunk_bytes', 'ChunkSizer', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged', 'Ledger', 'Copies', 'CudaCopies', 'DeferredCopies', 'Link', 'PASSES', 'HostPool', 'DevicePart', 'WindowStore', 'stage_readers', 'stage_makers', 'remade_trade', 'remade_candidates', 'choose_remade', 'StagedConfig', 'StagedStep', 'Window', 'LayerStats', 'Projection', 'WindowStats', 'input_grads_asked', 'StagedForward', 'install_staged', 'uninstall_staged', 'inconclusive', 'rounded_once_more', 'verify_staged', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'predicted_time', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'AccumulationOptions', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
 ''')
 globals().update({k: getattr(_fastai_accum, k) for k in _fastai_accum.__all__
                   if k not in globals() or k == 'GradientAccumulation'})

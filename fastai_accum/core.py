@@ -17,6 +17,7 @@ from .staged import untraceable_reason, bn_graph
 from .prepass import window_prepasses, bn_preflight
 from .exact import saved_on_host, release_pinned, optimizer_state, held_bytes, check_budget
 from .plan import TrainingPlan, plan_training, check_policy
+from .staged_check import inconclusive
 from .staged_exact import install_staged, uninstall_staged
 from .ghost import install_ghost, uninstall_ghost
 from .distributed import world_size
@@ -242,8 +243,9 @@ def _bn_modes(self:Accumulation) -> tuple: return tuple(m.training for m in bn_l
 
 @patch
 def needs_setup(self:Accumulation) -> bool:
-    "Must `setup` plan (again)? Before the first window, and when other BatchNorm layers train (a freeze)."
-    return self.how is None or self._bn_modes() != self._modes
+    "Must `setup` plan (again)? Before the first window, when other BatchNorm layers train (a freeze), and while the check decided nothing."
+    return self.how is None or self._bn_modes() != self._modes or self.check_pending
+
 
 @patch
 def find_bns(self:Accumulation):
@@ -257,6 +259,13 @@ def release(self:Accumulation):
     self.clear()
     self.installer.release(self.module, self.bns)
     self.bns, self.needs_window = [], False
+
+# %% ../nbs/02d_core.ipynb #d5215a92
+@patch(as_prop=True)
+def check_pending(self:Accumulation) -> bool:
+    "Did the check of the staged step decide nothing (a NaN or inf in its window)? A later window plans and checks again."
+    plan = self.plan
+    return bool(plan is not None and plan.staged and (plan.checked or '').startswith(inconclusive))
 
 # %% ../nbs/02d_core.ipynb #a8eee9e9
 @patch
@@ -362,14 +371,14 @@ def _batches(self:Accumulation, loader):
 # %% ../nbs/02d_core.ipynb #c0e1a014
 @patch
 def _ready(self:Accumulation, window:list) -> bool:
-    "Before the first window: plan from its first micro-batch (again if the modes changed); say so if asked."
+    "Before the first window: plan from its first micro-batch (again if the modes changed); say so if asked; planned?"
     first = place_batch(window[0], self.device)
     said = self.path
     if self.needs_setup(): self.setup(first, unjoinable(window) if len(window) > 1 else None)
     else: self.find_bns()
     if self._say and self.path != said: print(self.preflight(tuple(self.inputs(first))))
     if self.inputs_on is None: window[0] = first  # placed once
-    return True
+    return not self.check_pending  # else the next window is ready again: planned and checked on its samples
 
 @patch
 def _drop_unfinished(self:Accumulation):

@@ -6,7 +6,7 @@ the pre-flight, `check_accumulation`, the benchmarks, every front end."""
 
 # %% ../nbs/02e_plan.ipynb #a1b2c3d2
 from __future__ import annotations
-import contextlib, difflib, time
+import contextlib, difflib, time, warnings
 from dataclasses import dataclass
 import torch
 import torch.distributed as dist
@@ -17,7 +17,7 @@ from .batchnorm import bn_layers, bn_policies
 from .staged import staged_graph, bn_graph, traced_by
 from .staged_exact import input_grads_asked
 from .probes import samples_mixed
-from .staged_check import verify_staged
+from .staged_check import verify_staged, inconclusive
 from .distributed import world_size, collective_device
 from .exact import ExactPlan, ExactModeMemoryError, ExactModeRefusedError, plan_exact, measure_staged, recomputed_bns, leaves_no_trace
 from .ghost import check_ghost
@@ -204,6 +204,9 @@ def _verified(plan:ExactPlan, model:nn.Module, xb:tuple) -> str|None:
     t = time.perf_counter()
     why, checked = verify_staged(model, xb, plan.check_memory, plan.footprint.saved)
     plan.checked, plan.check_time = checked or why, time.perf_counter() - t
+    if why is None and checked.startswith('not checked'):  # said where it happens, not in `repr` alone
+        warnings.warn(f"staged exact is {checked}: the fit trains staged{' until then' if checked.startswith(inconclusive) else ''} "
+                      "without the check", RuntimeWarning, stacklevel=2)
     return why
 
 def _whole_staged(plan:ExactPlan):

@@ -48,6 +48,7 @@ _examples = dict(demo=_example('demo mnist', 'demo mnist --settings forum --epoc
                  gradient=_example('bench gradient --models vision_resnet18 --at 0'),
                  fallback=_example('bench fallback --cases bn1d_few_values,untracked_bn'),
                  dtype=_example('bench dtype', 'bench dtype --rows resnet50:64,mobilenet_v2:64 --amp bf16'),
+                 check=_example('bench check', 'bench check --models unet_small --windows 4 --seeds 10'),
                  ledger=_example('bench ledger --model resnet50 --size 224 --window 16',
                                  'bench ledger --model resnet18 --size 32 --window 8 --amp bf16'))
 _examples['build-single-file'] = _example('build-single-file fastai_accum_single.py')
@@ -85,6 +86,11 @@ def _bench_args(p):
                             "batch's own rounding")
     add_dtype_args(dt)
     dt.set_defaults(run=dtype_main)
+    from fastai_accum.lab.bench_check import add_check_args, check_main
+    ck = _sub(sub, 'check', "The suite's staged models under a staging budget: path, whether the check ran, its "
+                            "verdict, peak against the budget")
+    add_check_args(ck)
+    ck.set_defaults(run=check_main)
     try: from fastai_accum.lab.bench_gradient import add_gradient_args, gradient_main
     except ImportError: return
     g = _sub(sub, 'gradient', "One window's gradient per policy against the big batch's (cosine, relative error, "
