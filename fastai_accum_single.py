@@ -19,21 +19,21 @@ Contents (line: module: classes), dependencies first:
       826: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
      1301: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
      1475: staged: GraphRunner, StagedGraph
-     1964: prepass: PrepassPlan, PreflightTable
-     2188: cost: OpCount, Card, WindowCounts, Prediction, RemadeTime
-     2402: stage_cut: StageCut
-     2676: probes: -
-     2912: chunk_sizer: ChunkSizer
-     2968: exact: Footprint, ExactModeMemoryError, ExactPlan
-     3391: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
-     3549: window_store: HostPool, DevicePart, WindowStore
-     4066: remade: -
-     4136: staged_exact: StagedConfig, StagedStep, Window, LayerStats, Projection, WindowStats, StagedForward
-     5021: staged_check: -
-     5362: ghost: GhostForward
-     5417: plan: StagedMismatchError, TrainingPlan
-     5770: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     6394: callback: WindowPrefetch, GradientAccumulation
+     2011: prepass: PrepassPlan, PreflightTable
+     2241: cost: OpCount, Card, WindowCounts, Prediction, RemadeTime
+     2455: stage_cut: StageCut
+     2729: probes: -
+     2965: chunk_sizer: ChunkSizer
+     3021: exact: Footprint, ExactModeMemoryError, ExactPlan
+     3444: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
+     3602: window_store: HostPool, DevicePart, WindowStore
+     4119: remade: -
+     4189: staged_exact: StagedConfig, StagedStep, Window, LayerStats, Projection, WindowStats, StagedForward
+     5079: staged_check: -
+     5420: ghost: GhostForward
+     5475: plan: StagedMismatchError, TrainingPlan
+     5828: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     6452: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -1474,14 +1474,14 @@ def fmt_bytes(n:float) -> str:
 
 # ======== fastai_accum/staged.py ========
 # %% ../nbs/00a_staged.ipynb #95c66691
-import contextlib, operator, time, warnings, weakref
+import contextlib, dataclasses, operator, time, warnings, weakref
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch import nn, fx
 from torch import Tensor
 from torch.fx.node import map_aggregate
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils._pytree import tree_unflatten
+from torch.utils._pytree import tree_unflatten, tree_structure
 from fastcore.basics import patch
 
 # %% auto #0
@@ -1679,7 +1679,7 @@ def _get_attr(model, target:str):
 
 # %% ../nbs/00a_staged.ipynb #a7e1c001
 _aten = torch.ops.aten
-_aten_graphs = weakref.WeakKeyDictionary()  # model -> {input signature: aten-level graph, or why not}
+_aten_graphs = weakref.WeakKeyDictionary()  # model -> {(input signature, modes): aten-level graph, or why not}
 
 def _signature(xb:tuple) -> tuple:
     "What an aten-level graph is specialised to: every input's shape but the batch's, its dtype and device."
@@ -1793,11 +1793,40 @@ def _other_call(n:fx.Node, layer:str, holds:dict) -> str|None:
             return f"its {k} is {a.name if isinstance(a, fx.Node) else a!r}, not the layer's"
     return None
 
+_out_specs = weakref.WeakKeyDictionary()  # graph -> the pytree structure of the model's own output (`output_spec`)
+
+def output_spec(graph:fx.Graph):
+    "The structure of the output of the model `graph` was traced from (its `ModelOutput`, dataclass, named tuple), or None."
+    # an fx graph's output node turns dict subclasses (transformers' `ModelOutput`) into plain dicts
+    return _out_specs.get(graph)
+
+def _plain_tree(spec) -> bool:
+    "Is pytree structure `spec` made of tensors, lists, tuples (named too) and plain dicts only: what a graph's output keeps?"
+    if spec.is_leaf(): return True
+    t = spec.type
+    plain = t in (list, tuple, dict) or (isinstance(t, type) and issubclass(t, tuple) and hasattr(t, '_fields'))
+    return plain and all(_plain_tree(c) for c in spec.children_specs)
+
+def _read_later(view:fx.Node, write:fx.Node, order:dict) -> fx.Node|None:
+    "A node after `write` (an in-place op on `view`) reading the value `view` is a view of, or another view of it; or None."
+    # none: the write can be out of place (`nn.Dropout(inplace=True)` after `flatten`), its readers reading the new
+    # value; one: they would read what the write left in memory, which an out-of-place op does not
+    base = view
+    while _is_view(base) and isinstance(base.args[0], fx.Node): base = base.args[0]
+    aliases, todo = [], [base]
+    while todo:
+        a = todo.pop()
+        aliases.append(a)
+        todo += [u for u in a.users if _is_view(u) and u is not view]
+    return next((u for a in aliases if a is not view for u in a.users
+                 if u is not write and order.get(u, -1) > order[write]), None)
+
 def _staged_form(gm, names:list, ends:list, owners:dict, tree) -> fx.Graph:
     "`gm`'s aten graph as the staged step runs it: inputs, `get_attr` weights, BatchNorm as `call_module`, no in-place."
     g, env, current, root = fx.Graph(), {}, {}, {}
     look = lambda a: current.get(root.get(a, a), env[a])  # a tensor written in place: its latest value
     holds, traced = {}, _inlined(gm)
+    order = {n: i for i, n in enumerate(traced.nodes)}
     for i, n in enumerate(n for n in traced.nodes if n.op == 'placeholder'):
         if i < len(names): holds[n] = names[i]
         env[n] = g.get_attr(names[i]) if i < len(names) else g.placeholder(f'x{i - len(names)}')
@@ -1819,15 +1848,21 @@ def _staged_form(gm, names:list, ends:list, owners:dict, tree) -> fx.Graph:
             continue
         r = root.get(n.args[0], n.args[0])
         if holds.get(r, '').endswith('num_batches_tracked') and not n.users: continue  # the layer counts its own steps
-        if r.op != 'call_function' or _is_view(r): raise ValueError(f"an in-place {n.target} on {r.name}")
+        if r.op != 'call_function': raise ValueError(f"an in-place {n.target} on {r.name}")
+        later = _read_later(r, n, order) if _is_view(r) else None  # what else sees the write: its base, other views
+        if later is not None: raise ValueError(f"an in-place {n.target} on {r.name}, a view of a value {later.name} reads after it")
         env[n] = current[r] = g.call_function(op, fx.node.map_arg(n.args, look), fx.node.map_arg(n.kwargs, look))
         root[n] = r
     for n, v in env.items():  # the regions a node ran in, on its copy (a BatchNorm's call, an out-of-place op's too)
         if 'regions' in n.meta and isinstance(v, fx.Node): v.meta['regions'] = n.meta['regions']
     out = next(n for n in traced.nodes if n.op == 'output')
-    res = tree_unflatten(list(fx.node.map_arg(out.args[0], look)), tree)
+    res = list(fx.node.map_arg(out.args[0], look))
+    # a class the output node would make a dict of, or a node of (a `ModelOutput`, a dataclass): its leaves, the
+    # classes kept beside (`output_spec`)
+    if ends or _plain_tree(tree): res = tree_unflatten(res, tree)
     for name in ends: res = g.call_module(name, (res,))
     g.output(res)
+    if not ends: _out_specs[g] = tree
     return g
 
 # %% ../nbs/00a_staged.ipynb #a7e1c003
@@ -1844,7 +1879,8 @@ def aten_graph(model:nn.Module, # a model in the modes it trains in (nothing in 
               ) -> fx.Graph|str:
     "`model`'s aten-level graph for inputs like `xb`, as the staged step runs it (cached), or why it cannot be."
     cache = _aten_graphs.setdefault(model, {})
-    key = _signature(xb)
+    # a graph holds the ops of the modes it was traced in (a dropout's, a BatchNorm's): one per set of modes
+    key = _signature(xb), tuple(m.training for m in model.modules())
     if key in cache: return cache[key]
     try:
         n = xb[0].shape[0]
@@ -1910,7 +1946,13 @@ def graph_mismatch(model:nn.Module, # the model, in the modes it trains in (noth
     close = lambda x, y: bool(((x.double() - y.double()).abs().nan_to_num() <= 1e-2 * x.double().abs().max().nan_to_num()
                                + 1e-5).all())
     same = len(a) == len(b) and all(x.shape == y.shape and close(x, y) for x, y in zip(a, b))
+    if same and graph not in _out_specs: _out_specs[graph] = tree_structure(ref)  # the classes its forward returns
     return None if same else f"{tracer}'s graph of {type(model).__name__} computes other values than its forward"
+
+def learn_output(model:nn.Module, graph:fx.Graph, xb:tuple):
+    "Learn the classes `model`'s forward returns (`output_spec`) where torch.fx's output node made a dict of them, from one run on `xb`."
+    out = next(n for n in graph.nodes if n.op == 'output')
+    if graph not in _out_specs and isinstance(out.args[0], dict): graph_mismatch(model, graph, xb)
 
 def same_trace(src:nn.Module, dst:nn.Module):
     "Let `dst`, a copy of `src`, inherit what was found of `src`'s graphs: a wrong torch.fx graph, the aten-level ones."
@@ -1946,7 +1988,12 @@ def fx_staged_graph(model:nn.Module) -> fx.Graph|str:
     # a BatchNorm with a forward of its own: torch.fx calls it whole, and the step would normalize in its place; the
     # aten-level trace goes through it, its batch_norm checked to be torch's (`_other_call`), its other ops nodes
     odd = own_forward_layers(model)
-    return f"{odd}: a BatchNorm with a forward of its own, which torch.fx calls whole" if odd else bn_graph(model)
+    if odd: return f"{odd}: a BatchNorm with a forward of its own, which torch.fx calls whole"
+    g = bn_graph(model)
+    # a dataclass output is a node of torch.fx's graph (built from its fields): the aten-level trace returns its leaves
+    made = isinstance(g, fx.Graph) and next((n for n in g.nodes if n.op == 'call_function' and isinstance(n.target, type)
+                                             and dataclasses.is_dataclass(n.target)), None)
+    return f"its output {made.target.__name__} is built in torch.fx's graph" if made else g
 
 def _staged_graph(model:nn.Module, xb:tuple) -> fx.Graph|str:
     with warnings.catch_warnings():
@@ -1963,7 +2010,7 @@ def _staged_graph(model:nn.Module, xb:tuple) -> fx.Graph|str:
 
 # ======== fastai_accum/prepass.py ========
 # %% ../nbs/01a_prepass.ipynb #4f791310
-import warnings, weakref
+import contextlib, warnings, weakref
 import pandas as pd
 import torch
 from torch import nn, Tensor
@@ -2000,6 +2047,15 @@ def _saved_bytes(model, xb) -> int:
     with torch.enable_grad(), SavedTensorMeter(exclude=model) as meter: model(*xb)  # the output is dropped at once
     return meter.peak
 
+@contextlib.contextmanager
+def measuring(model:nn.Module):
+    "Run `model`'s training forward to measure it, changing nothing: its BatchNorm layers normalize with running statistics, its random state is put back."
+    # not `eval()`: a model whose eval forward differs (dpn68 pools with a fixed 7x7 kernel in eval mode only, heads
+    # that post-process) would be measured on another forward than the one it trains with, or crash
+    with modes_kept(model), random_state_kept():
+        for m in bn_layers(model): m.eval()  # touches no statistics, pools no moments
+        yield
+
 class PrepassPlan:
     "How `window_prepasses` runs a model's pre-pass within a memory budget, measured on one micro-batch."
     def __init__(self, model, xb, memory=None):
@@ -2007,8 +2063,7 @@ class PrepassPlan:
         self.graph = bn_graph(model)
         self.traced = not isinstance(self.graph, str)
         self.reason = None if self.traced else self.graph
-        with modes_kept(model):
-            model.eval()  # measuring changes nothing: running statistics, no dropout, no pooled moments
+        with measuring(model):
             with torch.no_grad():
                 if self.traced: whole, stage = self._measured(model, xb)
                 if not self.traced: whole, stage = _largest_activation(model, xb), None
@@ -2170,9 +2225,7 @@ def bn_preflight(model:nn.Module, # the model (its state is not changed: the for
                          prepass=prepass if _window_layer(mod) and modes[mod] else '-'))
     for mod in bn_layers(model): hooks.append(mod.register_forward_pre_hook(hook))
     try:
-        with modes_kept(model), torch.no_grad():
-            model.eval()  # shapes are all we need: eval mode touches no statistics
-            model(*xb)
+        with measuring(model), torch.no_grad(): model(*xb)  # shapes are all it needs, of the training forward
     finally:
         for h in hooks: h.remove()
     return PreflightTable(rows)
@@ -4896,7 +4949,10 @@ class _StagedFunction(torch.autograd.Function):
         ctx.where = [i for i, v in enumerate(leaves) if isinstance(v, Tensor)]
         ctx.leaves = [None if isinstance(v, Tensor) else v for v in leaves]
         # to rebuild the output around this node's (`shape`: the caller's)
-        shape.update(spec=ctx.spec, where=ctx.where, leaves=ctx.leaves)
+        # in the classes the model's forward returns (the graph's output makes containers dicts, `output_spec`)
+        own = output_spec(step.runner.graph)
+        shape.update(spec=own if own is not None and own.num_leaves == len(leaves) else ctx.spec, where=ctx.where,
+                     leaves=ctx.leaves)
         return tuple(leaves[i] for i in ctx.where)
     @staticmethod
     def backward(ctx, *grads):
@@ -4968,7 +5024,9 @@ class StagedForward(ReplacedForward):
 
     def step_for(self, xb:tuple) -> StagedStep:
         "The staged step for inputs like `xb`: torch.fx's one, or the aten-level graph's for their signature."
-        if self.by_fx: return self.step
+        if self.by_fx:  # the classes of its output, where torch.fx made a dict of them: one forward of a chunk
+            learn_output(self.model, self.step.runner.graph, tuple(t[:self.chunk] if isinstance(t, Tensor) and t.dim() else t for t in xb))
+            return self.step
         key = _signature(xb)
         if key not in self.steps:
             graph = aten_graph(self.model, xb)
@@ -6574,12 +6632,12 @@ def _autocast(self:GradientAccumulation):
 @patch
 def _loss_bytes(self:GradientAccumulation, window:int) -> int:
     "Bytes the loss keeps for its backward over a window's outputs, counted on meta tensors (0 where it cannot tell)."
-    # one micro-batch's outputs (an eval-mode forward without a graph: no statistic moves) scaled to the window's rows:
+    # one micro-batch's outputs (its training forward without a graph, changing nothing: `measuring`) scaled to the window's rows:
     # a contrastive loss's similarity matrix grows as the window squared, and nothing of the window's size is made
     try:
         xb, yb = split_batch(self._peek_batch(), getattr(self.dls, 'n_inp', None))
         model, n = self.learn.model, batch_size(xb)
-        with torch.no_grad(), modes_kept(model): pred = model.eval()(*xb)
+        with torch.no_grad(), measuring(model): pred = model(*xb)
     except Exception: return 0
     for fake in (True, False):  # fake tensors (the helper tensors a loss makes are fake too), else meta ones (fastai's)
         try: return _saved_by(self.learn.loss_func, pred, tuple(yb), window / n, fake)
@@ -6773,7 +6831,7 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'stats_finite', 'commit_stats', 'channel_sums', 'project_', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'ExactModeRefusedError', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'materialize_lazy', 'uncompiled', 'plain_tensor', 'is_dropout', 'peek_batches', 'window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'loss_couples', 'unjoinable', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only', 'own_forward', 'own_forward_layers', 'accumulating_class', 'bn_layers', 'kept_running_stats', 'restore_running_stats', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'in_regions', 'trace_model', 'bn_graph', 'untraceable_reason', 'GraphRunner', 'StagedGraph', 'aten_graph', 'graph_mismatch', 'same_trace', 'staged_graph', 'traced_by', 'fx_staged_graph', 'few_values', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'RESNET50_FLOPS', 'sources', 'cards', 'STEP_FLOPS', 'STEP_KERNELS', 'STAGED_KERNELS', 'OpCount', 'Card', 'run_time', 'link_time', 'WindowCounts', 'Prediction', 'predict', 'staged_time', 'RemadeTime', 'estimate_counts', 'measure_card', 'time_line', 'StageCut', 'cut_stages', 'stage_grads', 'store_per_sample', 'samples_mixed', 'batch_layouts', 'sample_cost', 'chunk_bytes', 'ChunkSizer', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged', 'Ledger', 'Copies', 'CudaCopies', 'DeferredCopies', 'Link', 'PASSES', 'HostPool', 'DevicePart', 'WindowStore', 'stage_readers', 'stage_makers', 'remade_trade', 'remade_candidates', 'choose_remade', 'StagedConfig', 'StagedStep', 'Window', 'LayerStats', 'Projection', 'WindowStats', 'input_grads_asked', 'StagedForward', 'install_staged', 'uninstall_staged', 'inconclusive', 'rounded_once_more', 'verify_staged', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'predicted_time', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'AccumulationOptions', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'stats_finite', 'commit_stats', 'channel_sums', 'project_', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'ExactModeRefusedError', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'materialize_lazy', 'uncompiled', 'plain_tensor', 'is_dropout', 'peek_batches', 'window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'loss_couples', 'unjoinable', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only', 'own_forward', 'own_forward_layers', 'accumulating_class', 'bn_layers', 'kept_running_stats', 'restore_running_stats', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'in_regions', 'trace_model', 'bn_graph', 'untraceable_reason', 'GraphRunner', 'StagedGraph', 'output_spec', 'aten_graph', 'graph_mismatch', 'learn_output', 'same_trace', 'staged_graph', 'traced_by', 'fx_staged_graph', 'few_values', 'measuring', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'RESNET50_FLOPS', 'sources', 'cards', 'STEP_FLOPS', 'STEP_KERNELS', 'STAGED_KERNELS', 'OpCount', 'Card', 'run_time', 'link_time', 'WindowCounts', 'Prediction', 'predict', 'staged_time', 'RemadeTime', 'estimate_counts', 'measure_card', 'time_line', 'StageCut', 'cut_stages', 'stage_grads', 'store_per_sample', 'samples_mixed', 'batch_layouts', 'sample_cost', 'chunk_bytes', 'ChunkSizer', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged', 'Ledger', 'Copies', 'CudaCopies', 'DeferredCopies', 'Link', 'PASSES', 'HostPool', 'DevicePart', 'WindowStore', 'stage_readers', 'stage_makers', 'remade_trade', 'remade_candidates', 'choose_remade', 'StagedConfig', 'StagedStep', 'Window', 'LayerStats', 'Projection', 'WindowStats', 'input_grads_asked', 'StagedForward', 'install_staged', 'uninstall_staged', 'inconclusive', 'rounded_once_more', 'verify_staged', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'predicted_time', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'AccumulationOptions', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
 ''')
 globals().update({k: getattr(_fastai_accum, k) for k in _fastai_accum.__all__
                   if k not in globals() or k == 'GradientAccumulation'})

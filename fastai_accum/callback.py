@@ -15,6 +15,7 @@ from fastai.callback.fp16 import MixedPrecision
 from .window import loss_reduction, WindowLoader, _micro_per_window, window_exceeds_epoch, batch_size, loss_couples, check_micro_bs
 from .core import Accumulation, AccumulationOptions, FrontEnd, option_defaults, _front_end_fills
 from .helpers import split_batch, place_batch, modes_kept
+from .prepass import measuring
 from .meters import _nbytes
 from torch.utils._pytree import tree_map
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -192,12 +193,12 @@ def _autocast(self:GradientAccumulation):
 @patch
 def _loss_bytes(self:GradientAccumulation, window:int) -> int:
     "Bytes the loss keeps for its backward over a window's outputs, counted on meta tensors (0 where it cannot tell)."
-    # one micro-batch's outputs (an eval-mode forward without a graph: no statistic moves) scaled to the window's rows:
+    # one micro-batch's outputs (its training forward without a graph, changing nothing: `measuring`) scaled to the window's rows:
     # a contrastive loss's similarity matrix grows as the window squared, and nothing of the window's size is made
     try:
         xb, yb = split_batch(self._peek_batch(), getattr(self.dls, 'n_inp', None))
         model, n = self.learn.model, batch_size(xb)
-        with torch.no_grad(), modes_kept(model): pred = model.eval()(*xb)
+        with torch.no_grad(), measuring(model): pred = model(*xb)
     except Exception: return 0
     for fake in (True, False):  # fake tensors (the helper tensors a loss makes are fake too), else meta ones (fastai's)
         try: return _saved_by(self.learn.loss_func, pred, tuple(yb), window / n, fake)

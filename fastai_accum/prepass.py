@@ -4,7 +4,7 @@
 
 # %% ../nbs/01a_prepass.ipynb #4f791310
 from __future__ import annotations
-import warnings, weakref
+import contextlib, warnings, weakref
 import pandas as pd
 import torch
 from torch import nn, Tensor
@@ -12,11 +12,12 @@ from torch.nn.modules.batchnorm import _BatchNorm
 import torch.distributed as dist
 from .batchnorm import AccumulateBatchNorm, GradPool, bn_layers
 from .staged import StagedGraph, bn_graph, untraceable_reason, _traces
-from .helpers import modes_kept, is_accelerator
+from .helpers import modes_kept, is_accelerator, random_state_kept
 from .meters import ByteMeter, SavedTensorMeter, LayerMeter, fmt_bytes
 
 # %% auto #0
-__all__ = ['few_values', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable']
+__all__ = ['few_values', 'measuring', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight',
+           'PreflightTable']
 
 # %% ../nbs/01a_prepass.ipynb #b7202dc1
 def _chunks(xbs:list, chunk:int|None) -> list:
@@ -46,6 +47,15 @@ def _saved_bytes(model, xb) -> int:
     with torch.enable_grad(), SavedTensorMeter(exclude=model) as meter: model(*xb)  # the output is dropped at once
     return meter.peak
 
+@contextlib.contextmanager
+def measuring(model:nn.Module):
+    "Run `model`'s training forward to measure it, changing nothing: its BatchNorm layers normalize with running statistics, its random state is put back."
+    # not `eval()`: a model whose eval forward differs (dpn68 pools with a fixed 7x7 kernel in eval mode only, heads
+    # that post-process) would be measured on another forward than the one it trains with, or crash
+    with modes_kept(model), random_state_kept():
+        for m in bn_layers(model): m.eval()  # touches no statistics, pools no moments
+        yield
+
 class PrepassPlan:
     "How `window_prepasses` runs a model's pre-pass within a memory budget, measured on one micro-batch."
     def __init__(self, model, xb, memory=None):
@@ -53,8 +63,7 @@ class PrepassPlan:
         self.graph = bn_graph(model)
         self.traced = not isinstance(self.graph, str)
         self.reason = None if self.traced else self.graph
-        with modes_kept(model):
-            model.eval()  # measuring changes nothing: running statistics, no dropout, no pooled moments
+        with measuring(model):
             with torch.no_grad():
                 if self.traced: whole, stage = self._measured(model, xb)
                 if not self.traced: whole, stage = _largest_activation(model, xb), None
@@ -216,9 +225,7 @@ def bn_preflight(model:nn.Module, # the model (its state is not changed: the for
                          prepass=prepass if _window_layer(mod) and modes[mod] else '-'))
     for mod in bn_layers(model): hooks.append(mod.register_forward_pre_hook(hook))
     try:
-        with modes_kept(model), torch.no_grad():
-            model.eval()  # shapes are all we need: eval mode touches no statistics
-            model(*xb)
+        with measuring(model), torch.no_grad(): model(*xb)  # shapes are all it needs, of the training forward
     finally:
         for h in hooks: h.remove()
     return PreflightTable(rows)

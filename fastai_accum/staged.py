@@ -6,22 +6,22 @@ with the device holding one chunk's working set."""
 
 # %% ../nbs/00a_staged.ipynb #95c66691
 from __future__ import annotations
-import contextlib, operator, time, warnings, weakref
+import contextlib, dataclasses, operator, time, warnings, weakref
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch import nn, fx
 from torch import Tensor
 from torch.fx.node import map_aggregate
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils._pytree import tree_unflatten
+from torch.utils._pytree import tree_unflatten, tree_structure
 from fastcore.basics import patch
 from .meters import ByteMeter, _tensors
 from .helpers import _to, random_state_kept, plain_tensor
 from .batchnorm import norm_only, own_forward_layers
 
 # %% auto #0
-__all__ = ['in_regions', 'trace_model', 'bn_graph', 'untraceable_reason', 'GraphRunner', 'StagedGraph', 'aten_graph',
-           'graph_mismatch', 'same_trace', 'staged_graph', 'traced_by', 'fx_staged_graph']
+__all__ = ['in_regions', 'trace_model', 'bn_graph', 'untraceable_reason', 'GraphRunner', 'StagedGraph', 'output_spec',
+           'aten_graph', 'graph_mismatch', 'learn_output', 'same_trace', 'staged_graph', 'traced_by', 'fx_staged_graph']
 
 # %% ../nbs/00a_staged.ipynb #2e019787
 def in_regions(n:fx.Node):
@@ -216,7 +216,7 @@ def _get_attr(model, target:str):
 
 # %% ../nbs/00a_staged.ipynb #a7e1c001
 _aten = torch.ops.aten
-_aten_graphs = weakref.WeakKeyDictionary()  # model -> {input signature: aten-level graph, or why not}
+_aten_graphs = weakref.WeakKeyDictionary()  # model -> {(input signature, modes): aten-level graph, or why not}
 
 def _signature(xb:tuple) -> tuple:
     "What an aten-level graph is specialised to: every input's shape but the batch's, its dtype and device."
@@ -330,11 +330,40 @@ def _other_call(n:fx.Node, layer:str, holds:dict) -> str|None:
             return f"its {k} is {a.name if isinstance(a, fx.Node) else a!r}, not the layer's"
     return None
 
+_out_specs = weakref.WeakKeyDictionary()  # graph -> the pytree structure of the model's own output (`output_spec`)
+
+def output_spec(graph:fx.Graph):
+    "The structure of the output of the model `graph` was traced from (its `ModelOutput`, dataclass, named tuple), or None."
+    # an fx graph's output node turns dict subclasses (transformers' `ModelOutput`) into plain dicts
+    return _out_specs.get(graph)
+
+def _plain_tree(spec) -> bool:
+    "Is pytree structure `spec` made of tensors, lists, tuples (named too) and plain dicts only: what a graph's output keeps?"
+    if spec.is_leaf(): return True
+    t = spec.type
+    plain = t in (list, tuple, dict) or (isinstance(t, type) and issubclass(t, tuple) and hasattr(t, '_fields'))
+    return plain and all(_plain_tree(c) for c in spec.children_specs)
+
+def _read_later(view:fx.Node, write:fx.Node, order:dict) -> fx.Node|None:
+    "A node after `write` (an in-place op on `view`) reading the value `view` is a view of, or another view of it; or None."
+    # none: the write can be out of place (`nn.Dropout(inplace=True)` after `flatten`), its readers reading the new
+    # value; one: they would read what the write left in memory, which an out-of-place op does not
+    base = view
+    while _is_view(base) and isinstance(base.args[0], fx.Node): base = base.args[0]
+    aliases, todo = [], [base]
+    while todo:
+        a = todo.pop()
+        aliases.append(a)
+        todo += [u for u in a.users if _is_view(u) and u is not view]
+    return next((u for a in aliases if a is not view for u in a.users
+                 if u is not write and order.get(u, -1) > order[write]), None)
+
 def _staged_form(gm, names:list, ends:list, owners:dict, tree) -> fx.Graph:
     "`gm`'s aten graph as the staged step runs it: inputs, `get_attr` weights, BatchNorm as `call_module`, no in-place."
     g, env, current, root = fx.Graph(), {}, {}, {}
     look = lambda a: current.get(root.get(a, a), env[a])  # a tensor written in place: its latest value
     holds, traced = {}, _inlined(gm)
+    order = {n: i for i, n in enumerate(traced.nodes)}
     for i, n in enumerate(n for n in traced.nodes if n.op == 'placeholder'):
         if i < len(names): holds[n] = names[i]
         env[n] = g.get_attr(names[i]) if i < len(names) else g.placeholder(f'x{i - len(names)}')
@@ -356,15 +385,21 @@ def _staged_form(gm, names:list, ends:list, owners:dict, tree) -> fx.Graph:
             continue
         r = root.get(n.args[0], n.args[0])
         if holds.get(r, '').endswith('num_batches_tracked') and not n.users: continue  # the layer counts its own steps
-        if r.op != 'call_function' or _is_view(r): raise ValueError(f"an in-place {n.target} on {r.name}")
+        if r.op != 'call_function': raise ValueError(f"an in-place {n.target} on {r.name}")
+        later = _read_later(r, n, order) if _is_view(r) else None  # what else sees the write: its base, other views
+        if later is not None: raise ValueError(f"an in-place {n.target} on {r.name}, a view of a value {later.name} reads after it")
         env[n] = current[r] = g.call_function(op, fx.node.map_arg(n.args, look), fx.node.map_arg(n.kwargs, look))
         root[n] = r
     for n, v in env.items():  # the regions a node ran in, on its copy (a BatchNorm's call, an out-of-place op's too)
         if 'regions' in n.meta and isinstance(v, fx.Node): v.meta['regions'] = n.meta['regions']
     out = next(n for n in traced.nodes if n.op == 'output')
-    res = tree_unflatten(list(fx.node.map_arg(out.args[0], look)), tree)
+    res = list(fx.node.map_arg(out.args[0], look))
+    # a class the output node would make a dict of, or a node of (a `ModelOutput`, a dataclass): its leaves, the
+    # classes kept beside (`output_spec`)
+    if ends or _plain_tree(tree): res = tree_unflatten(res, tree)
     for name in ends: res = g.call_module(name, (res,))
     g.output(res)
+    if not ends: _out_specs[g] = tree
     return g
 
 # %% ../nbs/00a_staged.ipynb #a7e1c003
@@ -381,7 +416,8 @@ def aten_graph(model:nn.Module, # a model in the modes it trains in (nothing in 
               ) -> fx.Graph|str:
     "`model`'s aten-level graph for inputs like `xb`, as the staged step runs it (cached), or why it cannot be."
     cache = _aten_graphs.setdefault(model, {})
-    key = _signature(xb)
+    # a graph holds the ops of the modes it was traced in (a dropout's, a BatchNorm's): one per set of modes
+    key = _signature(xb), tuple(m.training for m in model.modules())
     if key in cache: return cache[key]
     try:
         n = xb[0].shape[0]
@@ -447,7 +483,13 @@ def graph_mismatch(model:nn.Module, # the model, in the modes it trains in (noth
     close = lambda x, y: bool(((x.double() - y.double()).abs().nan_to_num() <= 1e-2 * x.double().abs().max().nan_to_num()
                                + 1e-5).all())
     same = len(a) == len(b) and all(x.shape == y.shape and close(x, y) for x, y in zip(a, b))
+    if same and graph not in _out_specs: _out_specs[graph] = tree_structure(ref)  # the classes its forward returns
     return None if same else f"{tracer}'s graph of {type(model).__name__} computes other values than its forward"
+
+def learn_output(model:nn.Module, graph:fx.Graph, xb:tuple):
+    "Learn the classes `model`'s forward returns (`output_spec`) where torch.fx's output node made a dict of them, from one run on `xb`."
+    out = next(n for n in graph.nodes if n.op == 'output')
+    if graph not in _out_specs and isinstance(out.args[0], dict): graph_mismatch(model, graph, xb)
 
 def same_trace(src:nn.Module, dst:nn.Module):
     "Let `dst`, a copy of `src`, inherit what was found of `src`'s graphs: a wrong torch.fx graph, the aten-level ones."
@@ -483,7 +525,12 @@ def fx_staged_graph(model:nn.Module) -> fx.Graph|str:
     # a BatchNorm with a forward of its own: torch.fx calls it whole, and the step would normalize in its place; the
     # aten-level trace goes through it, its batch_norm checked to be torch's (`_other_call`), its other ops nodes
     odd = own_forward_layers(model)
-    return f"{odd}: a BatchNorm with a forward of its own, which torch.fx calls whole" if odd else bn_graph(model)
+    if odd: return f"{odd}: a BatchNorm with a forward of its own, which torch.fx calls whole"
+    g = bn_graph(model)
+    # a dataclass output is a node of torch.fx's graph (built from its fields): the aten-level trace returns its leaves
+    made = isinstance(g, fx.Graph) and next((n for n in g.nodes if n.op == 'call_function' and isinstance(n.target, type)
+                                             and dataclasses.is_dataclass(n.target)), None)
+    return f"its output {made.target.__name__} is built in torch.fx's graph" if made else g
 
 def _staged_graph(model:nn.Module, xb:tuple) -> fx.Graph|str:
     with warnings.catch_warnings():

@@ -20,7 +20,7 @@ from fastcore.basics import patch
 from .meters import _nbytes, LiveBytes
 from .stats import ChannelStats, all_reduce_stats, commit_stats, channel_sums, project_
 from .distributed import world_size
-from .staged import GraphRunner, bn_graph, fx_staged_graph, staged_graph, aten_graph, _signature
+from .staged import GraphRunner, bn_graph, fx_staged_graph, output_spec, learn_output, staged_graph, aten_graph, _signature
 from .helpers import _to, _tensors, is_accelerator, ReplacedForward, ExactModeRefusedError, restore_forward
 from .link import Copies, CudaCopies, _storage
 from .stage_cut import StageCut, cut_stages
@@ -781,7 +781,10 @@ class _StagedFunction(torch.autograd.Function):
         ctx.where = [i for i, v in enumerate(leaves) if isinstance(v, Tensor)]
         ctx.leaves = [None if isinstance(v, Tensor) else v for v in leaves]
         # to rebuild the output around this node's (`shape`: the caller's)
-        shape.update(spec=ctx.spec, where=ctx.where, leaves=ctx.leaves)
+        # in the classes the model's forward returns (the graph's output makes containers dicts, `output_spec`)
+        own = output_spec(step.runner.graph)
+        shape.update(spec=own if own is not None and own.num_leaves == len(leaves) else ctx.spec, where=ctx.where,
+                     leaves=ctx.leaves)
         return tuple(leaves[i] for i in ctx.where)
     @staticmethod
     def backward(ctx, *grads):
@@ -853,7 +856,9 @@ class StagedForward(ReplacedForward):
 
     def step_for(self, xb:tuple) -> StagedStep:
         "The staged step for inputs like `xb`: torch.fx's one, or the aten-level graph's for their signature."
-        if self.by_fx: return self.step
+        if self.by_fx:  # the classes of its output, where torch.fx made a dict of them: one forward of a chunk
+            learn_output(self.model, self.step.runner.graph, tuple(t[:self.chunk] if isinstance(t, Tensor) and t.dim() else t for t in xb))
+            return self.step
         key = _signature(xb)
         if key not in self.steps:
             graph = aten_graph(self.model, xb)
