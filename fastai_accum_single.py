@@ -19,21 +19,21 @@ Contents (line: module: classes), dependencies first:
       826: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
      1301: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
      1475: staged: GraphRunner, StagedGraph
-     2011: prepass: PrepassPlan, PreflightTable
-     2241: cost: OpCount, Card, WindowCounts, Prediction, RemadeTime
-     2455: stage_cut: StageCut
-     2729: probes: -
-     2965: chunk_sizer: ChunkSizer
-     3021: exact: Footprint, ExactModeMemoryError, ExactPlan
-     3444: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
-     3602: window_store: HostPool, DevicePart, WindowStore
-     4119: remade: -
-     4189: staged_exact: StagedConfig, StagedStep, Window, LayerStats, Projection, WindowStats, StagedForward
-     5079: staged_check: -
-     5420: ghost: GhostForward
-     5475: plan: StagedMismatchError, TrainingPlan
-     5828: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     6452: callback: WindowPrefetch, GradientAccumulation
+     2021: prepass: PrepassPlan, PreflightTable
+     2251: cost: OpCount, Card, WindowCounts, Prediction, RemadeTime
+     2465: stage_cut: StageCut
+     2739: probes: -
+     2975: chunk_sizer: ChunkSizer
+     3031: exact: Footprint, ExactModeMemoryError, ExactPlan
+     3456: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
+     3614: window_store: HostPool, DevicePart, WindowStore
+     4131: remade: -
+     4201: staged_exact: StagedConfig, StagedStep, Window, LayerStats, Projection, WindowStats, StagedForward
+     5091: staged_check: -
+     5432: ghost: GhostForward
+     5487: plan: StagedMismatchError, TrainingPlan
+     5841: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     6465: callback: WindowPrefetch, GradientAccumulation
 """
 from __future__ import annotations
 from fastai.basics import *
@@ -1897,12 +1897,12 @@ def aten_graph(model:nn.Module, # a model in the modes it trains in (nothing in 
         if differs:  # traced at n + 1 samples: it must compute the model's forward at n
             why = graph_mismatch(model, g, xb, 'torch.export')
             if isinstance(why, str): raise ValueError(f"{fixed}, and {why}")
-            _batch_symbolic.add(g)
+            _batch_symbolic[g] = fixed
         cache[key] = g
     except Exception as e: cache[key] = _one_line(e)
     return cache[key]
 
-_batch_symbolic = weakref.WeakSet()  # the aten-level graphs traced with the batch a symbol (`torch.export`)
+_batch_symbolic = weakref.WeakKeyDictionary()  # aten-level graph traced with the batch a symbol (`torch.export`) -> why
 
 def _gist(e:BaseException) -> str:
     "The exception's type and the first line of its message (torch.export explains at length)."
@@ -1976,6 +1976,16 @@ def staged_graph(model:nn.Module, # the model, in the modes it trains in
     return g
 
 _trace_times = weakref.WeakKeyDictionary()  # model -> {input signature: (tracer of its staged graph, seconds it took)}
+
+def passed_over(model:nn.Module, # a model `staged_graph` traced
+                xb:tuple, # one micro-batch of its inputs
+               ) -> str|None:
+    "Why the tracers before the one that gave `model`'s staged graph did not (torch.fx's reason, make_fx's), or None."
+    g = staged_graph(model, xb)
+    if isinstance(g, str) or g is _traces.get(model): return None
+    fx_why = fx_staged_graph(model)
+    why = f"torch.fx: {fx_why if isinstance(fx_why, str) else _graph_verdicts.get(model) or 'its graph is not the forward'}"
+    return why + (f"; make_fx: {_batch_symbolic[g]}" if g in _batch_symbolic else '')
 
 def traced_by(model:nn.Module, # a model `staged_graph` traced
               xb:tuple, # one micro-batch of its inputs
@@ -3151,6 +3161,7 @@ class ExactPlan:
     whole:bool=False      # staged in one chunk of the whole window (under DDP: BatchNorm reduced over the processes)
     traced:str|None=None  # a staged step's graph, when not torch.fx's: 'aten' (make_fx's), 'torch.export' (the batch a symbol)
     trace_time:float=0.   # seconds the tracing of that graph took (once per model and input signature)
+    passed_over:str|None=None # why the tracers before that one did not take the model (`passed_over`)
     micro:int|None=None   # samples per micro-batch (of the one measured)
     accelerator:bool|None=None # the device's memory is apart from the host's (default: any device but the CPU)
     frozen:bool=False     # some parameters did not train when measured
@@ -3281,13 +3292,14 @@ def _staged_memory(self:ExactPlan) -> str:
     return (f"(each stage's as large as {fmt_bytes(self.chunk_budget)} holds, measured): at most about "
             f"{fmt_bytes(self.chunk_budget + self.model_needed)} on the device and {kept} in host memory")
 
+def _clipped(s:str, n:int) -> str: return s if len(s) <= n else s[:n - 1] + '…'
+
 @patch(as_prop=True)
 def _checked(self:ExactPlan) -> str:
-    by = {None: "; staged over torch.fx's graph",
-          'aten': "; staged over an aten-level trace (torch.fx cannot trace the model)",
-          'torch.export': "; staged over torch.export's graph with the batch a symbol (torch.fx cannot trace the model, "
-                          "and an aten-level trace fixes the batch size)"}[self.traced]
+    by = {None: "; staged over torch.fx's graph", 'aten': "; staged over an aten-level trace",
+          'torch.export': "; staged over torch.export's graph with the batch a symbol"}[self.traced]
     by += f" traced in {self.trace_time:.1f} s" if self.trace_time >= 0.05 else ''
+    if self.traced: by += f" ({_clipped(self.passed_over, 300) if self.passed_over else 'torch.fx cannot trace the model'})"
     took = f" in {self.check_time:.1f} s" if self.check_time >= 0.05 else ''  # not a verdict read from a fit before
     return (f"; {self.checked}{took}" if self.checked and self.reason is None else '') + by
 
@@ -5681,6 +5693,7 @@ def _not_staged(plan:ExactPlan, model:nn.Module, xb:tuple, autocast=None) -> str
     if isinstance(graph, str): return graph
     by, plan.trace_time = traced_by(model, xb) or ('torch.fx', 0.)
     plan.traced = None if by == 'torch.fx' else 'aten' if by == 'make_fx' else by
+    plan.passed_over = passed_over(model, xb)
     measure_staged(plan, model, graph, xb, autocast)
     mixed = samples_mixed(model, xb)
     return f"a staged step would not be the big batch: {mixed}." if mixed else None
@@ -6831,7 +6844,7 @@ def plot_losses(self:GradientAccumulation, ax=None):
     ax.plot(list(self.losses)); ax.set_xlabel('optimizer step (window)'); ax.set_ylabel('window loss')
     return ax
 
-__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'stats_finite', 'commit_stats', 'channel_sums', 'project_', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'ExactModeRefusedError', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'materialize_lazy', 'uncompiled', 'plain_tensor', 'is_dropout', 'peek_batches', 'window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'loss_couples', 'unjoinable', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only', 'own_forward', 'own_forward_layers', 'accumulating_class', 'bn_layers', 'kept_running_stats', 'restore_running_stats', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'in_regions', 'trace_model', 'bn_graph', 'untraceable_reason', 'GraphRunner', 'StagedGraph', 'output_spec', 'aten_graph', 'graph_mismatch', 'learn_output', 'same_trace', 'staged_graph', 'traced_by', 'fx_staged_graph', 'few_values', 'measuring', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'RESNET50_FLOPS', 'sources', 'cards', 'STEP_FLOPS', 'STEP_KERNELS', 'STAGED_KERNELS', 'OpCount', 'Card', 'run_time', 'link_time', 'WindowCounts', 'Prediction', 'predict', 'staged_time', 'RemadeTime', 'estimate_counts', 'measure_card', 'time_line', 'StageCut', 'cut_stages', 'stage_grads', 'store_per_sample', 'samples_mixed', 'batch_layouts', 'sample_cost', 'chunk_bytes', 'ChunkSizer', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged', 'Ledger', 'Copies', 'CudaCopies', 'DeferredCopies', 'Link', 'PASSES', 'HostPool', 'DevicePart', 'WindowStore', 'stage_readers', 'stage_makers', 'remade_trade', 'remade_candidates', 'choose_remade', 'StagedConfig', 'StagedStep', 'Window', 'LayerStats', 'Projection', 'WindowStats', 'input_grads_asked', 'StagedForward', 'install_staged', 'uninstall_staged', 'inconclusive', 'rounded_once_more', 'verify_staged', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'predicted_time', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'AccumulationOptions', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
+__all__ = ['stats_dtype', 'merge_moments', 'ChannelStats', 'all_reduce_stats', 'momentum_step', 'stats_finite', 'commit_stats', 'channel_sums', 'project_', 'world_size', 'collective_device', 'fix_distributed_dl', 'place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept', 'ReplacedForward', 'restore_forward', 'ExactModeRefusedError', 'split_batch', 'rng_states', 'restore_rng_states', 'random_state_kept', 'materialize_lazy', 'uncompiled', 'plain_tensor', 'is_dropout', 'peek_batches', 'window_full', 'check_micro_bs', 'AccumulationWindow', 'validate_window_args', 'loss_reduction', 'scale_grads', 'commit_window', 'drop_window', 'batch_size', 'loss_couples', 'unjoinable', 'cat_batches', 'window_exceeds_epoch', 'WindowLoader', 'bn_policies', 'AccumulateBatchNorm1d', 'AccumulateBatchNorm2d', 'AccumulateBatchNorm3d', 'AccumulateSyncBatchNorm', 'GradPool', 'WindowNormFunction', 'AccumulateBatchNorm', 'torch_norm_class', 'norm_only', 'own_forward', 'own_forward_layers', 'accumulating_class', 'bn_layers', 'kept_running_stats', 'restore_running_stats', 'wrap_bn', 'unwrap_layer', 'unwrap_bn', 'update_bn_stats', 'reset_bn_stats', 'ByteMeter', 'SavedTensorMeter', 'LayerMeter', 'LiveBytes', 'fmt_bytes', 'in_regions', 'trace_model', 'bn_graph', 'untraceable_reason', 'GraphRunner', 'StagedGraph', 'output_spec', 'aten_graph', 'graph_mismatch', 'learn_output', 'same_trace', 'staged_graph', 'passed_over', 'traced_by', 'fx_staged_graph', 'few_values', 'measuring', 'PrepassPlan', 'prepass_plan', 'prepass_info', 'window_prepasses', 'bn_preflight', 'PreflightTable', 'RESNET50_FLOPS', 'sources', 'cards', 'STEP_FLOPS', 'STEP_KERNELS', 'STAGED_KERNELS', 'OpCount', 'Card', 'run_time', 'link_time', 'WindowCounts', 'Prediction', 'predict', 'staged_time', 'RemadeTime', 'estimate_counts', 'measure_card', 'time_line', 'StageCut', 'cut_stages', 'stage_grads', 'store_per_sample', 'samples_mixed', 'batch_layouts', 'sample_cost', 'chunk_bytes', 'ChunkSizer', 'leaves_no_trace', 'Footprint', 'measure_footprint', 'recomputed_bns', 'ExactModeMemoryError', 'ExactPlan', 'free_memory', 'check_budget', 'plan_exact', 'optimizer_state', 'held_bytes', 'release_pinned', 'saved_on_host', 'staging_budget', 'measure_staged', 'Ledger', 'Copies', 'CudaCopies', 'DeferredCopies', 'Link', 'PASSES', 'HostPool', 'DevicePart', 'WindowStore', 'stage_readers', 'stage_makers', 'remade_trade', 'remade_candidates', 'choose_remade', 'StagedConfig', 'StagedStep', 'Window', 'LayerStats', 'Projection', 'WindowStats', 'input_grads_asked', 'StagedForward', 'install_staged', 'uninstall_staged', 'inconclusive', 'rounded_once_more', 'verify_staged', 'GhostForward', 'install_ghost', 'uninstall_ghost', 'check_ghost', 'whole_window_policies', 'policies', 'check_policy', 'may_train_whole', 'auto_picks_exact', 'choose_exact', 'predicted_time', 'StagedMismatchError', 'TrainingPlan', 'plan_training', 'default_inputs', 'AccumulationOptions', 'option_defaults', 'accumulation_options', 'BatchNormInstaller', 'Accumulation', 'FrontEnd', 'WindowPrefetch', 'GradientAccumulation']
 ''')
 globals().update({k: getattr(_fastai_accum, k) for k in _fastai_accum.__all__
                   if k not in globals() or k == 'GradientAccumulation'})

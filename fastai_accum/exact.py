@@ -148,6 +148,7 @@ class ExactPlan:
     whole:bool=False      # staged in one chunk of the whole window (under DDP: BatchNorm reduced over the processes)
     traced:str|None=None  # a staged step's graph, when not torch.fx's: 'aten' (make_fx's), 'torch.export' (the batch a symbol)
     trace_time:float=0.   # seconds the tracing of that graph took (once per model and input signature)
+    passed_over:str|None=None # why the tracers before that one did not take the model (`passed_over`)
     micro:int|None=None   # samples per micro-batch (of the one measured)
     accelerator:bool|None=None # the device's memory is apart from the host's (default: any device but the CPU)
     frozen:bool=False     # some parameters did not train when measured
@@ -278,13 +279,14 @@ def _staged_memory(self:ExactPlan) -> str:
     return (f"(each stage's as large as {fmt_bytes(self.chunk_budget)} holds, measured): at most about "
             f"{fmt_bytes(self.chunk_budget + self.model_needed)} on the device and {kept} in host memory")
 
+def _clipped(s:str, n:int) -> str: return s if len(s) <= n else s[:n - 1] + '…'
+
 @patch(as_prop=True)
 def _checked(self:ExactPlan) -> str:
-    by = {None: "; staged over torch.fx's graph",
-          'aten': "; staged over an aten-level trace (torch.fx cannot trace the model)",
-          'torch.export': "; staged over torch.export's graph with the batch a symbol (torch.fx cannot trace the model, "
-                          "and an aten-level trace fixes the batch size)"}[self.traced]
+    by = {None: "; staged over torch.fx's graph", 'aten': "; staged over an aten-level trace",
+          'torch.export': "; staged over torch.export's graph with the batch a symbol"}[self.traced]
     by += f" traced in {self.trace_time:.1f} s" if self.trace_time >= 0.05 else ''
+    if self.traced: by += f" ({_clipped(self.passed_over, 300) if self.passed_over else 'torch.fx cannot trace the model'})"
     took = f" in {self.check_time:.1f} s" if self.check_time >= 0.05 else ''  # not a verdict read from a fit before
     return (f"; {self.checked}{took}" if self.checked and self.reason is None else '') + by
 

@@ -14,7 +14,7 @@ from torch import nn
 from .meters import fmt_bytes, _nbytes
 from .cost import estimate_counts, measure_card, time_line, predict, RemadeTime
 from .batchnorm import bn_layers, bn_policies
-from .staged import staged_graph, bn_graph, traced_by
+from .staged import staged_graph, bn_graph, traced_by, passed_over
 from .staged_exact import input_grads_asked
 from .probes import samples_mixed
 from .staged_check import verify_staged, inconclusive
@@ -225,6 +225,7 @@ def _not_staged(plan:ExactPlan, model:nn.Module, xb:tuple, autocast=None) -> str
     if isinstance(graph, str): return graph
     by, plan.trace_time = traced_by(model, xb) or ('torch.fx', 0.)
     plan.traced = None if by == 'torch.fx' else 'aten' if by == 'make_fx' else by
+    plan.passed_over = passed_over(model, xb)
     measure_staged(plan, model, graph, xb, autocast)
     mixed = samples_mixed(model, xb)
     return f"a staged step would not be the big batch: {mixed}." if mixed else None

@@ -21,7 +21,8 @@ from .batchnorm import norm_only, own_forward_layers
 
 # %% auto #0
 __all__ = ['in_regions', 'trace_model', 'bn_graph', 'untraceable_reason', 'GraphRunner', 'StagedGraph', 'output_spec',
-           'aten_graph', 'graph_mismatch', 'learn_output', 'same_trace', 'staged_graph', 'traced_by', 'fx_staged_graph']
+           'aten_graph', 'graph_mismatch', 'learn_output', 'same_trace', 'staged_graph', 'passed_over', 'traced_by',
+           'fx_staged_graph']
 
 # %% ../nbs/00a_staged.ipynb #2e019787
 def in_regions(n:fx.Node):
@@ -434,12 +435,12 @@ def aten_graph(model:nn.Module, # a model in the modes it trains in (nothing in 
         if differs:  # traced at n + 1 samples: it must compute the model's forward at n
             why = graph_mismatch(model, g, xb, 'torch.export')
             if isinstance(why, str): raise ValueError(f"{fixed}, and {why}")
-            _batch_symbolic.add(g)
+            _batch_symbolic[g] = fixed
         cache[key] = g
     except Exception as e: cache[key] = _one_line(e)
     return cache[key]
 
-_batch_symbolic = weakref.WeakSet()  # the aten-level graphs traced with the batch a symbol (`torch.export`)
+_batch_symbolic = weakref.WeakKeyDictionary()  # aten-level graph traced with the batch a symbol (`torch.export`) -> why
 
 def _gist(e:BaseException) -> str:
     "The exception's type and the first line of its message (torch.export explains at length)."
@@ -513,6 +514,16 @@ def staged_graph(model:nn.Module, # the model, in the modes it trains in
     return g
 
 _trace_times = weakref.WeakKeyDictionary()  # model -> {input signature: (tracer of its staged graph, seconds it took)}
+
+def passed_over(model:nn.Module, # a model `staged_graph` traced
+                xb:tuple, # one micro-batch of its inputs
+               ) -> str|None:
+    "Why the tracers before the one that gave `model`'s staged graph did not (torch.fx's reason, make_fx's), or None."
+    g = staged_graph(model, xb)
+    if isinstance(g, str) or g is _traces.get(model): return None
+    fx_why = fx_staged_graph(model)
+    why = f"torch.fx: {fx_why if isinstance(fx_why, str) else _graph_verdicts.get(model) or 'its graph is not the forward'}"
+    return why + (f"; make_fx: {_batch_symbolic[g]}" if g in _batch_symbolic else '')
 
 def traced_by(model:nn.Module, # a model `staged_graph` traced
               xb:tuple, # one micro-batch of its inputs

@@ -151,3 +151,14 @@ def test_the_plan_measures_the_forward_the_fit_runs(policy):
     assert acc.path == ('window' if policy == 'window' else 'staged exact'), (acc.path, acc.plan.reason if acc.plan else None)
     assert int(m.body[1].num_batches_tracked) == 2  # two windows, each committed once: the measuring moved nothing
     assert not torch.equal(before['body.1.running_mean'], m.body[1].running_mean)
+
+def test_the_preflight_says_which_tracer_took_the_model_and_why_the_others_did_not():
+    "torch.fx's own words where the aten-level trace took the model (it said 'torch.fx cannot trace the model' alone)."
+    torch.manual_seed(0); m = InPlace().double().train()
+    xs = [torch.randn(2, 3, 8, 8, dtype=torch.float64) for _ in range(4)]
+    acc = Accumulation(m, n_step=4, policy='staged', device_memory=forced_budget(m, xs, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        for xb in acc.batches(xs): acc.backward(m(xb).pow(2).mean())
+    line = str(acc)
+    assert "staged over an aten-level trace" in line and '(torch.fx: TraceError: symbolically traced variables' in line, line
