@@ -9,6 +9,7 @@ __all__ = ['fastai_major']
 from .core import Accumulation
 from .accelerate import AcceleratedAccumulation
 from .exact import measure_footprint, ExactModeMemoryError, ExactModeRefusedError
+from .plan import StagedMismatchError
 from .batchnorm import AccumulateBatchNorm, wrap_bn, unwrap_bn
 from .prepass import bn_preflight
 from .repro import set_reproducible, reproducible, env_fingerprint, diff_env
@@ -24,7 +25,7 @@ def fastai_major() -> int|None:
 
 # %% ../nbs/99_all.ipynb #99983a4c
 __all__ = ['GradientAccumulation', 'Accumulation', 'AcceleratedAccumulation',  # front ends
-           'measure_footprint', 'ExactModeMemoryError', 'ExactModeRefusedError',  # does the window fit as one batch? why not
+           'measure_footprint', 'ExactModeMemoryError', 'ExactModeRefusedError', 'StagedMismatchError',  # does the window fit as one batch? why not
            'AccumulateBatchNorm', 'wrap_bn', 'unwrap_bn', 'bn_preflight',  # BatchNorm layers
            'set_reproducible', 'reproducible', 'env_fingerprint', 'diff_env',  # reproducibility
            'record_trace', 'compare_traces', 'find_divergence',  # where two runs part

@@ -74,8 +74,11 @@ def test_the_plain_loop_core_says_how_it_trains_when_asked(capsys):
     assert repr(acc).startswith("Accumulation(n_step=4, n_acc=None, policy='auto', steps=2; exact: a window of 16 samples as one batch needs")
 
 def test_the_paste_file_says_where_it_goes():
-    head = (Path(__file__).parents[1]/'fastai_accum_single.py').read_text().splitlines()[:5]
-    assert any('at the very top of its own notebook cell' in l for l in head) and any('from __future__' in l for l in head)
+    "Its first lines: a cell of its own, or uploaded and run; no future import outside its module (IPython would keep it)."
+    text = (Path(__file__).parents[1]/'fastai_accum_single.py').read_text()
+    head = text.splitlines()[:5]
+    assert any('a notebook cell of its own' in l for l in head) and any('%run fastai_accum_single.py' in l for l in head), head
+    assert not text.startswith('from __future__') and '\nfrom __future__' not in text.split("_load_module(r\'\'\'")[0]
 
 def test_a_plan_measured_with_part_of_the_model_frozen_says_so():
     "fine_tune's frozen phase saves fewer activations than the unfrozen one: the same window's estimate differs, and the pre-flight says why."

@@ -114,3 +114,11 @@ def test_each_result_opens_with_what_it_shows():
     for i, p in enumerate(paragraphs):  # a table's paragraph: a claim or its continuation comes before it
         if p.startswith('|'): assert any(q.startswith('**') for q in paragraphs[max(0, i - 2):i]), p[:80]
     assert not re.search(r'\bcommit [0-9a-f]{7}\b|\bat [0-9a-f]{7}\b', readme), re.findall(r'commit [0-9a-f]{7}', readme)
+
+def test_every_error_class_the_readme_names_is_importable_from_all():
+    "`StagedMismatchError`, named in the guarantee, was not in `fastai_accum.all` (issue #76)."
+    import re
+    import fastai_accum.all as everything
+    named = set(re.findall(r'`(\w+Error)`', (Path(__file__).parents[1]/'README.md').read_text()))
+    assert {'StagedMismatchError', 'ExactModeMemoryError', 'ExactModeRefusedError'} <= named
+    assert named <= set(everything.__all__), named - set(everything.__all__)

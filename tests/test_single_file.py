@@ -109,12 +109,58 @@ print('COPY', copy([1]) == [1])
 '''
 
 def test_the_pasted_cell_leaves_the_notebook_namespace_alone(tmp_path):
-    "It added 317 names (186 private) and rebound fastai's `copy` to the `copy` module; now: its public names, one module."
+    "It added 174 public names (317 before that, rebinding fastai's `copy`); now the listed ones and the module."
     (tmp_path/'fastai_accum_single.py').write_text(FILE.read_text())
     r = subprocess.run([sys.executable, '-I', '-c', NAMESPACE], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     said = dict(l.split(' ', 1) for l in r.stdout.splitlines() if l.split(' ', 1)[0] in ('NEW', 'CHANGED', 'PRIVATE', 'COPY'))
     public = set(ast.literal_eval(said['NEW'])) - {'_fastai_accum'}
-    assert 'Accumulation' in public and 'wrap_bn' in public and 'copy' not in public
+    assert public == {'Accumulation', 'StagedMismatchError', 'ExactModeMemoryError', 'ExactModeRefusedError',
+                      'fastai_accum'}, public  # and `GradientAccumulation`, fastai's name: changed
     assert said['PRIVATE'] == '[]' and said['COPY'] == 'True'
     assert ast.literal_eval(said['CHANGED']) == ['GradientAccumulation'], said['CHANGED']  # ours, in place of fastai's
+
+IPYTHON_CELL = '''
+import sys, traceback
+sys.modules['fastai_accum'] = None  # a fresh notebook where the package is not installed
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+shell.run_cell('from fastai.basics import *', store_history=True)
+before = set(shell.user_ns)
+r = shell.run_cell(open('fastai_accum_single.py').read(), store_history=True)  # the pasted cell
+assert r.success, r.error_in_exec
+added = sorted(k for k in set(shell.user_ns) - before if not k.startswith('_'))
+print('ADDED', added)
+shell.run_cell("""
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+x = torch.randn(32, 6); y = x[:, :1] * 2
+dls = DataLoaders(DataLoader(TensorDataset(x, y), bs=4, shuffle=True), DataLoader(TensorDataset(x[:8], y[:8]), bs=4))
+learn = Learner(dls, nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1)), loss_func=MSELossFlat())
+cb = GradientAccumulation(n_step=4, preflight=False)
+learn.fit(1, cbs=cb)
+fitted = cb.path
+def f(x:int): return x
+""", store_history=True)
+print('FIT', shell.user_ns['fitted'])
+print('ANNOTATION', shell.user_ns['f'].__annotations__['x'] is int)
+try: shell.user_ns['GradientAccumulation'](n_step=4, policy='nope')
+except ValueError as e:
+    frame = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == '<fastai_accum_single>'][-1]
+    print('LINE', frame.lineno, repr(frame.line))
+'''
+
+def test_the_pasted_cell_as_a_notebook_runs_it(tmp_path):
+    """Run as an IPython cell in a fresh interpreter without the package, then a fit: later cells' annotations are
+    theirs (IPython kept the cell's `from __future__ import annotations` for every later cell), only the listed names
+    are added, and a traceback names the line of the pasted file that raised (it was 48 lines off)."""
+    (tmp_path/'fastai_accum_single.py').write_text(FILE.read_text())
+    r = subprocess.run([sys.executable, '-I', '-c', IPYTHON_CELL], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    said = dict(l.split(' ', 1) for l in r.stdout.splitlines() if l.split(' ', 1)[0] in ('ADDED', 'FIT', 'ANNOTATION', 'LINE'))
+    assert ast.literal_eval(said['ADDED']) == sorted(['GradientAccumulation', 'Accumulation', 'StagedMismatchError',
+                                                     'ExactModeMemoryError', 'ExactModeRefusedError', 'fastai_accum'])
+    assert said['FIT'] == 'exact' and said['ANNOTATION'] == 'True', said
+    line, text = said['LINE'].split(' ', 1)
+    assert FILE.read_text().splitlines()[int(line) - 1].strip() == ast.literal_eval(text).strip() and 'raise' in text
