@@ -6503,6 +6503,19 @@ class WindowPrefetch(Callback):
         return place_batch(b, device, self.loader.inputs_on, range(self.loader.n_inp))
 
 # %% ../nbs/03_callback.ipynb #957a3b99
+def _made_by_fastai() -> bool:
+    "Is the callback being made by fastai's `Learner.add_cb` from the class (`cbs=GradientAccumulation`)?"
+    f = sys._getframe(2)  # the caller of `__init__`
+    return f.f_code.co_name == 'add_cb' and f.f_globals.get('__name__') == 'fastai.learner'
+
+def _user_level() -> int:
+    "The `stacklevel` of the first frame outside fastai, fastcore and this library: where a warning should point."
+    f, level = sys._getframe(1), 1
+    while f is not None and f.f_globals.get('__name__', '').split('.')[0] in ('fastai', 'fastcore', 'fastai_accum',
+                                                                                'fastai_accum_single'):
+        f, level = f.f_back, level + 1
+    return level
+
 @delegates(AccumulationOptions, but=_front_end_fills)
 class GradientAccumulation(Callback, FrontEnd):
     "Accumulate gradients over windows of micro-batches, weighting by samples, with exact BatchNorm statistics"
@@ -6514,7 +6527,12 @@ class GradientAccumulation(Callback, FrontEnd):
                  preflight:bool=True,  # print how a fit trains at its first micro-batch (again when a fit differs)
                  **kwargs, # the core's options, documented on `Accumulation` (`policy`, `partial`, `wrap`, ...)
                 ):
-        if n_step is None and n_acc is None: n_acc = 32  # fastai's default
+        if n_step is None and n_acc is None:
+            n_acc = 32  # fastai's default
+            if _made_by_fastai(): warnings.warn(
+                "GradientAccumulation was passed as a class (`cbs=GradientAccumulation`): fastai made one with its "
+                "defaults, a window of 32 samples. Pass an instance to choose the window: "
+                "`cbs=GradientAccumulation(n_step=...)` or `GradientAccumulation(n_acc=...)`", stacklevel=_user_level())
         self._take_args(n_step, n_acc, preflight, kwargs, 'GradientAccumulation')
         self._args = dict(n_acc=n_acc, n_step=n_step, preflight=preflight, **kwargs)  # what an export rebuilds it from
         self.train_time, self._said, self._coupling_checked = 0., None, True
@@ -6618,7 +6636,7 @@ def _check_epoch(self:GradientAccumulation):
     "Warn when one window holds more than an epoch of the training DataLoader."
     train = getattr(self.dls, 'train', None) or []
     warning = window_exceeds_epoch(train, self.n_step, self.n_acc, self.partial, 'GradientAccumulation')
-    if warning: warnings.warn(warning, stacklevel=3)
+    if warning: warnings.warn(warning, stacklevel=_user_level())  # at the user's `fit`, not inside fastai
 
 # %% ../nbs/03_callback.ipynb #01dc41f1
 @patch
@@ -6720,6 +6738,9 @@ def _show_preflight(self:GradientAccumulation):
     "Print how this fit trains (and, if an earlier fit trained otherwise, that it changed)."
     self._announce = False
     said = self._print_preflight(self.learn.xb, self._said)
+    prefetch = getattr(self.learn, 'window_prefetch', None)
+    if prefetch is not None and prefetch.loader is not None and prefetch.exact:  # each window joined: one batch a step
+        print("(the progress bar counts windows: each one batch of the window's micro-batches)")
     if getattr(self.learn, 'lr_finder', None) is None: self._said = said  # `lr_find`'s line is not the next fit's
 
 # %% ../nbs/03_callback.ipynb #45970d89

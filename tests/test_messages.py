@@ -142,3 +142,32 @@ def test_a_plan_on_a_card_whose_link_binds_makes_stages_again(monkeypatch):
         assert isinstance(acc.plan.remade, RemadeTime) == made and ('stages are made again' in str(acc)) == made
         assert 'H200, measured' in acc.plan.predicted
         assert bool(steps[-1].window.remade) == made and steps[-1].config.remade_time == acc.plan.remade
+
+def test_the_class_passed_where_an_instance_belongs_says_what_to_do():
+    "`cbs=GradientAccumulation`: fastai makes one with the defaults, silently (issue #76); now a warning at the user's line."
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter('always')
+        learn = make_learner(4, mlp, cbs=GradientAccumulation)
+    w = [x for x in said if 'passed as a class' in str(x.message)]
+    assert len(w) == 1 and 'cbs=GradientAccumulation(n_step=...)' in str(w[0].message)
+    assert w[0].filename.endswith('tests/helpers.py')  # pointed at the line that made the Learner (`make_learner`'s)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter('always')
+        GradientAccumulation(); GradientAccumulation(n_step=4)  # made by the user: nothing to say
+    assert not [x for x in said if 'passed as a class' in str(x.message)]
+
+def test_a_window_larger_than_the_epoch_is_said_at_the_users_fit():
+    "It pointed at fastai/callback/core.py."
+    learn = make_learner(4, mlp, cbs=GradientAccumulation(n_acc=10000, preflight=False))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter('always')
+        learn.fit(1, 0.01)
+    w = [x for x in said if 'more than an epoch' in str(x.message)]
+    assert len(w) == 1 and w[0].filename == __file__, [(x.filename, x.lineno) for x in w]
+
+def test_the_fit_says_the_progress_bar_counts_windows(capsys):
+    "A window trained as one batch is one step of the progress bar: 18 micro-batches show as 5 (it was unsaid)."
+    learn = make_learner(4, bn_net, image=True, cbs=GradientAccumulation(n_step=4))
+    learn.fit(1, 0.01)
+    out = capsys.readouterr().out
+    assert "-> 'exact'" in out and 'the progress bar counts windows' in out, out
