@@ -20,21 +20,21 @@ Contents (line: module: classes), dependencies first:
       826: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
      1301: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
      1475: staged: GraphRunner, StagedGraph
-     2021: prepass: PrepassPlan, PreflightTable
-     2251: cost: OpCount, Card, WindowCounts, Prediction, RemadeTime
-     2465: stage_cut: StageCut
-     2739: probes: -
-     2975: chunk_sizer: ChunkSizer
-     3031: exact: Footprint, ExactModeMemoryError, ExactPlan
-     3456: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
-     3614: window_store: HostPool, DevicePart, WindowStore
-     4131: remade: -
-     4201: staged_exact: StagedConfig, StagedStep, Window, LayerStats, Projection, WindowStats, StagedForward
-     5091: staged_check: -
-     5432: ghost: GhostForward
-     5487: plan: StagedMismatchError, TrainingPlan
-     5841: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     6465: callback: WindowPrefetch, GradientAccumulation
+     2042: prepass: PrepassPlan, PreflightTable
+     2272: cost: OpCount, Card, WindowCounts, Prediction, RemadeTime
+     2486: stage_cut: StageCut
+     2760: probes: -
+     2996: chunk_sizer: ChunkSizer
+     3052: exact: Footprint, ExactModeMemoryError, ExactPlan
+     3477: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
+     3635: window_store: HostPool, DevicePart, WindowStore
+     4152: remade: -
+     4222: staged_exact: StagedConfig, StagedStep, Window, LayerStats, Projection, WindowStats, StagedForward
+     5112: staged_check: -
+     5453: ghost: GhostForward
+     5508: plan: StagedMismatchError, TrainingPlan
+     5862: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     6486: callback: WindowPrefetch, GradientAccumulation
 """
 def _load_module(source, lines_before=0, name='fastai_accum_single'):
     "Run `source` as the module `name` (in `sys.modules`, its lines in tracebacks those of this file); the module."
@@ -1474,7 +1474,7 @@ def fmt_bytes(n:float) -> str:
 
 # ======== fastai_accum/staged.py ========
 # %% ../nbs/00a_staged.ipynb #95c66691
-import contextlib, dataclasses, operator, time, warnings, weakref
+import contextlib, dataclasses, functools, operator, time, warnings, weakref
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch import nn, fx
@@ -1686,6 +1686,20 @@ def _signature(xb:tuple) -> tuple:
     return tuple((tuple(t.shape[1:]), t.dtype, t.device.type) if isinstance(t, Tensor) else repr(t) for t in xb)
 
 
+def _naming_modules(model:nn.Module) -> list:
+    "Hooks tagging each node a module's call adds to the graph being traced (`meta['module']`, the innermost's name)."
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+    starts = []
+    def pre(m, args):
+        mode = get_proxy_mode()
+        starts.append(len(mode.tracer.graph.nodes) if mode is not None else None)
+    def post(name, m, args, out):
+        start, mode = starts.pop(), get_proxy_mode()
+        if start is None or mode is None: return
+        for n in list(mode.tracer.graph.nodes)[start:]: n.meta.setdefault('module', name)
+    return [h for name, m in model.named_modules() if name
+            for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(functools.partial(post, name)))]
+
 def _trace_aten(model:nn.Module, # the model (nothing in it changes)
                 xb:tuple, # inputs to trace it on
                 symbolic:bool=False, # the batch dimension a symbol (`_exported`), else every size as `xb`'s
@@ -1703,6 +1717,7 @@ def _trace_aten(model:nn.Module, # the model (nothing in it changes)
         last.append(out)
         return out
     dev = next(iter(params.values())).device.type if params else 'cpu'
+    named = _naming_modules(model)  # each node of make_fx's graph tagged with the module whose call made it
     try:
         with random_state_kept(), torch.autocast(dev, enabled=False), torch.no_grad():
             if symbolic: gm, names, tree = _exported(model, tuple(map(plain_tensor, xb)), last)
@@ -1710,6 +1725,7 @@ def _trace_aten(model:nn.Module, # the model (nothing in it changes)
                 gm = make_fx(run, tracing_mode='real', pre_dispatch=True)(params, bufs, *map(plain_tensor, xb))
                 names, tree = list(params) + list(bufs), gm.graph._codegen.pytree_info.out_spec
     finally:
+        for h in named: h.remove()
         for m, own in swapped:
             if own is None: del m.__dict__['forward']
             else: m.forward = own
@@ -1800,6 +1816,10 @@ def output_spec(graph:fx.Graph):
     # an fx graph's output node turns dict subclasses (transformers' `ModelOutput`) into plain dicts
     return _out_specs.get(graph)
 
+def _in_module(n:fx.Node) -> str:
+    "' in <module> (<class>)', the module whose call made node `n`, where the trace knows it."
+    return f" in {n.meta['module']}" if n.meta.get('module') else ''
+
 def _plain_tree(spec) -> bool:
     "Is pytree structure `spec` made of tensors, lists, tuples (named too) and plain dicts only: what a graph's output keeps?"
     if spec.is_leaf(): return True
@@ -1848,9 +1868,10 @@ def _staged_form(gm, names:list, ends:list, owners:dict, tree) -> fx.Graph:
             continue
         r = root.get(n.args[0], n.args[0])
         if holds.get(r, '').endswith('num_batches_tracked') and not n.users: continue  # the layer counts its own steps
-        if r.op != 'call_function': raise ValueError(f"an in-place {n.target} on {r.name}")
+        if r.op != 'call_function': raise ValueError(f"an in-place {n.target} on {r.name}{_in_module(n)}")
         later = _read_later(r, n, order) if _is_view(r) else None  # what else sees the write: its base, other views
-        if later is not None: raise ValueError(f"an in-place {n.target} on {r.name}, a view of a value {later.name} reads after it")
+        if later is not None: raise ValueError(f"an in-place {n.target} on {r.name}{_in_module(n)}, a view of a value "
+                                               f"{later.name} reads after it")
         env[n] = current[r] = g.call_function(op, fx.node.map_arg(n.args, look), fx.node.map_arg(n.kwargs, look))
         root[n] = r
     for n, v in env.items():  # the regions a node ran in, on its copy (a BatchNorm's call, an out-of-place op's too)

@@ -6,7 +6,7 @@ with the device holding one chunk's working set."""
 
 # %% ../nbs/00a_staged.ipynb #95c66691
 from __future__ import annotations
-import contextlib, dataclasses, operator, time, warnings, weakref
+import contextlib, dataclasses, functools, operator, time, warnings, weakref
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch import nn, fx
@@ -224,6 +224,20 @@ def _signature(xb:tuple) -> tuple:
     return tuple((tuple(t.shape[1:]), t.dtype, t.device.type) if isinstance(t, Tensor) else repr(t) for t in xb)
 
 
+def _naming_modules(model:nn.Module) -> list:
+    "Hooks tagging each node a module's call adds to the graph being traced (`meta['module']`, the innermost's name)."
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+    starts = []
+    def pre(m, args):
+        mode = get_proxy_mode()
+        starts.append(len(mode.tracer.graph.nodes) if mode is not None else None)
+    def post(name, m, args, out):
+        start, mode = starts.pop(), get_proxy_mode()
+        if start is None or mode is None: return
+        for n in list(mode.tracer.graph.nodes)[start:]: n.meta.setdefault('module', name)
+    return [h for name, m in model.named_modules() if name
+            for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(functools.partial(post, name)))]
+
 def _trace_aten(model:nn.Module, # the model (nothing in it changes)
                 xb:tuple, # inputs to trace it on
                 symbolic:bool=False, # the batch dimension a symbol (`_exported`), else every size as `xb`'s
@@ -241,6 +255,7 @@ def _trace_aten(model:nn.Module, # the model (nothing in it changes)
         last.append(out)
         return out
     dev = next(iter(params.values())).device.type if params else 'cpu'
+    named = _naming_modules(model)  # each node of make_fx's graph tagged with the module whose call made it
     try:
         with random_state_kept(), torch.autocast(dev, enabled=False), torch.no_grad():
             if symbolic: gm, names, tree = _exported(model, tuple(map(plain_tensor, xb)), last)
@@ -248,6 +263,7 @@ def _trace_aten(model:nn.Module, # the model (nothing in it changes)
                 gm = make_fx(run, tracing_mode='real', pre_dispatch=True)(params, bufs, *map(plain_tensor, xb))
                 names, tree = list(params) + list(bufs), gm.graph._codegen.pytree_info.out_spec
     finally:
+        for h in named: h.remove()
         for m, own in swapped:
             if own is None: del m.__dict__['forward']
             else: m.forward = own
@@ -338,6 +354,10 @@ def output_spec(graph:fx.Graph):
     # an fx graph's output node turns dict subclasses (transformers' `ModelOutput`) into plain dicts
     return _out_specs.get(graph)
 
+def _in_module(n:fx.Node) -> str:
+    "' in <module> (<class>)', the module whose call made node `n`, where the trace knows it."
+    return f" in {n.meta['module']}" if n.meta.get('module') else ''
+
 def _plain_tree(spec) -> bool:
     "Is pytree structure `spec` made of tensors, lists, tuples (named too) and plain dicts only: what a graph's output keeps?"
     if spec.is_leaf(): return True
@@ -386,9 +406,10 @@ def _staged_form(gm, names:list, ends:list, owners:dict, tree) -> fx.Graph:
             continue
         r = root.get(n.args[0], n.args[0])
         if holds.get(r, '').endswith('num_batches_tracked') and not n.users: continue  # the layer counts its own steps
-        if r.op != 'call_function': raise ValueError(f"an in-place {n.target} on {r.name}")
+        if r.op != 'call_function': raise ValueError(f"an in-place {n.target} on {r.name}{_in_module(n)}")
         later = _read_later(r, n, order) if _is_view(r) else None  # what else sees the write: its base, other views
-        if later is not None: raise ValueError(f"an in-place {n.target} on {r.name}, a view of a value {later.name} reads after it")
+        if later is not None: raise ValueError(f"an in-place {n.target} on {r.name}{_in_module(n)}, a view of a value "
+                                               f"{later.name} reads after it")
         env[n] = current[r] = g.call_function(op, fx.node.map_arg(n.args, look), fx.node.map_arg(n.kwargs, look))
         root[n] = r
     for n, v in env.items():  # the regions a node ran in, on its copy (a BatchNorm's call, an out-of-place op's too)
