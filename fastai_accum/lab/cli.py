@@ -48,7 +48,7 @@ _examples = dict(demo=_example('demo mnist', 'demo mnist --settings forum --epoc
                  gradient=_example('bench gradient --models vision_resnet18 --at 0'),
                  fallback=_example('bench fallback --cases bn1d_few_values,untracked_bn'),
                  dtype=_example('bench dtype', 'bench dtype --rows resnet50:64,mobilenet_v2:64 --amp bf16'),
-                 check=_example('bench check', 'bench check --models unet_small --windows 4 --seeds 10'),
+                 check=_example('bench check', 'bench check --models none --seeds 388 --seeded unet_small'),
                  ledger=_example('bench ledger --model resnet50 --size 224 --window 16',
                                  'bench ledger --model resnet18 --size 32 --window 8 --amp bf16'))
 _examples['build-single-file'] = _example('build-single-file fastai_accum_single.py')
