@@ -127,8 +127,9 @@ from IPython.core.interactiveshell import InteractiveShell
 shell = InteractiveShell.instance()
 shell.run_cell('from fastai.basics import *', store_history=True)
 before = set(shell.user_ns)
-r = shell.run_cell(open('fastai_accum_single.py').read(), store_history=True)  # the pasted cell
-assert r.success, r.error_in_exec
+if sys.argv[1] == 'paste': r = shell.run_cell(open('fastai_accum_single.py').read(), store_history=True)  # the pasted cell
+else: r = shell.run_cell('%run fastai_accum_single.py', store_history=True)  # uploaded, then run
+assert r.success, r.error_in_exec or r.error_before_exec
 added = sorted(k for k in set(shell.user_ns) - before if not k.startswith('_'))
 print('ADDED', added)
 shell.run_cell("""
@@ -151,12 +152,13 @@ except ValueError as e:
     print('LINE', frame.lineno, repr(frame.line))
 '''
 
-def test_the_pasted_cell_as_a_notebook_runs_it(tmp_path):
+@pytest.mark.parametrize('route', ['paste', 'run'])
+def test_the_pasted_cell_as_a_notebook_runs_it(tmp_path, route):
     """Run as an IPython cell in a fresh interpreter without the package, then a fit: later cells' annotations are
     theirs (IPython kept the cell's `from __future__ import annotations` for every later cell), only the listed names
     are added, and a traceback names the line of the pasted file that raised (it was 48 lines off)."""
     (tmp_path/'fastai_accum_single.py').write_text(FILE.read_text())
-    r = subprocess.run([sys.executable, '-I', '-c', IPYTHON_CELL], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, '-I', '-c', IPYTHON_CELL, route], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     said = dict(l.split(' ', 1) for l in r.stdout.splitlines() if l.split(' ', 1)[0] in ('ADDED', 'FIT', 'ANNOTATION', 'LINE'))
     assert ast.literal_eval(said['ADDED']) == sorted(['GradientAccumulation', 'Accumulation', 'StagedMismatchError',
