@@ -34,7 +34,7 @@ Contents (line: module: classes), dependencies first:
      5453: ghost: GhostForward
      5508: plan: StagedMismatchError, TrainingPlan
      5862: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     6486: callback: WindowPrefetch, GradientAccumulation
+     6487: callback: WindowPrefetch, GradientAccumulation
 """
 def _load_module(source, lines_before=0, name='fastai_accum_single'):
     "Run `source` as the module `name` (in `sys.modules`, its lines in tracebacks those of this file); the module."
@@ -6443,6 +6443,7 @@ class FrontEnd:
     def _core(self, model:nn.Module, **kwargs) -> Accumulation:
         "The core for a fit of `model`, from the checked options; `kwargs`: what the framework fills in."
         options = {k: getattr(self, k) for k in ('n_step', 'n_acc', *self._options)}
+        options.update((k, kwargs.pop(k)) for k in ('n_step', 'n_acc') if k in kwargs)  # the window a fit really trains
         return Accumulation(model, **options, merge_exact=False, name=self._name, **kwargs)
 
     def _start_micro(self, bs:int, # samples in the micro-batch about to run forward
@@ -6576,7 +6577,8 @@ def before_fit(self:GradientAccumulation):
 def _start_fit(self:GradientAccumulation):
     "The fit's first training epoch starts: build the core for it (a `validate` or `get_preds` never gets here)."
     self.acc = self._core(self.learn.model, loss_reduction=loss_reduction(self.learn.loss_func), inputs=self._inputs,
-                          autocast=self._autocast, optimizer=self.learn.opt, loss_bytes=self._loss_bytes)
+                          autocast=self._autocast, optimizer=self.learn.opt, loss_bytes=self._loss_bytes,
+                          **self._epoch_window())
     self.train_time, self._final, self._drop, self._announce, self._fitting = 0., False, False, False, True
     self._coupling_checked = False  # the loss's coupling of samples: looked at on the fit's first micro-batch
 
@@ -6604,6 +6606,17 @@ def _peek_batch(self:GradientAccumulation):
 
 @patch
 def _train_dl(self:GradientAccumulation): return self.dls.train
+
+@patch
+def _epoch_window(self:GradientAccumulation) -> dict:
+    "The window a fit trains where it is longer than an epoch: the epoch's micro-batches, one step each (`partial='step'`)."
+    # planned for (a window of 10,000 samples over 72 would be planned, and said, as 10,000); {} otherwise
+    if self.partial == 'drop': return {}
+    train = getattr(self.dls, 'train', None)
+    try: n = len(train)
+    except TypeError: return {}
+    if not n or not window_exceeds_epoch(train, self.n_step, self.n_acc, self.partial): return {}
+    return dict(n_step=n, n_acc=None)
 
 # %% ../nbs/03_callback.ipynb #5f312748
 @patch

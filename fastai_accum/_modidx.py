@@ -180,6 +180,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                     'fastai_accum/callback.py'),
                                        'fastai_accum.callback.GradientAccumulation._choose': ( 'callback.html#gradientaccumulation._choose',
                                                                                                'fastai_accum/callback.py'),
+                                       'fastai_accum.callback.GradientAccumulation._epoch_window': ( 'callback.html#gradientaccumulation._epoch_window',
+                                                                                                     'fastai_accum/callback.py'),
                                        'fastai_accum.callback.GradientAccumulation._guard_interrupts': ( 'callback.html#gradientaccumulation._guard_interrupts',
                                                                                                          'fastai_accum/callback.py'),
                                        'fastai_accum.callback.GradientAccumulation._inputs': ( 'callback.html#gradientaccumulation._inputs',

@@ -602,6 +602,7 @@ class FrontEnd:
     def _core(self, model:nn.Module, **kwargs) -> Accumulation:
         "The core for a fit of `model`, from the checked options; `kwargs`: what the framework fills in."
         options = {k: getattr(self, k) for k in ('n_step', 'n_acc', *self._options)}
+        options.update((k, kwargs.pop(k)) for k in ('n_step', 'n_acc') if k in kwargs)  # the window a fit really trains
         return Accumulation(model, **options, merge_exact=False, name=self._name, **kwargs)
 
     def _start_micro(self, bs:int, # samples in the micro-batch about to run forward

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest, torch
 from torch import nn
 import torch.nn.functional as F
-from helpers import make_learner, mlp, bn_net, windows
+from helpers import make_learner, mlp, bn_net, windows, params
 from fastai_accum.callback import GradientAccumulation
 from fastai_accum.core import Accumulation
 from fastai_accum.prepass import bn_preflight
@@ -171,3 +171,12 @@ def test_the_fit_says_the_progress_bar_counts_windows(capsys):
     learn.fit(1, 0.01)
     out = capsys.readouterr().out
     assert "-> 'exact'" in out and 'the progress bar counts windows' in out, out
+
+def test_a_window_larger_than_the_epoch_is_planned_and_said_as_the_epoch(capsys):
+    "n_acc=10000 over 72 samples trains one step per epoch on those 72: the plan and the fit's line are for 72 (they said 10,000)."
+    learn = make_learner(4, bn_net, image=True, cbs=GradientAccumulation(n_acc=10000))
+    before = params(learn)
+    fit(learn, 1, 0.01)
+    out = capsys.readouterr().out
+    assert 'a window of 72 samples' in out and '10000' not in out, out
+    assert learn.gradient_accumulation.steps == 1 and not torch.equal(params(learn), before)
