@@ -96,7 +96,8 @@ def check_main(args) -> int:
     staged = tab[tab.path == 'staged exact']
     shown = tab.drop(columns='how')
     if len(shown) > 60: shown = shown[(shown.path != 'staged exact') | ~shown.checked | (shown.peak_over_budget > 1)]  # long sweeps: what failed
-    print(shown.to_string(index=False, float_format=lambda v: f'{v:.3g}'))
+    if len(shown): print(shown.to_string(index=False, float_format=lambda v: f'{v:.3g}'))
+    else: print(f"every one of the {len(tab)} fits trained 'staged exact', checked, within its budget")
     print(f"'staged exact' fits: {len(staged)}, checked: {int(staged.checked.sum())}; refused by the check: "
           f"{int(tab.verdict.str.contains('not the big batch').sum())} ({time.perf_counter() - t:.0f} s)")
     return int(bool((~staged.checked).any() or (tab.peak_over_budget > 1).any()))
