@@ -31,10 +31,10 @@ Contents (line: module: classes), dependencies first:
      4152: remade: -
      4222: staged_exact: StagedConfig, StagedStep, Window, LayerStats, Projection, WindowStats, StagedForward
      5112: staged_check: -
-     5453: ghost: GhostForward
-     5508: plan: StagedMismatchError, TrainingPlan
-     5862: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     6487: callback: WindowPrefetch, GradientAccumulation
+     5455: ghost: GhostForward
+     5510: plan: StagedMismatchError, TrainingPlan
+     5864: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     6489: callback: WindowPrefetch, GradientAccumulation
 """
 def _load_module(source, lines_before=0, name='fastai_accum_single'):
     "Run `source` as the module `name` (in `sys.modules`, its lines in tracebacks those of this file); the module."
@@ -5420,6 +5420,8 @@ def _no_cuda_autocast():
 # %% ../nbs/02f_staged_check.ipynb #47db2dcf
 def _in_place_fits(model:nn.Module, memory:int|None, saved:float) -> bool:
     "Does the check on the model itself (`_checked_in_place`) fit `memory`: one set of gradients, a window of 2's activations twice?"
+    # on an accelerator the check's memory is the host's (for a copy there): the model's own device is not measured
+    if any(is_accelerator(p.device) for p in model.parameters()): return False
     diff = [_nbytes(p) for p in model.parameters() if p.requires_grad and p.numel() <= _check_max_numel]
     return memory is None or sum(diff) + max(diff, default=0) + 4 * saved <= memory
 

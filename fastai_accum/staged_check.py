@@ -9,7 +9,7 @@ import contextlib, copy, functools, gc, itertools, math, types, weakref
 import torch
 from torch import nn, Tensor
 from .meters import _nbytes, fmt_bytes
-from .helpers import _tensors, random_state_kept
+from .helpers import _tensors, random_state_kept, is_accelerator
 from .staged import same_trace
 from .probes import _device, _per_model, _check_key, _perturbed, _cat, _plain, _rng_state, _same_state
 from .staged_exact import install_staged, uninstall_staged
@@ -320,6 +320,8 @@ def _no_cuda_autocast():
 # %% ../nbs/02f_staged_check.ipynb #47db2dcf
 def _in_place_fits(model:nn.Module, memory:int|None, saved:float) -> bool:
     "Does the check on the model itself (`_checked_in_place`) fit `memory`: one set of gradients, a window of 2's activations twice?"
+    # on an accelerator the check's memory is the host's (for a copy there): the model's own device is not measured
+    if any(is_accelerator(p.device) for p in model.parameters()): return False
     diff = [_nbytes(p) for p in model.parameters() if p.requires_grad and p.numel() <= _check_max_numel]
     return memory is None or sum(diff) + max(diff, default=0) + 4 * saved <= memory
 
