@@ -20,21 +20,21 @@ Contents (line: module: classes), dependencies first:
       826: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
      1301: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
      1475: staged: GraphRunner, StagedGraph
-     2042: prepass: PrepassPlan, PreflightTable
-     2272: cost: OpCount, Card, WindowCounts, Prediction, RemadeTime
-     2486: stage_cut: StageCut
-     2760: probes: -
-     2996: chunk_sizer: ChunkSizer
-     3052: exact: Footprint, ExactModeMemoryError, ExactPlan
-     3477: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
-     3635: window_store: HostPool, DevicePart, WindowStore
-     4152: remade: -
-     4222: staged_exact: StagedConfig, StagedStep, Window, LayerStats, Projection, WindowStats, StagedForward
-     5112: staged_check: -
-     5455: ghost: GhostForward
-     5510: plan: StagedMismatchError, TrainingPlan
-     5864: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     6489: callback: WindowPrefetch, GradientAccumulation
+     2044: prepass: PrepassPlan, PreflightTable
+     2274: cost: OpCount, Card, WindowCounts, Prediction, RemadeTime
+     2488: stage_cut: StageCut
+     2762: probes: -
+     2998: chunk_sizer: ChunkSizer
+     3054: exact: Footprint, ExactModeMemoryError, ExactPlan
+     3479: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
+     3637: window_store: HostPool, DevicePart, WindowStore
+     4154: remade: -
+     4224: staged_exact: StagedConfig, StagedStep, Window, LayerStats, Projection, WindowStats, StagedForward
+     5114: staged_check: -
+     5456: ghost: GhostForward
+     5511: plan: StagedMismatchError, TrainingPlan
+     5865: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     6490: callback: WindowPrefetch, GradientAccumulation
 """
 def _load_module(source, lines_before=0, name='fastai_accum_single'):
     "Run `source` as the module `name` (in `sys.modules`, its lines in tracebacks those of this file); the module."
@@ -1817,7 +1817,7 @@ def output_spec(graph:fx.Graph):
     return _out_specs.get(graph)
 
 def _in_module(n:fx.Node) -> str:
-    "' in <module> (<class>)', the module whose call made node `n`, where the trace knows it."
+    "' in <module>', the module whose call made node `n`, where the trace knows it; else ''."
     return f" in {n.meta['module']}" if n.meta.get('module') else ''
 
 def _plain_tree(spec) -> bool:
@@ -1972,8 +1972,10 @@ def graph_mismatch(model:nn.Module, # the model, in the modes it trains in (noth
 
 def learn_output(model:nn.Module, graph:fx.Graph, xb:tuple):
     "Learn the classes `model`'s forward returns (`output_spec`) where torch.fx's output node made a dict of them, from one run on `xb`."
-    out = next(n for n in graph.nodes if n.op == 'output')
-    if graph not in _out_specs and isinstance(out.args[0], dict): graph_mismatch(model, graph, xb)
+    # once a graph (every window asks): a dict output learns its classes, any other is kept as the graph returns it
+    if graph in _out_specs: return
+    if isinstance(next(n for n in reversed(graph.nodes) if n.op == 'output').args[0], dict): graph_mismatch(model, graph, xb)
+    _out_specs.setdefault(graph, None)
 
 def same_trace(src:nn.Module, dst:nn.Module):
     "Let `dst`, a copy of `src`, inherit what was found of `src`'s graphs: a wrong torch.fx graph, the aten-level ones."
@@ -5271,6 +5273,11 @@ def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothi
     return verdict
 
 # %% ../nbs/02f_staged_check.ipynb #aa5bf466
+@torch.no_grad()
+def _put_back(bufs:list):
+    "Copy each saved value of `bufs` ([(buffer, its value)]) back into its buffer."
+    for b, v in bufs: b.copy_(v)
+
 def _check_window(xb:tuple, n:int, dt, device) -> tuple:
     "The check's window: `n` of `xb`'s samples (padded with other samples of the same shapes), floats in `dt`, on `device`."
     x = tuple(_plain(t) for t in xb)
@@ -5304,9 +5311,7 @@ def _compared(work:nn.Module, x:tuple, chunk:int, what:str):
     # the staged step's gradients wait, the plain step's are compared one by one as its backward makes them and
     # freed with their match: the check holds one set of gradients. `work`'s buffers are as they were after
     bufs = [(b, b.clone()) for b in work.buffers()]
-    def restore():
-        with torch.no_grad():
-            for b, v in bufs: b.copy_(v)
+    restore = functools.partial(_put_back, bufs)
     try: got, failed = _one_step(work, x, chunk=chunk), None
     except Exception as e: got, failed = None, e
     restore()
@@ -5362,9 +5367,7 @@ def _rounding_floor(work:nn.Module, x:tuple, bufs:list, seeds=range(4), floor:tu
     # each BatchNorm input rounded once more (`rounded_once_more`) with each of `seeds`, and (with no `floor` to widen
     # yet) the window's samples in reverse order: the float32 big batch's own rounding. One gradient set held, the
     # others compared as they land
-    def restore():
-        with torch.no_grad():
-            for b, v in bufs: b.copy_(v)
+    restore = functools.partial(_put_back, bufs)
     restore()
     first = {}
     ref = _one_step(work, x, landed=first.__setitem__)
@@ -5377,8 +5380,8 @@ def _rounding_floor(work:nn.Module, x:tuple, bufs:list, seeds=range(4), floor:tu
                 if reordered and part is floor[0] and not (k < len(per_sample) and per_sample[k]): d = 0.
                 part[k] = max(part.get(k, 0.), d)
     # an output with views folded into the batch cannot be put back in order: that way is not taken
-    reorder = any(floor) or any(o.dim() and o.shape[0] != n for o in ref[0])
-    for how in ([] if reorder else [dict(order=torch.arange(n - 1, -1, -1))]) + [dict(rounded=s) for s in seeds]:
+    skip_reorder = any(floor) or any(o.dim() and o.shape[0] != n for o in ref[0])
+    for how in ([] if skip_reorder else [dict(order=torch.arange(n - 1, -1, -1))]) + [dict(rounded=s) for s in seeds]:
         restore()
         grads = {}
         def landed(k, g): grads[k] = _diff(first.get(k), g)
@@ -5441,14 +5444,12 @@ def _checked_in_place(model:nn.Module, xb:tuple) -> tuple:
                 p.grad = None
                 if p.numel() > _check_max_numel: p.requires_grad_(False)
             held = _hold_random(model, x)
-            with torch.no_grad():
-                for b, v in bufs: b.copy_(v)
+            _put_back(bufs)
             over, verdict = _compared(model, x, 1, f"the model itself ({name})")
         except Exception as e: over, verdict = None, (None, f"not checked: the model itself does not train ({_said(e, 200)})")
         finally:
             for m in held: m.training = True
-            with torch.no_grad():
-                for b, v in bufs: b.copy_(v)
+            _put_back(bufs)
             for p, g, rg in stash: p.grad = g; p.requires_grad_(rg)
     return verdict or _verdict(over, f"{name}, the model itself on a window of 2 in chunks of 1", held)
 

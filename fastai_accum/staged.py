@@ -355,7 +355,7 @@ def output_spec(graph:fx.Graph):
     return _out_specs.get(graph)
 
 def _in_module(n:fx.Node) -> str:
-    "' in <module> (<class>)', the module whose call made node `n`, where the trace knows it."
+    "' in <module>', the module whose call made node `n`, where the trace knows it; else ''."
     return f" in {n.meta['module']}" if n.meta.get('module') else ''
 
 def _plain_tree(spec) -> bool:
@@ -510,8 +510,10 @@ def graph_mismatch(model:nn.Module, # the model, in the modes it trains in (noth
 
 def learn_output(model:nn.Module, graph:fx.Graph, xb:tuple):
     "Learn the classes `model`'s forward returns (`output_spec`) where torch.fx's output node made a dict of them, from one run on `xb`."
-    out = next(n for n in graph.nodes if n.op == 'output')
-    if graph not in _out_specs and isinstance(out.args[0], dict): graph_mismatch(model, graph, xb)
+    # once a graph (every window asks): a dict output learns its classes, any other is kept as the graph returns it
+    if graph in _out_specs: return
+    if isinstance(next(n for n in reversed(graph.nodes) if n.op == 'output').args[0], dict): graph_mismatch(model, graph, xb)
+    _out_specs.setdefault(graph, None)
 
 def same_trace(src:nn.Module, dst:nn.Module):
     "Let `dst`, a copy of `src`, inherit what was found of `src`'s graphs: a wrong torch.fx graph, the aten-level ones."

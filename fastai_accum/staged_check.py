@@ -171,6 +171,11 @@ def verify_staged(model:nn.Module, # the model, in the modes it trains in (nothi
     return verdict
 
 # %% ../nbs/02f_staged_check.ipynb #aa5bf466
+@torch.no_grad()
+def _put_back(bufs:list):
+    "Copy each saved value of `bufs` ([(buffer, its value)]) back into its buffer."
+    for b, v in bufs: b.copy_(v)
+
 def _check_window(xb:tuple, n:int, dt, device) -> tuple:
     "The check's window: `n` of `xb`'s samples (padded with other samples of the same shapes), floats in `dt`, on `device`."
     x = tuple(_plain(t) for t in xb)
@@ -204,9 +209,7 @@ def _compared(work:nn.Module, x:tuple, chunk:int, what:str):
     # the staged step's gradients wait, the plain step's are compared one by one as its backward makes them and
     # freed with their match: the check holds one set of gradients. `work`'s buffers are as they were after
     bufs = [(b, b.clone()) for b in work.buffers()]
-    def restore():
-        with torch.no_grad():
-            for b, v in bufs: b.copy_(v)
+    restore = functools.partial(_put_back, bufs)
     try: got, failed = _one_step(work, x, chunk=chunk), None
     except Exception as e: got, failed = None, e
     restore()
@@ -262,9 +265,7 @@ def _rounding_floor(work:nn.Module, x:tuple, bufs:list, seeds=range(4), floor:tu
     # each BatchNorm input rounded once more (`rounded_once_more`) with each of `seeds`, and (with no `floor` to widen
     # yet) the window's samples in reverse order: the float32 big batch's own rounding. One gradient set held, the
     # others compared as they land
-    def restore():
-        with torch.no_grad():
-            for b, v in bufs: b.copy_(v)
+    restore = functools.partial(_put_back, bufs)
     restore()
     first = {}
     ref = _one_step(work, x, landed=first.__setitem__)
@@ -277,8 +278,8 @@ def _rounding_floor(work:nn.Module, x:tuple, bufs:list, seeds=range(4), floor:tu
                 if reordered and part is floor[0] and not (k < len(per_sample) and per_sample[k]): d = 0.
                 part[k] = max(part.get(k, 0.), d)
     # an output with views folded into the batch cannot be put back in order: that way is not taken
-    reorder = any(floor) or any(o.dim() and o.shape[0] != n for o in ref[0])
-    for how in ([] if reorder else [dict(order=torch.arange(n - 1, -1, -1))]) + [dict(rounded=s) for s in seeds]:
+    skip_reorder = any(floor) or any(o.dim() and o.shape[0] != n for o in ref[0])
+    for how in ([] if skip_reorder else [dict(order=torch.arange(n - 1, -1, -1))]) + [dict(rounded=s) for s in seeds]:
         restore()
         grads = {}
         def landed(k, g): grads[k] = _diff(first.get(k), g)
@@ -341,13 +342,11 @@ def _checked_in_place(model:nn.Module, xb:tuple) -> tuple:
                 p.grad = None
                 if p.numel() > _check_max_numel: p.requires_grad_(False)
             held = _hold_random(model, x)
-            with torch.no_grad():
-                for b, v in bufs: b.copy_(v)
+            _put_back(bufs)
             over, verdict = _compared(model, x, 1, f"the model itself ({name})")
         except Exception as e: over, verdict = None, (None, f"not checked: the model itself does not train ({_said(e, 200)})")
         finally:
             for m in held: m.training = True
-            with torch.no_grad():
-                for b, v in bufs: b.copy_(v)
+            _put_back(bufs)
             for p, g, rg in stash: p.grad = g; p.requires_grad_(rg)
     return verdict or _verdict(over, f"{name}, the model itself on a window of 2 in chunks of 1", held)

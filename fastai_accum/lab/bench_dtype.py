@@ -10,20 +10,13 @@ from contextlib import nullcontext
 import pandas as pd
 import torch
 from torch import nn, Tensor
-from ..helpers import _tensors
-from ..staged_check import rounded_once_more
-from ..staged_exact import install_staged
+from ..staged_check import _one_step
 from .experiments import torch_threads
 
 # %% auto #0
 __all__ = ['dtype_models', 'window_grads', 'per_tensor_floor', 'dtype_row', 'bench_dtype', 'add_dtype_args', 'dtype_main']
 
 # %% ../../nbs/25_bench_dtype.ipynb #3cff75a7
-def _loss(out) -> Tensor:
-    "A fixed linear function of every floating output (the check's): its gradient reaches every sample's value."
-    return sum((o.float() * torch.linspace(-1, 1, o.numel(), device=o.device).view_as(o)).sum()
-               for o in _tensors(out) if o.is_floating_point())
-
 def window_grads(make, # () -> the model, the same every call (seeded inside)
                  x:Tensor, # one window of inputs
                  dtype=torch.float32, # the model's and the input's dtype
@@ -32,18 +25,11 @@ def window_grads(make, # () -> the model, the same every call (seeded inside)
                  order:Tensor|None=None, # the samples in this order (the loss follows them)
                  rounded:int|None=None, # every BatchNorm input rounded once more with this seed
                 ) -> dict:
-    "{name: gradient (float64)} of one training step of a fresh model on window `x`."
+    "{name: gradient (float64)} of one training step of a fresh model on window `x`: the check's step (`_one_step`)."
     m = make().to(dtype).train()
-    hooks = rounded_once_more(m, rounded) if rounded is not None else []
-    if chunk: install_staged(m, chunk).step.config.grow = False  # every stage in chunks of `chunk`
-    x = x.to(dtype)
-    if order is not None: x = x[order]
     with torch.autocast(x.device.type, dtype=amp) if amp else nullcontext():
-        out = m(x)
-    if order is not None: out = out[order.argsort()]
-    _loss(out).backward()
-    for h in hooks: h.remove()
-    return {n: p.grad.double() for n, p in m.named_parameters() if p.grad is not None}
+        _, grads, _ = _one_step(m, (x.to(dtype),), chunk=chunk, order=order, rounded=rounded)
+    return {n: g.double() for n, g in grads.items() if g is not None}
 
 # %% ../../nbs/25_bench_dtype.ipynb #c429fd1b
 def _rel(a:dict, b:dict) -> float:

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/09_cli.ipynb #168d5cc9
 from __future__ import annotations
-import argparse
+import argparse, importlib
 import fastai_accum
 
 # %% auto #0
@@ -61,42 +61,29 @@ def _sub(sub, name:str, help:str):
 @command('bench', help='Benchmarks: accuracy of BatchNorm handling at tiny micro-batches, speed/memory/communication')
 def _bench_args(p):
     sub = p.add_subparsers(dest='bench', metavar='BENCH', required=True)
-    from fastai_accum.lab.bench_accuracy import add_accuracy_args, accuracy_main
-    a = _sub(sub, 'accuracy', 'Train the benchmark models under every BatchNorm setting; table and plot')
-    add_accuracy_args(a)
-    a.set_defaults(run=accuracy_main)
-    try: from fastai_accum.lab.bench_speed import add_speed_args, speed_main
-    except ImportError: pass
-    else:
-        sp = _sub(sub, 'speed', 'Per-micro-batch overhead, memory (the step\'s and a whole fit\'s) and all-reduces per window')
-        add_speed_args(sp)
-        sp.set_defaults(run=speed_main)
-    from fastai_accum.lab.bench_ledger import add_ledger_args, ledger_main
-    led = _sub(sub, 'ledger', "One staged window as a GPU runs it (emulated): what crosses the host link, and a "
-                              "predicted time per window on two GPU classes")
-    add_ledger_args(led)
-    led.set_defaults(run=ledger_main)
-    from fastai_accum.lab.bench_fallback import add_fallback_args, fallback_main
-    fb = _sub(sub, 'fallback', "'window' against naive accumulation: per layer, each one's gradient error against "
-                               "the big batch's, and the largest gradient with random masks on")
-    add_fallback_args(fb)
-    fb.set_defaults(run=fallback_main)
-    from fastai_accum.lab.bench_dtype import add_dtype_args, dtype_main
-    dt = _sub(sub, 'dtype', "The staged step in float32 (or bfloat16 autocast) against the big batch, beside the big "
-                            "batch's own rounding")
-    add_dtype_args(dt)
-    dt.set_defaults(run=dtype_main)
-    from fastai_accum.lab.bench_check import add_check_args, check_main
-    ck = _sub(sub, 'check', "The suite's staged models under a staging budget: path, whether the check ran, its "
-                            "verdict, peak against the budget")
-    add_check_args(ck)
-    ck.set_defaults(run=check_main)
-    try: from fastai_accum.lab.bench_gradient import add_gradient_args, gradient_main
-    except ImportError: return
-    g = _sub(sub, 'gradient', "One window's gradient per policy against the big batch's (cosine, relative error, "
-                              "per layer), during a big-batch run")
-    add_gradient_args(g)
-    g.set_defaults(run=gradient_main)
+    # (name, help, module, its prefix, optional: absent where an extra is not installed)
+    for name, help, mod, pre, optional in _benches:
+        try: m = importlib.import_module(f'fastai_accum.lab.{mod}')
+        except ImportError:
+            if optional: continue
+            raise
+        b = _sub(sub, name, help)
+        getattr(m, f'add_{pre}_args')(b)
+        b.set_defaults(run=getattr(m, f'{pre}_main'))
+
+_benches = [
+    ('accuracy', 'Train the benchmark models under every BatchNorm setting; table and plot', 'bench_accuracy', 'accuracy', False),
+    ('speed', "Per-micro-batch overhead, memory (the step's and a whole fit's) and all-reduces per window", 'bench_speed', 'speed', True),
+    ('ledger', "One staged window as a GPU runs it (emulated): what crosses the host link, and a predicted time per "
+               "window on two GPU classes", 'bench_ledger', 'ledger', False),
+    ('fallback', "'window' against naive accumulation: per layer, each one's gradient error against the big batch's, "
+                 "and the largest gradient with random masks on", 'bench_fallback', 'fallback', False),
+    ('dtype', "The staged step in float32 (or bfloat16 autocast) against the big batch, beside the big batch's own "
+              "rounding", 'bench_dtype', 'dtype', False),
+    ('check', "The suite's staged models under a staging budget: path, whether the check ran, its verdict, peak "
+              "against the budget", 'bench_check', 'check', False),
+    ('gradient', "One window's gradient per policy against the big batch's (cosine, relative error, per layer), "
+                 "during a big-batch run", 'bench_gradient', 'gradient', True)]
 
 # %% ../../nbs/09_cli.ipynb #d06eb3a8
 def _load_commands():
