@@ -4,6 +4,13 @@
 
 # %% ../nbs/00e_chunk_sizer.ipynb #fac4eb67
 from __future__ import annotations
+import collections, math
+from torch import fx, Tensor
+from fastcore.basics import patch
+from .meters import _nbytes
+from .window_store import DevicePart
+from .remade import choose_remade, remade_trade
+from .schedule import StageSizes
 
 # %% auto #0
 __all__ = ['sample_cost', 'chunk_bytes', 'ChunkSizer']
@@ -26,13 +33,14 @@ def chunk_bytes(samples:int, # samples in the chunk
 # %% ../nbs/00e_chunk_sizer.ipynb #b2c4b9b4
 class ChunkSizer:
     "How many samples a stage's chunk holds: the budget over its bytes per sample, measured once and kept across windows."
+    # every record here is written by its own methods (`record_cost`, `record`, ...), called by the step as a window runs
     def __init__(self, config): # anything with a `budget` (device bytes a chunk may hold; None: no budget): `StagedConfig`
         self.config = config
-        self.costs = {}  # bytes per sample of each stage's chunk in its backward (`StagedStep._stage_cost`), by its key
+        self.costs = {}  # bytes per sample of each stage's chunk in its backward (`StagedStep._stage_cost`), by its `key`
         self.store_costs = {}  # the most bytes per sample the store held in a window, by input signature and autocast
         self.kept_sizes = {}  # {kept key: its bytes per sample} in the last window, by input signature and autocast
         self.one_chunk = set()  # keys of last stages that draw random numbers: run in one chunk
-        self.device_plans = {}  # the store's device part (its spans, bytes per stage) by window (`_plan_device_part`)
+        self.device_plans = {}  # the store's device part (its spans, bytes per stage) by window (`device_part`)
         # for the stages made again (`nbs/00f_remade`): each stage's forward FLOPs a sample (by its key), the keys of
         # stages that keep their values (they drew random numbers, or made a value other than a batch tensor), the bytes
         # a sample of each value kept or made again (by input signature and autocast), and the stages chosen, by window
@@ -58,3 +66,202 @@ class ChunkSizer:
             if total > self.config.budget: break
             first = s
         return first
+
+# %% ../nbs/00e_chunk_sizer.ipynb #d63cc5ae
+@patch
+def key(self:ChunkSizer, w, s:int) -> tuple:
+    "Stage `s` of window `w` (its nodes, the inputs' shapes and dtypes, training's autocast): what its bytes per sample depend on."
+    # an empty first stage: a BatchNorm on the model's input
+    first = w.cut.nodes[w.cut.stages[s][0]].name if w.cut.stages[s] else ''
+    return first, len(w.cut.stages[s]), w.signature, w.autocast
+
+@patch
+def record_cost(self:ChunkSizer, w, s:int, cost:float):
+    "Stage `s`'s bytes per sample in its backward, measured on its first chunk (`StagedStep._stage_cost`)."
+    self.costs[self.key(w, s)] = cost
+
+@patch
+def counting_flops(self:ChunkSizer, w, c) -> bool:
+    "Does chunk `c` count its stage's forward FLOPs (the first chunk, once, where stages may be made again)?"
+    return c.a == 0 and self.config.recompute and self.key(w, c.stage) not in self.flops
+
+@patch
+def record_flops(self:ChunkSizer, w, c, flops:float):
+    "Chunk `c`'s stage made `flops` in its forward: its FLOPs a sample (`remade_for` weighs them)."
+    self.flops[self.key(w, c.stage)] = flops / (c.b - c.a)
+
+@patch
+def record_kept(self:ChunkSizer, w, s:int):
+    "Stage `s` keeps its values from now on (made again, they would differ: it drew random numbers, or made a value that is not a batch tensor)."
+    self.not_remade.add(self.key(w, s))
+
+@patch
+def record_whole(self:ChunkSizer, w, s:int):
+    "The last stage `s` draws random numbers: it runs in one chunk from now on (its masks then the big batch's)."
+    self.one_chunk.add(self.key(w, s))
+
+@patch
+def record(self:ChunkSizer, w):
+    "After window `w`'s forward: the bytes a sample of the store, of each kept value and of each value made again."
+    store, key, W = w.store, (w.signature, w.autocast), w.W
+    self.store_costs[key] = max(map(store.store_bytes, range(len(w.cut)))) / W
+    self.kept_sizes[key] = {k: _nbytes(t) / W for k, t in store.kept.items()}
+    inputs = {n: _nbytes(t) / W for n, t in zip(w.cut.inputs, store.xb) if isinstance(t, Tensor)}
+    kept = {k: _nbytes(t) / W for k, t in store.kept.items() if isinstance(k, fx.Node)}
+    self.value_sizes[key] = {**inputs, **kept, **store.remade_sizes}
+
+# %% ../nbs/00e_chunk_sizer.ipynb #963d6961
+@patch
+def graphs_from(self:ChunkSizer, w, shared:bool) -> int:
+    "The first of window `w`'s last stages whose graphs for the whole window fit the budget together (`kept_from`)."
+    # where the store shares the budget's memory (`shared`), beside the most it held in a window like this one
+    keys = [self.key(w, s) for s in range(len(w.cut))]
+    return self.kept_from(keys, w.W, (w.signature, w.autocast) if shared else None)
+
+@patch
+def remade_stages(self:ChunkSizer, w) -> frozenset:
+    "The stages window `w` makes again where their values are read (`choose_remade`), from what earlier windows measured."
+    # none in the first window of an input signature: it measures each stage's FLOPs and each value's bytes
+    if not self.config.recompute or (w.signature, w.autocast) not in self.value_sizes: return frozenset()
+    keys = [self.key(w, s) for s in range(len(w.cut))]
+    plan = w.signature, w.autocast, w.kept_from, frozenset(s for s, k in enumerate(keys) if k in self.not_remade)
+    if plan in self.remade_plans: return self.remade_plans[plan]
+    chosen = self.remade_for(w, self.config.remade_time)[0]
+    if all(k in self.flops for k in keys): self.remade_plans[plan] = chosen  # kept once every stage's FLOPs are known
+    return chosen
+
+@patch
+def remade_for(self:ChunkSizer, w, time=None, # time(trade), as `StagedConfig.remade_time`
+              ) -> tuple:
+    "(the stages window `w` would make again, the quickest by `time`, their trade a sample summed: `remade_trade`)."
+    # from what earlier windows measured: each stage's FLOPs, each value's bytes (none measured: none made again)
+    sizes = self.value_sizes.get((w.signature, w.autocast))
+    if sizes is None: return frozenset(), (0., 0., 0.)
+    keys = [self.key(w, s) for s in range(len(w.cut))]
+    exclude = frozenset(s for s, k in enumerate(keys) if k in self.not_remade)
+    flops = [self.flops.get(k) for k in keys]
+    chosen = choose_remade(w.cut, sizes, flops, w.kept_from, exclude, time)
+    total = (0., 0., 0.)
+    for r in chosen: total = tuple(t + d for t, d in zip(total, remade_trade(w.cut, r, sizes, flops, w.kept_from)))
+    return chosen, total
+
+# %% ../nbs/00e_chunk_sizer.ipynb #15f291ca
+@patch
+def sizes(self:ChunkSizer, w, s:int, chunk:int, measured=None) -> StageSizes:
+    "How stage `s` of window `w` is chunked: from its bytes per sample, or the chunks of the stage it must follow (`measured`: its first chunk, just measured)."
+    if measured is not None:  # the rest as large as they fit, from what the first measured
+        return StageSizes(measured.b, self.sized(w, s, self.costs[self.key(w, s)], chunk), measure=True)
+    spans = w.store.producer_spans(s)
+    if spans: return StageSizes(None, None, spans=tuple(spans))
+    if self.key(w, s) in self.one_chunk: return StageSizes(w.W, w.W)  # the last stage, drawing random numbers: whole
+    if self.config.budget is not None:
+        cost = self.costs.get(self.key(w, s))
+        if cost is None: return StageSizes(min(chunk, w.W), None, measure=True)
+        return StageSizes(*[self.sized(w, s, cost, chunk)] * 2)
+    if not self.config.grow: return StageSizes(chunk, chunk)
+    return StageSizes(*[self._grown(w, s, chunk)] * 2)
+
+@patch
+def _grown(self:ChunkSizer, w, s:int, chunk:int) -> int:
+    "Without a budget: samples per chunk of stage `s` bringing in as many bytes as a micro-batch's input."
+    store = w.store
+    per_input = _nbytes(store.xb) / w.W
+    per = sum(store.kept_bytes(n) if n in store.kept or n in store.carried else per_input * w.W
+              for n in w.cut.stage_in[s]) / w.W  # bytes a sample brings in
+    return min(w.W, max(chunk, int(chunk * per_input // max(per, 1))))
+
+@patch
+def sized(self:ChunkSizer, w, s:int, cost:float, chunk:int, size=None, planned=None) -> int:
+    "The most samples (at least `chunk`) whose chunk of stage `s`, costing `cost` bytes per sample, fits the budget."
+    # `planned`: the values made again, where the store is not made yet (`device_part`)
+    beside, ahead = self._beside(w, s, size, planned is not None)
+    return self.samples_in(beside, cost + ahead + self._remake_cost(w, s, planned), chunk, w.W)
+
+@patch
+def _beside(self:ChunkSizer, w, s:int, size=None, planning:bool=False) -> tuple:
+    "(bytes beside every chunk of stage `s`, bytes per sample its next chunk's reads add while it computes)."
+    # beside: its parameters' gradients as its backward makes them (summed in place into the step's); where the store
+    # shares the budget's memory (a CPU), what it holds then, in this stage's forward and backward; the store's device
+    # part then. Read ahead (`WindowStore.prefetch`): its inputs and its outputs' gradients. `size(node)`: the window's
+    # bytes of a node (default: `_value_bytes`). `planning`: before the store is made (its device part planned):
+    # nothing held, the store apart
+    size = size or (lambda n: self._value_bytes(w, n))
+    grads = sum(_nbytes(p) for p in w.cut.stage_params[s] if p.requires_grad)
+    ahead = sum(map(size, w.cut.stage_in[s] + w.cut.stage_out[s])) / w.W
+    if planning: return grads, ahead
+    store = w.store
+    held = max(_nbytes(list(store.kept.values())), store.store_bytes(s)) if store.shared else 0
+    return grads + held + store.device.planned[s], ahead if store.link.apart else 0
+
+@patch
+def _value_bytes(self:ChunkSizer, w, n:fx.Node) -> float:
+    "Window bytes of node `n`'s values: as window `w` keeps them, else as the last window did (not made here yet)."
+    # a stage is sized before it runs: its outputs, whose gradients its backward reads ahead, are not kept yet
+    kept = w.store.kept_bytes(n)
+    if kept or n.op == 'placeholder': return kept
+    key = w.signature, w.autocast
+    parts = self.kept_sizes.get(key, {})  # a container's, by (node, index)
+    per = self.value_sizes.get(key, {}).get(n) or sum(v for k, v in parts.items() if isinstance(k, tuple) and k[0] is n)
+    return w.W * per
+
+@patch
+def _remake_cost(self:ChunkSizer, w, s:int, planned=None) -> float:
+    "Bytes per sample a chunk of stage `s` holds besides its own in its backward: the stages it makes again."
+    # each one's chunk as its backward holds it (a bound: made again without a graph, it holds less); `planned`:
+    # {value: the stage making it again}, where the store is not made yet
+    makers = planned if planned is not None else w.store.remade_by
+    return sum(self.costs.get(self.key(w, r), 0.) for r in {makers[n] for n in w.cut.stage_in[s] if n in makers})
+
+# %% ../nbs/00e_chunk_sizer.ipynb #2056e678
+@patch
+def device_part(self:ChunkSizer, w, chunk:int, planned:dict, input_bytes) -> DevicePart|None:
+    "Window `w`'s `DevicePart`: which kept values it holds from which stage to which, and its bytes at each stage (None: none)."
+    # only values read by several stages, none the model returns nor made again (`planned`); a value and its gradient
+    # are counted at every stage from its first reader to its last, within the room there (`_device_room`); the most
+    # read first. `input_bytes(node)`: a model input's bytes. Planned once per input signature, autocast, window size,
+    # budget and stages kept whole or with their graphs
+    per_sample = self.kept_sizes.get((w.signature, w.autocast))
+    costs = [self.costs.get(self.key(w, s)) for s in range(len(w.cut))]
+    if self.config.budget is None or per_sample is None or None in costs: return None
+    key = w.signature, w.autocast, w.W, self.config.budget, w.kept_from, len(self.one_chunk), frozenset(planned.values())
+    if key not in self.device_plans: self.device_plans[key] = self._device_plan(w, chunk, planned, input_bytes, per_sample, costs)
+    spans, planned_bytes = self.device_plans[key]
+    return DevicePart(w.W, list(planned_bytes), spans)
+
+@patch
+def _device_plan(self:ChunkSizer, w, chunk:int, planned:dict, input_bytes, per_sample:dict, costs:list) -> tuple:
+    "({kept key: (first, last) stage holding it}, bytes held at each stage): `device_part`'s plan."
+    node = lambda k: k[0] if isinstance(k, tuple) else k
+    sizes, by_node, readers = {k: v * w.W for k, v in per_sample.items()}, collections.Counter(), {}
+    for k, v in sizes.items(): by_node[node(k)] += v
+    room = self._device_room(w, chunk, costs, planned, lambda n: input_bytes(n) if n.op == 'placeholder' else by_node[n])
+    for s, ins in enumerate(w.cut.stage_in):
+        for n in ins: readers.setdefault(n, []).append(s)
+    returned = set(w.cut.output.all_input_nodes)
+    several = [(k, readers[node(k)]) for k in sizes
+               if len(readers.get(node(k), ())) > 1 and node(k) not in returned and node(k) not in planned]
+    spans, held = {}, [0] * len(w.cut)
+    for k, rs in sorted(several, key=lambda kv: (-len(kv[1]), sizes[kv[0]])):
+        span = range(rs[0], rs[-1] + 1)
+        if all(held[s] + 2 * sizes[k] <= room[s] for s in span):
+            spans[k] = rs[0], rs[-1]
+            for s in span: held[s] += 2 * sizes[k]
+    return spans, tuple(held)
+
+@patch
+def _device_room(self:ChunkSizer, w, chunk:int, costs:list, planned:dict, size) -> list:
+    "Bytes the store's device part may hold at each stage: 90% of what the budget leaves there (-1: none)."
+    # beside chunks that may shrink to `shrink` of their size without it (where the backward recomputes), or beside
+    # the graphs kept since `kept_from` (where it keeps them: they hold the whole window already); none in a stage run
+    # whole. `size(node)`: a node's window bytes, the last window's
+    room, graphs, config = [-1.] * len(w.cut), 0., self.config
+    for s, cost in enumerate(costs):
+        if self.key(w, s) in self.one_chunk: continue
+        beside, ahead = self._beside(w, s, size, planning=True)
+        if s >= w.kept_from:
+            graphs += cost * w.W
+            room[s] = 0.9 * (config.budget - beside - config.margin * graphs)
+            continue
+        least = max(chunk, math.ceil(config.shrink * self.sized(w, s, cost, chunk, size, planned)))  # the chunks it may take
+        room[s] = 0.9 * (config.budget - beside - config.margin * least * (cost + ahead))
+    return room

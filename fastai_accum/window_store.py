@@ -15,9 +15,10 @@ from .meters import _nbytes
 from .helpers import _to, _tensors, can_pin
 from .link import Link, _storage
 from .stage_cut import StageCut
+from .probes import batch_layouts
 
 # %% auto #0
-__all__ = ['PASSES', 'HostPool', 'DevicePart', 'WindowStore']
+__all__ = ['PASSES', 'HostPool', 'DevicePart', 'store_shared', 'WindowStore']
 
 # %% ../nbs/00d_window_store.ipynb #4fd247b3
 # the passes a `timer` sees, each timed where it runs
@@ -74,10 +75,10 @@ class DevicePart:
     # and their gradients, summed there and written to the store once, after their first reader's backward
     def __init__(self,
                  W:int, # samples in the window
-                 held:list, # bytes planned at each stage (`_plan_device_part`)
+                 planned:list, # bytes planned at each stage (`ChunkSizer.device_part`)
                  spans:dict|None=None, # {kept key: (first, last) stage reading it}: the values it holds
                 ):
-        self.W, self.held, self.spans = W, held, {} if spans is None else dict(spans)
+        self.W, self.planned, self.spans = W, planned, {} if spans is None else dict(spans)
         self.values, self.grads = {}, {}  # {key: (window-sized tensor, [sample held?])}, {key: summed gradient}
         self.most = 0  # the most bytes it held in this window: values and summed gradients
 
@@ -154,6 +155,13 @@ def _has_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 # %% ../nbs/00d_window_store.ipynb #0e66dcd2
+def store_shared(where, # device of the store's window-sized tensors (None: where each is computed)
+                 apart:bool|None, # they live apart from the memory the device budget counts (None: `where` says)
+                 dev:torch.device, # where the model computes
+                ) -> bool:
+    "Is the store in the memory the device budget counts (a CPU's): chunks get what it leaves, and nothing is pooled?"
+    return not apart if apart is not None else where is None or torch.device(where) == dev
+
 class WindowStore:
     "One window's values kept between stages, their gradients and the window's inputs: the only holder of the host link."
     def __init__(self,
@@ -167,6 +175,9 @@ class WindowStore:
                  layouts:dict|None=None, # views folded into the batch by key (`batch_layouts`; None: not looked for)
                  timer=None, # a profiler's hook: `timer(name)`, a context around each pass (`PASSES`)
                  on_host=None, # a meter's hook: a context around each write into the store, yielding `held(t)`
+                 remade_by:dict|None=None, # {value not kept: the stage making it again where it is read} (`nbs/00f_remade`)
+                 remake=None, # remake(stage, a, b, have): that stage's values on samples a:b (`have`: values read already)
+                 device:DevicePart|None=None, # its part on the device (`ChunkSizer.device_part`; None: none)
                 ):
         self.cut, self.xb, self.dev, self.where, self.layouts = cut, xb, dev, where, layouts
         self.W = xb[0].shape[0]
@@ -176,16 +187,14 @@ class WindowStore:
         # a pinned host store on an accelerator
         self.pin = where is not None and torch.device(where).type == 'cpu' and dev.type != 'cpu' and can_pin()
         # in the memory the budget counts (a CPU's): chunks get what it leaves, and nothing is pooled
-        self.shared = not apart if apart is not None else where is None or torch.device(where) == dev
+        self.shared = store_shared(where, apart, dev)
         # the one door between the host store and the device, and its ledger of what crossed (this window's)
         self.link = Link(not self.shared, *(copies() if copies is not None and not self.shared else (None, None)))
         self.kept, self.carried, self.structs = {}, {}, {}  # {key: window tensor}, {node: {(a, b): value}}, {node: (spec, idx)}
         self.grads, self.written = {}, {}  # {key: the window's gradient}, {key: [(a, b) written]}
-        self.device = DevicePart(self.W, [0] * len(cut))  # held on the device: planned by the step (`_plan_device_part`)
-        # values not kept, made again where read: {value: the stage making it}, and `remake(stage, a, b, have)` giving
-        # that stage's values on samples a:b (the step's; `have`: values read already); their bytes a sample as seen
-        # (`nbs/00f_remade`)
-        self.remade, self.remake, self.remade_sizes = {}, None, {}
+        self.device = device if device is not None else DevicePart(self.W, [0] * len(cut))
+        # values not kept, made again where read, the step's `remake`, and their bytes a sample as seen
+        self.remade_by, self.remake, self.remade_sizes = dict(remade_by or {}), remake, {}
 
     def __repr__(self):
         where = 'host, apart' if self.link.apart else 'shared'
@@ -236,6 +245,22 @@ def folds(self:WindowStore, env:dict, n:int) -> bool:
     return any(t.dim() and t.shape[0] != n and t.shape[0] % n == 0
                for m, v in env.items() if m in self.cut.from_input for t in _tensors(v))
 
+@patch
+def look_for_layouts(self:WindowStore, env:dict, n:int, model):
+    "Find the views folded into the batch (`batch_layouts` on two samples of `model`) where a stage's first chunk `env` of `n` samples shows some may be."
+    # looked for until a window of this input signature has shown none (`settle_layouts`)
+    if self.layouts is not None or not self.folds(env, n): return
+    xb = tuple(_to(t[:2], self.dev) if isinstance(t, Tensor) else t for t in self.xb)
+    nodes = {m.name: m for m in self.cut.nodes}
+    node = lambda k: nodes.get(k) if isinstance(k, str) else (nodes[k[0]], k[1]) if k[0] in nodes else None
+    self.layouts = {node(k): f for k, f in batch_layouts(model, xb).items() if node(k) is not None}
+
+@patch
+def settle_layouts(self:WindowStore) -> dict:
+    "After the forward: the views folded into the batch by key ({}: none looked for was found), for windows like this one."
+    if self.layouts is None: self.layouts = {}
+    return self.layouts
+
 # %% ../nbs/00d_window_store.ipynb #f5bd4294
 @patch
 @_timed_pass('input copies')
@@ -262,11 +287,11 @@ def stage_inputs(self:WindowStore, s:int, a:int, b:int, dev, grad:bool=False, ha
     "Samples a:b of the values stage `s` reads from earlier stages, on `dev` (`have`: some read already)."
     # leaves that collect gradients if `grad`; values made again last, from those read for `s` and what else they need
     env, made = {}, {}
-    for n in sorted(self.cut.stage_in[s], key=lambda n: n in self.remade):
+    for n in sorted(self.cut.stage_in[s], key=lambda n: n in self.remade_by):
         if n.op == 'placeholder': continue
         if have is not None and n in have: env[n] = have[n]
-        elif n in self.remade:  # its maker run again, once for all it reads
-            r = self.remade[n]
+        elif n in self.remade_by:  # its maker run again, once for all it reads
+            r = self.remade_by[n]
             if r not in made: made[r] = self.remake(r, a, b, {m: v.detach() for m, v in env.items() if isinstance(v, Tensor)})
             v = made[r][n]
             env[n] = v.detach().requires_grad_(v.is_floating_point()) if grad else v
@@ -332,7 +357,7 @@ def hold(self:WindowStore, n, v, a:int, b:int):
     "Keep node `n`'s value of samples a:b for later stages."
     # a tensor of the batch window-sized; any other value (`torch.Size`, an int, a tuple, None, a constant tensor) as
     # it is, per chunk
-    if n in self.remade:  # not kept: made again where read
+    if n in self.remade_by:  # not kept: made again where read
         self.remade_sizes[n] = _nbytes(v) / (b - a)
         return
     if self.batched(n, v, a, b): return self.keep(self.kept, n, v, a, b)
@@ -392,6 +417,11 @@ def check_carried(self:WindowStore, s:int, env:dict):
             raise RuntimeError(f"staged exact: {n.name}, a tensor computed from parameters alone, is read across "
                                "a BatchNorm layer: its gradient cannot be carried back")
 
+@patch
+def keep_values(self:WindowStore, s:int):
+    "Keep stage `s`'s values after all, rather than make them again where read (it drew random numbers, or made a value that is not a batch tensor)."
+    for n in self.cut.stage_out[s]: self.remade_by.pop(n, None)
+
 # %% ../nbs/00d_window_store.ipynb #45bcae49
 @patch
 def add_grad(self:WindowStore, k, g:Tensor, a:int, b:int):
@@ -440,30 +470,38 @@ def leave_device(self:WindowStore, s:int, backward:bool=False):
 
 # %% ../nbs/00d_window_store.ipynb #81aeec24
 @patch
-def prefetch(self:WindowStore, s:int, span, backward:bool=False, recompute:bool=True, projections:dict|None=None):
-    "Start the reads of chunk `span` (a, b) of stage `s` (None: none), so they cross while this chunk computes."
-    # `recompute`: the backward runs the chunk again (its graph was not kept); `projections`: {key: [`Projection`]}
-    if span is None or not self.link.apart: return
-    a, b = span
-    if recompute:
-        # a value made again: what its maker reads
-        read = dict.fromkeys(m for n in self.cut.stage_in[s] for m in (self.cut.stage_in[self.remade[n]] if n in self.remade else [n]))
-        for n in read:
-            if n.op == 'placeholder' or (n in self.carried and n not in self.structs): continue
-            for k in self.keys(n):
-                if k in self.kept and self.link.holds(self.kept[k]) and not self.device.holds(k, a, b):
-                    self.link.prefetch(self.kept[k][a:b], self.dev)
-        if self.cut.reads_input[s] or any(self.cut.reads_input[self.remade[n]] for n in self.cut.stage_in[s] if n in self.remade):
-            for t in self.xb:
-                if isinstance(t, Tensor) and t.device.type == 'cpu': self.link.prefetch(t[a:b], self.dev, 'input')
+def prefetch(self:WindowStore, c, # a `Chunk` of the schedule (None: none)
+             backward:bool=False, # it is the backward's: its outputs' gradients are read too
+             projections:dict|None=None, # {key: [`Projection`]}: BatchNorm's fixed gradients its backward reads
+            ):
+    "Start the reads of chunk `c`, so they cross while the chunk before it computes."
+    if c is None or not self.link.apart: return
+    if not backward or c.recompute: self._prefetch_values(c)  # what its stage (run again) reads
     if not backward: return
-    for n in self.cut.stage_out[s]:
+    for n in self.cut.stage_out[c.stage]:
         for k in self.keys(n):
             t = self.grads.get(k)
-            if t is not None and self.link.holds(t) and any(u < b and a < e for u, e in self.written.get(k, ())):
-                self.link.prefetch(t[a:b], self.dev)
+            if t is not None and self.link.holds(t) and any(u < c.b and c.a < e for u, e in self.written.get(k, ())):
+                self.link.prefetch(t[c.a:c.b], self.dev)
             for p in (projections or {}).get(k, ()):
-                if self.link.holds(p.fixed): self.link.prefetch(p.fixed[a:b], self.dev)
+                if self.link.holds(p.fixed): self.link.prefetch(p.fixed[c.a:c.b], self.dev)
+
+@patch
+def _prefetch_values(self:WindowStore, c):
+    "Start the reads of the kept values and window inputs chunk `c`'s stage reads (a value made again: what its maker reads)."
+    s, a, b = c.stage, c.a, c.b
+    makers = [s] + [self.remade_by[n] for n in self.cut.stage_in[s] if n in self.remade_by]
+    read = {}
+    for n in self.cut.stage_in[s]:
+        for m in (self.cut.stage_in[self.remade_by[n]] if n in self.remade_by else [n]): read[m] = None
+    for n in read:
+        if n.op == 'placeholder' or (n in self.carried and n not in self.structs): continue
+        for k in self.keys(n):
+            if k in self.kept and self.link.holds(self.kept[k]) and not self.device.holds(k, a, b):
+                self.link.prefetch(self.kept[k][a:b], self.dev)
+    if any(self.cut.reads_input[r] for r in makers):
+        for t in self.xb:
+            if isinstance(t, Tensor) and t.device.type == 'cpu': self.link.prefetch(t[a:b], self.dev, 'input')
 
 # %% ../nbs/00d_window_store.ipynb #99ec8efc
 @patch
@@ -515,6 +553,12 @@ def kept_bytes(self:WindowStore, n) -> int:
 def store_bytes(self:WindowStore, s:int) -> float:
     "Bytes the store holds during stage `s`'s backward, as far as this window has kept them."
     return self.cut.store_bytes(s, self.kept_bytes)
+
+@patch
+def let_go(self:WindowStore, grads_of=(), kept_of=()):
+    "After a stage's backward: the gradients of nodes `grads_of` and the values of nodes `kept_of` back to the pool."
+    self.recycle([self.grads.pop(k, None) for n in grads_of for k in self.keys(n)])
+    self.recycle([self.kept.pop(k) for n in kept_of for k in self.keys(n) if k in self.kept])
 
 @patch
 def done(self:WindowStore, returned:set, more:list=()):

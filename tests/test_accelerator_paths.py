@@ -10,6 +10,7 @@ from fastai_accum.core import Accumulation, _input_elements
 from fastai_accum.exact import plan_exact, Footprint, ExactPlan, release_pinned, measure_footprint
 from fastai_accum.helpers import emulated_accelerator
 from fastai_accum.staged_exact import StagedStep, install_staged
+from fastai_accum.chunk_sizer import ChunkSizer
 import fastai_accum.exact as exact, fastai_accum.window as window, fastai_accum.plan as plan
 from helpers import forced_budget as budget  # a device budget the window does not fit, one chunk does
 from helpers import Dense, staged_config
@@ -71,12 +72,13 @@ def test_a_dense_block_staged_on_an_accelerator_keeps_features_on_the_device_and
     """A DenseNet block (each feature read by every later stage) staged under a budget that forces chunks, SGD steps
     between windows: from the second window on, features stay on the device between their reading stages (planned from
     the window before), and every window's gradients are the big batch's."""
-    parts, plan = [], StagedStep._plan_device_part
+    parts, plan = [], ChunkSizer.device_part
     staged_config(monkeypatch, margin=1.)  # the mechanism, on a block too small for the default's room
-    def counted(self, chunk):
-        plan(self, chunk)
-        parts.append(len(self.device))
-    monkeypatch.setattr(StagedStep, '_plan_device_part', counted)
+    def counted(self, *args):
+        part = plan(self, *args)
+        parts.append(len(part) if part is not None else 0)
+        return part
+    monkeypatch.setattr(ChunkSizer, 'device_part', counted)
     pairs, acc, _ = grads_per_window('staged', make=lambda: Dense(out=5), n_win=3)
     assert acc.path == 'staged exact' and len(pairs) == 3 and parts[-1] > 0 and parts[0] == 0
     for got, ref in pairs:

@@ -57,7 +57,7 @@ def test_a_plain_loop_fit_holds_its_budget_and_leaves_nothing_behind(monkeypatch
     assert acc.path == 'staged exact' and acc.plan.checked.startswith('checked on this model: equal'), acc.plan.checked
     assert meter.peak <= budget, (meter.peak, budget)
     assert after[0] == after[1] == after[2], after
-    assert bool(steps[-1].window.remade) == recompute, steps[-1].window.remade
+    assert bool(steps[-1].window.remade_stages) == recompute, steps[-1].window.remade_stages
     for epoch in range(3):
         for i in range(0, len(x), 2 * n_step):
             F.cross_entropy(big(x[i:i + 2 * n_step]), y[i:i + 2 * n_step]).backward(); opts[0].step(); opts[0].zero_grad()
@@ -240,7 +240,7 @@ def _emulated_fit(monkeypatch, recompute:bool, frac:float) -> tuple:
                 if acc.backward(F.cross_entropy(ours(xb), yb)): opt.step(); opt.zero_grad(set_to_none=True)
             after.append(meter.live)
     assert acc.path == 'staged exact' and acc.plan.on_accelerator and acc.inputs_on == 'cpu'
-    assert bool(steps[-1].window.remade) == recompute
+    assert bool(steps[-1].window.remade_stages) == recompute
     return meter.peak, budget, after, ours
 
 @pytest.mark.parametrize('frac', [0.05, 0.3])

@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fastai_accum.helpers import emulated_accelerator
 from fastai_accum.link import DeferredCopies, Link
 from fastai_accum.staged_exact import install_staged, uninstall_staged
+from fastai_accum.chunk_sizer import ChunkSizer
 from fastai_accum.window_store import WindowStore
 from helpers import Dense, staged_config
 
@@ -180,13 +181,13 @@ def test_values_several_stages_read_stay_on_the_device_between_reads(monkeypatch
         deferred = (DeferredCopies(), DeferredCopies()) if copies == 'deferred' else (None, None)
         step, seen = counted_window(monkeypatch, m, x, budget=budget, warm=1, writes=deferred[0], reads=deferred[1])
         led = step.ledger
-        assert len(step.device) >= 2 and max(step.device.held) > 0
+        assert len(step.device) >= 2 and max(step.device.planned) > 0
         assert (led.h2d_bytes, led.d2h_bytes, led.copies) == (seen.h2d, seen.d2h, seen.copies) and seen.math == []
         assert led.h2d_bytes + led.d2h_bytes <= 1.05 * led.floor() and led.syncs <= 2
         runs[copies] = [p.grad for p in m.parameters()] + list(m.buffers())
         for a, r in zip(runs[copies], ref): assert torch.allclose(a, r, rtol=1e-9, atol=1e-12)
     for a, b in zip(*runs.values()): assert torch.equal(a, b)
-    monkeypatch.setattr(StagedStep, '_device_room', lambda self, *a: [-1.] * len(self.cut))  # no device part
+    monkeypatch.setattr(ChunkSizer, '_device_room', lambda self, w, *a: [-1.] * len(w.cut))  # no device part
     step, _ = counted_window(monkeypatch, copy.deepcopy(model), x, budget=budget, warm=1)
     assert not step.device and step.ledger.h2d_bytes + step.ledger.d2h_bytes > led.h2d_bytes + led.d2h_bytes
 
@@ -237,7 +238,7 @@ def test_stages_made_again_cross_fewer_bytes_and_give_the_big_batch(monkeypatch,
         m = copy.deepcopy(model)
         step, seen = counted_window(monkeypatch, m, x, budget=budget, warm=1, writes=writes, reads=reads)
         led = step.ledger
-        assert step.window.remade and all(r < step.kept_from for r in step.window.remade), step.window.remade
+        assert step.window.remade_stages and all(r < step.kept_from for r in step.window.remade_stages), step.window.remade_stages
         assert (led.h2d_bytes, led.d2h_bytes, led.copies) == (seen.h2d, seen.d2h, seen.copies) and seen.math == []
         assert led.d2h_bytes < kept.d2h_bytes and led.h2d_bytes < kept.h2d_bytes, (led, kept)
         runs.append([p.grad for p in m.parameters()] + list(m.buffers()))
@@ -266,7 +267,7 @@ def test_a_stage_drawing_random_numbers_keeps_its_values(monkeypatch):
         runs[recompute] = [p.grad for p in m.parameters()] + list(m.buffers())
     random_stage = next(s for s in range(len(step.cut)) if any(
         step.cut.nodes[i].name == 'dropout' for i in step.cut.stages[s]))
-    assert step.window.remade and random_stage not in step.window.remade, (random_stage, step.window.remade)
+    assert step.window.remade_stages and random_stage not in step.window.remade_stages, (random_stage, step.window.remade_stages)
     assert len(step.sizer.not_remade) == 1
     for a, b in zip(*runs.values()): assert torch.equal(a, b)
 
@@ -284,7 +285,7 @@ def test_stages_made_again_under_bfloat16_autocast_give_the_stored_values_to_the
             try:
                 for _ in range(3): m(x).float().pow(2).mean().backward()
             finally: uninstall_staged(m)
-        assert bool(steps[-1].window.remade) == recompute and steps[-1].window.autocast == torch.bfloat16
+        assert bool(steps[-1].window.remade_stages) == recompute and steps[-1].window.autocast == torch.bfloat16
         runs[recompute], written[recompute] = [p.grad for p in m.parameters()] + list(m.buffers()), f.step.ledger.d2h_bytes
     assert written[True] < written[False]
     for a, b in zip(*runs.values()): assert torch.equal(a, b)

@@ -141,7 +141,7 @@ def test_a_plan_on_a_card_whose_link_binds_makes_stages_again(monkeypatch):
         assert acc.path == 'staged exact' and diff < 1e-9, diff
         assert isinstance(acc.plan.remade, RemadeTime) == made and ('stages are made again' in str(acc)) == made
         assert 'H200, measured' in acc.plan.predicted
-        assert bool(steps[-1].window.remade) == made and steps[-1].config.remade_time == acc.plan.remade
+        assert bool(steps[-1].window.remade_stages) == made and steps[-1].config.remade_time == acc.plan.remade
 
 def test_the_class_passed_where_an_instance_belongs_says_what_to_do():
     "`cbs=GradientAccumulation`: fastai makes one with the defaults, silently (issue #76); now a warning at the user's line."

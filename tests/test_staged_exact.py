@@ -138,7 +138,7 @@ def test_chunks_sized_per_stage_give_the_uniform_chunks_step(room):
     else: assert fs.step.kept_from == 0 and set(widths) == {12}
     for s, w in enumerate(widths):  # within the budget (the chunk, its parameters' gradients, the store), or the smallest
         reserve = sum(p.numel() * p.element_size() for p in fs.step.cut.stage_params[s])
-        assert w == 2 or w * costs[fs.step._cost_key(s)] + reserve <= budget
+        assert w == 2 or w * costs[fs.step.sizer.key(fs.step.window, s)] + reserve <= budget
     (ob, gb, bb, nb), (ou, gu, bu, nu), (os_, gs, bs, ns) = res
     assert rel(os_, ou) < 1e-12 and rel(gs, gu) < 1e-12 and rel(bs, bu) < 1e-12 and ns == nu == nb
     assert rel(os_, ob) < 1e-12 and rel(gs, gb) < 1e-10 and rel(bs, bb) < 1e-12

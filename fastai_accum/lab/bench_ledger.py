@@ -98,11 +98,11 @@ def _remade_window(net, x, step, dev, train, counted:dict) -> dict|None:
     net.zero_grad(set_to_none=True)
     peak = _device_peak(lambda: train(net, x), dev, step)
     net.zero_grad(set_to_none=True)
-    if not step.window.remade: return None
+    if not step.window.remade_stages: return None
     flops, ops = counted['staged']
     # `choose(time)`: the stages a card's cost model would make again, and their trade (`StagedStep.remade_for`)
     return dict(ledger=step.ledger, flops_staged=int(flops), ops_staged=ops, peak_device=int(peak),
-                stages=len(step.window.remade), of=len(step.cut), choose=step.remade_for,
+                stages=len(step.window.remade_stages), of=len(step.cut), choose=step.remade_for,
                 trade=step.remade_for()[1])
 
 # %% ../../nbs/23_bench_ledger.ipynb #df348196
