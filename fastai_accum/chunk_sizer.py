@@ -190,8 +190,8 @@ def _beside(self:ChunkSizer, w, s:int, size=None, planning:bool=False) -> tuple:
     ahead = sum(map(size, w.cut.stage_in[s] + w.cut.stage_out[s])) / w.W
     if planning: return grads, ahead
     store = w.store
-    held = max(_nbytes(list(store.kept.values())), store.store_bytes(s)) if store.shared else 0
-    return grads + held + store.device.planned[s], ahead if store.link.apart else 0
+    store_held = max(_nbytes(list(store.kept.values())), store.store_bytes(s)) if store.shared else 0
+    return grads + store_held + store.device.planned[s], ahead if store.link.apart else 0
 
 @patch
 def _value_bytes(self:ChunkSizer, w, n:fx.Node) -> float:
@@ -204,6 +204,7 @@ def _value_bytes(self:ChunkSizer, w, n:fx.Node) -> float:
     per = self.value_sizes.get(key, {}).get(n) or sum(v for k, v in parts.items() if isinstance(k, tuple) and k[0] is n)
     return w.W * per
 
+# %% ../nbs/00e_chunk_sizer.ipynb #ae836e22
 @patch
 def _remake_cost(self:ChunkSizer, w, s:int, planned=None) -> float:
     "Bytes per sample a chunk of stage `s` holds besides its own in its backward: the stages it makes again."
@@ -240,13 +241,13 @@ def _device_plan(self:ChunkSizer, w, chunk:int, planned:dict, input_bytes, per_s
     returned = set(w.cut.output.all_input_nodes)
     several = [(k, readers[node(k)]) for k in sizes
                if len(readers.get(node(k), ())) > 1 and node(k) not in returned and node(k) not in planned]
-    spans, held = {}, [0] * len(w.cut)
+    spans, planned_bytes = {}, [0] * len(w.cut)
     for k, rs in sorted(several, key=lambda kv: (-len(kv[1]), sizes[kv[0]])):
         span = range(rs[0], rs[-1] + 1)
-        if all(held[s] + 2 * sizes[k] <= room[s] for s in span):
+        if all(planned_bytes[s] + 2 * sizes[k] <= room[s] for s in span):
             spans[k] = rs[0], rs[-1]
-            for s in span: held[s] += 2 * sizes[k]
-    return spans, tuple(held)
+            for s in span: planned_bytes[s] += 2 * sizes[k]
+    return spans, tuple(planned_bytes)
 
 @patch
 def _device_room(self:ChunkSizer, w, chunk:int, costs:list, planned:dict, size) -> list:

@@ -34,6 +34,19 @@ class Ledger:
     def line(self, **more) -> str:
         "`ledger: name=value ...`: the ledger's counts, then `more`."
         return 'ledger: ' + ' '.join(f'{k}={v}' for k, v in {**asdict(self), **more}.items())
+    # counted by the `Link`, through these alone
+    def count_read(self, n:int, kind:str, blocking:bool, ahead:bool=False):
+        "A copy of `n` bytes onto the device: of the store or a window input (`kind` 'input'), the host waiting for it (`blocking`), read ahead."
+        self.h2d_bytes, self.copies = self.h2d_bytes + n, self.copies + 1
+        if kind == 'input': self.input_bytes += n
+        if blocking: self.blocking_copies, self.syncs = self.blocking_copies + 1, self.syncs + 1
+        if ahead: self.ahead_bytes += n
+    def count_write(self, n:int, kind:str):
+        "A copy of `n` bytes into the store: a value (`kind` 'kept') or a gradient ('grad')."
+        self.d2h_bytes, self.copies = self.d2h_bytes + n, self.copies + 1
+        if kind == 'kept': self.kept_bytes += n
+        else: self.grad_bytes += n
+    def count_syncs(self, n:int=1): self.syncs += n
 
 # %% ../nbs/01b_link.ipynb #4a2107da
 class Copies:
@@ -69,11 +82,12 @@ class DeferredCopies(Copies):
         self.queue.append(lambda: (self.wait(after), copy()))
         return _Queued(self, len(self.queue))
     def wait(self, event):
-        if event is None: return
-        copies = event.copies
-        while copies.ran < event.n:
-            copy, copies.queue[copies.ran] = copies.queue[copies.ran], None
-            copies.ran += 1
+        if event is not None: event.copies.run_to(event.n)
+    def run_to(self, n:int):
+        "Run the copies issued up to the `n`-th that have not run yet."
+        while self.ran < n:
+            copy, self.queue[self.ran] = self.queue[self.ran], None
+            self.ran += 1
             copy()
     def done(self): self.wait(_Queued(self, len(self.queue)))
 
@@ -125,34 +139,27 @@ class Link:
         "Start the copy `read(t, device, kind)` will hand over, on the read copies' stream (after the write into `t`)."
         key = _part(t)
         if key in self.fetched: return
-        self._count_read(t, device, kind)
-        self.ledger.ahead_bytes += _nbytes(t)
+        self._count_read(t, device, kind, ahead=True)
         out = torch.empty(t.shape, dtype=t.dtype, device=device)
         ev = self.reads.issue(lambda: out.copy_(t, non_blocking=True), (out,), after=self.pending.get(_storage(t)))
         self.fetched[key] = (ev, out)
 
-    def _count_read(self, t:Tensor, device, kind:str):
-        n, led = _nbytes(t), self.ledger
-        led.h2d_bytes, led.copies = led.h2d_bytes + n, led.copies + 1
-        if kind == 'input': led.input_bytes += n
-        if torch.device(device).type == 'cuda' and not t.is_pinned():  # pageable memory: the host waits
-            led.blocking_copies, led.syncs = led.blocking_copies + 1, led.syncs + 1
+    def _count_read(self, t:Tensor, device, kind:str, ahead:bool=False):
+        # from pageable memory onto a GPU, the host waits
+        self.ledger.count_read(_nbytes(t), kind, torch.device(device).type == 'cuda' and not t.is_pinned(), ahead)
 
 # %% ../nbs/01b_link.ipynb #beeaa352
 @patch
 def write(self:Link, dst:Tensor, v:Tensor, kind:str):
     "Copy `v` (on the device) into `dst`, part of a host tensor of the store; `kind`: 'kept' (a value) or 'grad'."
-    n, led = _nbytes(v), self.ledger
-    led.d2h_bytes, led.copies = led.d2h_bytes + n, led.copies + 1
-    if kind == 'kept': led.kept_bytes += n
-    else: led.grad_bytes += n
+    self.ledger.count_write(_nbytes(v), kind)
     v = v.detach()
     self.pending[_storage(dst)] = self.writes.issue(lambda: dst.copy_(v, non_blocking=True), (v,))
 
 @patch
 def sync(self:Link, n:int=1):
     "Count `n` waits of the host for the device made elsewhere (reading a device value on the host)."
-    self.ledger.syncs += n
+    self.ledger.count_syncs(n)
 
 @patch
 def done(self:Link):

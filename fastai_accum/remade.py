@@ -34,9 +34,12 @@ def remade_trade(cut:StageCut, # the stages
     readers, outs = stage_readers(cut), cut.stage_out[r]
     consumers = sorted({c for n in outs for c in readers.get(n, ())})
     runs = {c: 1 if kept_from is not None and c >= kept_from else 2 for c in consumers}
-    own = [m for m in cut.stage_in[r] if m in sizes]
-    read = sum(runs[c] * (sum(sizes[n] for n in outs if n in cut.stage_in[c]) - sum(sizes[m] for m in own if m not in cut.stage_in[c]))
-               for c in consumers)
+    inputs = [m for m in cut.stage_in[r] if m in sizes]
+    read = 0
+    for c in consumers:  # `r`'s values `c` no longer reads, less what `r` reads that `c` does not, as often as `c` runs `r`
+        not_read = sum(sizes[n] for n in outs if n in cut.stage_in[c])
+        read_instead = sum(sizes[m] for m in inputs if m not in cut.stage_in[c])
+        read += runs[c] * (not_read - read_instead)
     return sum(sizes[n] for n in outs), read, sum(runs.values()) * flops[r]
 
 # %% ../nbs/00f_remade.ipynb #e3e83a07

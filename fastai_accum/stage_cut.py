@@ -130,7 +130,7 @@ class StageCut:
     stage_params:list # per stage: the parameters its nodes use, once each
     reads_input:list # per stage: does it read the window's inputs?
     sizes:dict # {node: (kind, tensor)} of the nodes holding the batch's size: 'int' (`x.size(0)`), 'shape' (`x.shape`)
-    held:list # per stage: (kept values, gradients, the fixed gradient's node) the store holds in its backward
+    store_holds:list # per stage: (kept values, gradients, the fixed gradient's node) the store holds in its backward
     freed:list # per stage: the kept values no stage reads after its backward
     readers:dict # {id of a parameter: how many nodes of the graph read it} (a BatchNorm's window sums from its own)
 
@@ -139,7 +139,7 @@ class StageCut:
 
     def store_bytes(self, s:int, size) -> float:
         "Bytes the store holds during stage `s`'s backward (kept values, gradients, the fixed gradient); `size(node)`."
-        values, grads, fixed = self.held[s]
+        values, grads, fixed = self.store_holds[s]
         return sum(map(size, values)) + sum(map(size, grads)) + (size(fixed) if fixed is not None else 0)
 
 # %% ../nbs/00b_stage_cut.ipynb #e37737ba
@@ -152,11 +152,11 @@ def cut_stages(model:nn.Module, # the traced model, in the modes it trains in
     output = next(n for n in all_nodes if n.op == 'output')
     # sibling branches' BatchNorm layers in a row
     nodes = _barrier_order([n for n in all_nodes if n.op not in ('placeholder', 'get_attr', 'output')], modules)
-    bars = [i for i, n in enumerate(nodes) if _opens_stage(n, modules)]
-    cut = next((i for i in range(bars[-1] + 1, len(nodes)) if _draws(nodes[i], modules)), None) if bars else None
-    bounds = [0] + bars + ([cut] if cut else []) + [len(nodes)]
+    bar_at = [i for i, n in enumerate(nodes) if _opens_stage(n, modules)]  # where each BatchNorm node is
+    cut = next((i for i in range(bar_at[-1] + 1, len(nodes)) if _draws(nodes[i], modules)), None) if bar_at else None
+    bounds = [0] + bar_at + ([cut] if cut else []) + [len(nodes)]
     stages = [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
-    opening = [None] + [nodes[i] if i != cut else None for i in bounds[1:-1]]
+    bars = [None] + [nodes[i] if i != cut else None for i in bounds[1:-1]]
     # a stage cut before a random op that writes in place (`Dropout(inplace=True)`) runs on copies of its inputs: they
     # are chunks of the store (which the backward reads again), or leaves, which autograd does not let an op modify
     on_copies = [cut is not None and s == len(stages) - 1 and any(_writes_in_place(nodes[i], modules) for i in idx)
@@ -166,18 +166,17 @@ def cut_stages(model:nn.Module, # the traced model, in the modes it trains in
         if any(a in from_input for a in n.all_input_nodes): from_input.add(n)
     owner = {nodes[i]: s for s, idx in enumerate(stages) for i in idx}
     owner.update({p: -1 for p in inputs})
-    stages = [stages[0]] + [_recomputing(nodes, stages[s], opening[s], owner, s, from_input)
+    stages = [stages[0]] + [_recomputing(nodes, stages[s], bars[s], owner, s, from_input)
                             for s in range(1, len(stages))]
-    gathers, stage_in, stage_out = _reads_and_writes(nodes, stages, opening, owner, modules, output)
-    ends = opening[1:] + [None]  # the BatchNorm ending each stage
+    gathers, stage_in, stage_out = _reads_and_writes(nodes, stages, bars, owner, modules, output)
     reads_input = [any(n.op == 'placeholder' for n in stage_in[s]) or (b is not None and b.args[0].op == 'placeholder')
-                   for s, b in enumerate(ends)]  # only these stages copy the window's inputs to the device
+                   for s, b in enumerate(bars[1:] + [None])]  # (the BatchNorm ending each stage) only these stages copy the window's inputs to the device
     sizes = {}
     for n in nodes: _size_kind(n, sizes)
-    held, freed = _store_plan(stages, opening, stage_in, stage_out, output)
-    return StageCut(inputs, output, nodes, stages, opening, on_copies, frozenset(from_input), gathers, stage_in,
+    store_holds, freed = _store_plan(stages, bars, stage_in, stage_out, output)
+    return StageCut(inputs, output, nodes, stages, bars, on_copies, frozenset(from_input), gathers, stage_in,
                     stage_out, [_params_of(model, modules, [nodes[i] for i in idx]) for idx in stages], reads_input,
-                    sizes, held, freed, _readers(model, modules, all_nodes))
+                    sizes, store_holds, freed, _readers(model, modules, all_nodes))
 
 # %% ../nbs/00b_stage_cut.ipynb #36f451eb
 def _reads_and_writes(nodes:list, stages:list, bars:list, owner:dict, modules:dict, output:fx.Node) -> tuple:
@@ -201,20 +200,20 @@ def _reads_and_writes(nodes:list, stages:list, bars:list, owner:dict, modules:di
     return gathers, stage_in, stage_out
 
 # %% ../nbs/00b_stage_cut.ipynb #82388a93
-def _recomputing(nodes:list, own:list, bar, owner:dict, s:int, from_input:set) -> list:
-    "Stage `s`'s node indices `own` (opened by `bar`), plus the parameter-only nodes of earlier stages it reads."
+def _recomputing(nodes:list, members:list, bar, owner:dict, s:int, from_input:set) -> list:
+    "Stage `s`'s node indices `members` (opened by `bar`), plus the parameter-only nodes of earlier stages it reads."
     # the nodes of earlier stages it reads that are computed from parameters and constants alone
     # (`w = self.scale.exp()`) are computed again after its BatchNorm: their gradients then reach the parameters from
     # every stage that uses them
     pos, need = {n: i for i, n in enumerate(nodes)}, set()
-    stack = [a for i in own for a in nodes[i].all_input_nodes if owner.get(a, s) < s and a not in from_input]
+    stack = [a for i in members for a in nodes[i].all_input_nodes if owner.get(a, s) < s and a not in from_input]
     while stack:
         a = stack.pop()
         if a in need or a not in pos: continue
         need.add(a)
         stack.extend(x for x in a.all_input_nodes if x in pos and x not in from_input)
-    lead = own[:1] if bar is not None else []  # a barrier first: the stage opens with it
-    return lead + sorted(pos[n] for n in need) + own[len(lead):]
+    lead = members[:1] if bar is not None else []  # a barrier first: the stage opens with it
+    return lead + sorted(pos[n] for n in need) + members[len(lead):]
 
 # %% ../nbs/00b_stage_cut.ipynb #b22e07ba
 def _size_kind(n, sizes:dict):
@@ -253,7 +252,7 @@ def _params_of(model:nn.Module, modules:dict, nodes:list) -> list:
 
 # %% ../nbs/00b_stage_cut.ipynb #a3e4ea30
 def _store_plan(stages:list, bars:list, stage_in:list, stage_out:list, output:fx.Node) -> tuple:
-    "(held, freed) of the cut `stages`: what the store holds in each stage's backward, and what it frees after it."
+    "(store_holds, freed) of the cut `stages`: what the store holds in each stage's backward, and what it frees after it."
     # the output stays (the model returned it)
     first, n_st = {}, len(stages)
     for s in range(n_st):
@@ -263,15 +262,15 @@ def _store_plan(stages:list, bars:list, stage_in:list, stage_out:list, output:fx
     returned = set(output.all_input_nodes)
     freed = [[n for n, f in first.items() if f == s and n not in returned] for s in range(n_st)]
     kept = {n for outs in stage_out for n in outs}
-    alive, held = {n for n in returned if n in kept}, [None] * n_st  # gradients in the store
+    alive, store_holds = {n for n in returned if n in kept}, [None] * n_st  # gradients in the store
     for s in reversed(range(n_st)):
         bar = bars[s]
         grads = alive | {n for n in stage_in[s] if n.op != 'placeholder'}
         if bar is not None and isinstance(bar.args[0], fx.Node): grads.add(bar.args[0])  # the projection's dx
         values = {n for n in kept if n in returned or first.get(n, n_st) <= s}
-        held[s] = (values, grads, bar.args[0] if bar is not None else None)  # and the fixed gradient
+        store_holds[s] = (values, grads, bar.args[0] if bar is not None else None)  # and the fixed gradient
         alive = grads - set(stage_out[s])
-    return held, freed
+    return store_holds, freed
 
 # %% ../nbs/00b_stage_cut.ipynb #d9be6349
 def stage_grads(model:nn.Module, # the model, in the modes it trains in

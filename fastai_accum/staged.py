@@ -217,12 +217,12 @@ def _get_attr(model, target:str):
 
 # %% ../nbs/00a_staged.ipynb #a7e1c001
 _aten = torch.ops.aten
+
 _aten_graphs = weakref.WeakKeyDictionary()  # model -> {(input signature, modes): aten-level graph, or why not}
 
 def _signature(xb:tuple) -> tuple:
     "What an aten-level graph is specialised to: every input's shape but the batch's, its dtype and device."
     return tuple((tuple(t.shape[1:]), t.dtype, t.device.type) if isinstance(t, Tensor) else repr(t) for t in xb)
-
 
 def _naming_modules(model:nn.Module) -> list:
     "Hooks tagging each node a module's call adds to the graph being traced (`meta['module']`, the innermost's name)."
@@ -271,6 +271,7 @@ def _trace_aten(model:nn.Module, # the model (nothing in it changes)
     if len(ends) != len(seen): raise ValueError("a ToTensorBase module inside the model (not at its end)")
     return gm, names, ends, tree
 
+# %% ../nbs/00a_staged.ipynb #036d0561
 def _exported(model:nn.Module, xb:tuple, last:list) -> tuple:
     "(`torch.export`'s graph module of `model` on `xb`, every batch input's first dimension one symbol; names of its parameters and buffers; output tree)."
     # `last` gets the model's output; only the batch is symbolic: parameters keep their shapes (make_fx's symbolic
@@ -365,6 +366,7 @@ def _plain_tree(spec) -> bool:
     plain = t in (list, tuple, dict) or (isinstance(t, type) and issubclass(t, tuple) and hasattr(t, '_fields'))
     return plain and all(_plain_tree(c) for c in spec.children_specs)
 
+# %% ../nbs/00a_staged.ipynb #a99b3313
 def _read_later(view:fx.Node, write:fx.Node, order:dict) -> fx.Node|None:
     "A node after `write` (an in-place op on `view`) reading the value `view` is a view of, or another view of it; or None."
     # none: the write can be out of place (`nn.Dropout(inplace=True)` after `flatten`), its readers reading the new
@@ -379,6 +381,31 @@ def _read_later(view:fx.Node, write:fx.Node, order:dict) -> fx.Node|None:
     return next((u for a in aliases if a is not view for u in a.users
                  if u is not write and order.get(u, -1) > order[write]), None)
 
+def _layer_call(n:fx.Node, g:fx.Graph, owners:dict, holds:dict, look) -> fx.Node:
+    "Aten `batch_norm` node `n` in `g` as a call of the BatchNorm layer whose weight, bias and statistics it reads."
+    layers = {owners.get(holds.get(a)) for a in n.args[1:5] if isinstance(a, fx.Node)} - {None}
+    if len(layers) != 1: raise ValueError(f"a batch_norm of no BatchNorm layer ({n.name})")
+    layer = layers.pop()
+    other = _other_call(n, layer, holds)
+    if other: raise ValueError(f"{layer} calls batch_norm otherwise than torch's BatchNorm does ({other})")
+    call = g.call_module(layer, (look(n.args[0]),))
+    call.meta['norm_only'] = True  # what the layer's class adds (timm's activation) follows as nodes
+    return call
+
+def _out_of_place(n:fx.Node, op, g:fx.Graph, root:dict, current:dict, holds:dict, order:dict, look) -> fx.Node|None:
+    "In-place node `n` in `g` as `op` out of place, its result the written value's latest (None: a layer's own step count, left out)."
+    # `root`: {in-place node: the value it wrote}, `current`: {value: its latest}, both updated here
+    r = root.get(n.args[0], n.args[0])
+    if holds.get(r, '').endswith('num_batches_tracked') and not n.users: return None  # the layer counts its own steps
+    if r.op != 'call_function': raise ValueError(f"an in-place {n.target} on {r.name}{_in_module(n)}")
+    later = _read_later(r, n, order) if _is_view(r) else None  # what else sees the write: its base, other views
+    if later is not None: raise ValueError(f"an in-place {n.target} on {r.name}{_in_module(n)}, a view of a value "
+                                           f"{later.name} reads after it")
+    current[r] = g.call_function(op, fx.node.map_arg(n.args, look), fx.node.map_arg(n.kwargs, look))
+    root[n] = r
+    return current[r]
+
+# %% ../nbs/00a_staged.ipynb #04adf30f
 def _staged_form(gm, names:list, ends:list, owners:dict, tree) -> fx.Graph:
     "`gm`'s aten graph as the staged step runs it: inputs, `get_attr` weights, BatchNorm as `call_module`, no in-place."
     g, env, current, root = fx.Graph(), {}, {}, {}
@@ -391,27 +418,10 @@ def _staged_form(gm, names:list, ends:list, owners:dict, tree) -> fx.Graph:
     for n in traced.nodes:
         if n.op in ('placeholder', 'output'): continue
         if n.op != 'call_function': raise ValueError(f"an aten graph node {n.op} {n.target}")
-        if n.target is _aten.batch_norm.default:
-            layers = {owners.get(holds.get(a)) for a in n.args[1:5] if isinstance(a, fx.Node)} - {None}
-            if len(layers) != 1: raise ValueError(f"a batch_norm of no BatchNorm layer ({n.name})")
-            layer = layers.pop()
-            other = _other_call(n, layer, holds)
-            if other: raise ValueError(f"{layer} calls batch_norm otherwise than torch's BatchNorm does ({other})")
-            env[n] = g.call_module(layer, (look(n.args[0]),))
-            env[n].meta['norm_only'] = True  # what the layer's class adds (timm's activation) follows as nodes
-            continue
         op = _in_place(n)
-        if op is None:
-            env[n] = g.node_copy(n, look)
-            continue
-        r = root.get(n.args[0], n.args[0])
-        if holds.get(r, '').endswith('num_batches_tracked') and not n.users: continue  # the layer counts its own steps
-        if r.op != 'call_function': raise ValueError(f"an in-place {n.target} on {r.name}{_in_module(n)}")
-        later = _read_later(r, n, order) if _is_view(r) else None  # what else sees the write: its base, other views
-        if later is not None: raise ValueError(f"an in-place {n.target} on {r.name}{_in_module(n)}, a view of a value "
-                                               f"{later.name} reads after it")
-        env[n] = current[r] = g.call_function(op, fx.node.map_arg(n.args, look), fx.node.map_arg(n.kwargs, look))
-        root[n] = r
+        if n.target is _aten.batch_norm.default: env[n] = _layer_call(n, g, owners, holds, look)
+        elif op is None: env[n] = g.node_copy(n, look)
+        elif (made := _out_of_place(n, op, g, root, current, holds, order, look)) is not None: env[n] = made
     for n, v in env.items():  # the regions a node ran in, on its copy (a BatchNorm's call, an out-of-place op's too)
         if 'regions' in n.meta and isinstance(v, fx.Node): v.meta['regions'] = n.meta['regions']
     out = next(n for n in traced.nodes if n.op == 'output')
@@ -480,6 +490,7 @@ class _GraphForward(fx.Interpreter):
             args, _ = self.fetch_args_kwargs_from_env(n)
             return norm_only(self.fetch_attr(n.target), *args)
 
+# %% ../nbs/00a_staged.ipynb #ed337887
 def graph_mismatch(model:nn.Module, # the model, in the modes it trains in (nothing in it changes)
                    graph:fx.Graph, # a graph of it: torch.fx's (`bn_graph`) or an aten-level one (`aten_graph`)
                    xb:tuple, # one micro-batch of its inputs
@@ -538,6 +549,7 @@ def staged_graph(model:nn.Module, # the model, in the modes it trains in
 
 _trace_times = weakref.WeakKeyDictionary()  # model -> {input signature: (tracer of its staged graph, seconds it took)}
 
+# %% ../nbs/00a_staged.ipynb #58d692ee
 def passed_over(model:nn.Module, # a model `staged_graph` traced
                 xb:tuple, # one micro-batch of its inputs
                ) -> str|None:

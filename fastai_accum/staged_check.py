@@ -204,6 +204,7 @@ def _checked_copy(model:nn.Module, xb:tuple, dt) -> tuple:
 
 inconclusive = "not checked: the check's window is not finite"  # the verdict of a window that decides nothing
 
+# %% ../nbs/02f_staged_check.ipynb #a861afb8
 def _compared(work:nn.Module, x:tuple, chunk:int, what:str):
     "(`_over` of a staged step in chunks of `chunk` and a plain step of `work` on window `x`, or None; a verdict, or None)."
     # the staged step's gradients wait, the plain step's are compared one by one as its backward makes them and

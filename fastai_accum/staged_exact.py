@@ -160,7 +160,7 @@ class StagedStep:
         self.said_random = False  # the warning that chunked stages drew random numbers was given
         # a profiler's hook: `timer(name)` gives a context manager entered around each pass of that kind (`PASSES`)
         self.timer = None
-        # a meter's hook: `on_host()` gives a context around each write into the store, yielding `held(t)` for the
+        # a meter's hook: `on_host()` gives a context around each write into the store, yielding `counted(t)` for the
         # window-sized tensor it leaves there (`profile_staged` counts the store as host memory so)
         self.on_host = None
         self.window = None  # the window in flight, or the last (`Window`: its store let go after its backward)

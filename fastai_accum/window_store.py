@@ -154,6 +154,10 @@ def _has_int(v) -> bool:
     if isinstance(v, (list, tuple)): return any(map(_has_int, v))
     return isinstance(v, int) and not isinstance(v, bool)
 
+class _Key:
+    "A key of `grads` (a node, or (node, i) for a container's i-th tensor), whole where pytree flattens."
+    def __init__(self, key): self.key = key
+
 # %% ../nbs/00d_window_store.ipynb #0e66dcd2
 def store_shared(where, # device of the store's window-sized tensors (None: where each is computed)
                  apart:bool|None, # they live apart from the memory the device budget counts (None: `where` says)
@@ -174,7 +178,7 @@ class WindowStore:
                  pool:HostPool|None=None, # host tensors earlier windows gave back
                  layouts:dict|None=None, # views folded into the batch by key (`batch_layouts`; None: not looked for)
                  timer=None, # a profiler's hook: `timer(name)`, a context around each pass (`PASSES`)
-                 on_host=None, # a meter's hook: a context around each write into the store, yielding `held(t)`
+                 on_host=None, # a meter's hook: a context around each write into the store, yielding `counted(t)`
                  remade_by:dict|None=None, # {value not kept: the stage making it again where it is read} (`nbs/00f_remade`)
                  remake=None, # remake(stage, a, b, have): that stage's values on samples a:b (`have`: values read already)
                  device:DevicePart|None=None, # its part on the device (`ChunkSizer.device_part`; None: none)
@@ -337,14 +341,14 @@ def struct_keys(self:WindowStore, n, v) -> list:
 @_timed_pass('store copies')
 def keep(self:WindowStore, d:dict, n, v:Tensor, a:int, b:int, kind:str='kept'):
     "Samples a:b of node `n`'s value (`kind` 'kept') or gradient ('grad') into the window-sized `d[n]`."
-    with self.on_host() as held:
+    with self.on_host() as counted:
         v = self.stored(n, v, b - a)
         if b - a == self.W and not self.link.apart and (self.where is None or torch.device(self.where) == v.device):
             d[n] = v.detach()  # the whole window, where the store is: kept as it is, no copy
         else:
             if n not in d: d[n] = self.new((self.W,) + v.shape[1:], v.dtype, self.where or v.device)
             self.put(d[n], a, b, v, kind)
-        held(d[n])
+        counted(d[n])
 
 @patch
 def put(self:WindowStore, t:Tensor, a:int, b:int, v:Tensor, kind:str):
@@ -378,6 +382,7 @@ def batched(self:WindowStore, key, v, a:int, b:int) -> bool:
     return (isinstance(v, Tensor) and n in self.cut.from_input and v.dim() > 0
             and v.shape[0] == self.factor(key) * (b - a))
 
+# %% ../nbs/00d_window_store.ipynb #36607d09
 @patch
 def carried_at(self:WindowStore, n, a:int, b:int):
     "Node `n`'s non-batch-tensor value for samples a:b: that chunk's, or the one every chunk gave."
@@ -428,14 +433,14 @@ def add_grad(self:WindowStore, k, g:Tensor, a:int, b:int):
     "Add one chunk's gradient `g` of kept value `k` (samples a:b) into the window-sized `grads[k]`."
     g = self.stored(k, g, b - a)
     if k in self.device: return self.device.add_grad(k, g, a, b)  # written once, after its first reader's backward
-    with self.on_host() as held:
+    with self.on_host() as counted:
         if k not in self.grads: self.grads[k] = self.new((self.W,) + g.shape[1:], g.dtype, self.where or g.device)
         spans, t = self.written.setdefault(k, []), self.grads[k]
         if not any(s < b and a < e for s, e in spans): self.put(t, a, b, g, 'grad')
         elif not self.link.holds(t): t[a:b] += g  # where the device is: in place
         else: self.put(t, a, b, self.grad_chunk(k, a, b, g.device).add_(g), 'grad')  # a chunk of its own
         spans.append((a, b))
-        held(t)
+        counted(t)
 
 @patch
 def grad_chunk(self:WindowStore, k, a:int, b:int, dev) -> Tensor:
@@ -523,10 +528,6 @@ def _plain_containers(o):
         return type(o)(*(_plain_containers(v) for v in o))
     if isinstance(o, (list, tuple)): return (list if isinstance(o, list) else tuple)(_plain_containers(v) for v in o)
     return o
-
-class _Key:
-    "A key of `grads` (a node, or (node, i) for a container's i-th tensor), whole where pytree flattens."
-    def __init__(self, key): self.key = key
 
 @patch
 def take_output_grads(self:WindowStore, grad):

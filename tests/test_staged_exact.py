@@ -234,3 +234,44 @@ def test_windows_reuse_the_store_and_leave_the_output_alone():
         if i == 2: assert {t.shape[0] for ts in f.step.pool.free.values() for t in ts} == {5}  # another size: afresh
         if i == 0: first, first_val = outs[1], outs[1].clone()
     assert torch.equal(first, first_val)  # the first window's output was not overwritten by the next windows
+
+def test_the_step_runs_exactly_the_schedules_chunks_in_its_order(monkeypatch):
+    """One function orders chunks (`stage_chunks`, held by the window's `Schedule`): in two windows of a CNN under a
+    budget — the first measuring each stage on its first chunk, the second sized from it, the last stages keeping their
+    graphs — the chunks the forward read its inputs for are the schedule's forward, in order, and those the backward
+    took a graph for or ran again are the schedule's backward, in order."""
+    from torch import nn
+    from fastai_accum.window_store import WindowStore
+    from fastai_accum.staged_exact import Window
+    def block(i, o, s): return [nn.Conv2d(i, o, 3, stride=s, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU()]
+    torch.manual_seed(0)
+    net = nn.Sequential(*block(3, 8, 1), *block(8, 16, 2), *block(16, 32, 2), *block(32, 32, 1), nn.AdaptiveAvgPool2d(1),
+                        nn.Flatten(), nn.Linear(32, 5)).double().train()
+    probe, x = copy.deepcopy(net), torch.randn(12, 3, 16, 16, dtype=torch.float64)
+    fp = install_staged(probe, chunk=2, budget=1)
+    probe(x).sum().backward()
+    costs, keys = fp.step.sizer.costs, [fp.step.sizer.key(fp.step.window, s) for s in range(len(fp.step.cut))]
+    grads = max(sum(p.numel() * p.element_size() for p in ps) for ps in fp.step.cut.stage_params)
+    store = int(max(fp.step.sizer.store_costs.values()) * len(x)) + 1
+    # the costliest stage in chunks of 3 or more; room for the graphs of the last two stages, on a CPU beside the store
+    f = install_staged(net, chunk=2, budget=int(3 * max(costs.values()) + (costs[keys[-1]] + costs[keys[-2]]) * len(x)) + grads + store)
+    seen, inputs, taken = [], WindowStore.stage_inputs, Window.take_graph
+    def read(self, s, a, b, dev, grad=False, have=None):
+        seen.append(('read', s, a, b))
+        return inputs(self, s, a, b, dev, grad, have)
+    def graph(self, c):
+        seen.append(('graph', c.stage, c.a, c.b))
+        return taken(self, c)
+    monkeypatch.setattr(WindowStore, 'stage_inputs', read)
+    monkeypatch.setattr(Window, 'take_graph', graph)
+    for window in range(2):
+        seen.clear()
+        net(x).sum().backward()
+        sched = f.step.schedule
+        forward = [(c.stage, c.a, c.b) for s in sched.stage_order() for c in sched.stages[s]]
+        backward = [(c.stage, c.a, c.b) for s in sched.stage_order(backward=True) for c in sched.backward(s)]
+        assert [k[1:] for k in seen[:len(forward)]] == forward and all(k[0] == 'read' for k in seen[:len(forward)])
+        assert [k[1:] for k in seen[len(forward):]] == backward, (sched, seen)
+        assert any(c.measure for st in sched.stages for c in st) == (window == 0)
+    assert 0 < sched.kept_from < len(sched) and len({b - a for a, b in sum(f.step.spans, [])}) > 1, sched
+    assert f'stage {len(sched) - 1}: forward 0:12g' in repr(sched)  # the last stage whole, its graph kept
