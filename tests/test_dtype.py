@@ -38,7 +38,7 @@ def test_float32_check_takes_mobilenet_v2(seed):
 def test_float32_check_still_refuses_a_step_that_is_not_the_big_batch(monkeypatch):
     "A staged step whose projection drops the mean of the gradient (a real fault) is refused in float32 with the wider floor."
     import torchvision
-    import fastai_accum.staged_check as se, fastai_accum.staged_exact as sx
+    import fastai_accum.staged_check as se, fastai_accum.window_stats as sx  # where the projection is applied
     torch.manual_seed(0)
     m = torchvision.models.resnet18(num_classes=4).train()
     monkeypatch.setattr(se, '_check_dtype', lambda model, memory, saved: torch.float32)

@@ -28,7 +28,7 @@ def test_batchnorm_arithmetic_has_one_home():
     found = [f'{p.relative_to(PKG)}:{l}' for p in _modules() for l in _second_homes(ast.parse(p.read_text()))]
     assert not found, found
     users = {p.name for p in _modules() if any(f in p.read_text() for f in ('commit_stats(', 'project_('))}
-    assert {'batchnorm.py', 'staged_exact.py'} <= users  # the accumulating layers and the staged step alike
+    assert {'batchnorm.py', 'window_stats.py'} <= users  # the accumulating layers and the staged step's statistics alike
 
 def test_the_scan_finds_a_second_home():
     code = ("def project_(f): pass\n"
