@@ -122,3 +122,52 @@ def test_every_error_class_the_readme_names_is_importable_from_all():
     named = set(re.findall(r'`(\w+Error)`', (Path(__file__).parents[1]/'README.md').read_text()))
     assert {'StagedMismatchError', 'ExactModeMemoryError', 'ExactModeRefusedError'} <= named
     assert named <= set(everything.__all__), named - set(everything.__all__)
+
+def bash_blocks() -> list[str]:
+    "The ```bash blocks of README.md, in order."
+    return re.findall(r'^```bash\n(.*?)^```', (ROOT/'README.md').read_text(), flags=re.S | re.M)
+
+# The network's three doors, and nothing else, replaced: the clone (this checkout), pip's indexes (an empty one; the
+# packages pip would download are this environment's, seen through a .pth file) and the demo's data (offline)
+SHORT_DEMO = ' --offline --epochs 1 --n-step 4 --n-train 32 --n-valid 16 --quiet'
+
+def _sees_this_environment(venv:Path):
+    "Let the fresh virtualenv `venv` see this environment's packages: a .pth file, its own older setuptools taken out."
+    import sysconfig, shutil
+    site = Path(subprocess.run([str(venv/'bin'/'python'), '-c', "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    (site/'_this_environment.pth').write_text(sysconfig.get_paths()['purelib'] + '\n')
+    for p in list(site.glob('setuptools*')) + list(site.glob('pkg_resources')) + list(site.glob('_distutils_hack')):
+        shutil.rmtree(p)
+    (site/'distutils-precedence.pth').unlink(missing_ok=True)
+
+def test_the_readme_commands_run_as_written_in_a_fresh_virtualenv(tmp_path):
+    """Try it's commands, each line as written, in a fresh shell: the clone, a fresh virtualenv, the CPU torch line, the
+    install of the checkout, its console script and the demo (shortened: offline, 32 images, one epoch). The other bash
+    block is the test command CI runs as written (`tests/test_package.py::test_ci_runs_the_readme_test_command`); the
+    upload-and-run route of the one-file library: `tests/test_single_file.py::test_the_pasted_cell_as_a_notebook_runs_it`."""
+    import os, sys
+    blocks = bash_blocks()
+    try_it = next(b for b in blocks if 'fastai-accum demo mnist' in b)
+    assert all(b is try_it or '-m pytest tests' in b for b in blocks), blocks
+    lines = try_it.strip().splitlines()
+    assert lines[0].startswith('git clone https://github.com/fastai-accum/fastai_accum ') and 'python3 -m venv .venv' in lines[0]
+    first = lines[0].replace('git clone https://github.com/fastai-accum/fastai_accum', f'git clone -q {ROOT} fastai_accum')
+    rest = [l.replace('--index-url https://download.pytorch.org/whl/cpu', f'--index-url {(tmp_path/"index").as_uri()}')
+             .replace('fastai-accum demo mnist', 'fastai-accum demo mnist' + SHORT_DEMO) for l in lines[1:]]
+    assert len(rest) == 2 and '--index-url file:' in rest[0] and SHORT_DEMO in rest[1]
+    (tmp_path/'index').mkdir()
+    env = {**os.environ, 'PIP_NO_INDEX': '1', 'PIP_NO_BUILD_ISOLATION': '0', 'PIP_DISABLE_PIP_VERSION_CHECK': '1',
+           'FASTAI_HOME': str(tmp_path/'fastai_home'), 'TORCH_HOME': str(tmp_path/'torch_home'),
+           'FASTAI_ACCUM_DATA': str(tmp_path/'data'), 'PATH': f"{Path(sys._base_executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop('PYTHONPATH', None)
+    sh = lambda cmd, cwd: subprocess.run(['bash', '-c', cmd], capture_output=True, text=True, timeout=900, cwd=cwd, env=env)
+    r = sh(first, tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _sees_this_environment(tmp_path/'fastai_accum'/'.venv')
+    r = sh('set -e\n' + '\n'.join(rest), tmp_path/'fastai_accum')  # as typed, line by line
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    assert re.search(r'^\s*ours\s', r.stdout, re.M) and 'offline stand-in' in r.stdout, r.stdout[-3000:]
+    which = subprocess.run([str(tmp_path/'fastai_accum'/'.venv'/'bin'/'python'), '-c', 'import fastai_accum; print(fastai_accum.__file__)'],
+                           capture_output=True, text=True, cwd='/', env=env).stdout
+    assert which.startswith(str(tmp_path/'fastai_accum')), which  # the checkout's package, installed in the fresh one
