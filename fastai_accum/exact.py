@@ -226,7 +226,7 @@ def check_memory(self:ExactPlan) -> int:
 def chunk_budget(self:ExactPlan) -> int|None:
     "Device bytes the chunks of a stage may hold: the budget less the parameters, their gradients and state."
     # a staged step sizes each stage's chunks from it (None: the whole window in one chunk, under DDP); on a CPU the
-    # store shares this memory: the step leaves what it holds there at each stage (`StagedStep._sized`)
+    # store shares this memory: the step leaves what it holds there at each stage (`ChunkSizer.sized`)
     if self.whole: return None
     budget = self.device_budget if self.device_budget is not None else self.host_budget
     return max(int(budget - self.model_needed), 0)

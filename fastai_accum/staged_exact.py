@@ -42,7 +42,7 @@ class StagedConfig:
     budget:int|None=None
     grow:bool=True # without a budget, stages bringing in fewer bytes per sample run in larger chunks (False: in `chunk`)
     local:bool=False # this process's window alone: no collective under DDP (the check on the user's model)
-    # the store's device part (`_plan_device_part`) may take chunks down to this fraction of their size without it (1.: it
+    # the store's device part (`ChunkSizer.device_part`) may take chunks down to this fraction of their size without it (1.: it
     # takes only the room they leave)
     shrink:float=0.5
     # beside a stage's working set counted this many times: its bytes per sample are an estimate (a dense block's
@@ -165,6 +165,10 @@ class StagedStep:
         self.on_host = None
         self.window = None  # the window in flight, or the last (`Window`: its store let go after its backward)
 
+    def _timed(self, name:str):
+        "The `timer`'s context around one pass called `name` (one of `PASSES`); none without a timer."
+        return self.timer(name) if self.timer is not None else nullcontext()
+
     def forward(self, xb:tuple, # the window's model inputs, one batch of W samples
                 chunk:int, # samples per chunk, at least
                ) -> Tensor:
@@ -252,11 +256,6 @@ def _copies(self:StagedStep, dev) -> tuple:
     if self.copies is None and dev.type == 'cuda': self.copies = CudaCopies(dev), CudaCopies(dev)
     made = self.copies if dev.type == 'cuda' else (Copies(), Copies())
     return self.config.writes or made[0], self.config.reads or made[1]
-
-@patch
-def _timed(self:StagedStep, name:str):
-    "The `timer`'s context around one pass called `name` (one of `PASSES`); none without a timer."
-    return self.timer(name) if self.timer is not None else nullcontext()
 
 # %% ../nbs/02b_staged_exact.ipynb #3df1fbb5
 @patch

@@ -165,7 +165,7 @@ def test_sibling_branches_read_the_value_they_branch_from_once(monkeypatch):
 @pytest.mark.parametrize('budget', [400_000, 10**9], ids=['recomputed', 'graphs_kept'])
 def test_values_several_stages_read_stay_on_the_device_between_reads(monkeypatch, budget):
     """With room left by the budget, the features several stages read stay on the device from their first reading stage
-    to their last (`_plan_device_part`, planned from the window before), and their gradients are summed there: the ledger at
+    to their last (`ChunkSizer.device_part`, planned from the window before), and their gradients are summed there: the ledger at
     the floor, below the step without it, counted independently; two windows equal the big batch's two (float64), also
     with copies run as late as streams may."""
     from fastai_accum.staged_exact import StagedStep
