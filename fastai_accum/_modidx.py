@@ -418,6 +418,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                              'fastai_accum/chunk_sizer.py'),
                                           'fastai_accum.chunk_sizer.ChunkSizer.key': ( 'chunk_sizer.html#chunksizer.key',
                                                                                        'fastai_accum/chunk_sizer.py'),
+                                          'fastai_accum.chunk_sizer.ChunkSizer.preset': ( 'chunk_sizer.html#chunksizer.preset',
+                                                                                          'fastai_accum/chunk_sizer.py'),
                                           'fastai_accum.chunk_sizer.ChunkSizer.record': ( 'chunk_sizer.html#chunksizer.record',
                                                                                           'fastai_accum/chunk_sizer.py'),
                                           'fastai_accum.chunk_sizer.ChunkSizer.record_cost': ( 'chunk_sizer.html#chunksizer.record_cost',

@@ -49,6 +49,11 @@ class ChunkSizer:
     def __repr__(self): return f'{type(self).__name__}(budget={self.config.budget}, {len(self)} stage costs)'
     def __len__(self) -> int: return len(self.costs)
 
+    def preset(self, costs:dict, store_costs:dict|None=None):
+        "Start from stage costs (and the store's bytes a sample) measured elsewhere: a probe's window, as a test or a benchmark knows them."
+        self.costs.update(costs)
+        if store_costs is not None: self.store_costs.update(store_costs)
+
     def samples_in(self, beside:float, per_sample:float, at_least:int, W:int) -> int:
         "The most samples, at least `at_least` and at most `W`, whose chunk (`chunk_bytes`) fits the budget beside `beside` bytes."
         return min(W, max(at_least, int((self.config.budget - beside) // max(per_sample, 1.))))

@@ -624,7 +624,7 @@ class StagedForward(ReplacedForward):
                  remade=None, # time(trade): which stages each window makes again (`StagedConfig.remade_time`; None: none)
                 ):
         super().__init__(model)  # `own`: a forward set on the instance (Accelerate's autocast wrapper), put back after
-        self.model, self.chunk, self.autocast, self.budget, self.remade = model, chunk, autocast, budget, remade
+        self.model, self.chunk, self.autocast, self.budget, self.remade_time = model, chunk, autocast, budget, remade
         # Accelerate's mixed precision returns float32 outputs: so does the staged step
         self.fp32 = _converts_to_fp32(self.own)
         dev = next(model.parameters()).device
@@ -654,7 +654,7 @@ class StagedForward(ReplacedForward):
 
     def _new_step(self, graph:fx.Graph) -> StagedStep:
         return StagedStep(self.model, graph, StagedConfig(self.store, self.apart, self.budget,
-                                                          recompute=self.remade is not None, remade_time=self.remade))
+                                                          recompute=self.remade_time is not None, remade_time=self.remade_time))
 
     @torch.compiler.disable  # in a compiled model (`torch.compile`): the staged step runs eagerly, stage by stage
     def __call__(self, *xb, **kwargs):

@@ -123,7 +123,7 @@ def test_chunks_sized_per_stage_give_the_uniform_chunks_step(room):
     budget = (int(3 * max(costs.values())) if room else int(sum(costs.values()) * len(x)) + 1) + grads + store
     fu, fs = install_staged(uniform, chunk=2), install_staged(sized, chunk=2, budget=budget)
     fu.step.config.grow = False
-    fs.step.sizer.costs, fs.step.sizer.store_costs = dict(costs), dict(f.step.sizer.store_costs)  # measured in a window before
+    fs.step.sizer.preset(costs, f.step.sizer.store_costs)  # measured in a window before
     res = []
     for m in (big, uniform, sized):
         torch.manual_seed(1); out = m(x)
@@ -161,7 +161,7 @@ def test_the_step_holds_its_budget_and_draws_the_head_masks_whole():
     _train(probe, x)
     budget = int(4 * max(f.step.sizer.costs.values()))
     f = install_staged(st, chunk=2, budget=budget)
-    f.step.sizer.costs = dict(probe.forward.step.sizer.costs)
+    f.step.sizer.preset(probe.forward.step.sizer.costs)
     grads = sum(p.numel() * p.element_size() for p in st.parameters())
     torch.manual_seed(1)
     peak = _device_peak(lambda: _train(st, x), torch.device('cpu'), f.step)
