@@ -159,7 +159,7 @@ def remade_window(model, opt, xs, ys, loss_func, chunk, time):
     if 'remade' not in held: held['remade'] = install_staged(model, chunk, remade=time)
     one_batch_window(model, opt, xs, ys, loss_func, plan=None)
     step = held['remade'].step
-    last_ledger['remade'], last_ledger['remade_stages'] = step.ledger, (len(step.window.remade), len(step.cut))
+    last_ledger['remade'], last_ledger['remade_stages'] = step.ledger, (len(step.window.remade_stages), len(step.cut))
 
 def counted(w, micro, flops, ops, led):
     "The cost model's counts of window `w`: the link's traffic counted (`led`), FLOPs and kernels estimated as the plan does."

@@ -271,11 +271,11 @@ class _Widening(nn.Module):
         return torch.cat([y, x], 1)
 
 def test_a_stage_lets_go_of_values_it_no_longer_reads(monkeypatch):
-    """A stage's chunk holds what later stages read and autograd saves, not every value its nodes made (`_drops`): the
+    """A stage's chunk holds what later stages read and autograd saves, not every value its nodes made (`Window.drops`): the
     staged window's device peak, chunks of 2 inside `emulated_accelerator`, is below the one holding every value, and
     both train as the big batch (float64)."""
     from fastai_accum.helpers import emulated_accelerator
-    from fastai_accum.staged_exact import install_staged, uninstall_staged, StagedStep
+    from fastai_accum.staged_exact import install_staged, uninstall_staged, Window
     torch.manual_seed(0)
     big = nn.Sequential(*block(3, 16), _Widening(), *block(32, 16), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                         nn.Linear(16, 10)).double().train()
@@ -292,7 +292,7 @@ def test_a_stage_lets_go_of_values_it_no_longer_reads(monkeypatch):
         return meter.peak, m
     peak, ours = staged_peak()
     with monkeypatch.context() as mp:
-        mp.setattr(StagedStep, '_drops', lambda self, s: {})  # every value of a stage held until its chunk ends
+        mp.setattr(Window, 'drops', lambda self, s: {})  # every value of a stage held until its chunk ends
         held_peak, held = staged_peak()
     loss(big(x)).backward()
     assert peak < held_peak, (peak, held_peak)
