@@ -82,7 +82,7 @@ class Window:
         self.random_chunked = []  # stages that drew random numbers chunk by chunk
         self.dropped = {}  # per stage: {node: the stage's values no later node of it reads} (`drops`)
 
-    def __repr__(self): return f'{type(self).__name__}(W={self.W}, chunks per stage {[len(s) for s in self.schedule.stages]})'
+    def __repr__(self): return f'{type(self).__name__}(W={self.W}, {len(self.cut)} stages): {self.schedule!r}'
     def __len__(self) -> int: return len(self.cut)
     @property
     def ledger(self): return self.store.link.ledger  # what crossed the host link
