@@ -29,14 +29,14 @@ Contents (line: module: classes), dependencies first:
      3737: remade: -
      3810: schedule: Chunk, StageSizes, Schedule
      3899: chunk_sizer: ChunkSizer
-     4159: exact: Footprint, ExactModeMemoryError, ExactPlan
-     4584: window_stats: LayerStats, Projection, WindowStats
-     4689: staged_exact: StagedConfig, Window, StagedStep, StagedForward
-     5364: staged_check: -
-     5707: ghost: GhostForward
-     5762: plan: StagedMismatchError, TrainingPlan
-     6116: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     6741: callback: WindowPrefetch, GradientAccumulation
+     4164: exact: Footprint, ExactModeMemoryError, ExactPlan
+     4589: window_stats: LayerStats, Projection, WindowStats
+     4694: staged_exact: StagedConfig, Window, StagedStep, StagedForward
+     5369: staged_check: -
+     5712: ghost: GhostForward
+     5767: plan: StagedMismatchError, TrainingPlan
+     6121: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     6746: callback: WindowPrefetch, GradientAccumulation
 """
 def _load_module(source, lines_before=0, name='fastai_accum_single'):
     "Run `source` as the module `name` (in `sys.modules`, its lines in tracebacks those of this file); the module."
@@ -3938,6 +3938,11 @@ class ChunkSizer:
     def __repr__(self): return f'{type(self).__name__}(budget={self.config.budget}, {len(self)} stage costs)'
     def __len__(self) -> int: return len(self.costs)
 
+    def preset(self, costs:dict, store_costs:dict|None=None):
+        "Start from stage costs (and the store's bytes a sample) measured elsewhere: a probe's window, as a test or a benchmark knows them."
+        self.costs.update(costs)
+        if store_costs is not None: self.store_costs.update(store_costs)
+
     def samples_in(self, beside:float, per_sample:float, at_least:int, W:int) -> int:
         "The most samples, at least `at_least` and at most `W`, whose chunk (`chunk_bytes`) fits the budget beside `beside` bytes."
         return min(W, max(at_least, int((self.config.budget - beside) // max(per_sample, 1.))))
@@ -4750,7 +4755,7 @@ class Window:
         self.random_chunked = []  # stages that drew random numbers chunk by chunk
         self.dropped = {}  # per stage: {node: the stage's values no later node of it reads} (`drops`)
 
-    def __repr__(self): return f'{type(self).__name__}(W={self.W}, chunks per stage {[len(s) for s in self.schedule.stages]})'
+    def __repr__(self): return f'{type(self).__name__}(W={self.W}, {len(self.cut)} stages): {self.schedule!r}'
     def __len__(self) -> int: return len(self.cut)
     @property
     def ledger(self): return self.store.link.ledger  # what crossed the host link
@@ -5292,7 +5297,7 @@ class StagedForward(ReplacedForward):
                  remade=None, # time(trade): which stages each window makes again (`StagedConfig.remade_time`; None: none)
                 ):
         super().__init__(model)  # `own`: a forward set on the instance (Accelerate's autocast wrapper), put back after
-        self.model, self.chunk, self.autocast, self.budget, self.remade = model, chunk, autocast, budget, remade
+        self.model, self.chunk, self.autocast, self.budget, self.remade_time = model, chunk, autocast, budget, remade
         # Accelerate's mixed precision returns float32 outputs: so does the staged step
         self.fp32 = _converts_to_fp32(self.own)
         dev = next(model.parameters()).device
@@ -5322,7 +5327,7 @@ class StagedForward(ReplacedForward):
 
     def _new_step(self, graph:fx.Graph) -> StagedStep:
         return StagedStep(self.model, graph, StagedConfig(self.store, self.apart, self.budget,
-                                                          recompute=self.remade is not None, remade_time=self.remade))
+                                                          recompute=self.remade_time is not None, remade_time=self.remade_time))
 
     @torch.compiler.disable  # in a compiled model (`torch.compile`): the staged step runs eagerly, stage by stage
     def __call__(self, *xb, **kwargs):
