@@ -72,8 +72,18 @@ def _stage_of(nodes:list, modules:dict) -> dict:
 
 def _stage_reads(nodes:list, modules:dict, batch:set) -> set:
     "The (batch value, stage) pairs of values read by a stage other than the one making them, in this order."
-    stage = _stage_of(nodes, modules)  # (a model input: read from outside every stage)
-    return {(a, stage[n]) for n in nodes for a in n.all_input_nodes if a in batch and stage.get(a) != stage[n]}
+    stage, reads = _stage_of(nodes, modules), set()  # (a model input: read from outside every stage)
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a in batch and stage.get(a) != stage[n]: reads.add((a, stage[n]))
+    return reads
+
+def _in_place_writes(nodes:list, modules:dict) -> list:
+    "[(op, a value it writes into)] of the ops in `nodes` that write in place."
+    writes = []
+    for n in nodes:
+        if _writes_in_place(n, modules): writes += [(n, a) for a in _written(n)]
+    return writes
 
 def _soonest(nodes:list, modules:dict) -> list:
     "`nodes` in an order where each op other than a barrier runs as soon as its inputs are there (else as traced)."
@@ -98,17 +108,17 @@ def _barrier_order(nodes:list, modules:dict) -> list:
     # by several stages and fewer reads cross then; kept as traced where an op writes into a value another op reads or
     # a stage other than its own made, or the random draws would change order or leave the last stage (which draws the
     # big batch's masks, run whole)
-    if any(len(a.users) > 1 for n in nodes if _writes_in_place(n, modules) for a in _written(n)): return nodes
-    batch = {a for n in nodes for a in n.all_input_nodes if a.op == 'placeholder'}
+    if any(len(a.users) > 1 for _, a in _in_place_writes(nodes, modules)): return nodes
+    batch = set()  # the model's inputs, and every value computed from them
     for n in nodes:
+        batch.update(a for a in n.all_input_nodes if a.op == 'placeholder')
         if any(a in batch for a in n.all_input_nodes): batch.add(n)
     before = _stage_reads(nodes, modules, batch)
     if len(before) == len({a for a, _ in before}): return nodes  # each value read by one stage at most
     order, draws = _soonest(nodes, modules), lambda ns: [n for n in ns if _draws(n, modules)]
     last = lambda ns: ns[max((i for i, n in enumerate(ns) if _opens_stage(n, modules)), default=0):]
     stage = _stage_of(order, modules)
-    if any(stage.get(a, -1) != stage[n] for n in order if _writes_in_place(n, modules) for a in _written(n)):
-        return nodes
+    if any(stage.get(a, -1) != stage[n] for n, a in _in_place_writes(order, modules)): return nodes
     if draws(order) != draws(nodes) or draws(last(order)) != draws(last(nodes)): return nodes
     if len(_stage_reads(order, modules, batch)) >= len(before): return nodes
     return order
@@ -185,7 +195,7 @@ def _reads_and_writes(nodes:list, stages:list, bars:list, owner:dict, modules:di
     # earlier stage (a U-Net's skip, a sibling branch's), in the stage that makes it: no stage reads it back for them
     # (a module called at several nodes keeps its calls' order: there, read back)
     members = [{nodes[i] for i in idx} for idx in stages]
-    reads = [{a for u in mem for a in u.all_input_nodes if a in owner and a not in mem} for mem in members]
+    reads = [_read_from_outside(mem, owner) for mem in members]
     calls = collections.Counter(n.target for n in nodes if n.op == 'call_module')
     gathers = [[] for _ in stages]
     for s, bar in enumerate(bars[1:]):
@@ -196,8 +206,18 @@ def _reads_and_writes(nodes:list, stages:list, bars:list, owner:dict, modules:di
     outs = set(output.all_input_nodes)
     stage_in = [[n for n in owner if n in reads[s]] for s in range(len(stages))]
     later = lambda n, s: n in outs or any(n in r for r in reads[s + 1:])  # read by the output or a later stage
-    stage_out = [[nodes[i] for i in idx if owner[nodes[i]] == s and later(nodes[i], s)] for s, idx in enumerate(stages)]
+    stage_out = []
+    for s, idx in enumerate(stages):  # its own values (not those it computes again) that are read later
+        made = [nodes[i] for i in idx if owner[nodes[i]] == s]
+        stage_out.append([n for n in made if later(n, s)])
     return gathers, stage_in, stage_out
+
+def _read_from_outside(members:set, owner:dict) -> set:
+    "The values a stage (its node set `members`) reads that another stage makes, or the model's inputs (`owner`: their stages)."
+    read = set()
+    for u in members:
+        read.update(a for a in u.all_input_nodes if a in owner and a not in members)
+    return read
 
 # %% ../nbs/00b_stage_cut.ipynb #82388a93
 def _recomputing(nodes:list, members:list, bar, owner:dict, s:int, from_input:set) -> list:
