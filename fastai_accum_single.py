@@ -16,27 +16,27 @@ Contents (line: module: classes), dependencies first:
        55: stats: ChannelStats
       281: distributed: -
       316: helpers: ReplacedForward, ExactModeRefusedError
-      499: window: AccumulationWindow, WindowLoader
-      828: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
-     1303: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
-     1477: staged: GraphRunner, StagedGraph
-     2058: prepass: PrepassPlan, PreflightTable
-     2288: cost: OpCount, Card, WindowCounts, Prediction, RemadeTime
-     2502: stage_cut: StageCut
-     2795: probes: -
-     3031: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
-     3196: window_store: HostPool, DevicePart, WindowStore
-     3757: remade: -
-     3830: schedule: Chunk, StageSizes, Schedule
-     3919: chunk_sizer: ChunkSizer
-     4184: exact: Footprint, ExactModeMemoryError, ExactPlan
-     4609: window_stats: LayerStats, Projection, WindowStats
-     4714: staged_exact: StagedConfig, Window, StagedStep, StagedForward
-     5389: staged_check: -
-     5732: ghost: GhostForward
-     5787: plan: StagedMismatchError, TrainingPlan
-     6141: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     6766: callback: WindowPrefetch, GradientAccumulation
+      511: window: AccumulationWindow, WindowLoader
+      840: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
+     1315: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
+     1489: staged: GraphRunner, StagedGraph
+     2070: prepass: PrepassPlan, PreflightTable
+     2300: cost: OpCount, Card, WindowCounts, Prediction, RemadeTime
+     2514: stage_cut: StageCut
+     2807: probes: -
+     3043: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
+     3208: window_store: HostPool, DevicePart, WindowStore
+     3769: remade: -
+     3842: schedule: Chunk, StageSizes, Schedule
+     3931: chunk_sizer: ChunkSizer
+     4196: exact: Footprint, ExactModeMemoryError, ExactPlan
+     4621: window_stats: LayerStats, Projection, WindowStats
+     4726: staged_exact: StagedConfig, Window, StagedStep, StagedForward
+     5406: staged_check: -
+     5749: ghost: GhostForward
+     5804: plan: StagedMismatchError, TrainingPlan
+     6158: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     6783: callback: WindowPrefetch, GradientAccumulation
 """
 def _load_module(source, lines_before=0, name='fastai_accum_single'):
     "Run `source` as the module `name` (in `sys.modules`, its lines in tracebacks those of this file); the module."
@@ -323,6 +323,7 @@ from torch import nn, Tensor
 from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.fx.node import map_aggregate
+from torch.utils._pytree import tree_map
 
 # %% auto #0
 
@@ -403,6 +404,17 @@ class ReplacedForward:
         "The forward this one replaced: the instance's own, else the class's."
         if self.own is not None: return self.own(*args, **kwargs)
         return type(self.module).forward(self.module, *args, **kwargs)
+
+    @property
+    def own_gives_fp32(self) -> bool:
+        "Does the forward this one replaced return float32 outputs (Accelerate's mixed-precision wrapper, a class or a closure by version)?"
+        g = getattr(self.own, '__func__', self.own)
+        return type(g).__name__ == 'ConvertOutputsToFp32' or getattr(g, '__qualname__', '').startswith('convert_outputs_to_fp32')
+
+    def as_own(self, out):
+        "`out` as the replaced forward returns it: half-precision tensors made float32 where it converts them."
+        if not self.own_gives_fp32: return out
+        return tree_map(lambda t: t.float() if isinstance(t, Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t, out)
 
 def restore_forward(module:nn.Module, # a module whose forward a `kind` may have replaced
                     kind:type, # the `ReplacedForward` subclass to undo
@@ -4713,9 +4725,9 @@ def let_go(self:WindowStats, keys) -> list:
 
 # ======== fastai_accum/staged_exact.py ========
 # %% ../nbs/02b_staged_exact.ipynb #d7ee5dbc
-import contextlib, copy, itertools, warnings
-from contextlib import nullcontext
-from dataclasses import dataclass
+import copy, itertools, warnings
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, fields
 import torch
 from torch import nn, fx, Tensor
 import torch.nn.functional as F
@@ -4749,6 +4761,14 @@ class StagedConfig:
     # candidate; `fastai_accum.cost.RemadeTime` asks the cost model of a card)
     remade_time:object=None
     reads:Copies|None=None # and its reads ahead
+
+    def set(self, **changes):
+        "Change some settings (read from the step's next window on); an unknown name is an error naming the known ones."
+        known = [f.name for f in fields(self)]
+        if unknown := [k for k in changes if k not in known]:
+            raise TypeError(f"StagedConfig has no setting {unknown[0]!r}; its settings: {', '.join(known)}")
+        for name, value in changes.items(): setattr(self, name, value)
+        return self
 
 # %% ../nbs/02b_staged_exact.ipynb #d09c7182
 class Window:
@@ -4900,6 +4920,15 @@ def __repr__(self:StagedStep):
 def __len__(self:StagedStep) -> int: return len(self.cut) if self.window is not None else 0  # the last window's stages
 @patch
 def __bool__(self:StagedStep) -> bool: return True  # a step, run or not
+@patch
+def forget_window(self:StagedStep): self.window = None  # the last window and its store let go (a forward with no backward keeps them)
+@patch
+@contextmanager
+def hooked(self:StagedStep, timer=None, on_host=None):
+    "Within: the profiler's `timer` and the meter's `on_host` hooks (see `StagedStep.__init__`) set, unset after."
+    self.timer, self.on_host = timer, on_host
+    try: yield self
+    finally: self.timer, self.on_host = None, None
 
 # what tests and benchmarks read: the graph and its modules; of the last window, its cut, schedule, chunks, graphs kept,
 # ledger and device part
@@ -5056,7 +5085,7 @@ def _stage_cost(self:StagedStep, s:int, env:dict, n:int, saved:dict, made:int|No
     return sample_cost(sum(sizes.values()), max(sizes.values(), default=0), made) / n
 
 @patch
-@contextlib.contextmanager
+@contextmanager
 def _saved_counted(self:StagedStep, sizes:dict):
     "Count in `sizes` ({data_ptr: bytes}) the tensors autograd saves inside, other than the model's own."
     model_ptrs = {t.data_ptr() for t in itertools.chain(self.model.parameters(), self.model.buffers())}
@@ -5222,7 +5251,6 @@ def _owns(g:Tensor, shared:set) -> bool:
     whole = g.untyped_storage().nbytes() == g.numel() * g.element_size()
     return whole and _storage(g) not in shared and all(st or n == 1 for st, n in zip(g.stride(), g.shape))
 
-
 def _shared_storages(outs:list, got) -> set:
     "Storages a gradient in `got` shares with the output gradients `outs` (the store's chunks) or another in `got`."
     # autograd hands an incoming gradient on as it is (`y = x + b`): summing into it would write into the store
@@ -5318,8 +5346,6 @@ class StagedForward(ReplacedForward):
                 ):
         super().__init__(model)  # `own`: a forward set on the instance (Accelerate's autocast wrapper), put back after
         self.model, self.chunk, self.autocast, self.budget, self.remade_time = model, chunk, autocast, budget, remade
-        # Accelerate's mixed precision returns float32 outputs: so does the staged step
-        self.fp32 = _converts_to_fp32(self.own)
         dev = next(model.parameters()).device
         self.store = store if store is not None or not is_accelerator(dev) else 'cpu'
         self.apart = is_accelerator(dev) and self.store is not None and torch.device(self.store).type == 'cpu'
@@ -5359,21 +5385,12 @@ class StagedForward(ReplacedForward):
         with self.autocast() if self.autocast is not None else nullcontext():
             shape = {}
             out = _rebuilt(_StagedFunction.apply(self.step, self.chunk, len(xb), shape, *xb, *params), shape)
-        return tree_map(_fp32, out) if self.fp32 else out
+        return self.as_own(out)  # float32, where Accelerate's mixed precision converted the model's outputs
     # a model pickled mid-fit (`torch.save(learn.model)`) keeps its own forward, loadable without this package
     def __reduce__(self):
         return (getattr, (self.model, 'forward')) if self.own is None else (copy.copy, (self.own,))
 
 # %% ../nbs/02b_staged_exact.ipynb #3da7ac96
-def _converts_to_fp32(f) -> bool:
-    "Does forward `f`, set on a model, return float32 outputs (Accelerate's mixed-precision wrapper)?"
-    # the wrapper is a class or a closure, by Accelerate version
-    g = getattr(f, '__func__', f)
-    return (type(g).__name__ == 'ConvertOutputsToFp32'
-            or getattr(g, '__qualname__', '').startswith('convert_outputs_to_fp32'))
-
-def _fp32(t): return t.float() if isinstance(t, Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t
-
 def install_staged(model:nn.Module, chunk:int, store=None, autocast=None, budget:int|None=None, remade=None) -> StagedForward:
     "Make `model` train each batch as a staged exact step, chunks of `chunk` (until `uninstall_staged`)."
     # `budget`: device bytes a stage's chunk may hold (chunks sized stage by stage, at least `chunk`); `remade`:
@@ -5471,7 +5488,7 @@ def _one_step(model:nn.Module, xb:tuple, chunk:int|None=None, landed=None, order
     if chunk:
         f = install_staged(model, chunk)
         f.step_for(xb)  # an aten-level graph's step is made for its inputs
-        f.step.config.grow, f.step.config.local = False, True
+        f.step.config.set(grow=False, local=True)
     if landed is not None:
         hooks += [p.register_post_accumulate_grad_hook(functools.partial(_hand_over, n, landed))
                  for n, p in model.named_parameters() if p.requires_grad]

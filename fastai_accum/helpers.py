@@ -12,6 +12,7 @@ from torch import nn, Tensor
 from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.fx.node import map_aggregate
+from torch.utils._pytree import tree_map
 
 # %% auto #0
 __all__ = ['place_batch', 'emulated_accelerator', 'is_accelerator', 'can_pin', 'learner_and_model', 'modes_kept',
@@ -96,6 +97,17 @@ class ReplacedForward:
         "The forward this one replaced: the instance's own, else the class's."
         if self.own is not None: return self.own(*args, **kwargs)
         return type(self.module).forward(self.module, *args, **kwargs)
+
+    @property
+    def own_gives_fp32(self) -> bool:
+        "Does the forward this one replaced return float32 outputs (Accelerate's mixed-precision wrapper, a class or a closure by version)?"
+        g = getattr(self.own, '__func__', self.own)
+        return type(g).__name__ == 'ConvertOutputsToFp32' or getattr(g, '__qualname__', '').startswith('convert_outputs_to_fp32')
+
+    def as_own(self, out):
+        "`out` as the replaced forward returns it: half-precision tensors made float32 where it converts them."
+        if not self.own_gives_fp32: return out
+        return tree_map(lambda t: t.float() if isinstance(t, Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t, out)
 
 def restore_forward(module:nn.Module, # a module whose forward a `kind` may have replaced
                     kind:type, # the `ReplacedForward` subclass to undo

@@ -94,7 +94,7 @@ def _one_step(model:nn.Module, xb:tuple, chunk:int|None=None, landed=None, order
     if chunk:
         f = install_staged(model, chunk)
         f.step_for(xb)  # an aten-level graph's step is made for its inputs
-        f.step.config.grow, f.step.config.local = False, True
+        f.step.config.set(grow=False, local=True)
     if landed is not None:
         hooks += [p.register_post_accumulate_grad_hook(functools.partial(_hand_over, n, landed))
                  for n, p in model.named_parameters() if p.requires_grad]

@@ -6,9 +6,9 @@ channel."""
 
 # %% ../nbs/02b_staged_exact.ipynb #d7ee5dbc
 from __future__ import annotations
-import contextlib, copy, itertools, warnings
-from contextlib import nullcontext
-from dataclasses import dataclass
+import copy, itertools, warnings
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, fields
 import torch
 from torch import nn, fx, Tensor
 import torch.nn.functional as F
@@ -56,6 +56,14 @@ class StagedConfig:
     # candidate; `fastai_accum.cost.RemadeTime` asks the cost model of a card)
     remade_time:object=None
     reads:Copies|None=None # and its reads ahead
+
+    def set(self, **changes):
+        "Change some settings (read from the step's next window on); an unknown name is an error naming the known ones."
+        known = [f.name for f in fields(self)]
+        if unknown := [k for k in changes if k not in known]:
+            raise TypeError(f"StagedConfig has no setting {unknown[0]!r}; its settings: {', '.join(known)}")
+        for name, value in changes.items(): setattr(self, name, value)
+        return self
 
 # %% ../nbs/02b_staged_exact.ipynb #d09c7182
 class Window:
@@ -207,6 +215,15 @@ def __repr__(self:StagedStep):
 def __len__(self:StagedStep) -> int: return len(self.cut) if self.window is not None else 0  # the last window's stages
 @patch
 def __bool__(self:StagedStep) -> bool: return True  # a step, run or not
+@patch
+def forget_window(self:StagedStep): self.window = None  # the last window and its store let go (a forward with no backward keeps them)
+@patch
+@contextmanager
+def hooked(self:StagedStep, timer=None, on_host=None):
+    "Within: the profiler's `timer` and the meter's `on_host` hooks (see `StagedStep.__init__`) set, unset after."
+    self.timer, self.on_host = timer, on_host
+    try: yield self
+    finally: self.timer, self.on_host = None, None
 
 # what tests and benchmarks read: the graph and its modules; of the last window, its cut, schedule, chunks, graphs kept,
 # ledger and device part
@@ -363,7 +380,7 @@ def _stage_cost(self:StagedStep, s:int, env:dict, n:int, saved:dict, made:int|No
     return sample_cost(sum(sizes.values()), max(sizes.values(), default=0), made) / n
 
 @patch
-@contextlib.contextmanager
+@contextmanager
 def _saved_counted(self:StagedStep, sizes:dict):
     "Count in `sizes` ({data_ptr: bytes}) the tensors autograd saves inside, other than the model's own."
     model_ptrs = {t.data_ptr() for t in itertools.chain(self.model.parameters(), self.model.buffers())}
@@ -529,7 +546,6 @@ def _owns(g:Tensor, shared:set) -> bool:
     whole = g.untyped_storage().nbytes() == g.numel() * g.element_size()
     return whole and _storage(g) not in shared and all(st or n == 1 for st, n in zip(g.stride(), g.shape))
 
-
 def _shared_storages(outs:list, got) -> set:
     "Storages a gradient in `got` shares with the output gradients `outs` (the store's chunks) or another in `got`."
     # autograd hands an incoming gradient on as it is (`y = x + b`): summing into it would write into the store
@@ -625,8 +641,6 @@ class StagedForward(ReplacedForward):
                 ):
         super().__init__(model)  # `own`: a forward set on the instance (Accelerate's autocast wrapper), put back after
         self.model, self.chunk, self.autocast, self.budget, self.remade_time = model, chunk, autocast, budget, remade
-        # Accelerate's mixed precision returns float32 outputs: so does the staged step
-        self.fp32 = _converts_to_fp32(self.own)
         dev = next(model.parameters()).device
         self.store = store if store is not None or not is_accelerator(dev) else 'cpu'
         self.apart = is_accelerator(dev) and self.store is not None and torch.device(self.store).type == 'cpu'
@@ -666,21 +680,12 @@ class StagedForward(ReplacedForward):
         with self.autocast() if self.autocast is not None else nullcontext():
             shape = {}
             out = _rebuilt(_StagedFunction.apply(self.step, self.chunk, len(xb), shape, *xb, *params), shape)
-        return tree_map(_fp32, out) if self.fp32 else out
+        return self.as_own(out)  # float32, where Accelerate's mixed precision converted the model's outputs
     # a model pickled mid-fit (`torch.save(learn.model)`) keeps its own forward, loadable without this package
     def __reduce__(self):
         return (getattr, (self.model, 'forward')) if self.own is None else (copy.copy, (self.own,))
 
 # %% ../nbs/02b_staged_exact.ipynb #3da7ac96
-def _converts_to_fp32(f) -> bool:
-    "Does forward `f`, set on a model, return float32 outputs (Accelerate's mixed-precision wrapper)?"
-    # the wrapper is a class or a closure, by Accelerate version
-    g = getattr(f, '__func__', f)
-    return (type(g).__name__ == 'ConvertOutputsToFp32'
-            or getattr(g, '__qualname__', '').startswith('convert_outputs_to_fp32'))
-
-def _fp32(t): return t.float() if isinstance(t, Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t
-
 def install_staged(model:nn.Module, chunk:int, store=None, autocast=None, budget:int|None=None, remade=None) -> StagedForward:
     "Make `model` train each batch as a staged exact step, chunks of `chunk` (until `uninstall_staged`)."
     # `budget`: device bytes a stage's chunk may hold (chunks sized stage by stage, at least `chunk`); `remade`:

@@ -1,5 +1,5 @@
 "The staged step's modules read as a schedule and a loop: each class in one place, state written by its owner, short functions and cells."
-import ast, re
+import ast, json, re
 from pathlib import Path
 import fastai_accum
 
@@ -90,6 +90,26 @@ def test_staged_functions_and_cells_are_short():
         assert not long_functions(text), (m, long_functions(text))
         assert not long_cells(text), (m, long_cells(text))
     assert len((PKG / 'staged_exact.py').read_text().splitlines()) <= 700
+
+STEP_WRITE = re.compile(r'^.*\bstep(?:_for\(.*?\))?\.[\w.]+\s*(?:\[[^\]]*\])?\s*=(?!=).*$', re.M)
+
+def step_writes(text:str) -> list:
+    "The lines assigning an attribute of a staged step, or of its parts or configuration, from outside it (`f.step.config.grow = ...`)."
+    return [m.group(0).strip() for m in STEP_WRITE.finditer(text)]
+
+def _code(f:Path) -> str:
+    "A module's text, or a notebook's code cells joined."
+    if f.suffix != '.ipynb': return f.read_text()
+    return '\n'.join(''.join(c['source']) for c in json.loads(f.read_text())['cells'] if c['cell_type'] == 'code')
+
+def test_outside_code_reaches_a_step_through_its_seams():
+    "Tests, benchmarks and the library change a step only through `StagedConfig.set`, `StagedStep.hooked` and `forget_window`."
+    files = [*PKG.rglob('*.py'), *Path(__file__).parent.glob('*.py'), *(PKG.parent / 'nbs').glob('*.ipynb')]
+    found = {f.name: got for f in files if f != Path(__file__) and (got := step_writes(_code(f)))}  # not this file's examples
+    assert not found, found
+    assert step_writes("f.step.config.grow, f.step.config.local = False, True\nx = f.step_for((x,)).window\n"
+                       "f.step_for((x,)).config.grow = False\nf.step.config.set(grow=False)\nif f.step.window == w: pass") == [
+        'f.step.config.grow, f.step.config.local = False, True', 'f.step_for((x,)).config.grow = False']
 
 SNIPPET = '''
 # %% a

@@ -155,7 +155,7 @@ def test_folded_views_cross_the_host_link_by_sample(cls):
     ours, big = _model(cls), _model(cls)
     with emulated_accelerator():
         f = install_staged(ours, 1)
-        f.step.config.grow = False
+        f.step.config.set(grow=False)
         try: nt_xent(ours(x)).backward()
         finally: uninstall_staged(ours)
     nt_xent(big(x)).backward()

@@ -285,7 +285,7 @@ def test_a_stage_lets_go_of_values_it_no_longer_reads(monkeypatch):
         m = copy.deepcopy(big)
         with emulated_accelerator():
             f = install_staged(m, 2)
-            f.step_for((x,)).config.grow = False  # chunks of 2 in every stage
+            f.step_for((x,)).config.set(grow=False)  # chunks of 2 in every stage
             try:
                 with LiveBytes(m) as meter: loss(m(x)).backward()
             finally: uninstall_staged(m)

@@ -62,7 +62,7 @@ def counted_window(monkeypatch, model, x, chunk=2, budget=None, warm=0, writes=N
     monkeypatch.setattr(WindowStore, 'new', recorded)
     with emulated_accelerator():
         f = install_staged(model, chunk, budget=budget)
-        f.step.config.writes, f.step.config.reads = writes, reads
+        f.step.config.set(writes=writes, reads=reads)
         try:
             for _ in range(warm): model(x).pow(2).mean().backward()
             # store tensors of earlier windows count only as reused (a freed one's address may be a device tensor's now)
@@ -98,7 +98,7 @@ def _step(model, x, writes=None, reads=None):
     m = copy.deepcopy(model)
     with emulated_accelerator():
         f = install_staged(m, 2)
-        f.step.config.writes, f.step.config.reads = writes, reads
+        f.step.config.set(writes=writes, reads=reads)
         try: m(x).pow(2).mean().backward()
         finally: uninstall_staged(m)
     return [p.grad for p in m.parameters()] + [b for b in m.buffers()]

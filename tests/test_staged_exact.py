@@ -70,7 +70,7 @@ def test_a_heavy_last_stage_holds_one_chunk():
     x = torch.randn(8, 3, 32, 32)
     with SavedTensorMeter(m) as plain: m(x[:2]).pow(2).mean().backward()
     f = install_staged(m, chunk=2)
-    f.step.config.grow = False  # every stage in chunks of 2
+    f.step.config.set(grow=False)  # every stage in chunks of 2
     with SavedTensorMeter(m) as staged: m(x).pow(2).mean().backward()
     assert [b - a for a, b in f.step.spans[-1]] == [2, 2, 2, 2]
     assert staged.peak <= plain.peak, (staged.peak, plain.peak)
@@ -122,7 +122,7 @@ def test_chunks_sized_per_stage_give_the_uniform_chunks_step(room):
     store = int(max(f.step.sizer.store_costs.values()) * len(x)) + 1
     budget = (int(3 * max(costs.values())) if room else int(sum(costs.values()) * len(x)) + 1) + grads + store
     fu, fs = install_staged(uniform, chunk=2), install_staged(sized, chunk=2, budget=budget)
-    fu.step.config.grow = False
+    fu.step.config.set(grow=False)
     fs.step.sizer.preset(costs, f.step.sizer.store_costs)  # measured in a window before
     res = []
     for m in (big, uniform, sized):
@@ -214,8 +214,8 @@ def test_windows_reuse_the_store_and_leave_the_output_alone():
     big = torchvision.models.resnet18(num_classes=5).double().train()
     st = copy.deepcopy(big)
     f = install_staged(st, chunk=3)
-    f.step.config.grow = False  # every stage in chunks of 3: the output too is a tensor of the store
-    f.step.config.apart = True  # as on an accelerator: the store in host memory, apart from the device's (a CPU's is not pooled)
+    f.step.config.set(grow=False)  # every stage in chunks of 3: the output too is a tensor of the store
+    f.step.config.set(apart=True)  # as on an accelerator: the store in host memory, apart from the device's (a CPU's is not pooled)
     for i, n in enumerate((8, 8, 5)):
         x = torch.randn(n, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
         pooled = {id(t) for ts in f.step.pool.free.values() for t in ts}

@@ -93,7 +93,7 @@ def ledger_window(model:str='resnet50', # a torchvision classifier or video netw
 
 def _remade_window(net, x, step, dev, train, counted:dict) -> dict|None:
     "The counts of a window making every candidate stage again (the first window so asked measures FLOPs a stage)."
-    step.config.recompute = True
+    step.config.set(recompute=True)
     _train(net, x)
     net.zero_grad(set_to_none=True)
     peak = _device_peak(lambda: train(net, x), dev, step)

@@ -5,7 +5,7 @@
 # %% ../../nbs/21_bench_speed.ipynb #b72edfd4
 from __future__ import annotations
 import argparse, gc, json, math, os, statistics, subprocess, sys, tempfile, time, warnings, weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from torch.utils._python_dispatch import TorchDispatchMode
 from functools import partial
 import torch, torchvision
@@ -201,7 +201,7 @@ def staged_step(model_fn, # builds the model
         by, t_trace = traced_by(model, (x[:bs],)) or ('?', float('nan'))  # traced by its first step, once
         with torch.no_grad(): f.step.forward((x,), chunk)  # what the step keeps between stages (host memory on an accelerator)
         kept = sum(_nbytes(v) for v in f.step.window.store.kept.values())
-        f.step.window = None  # the window's store let go
+        f.step.forget_window()  # the window's store let go
     finally: uninstall_staged(model)
     t = time.perf_counter(); why, _ = verify_staged(model, (x[:bs].to(device),)); t_check = time.perf_counter() - t  # once per fit
     fit_ratio, fit_path = fit_peak(model, x, bs)
@@ -276,10 +276,7 @@ def _device_peak(fn, dev, step=None) -> int:
         torch.cuda.synchronize(dev)
         return torch.cuda.max_memory_allocated(dev) - base
     with LiveBytes() as meter:
-        if step is not None: step.on_host = _on_host_store(meter)
-        try: fn()
-        finally:
-            if step is not None: step.on_host = None
+        with step.hooked(on_host=_on_host_store(meter)) if step is not None else nullcontext(): fn()
     return meter.peak
 
 def _fastest(fn, dev, reps:int) -> float:
@@ -317,17 +314,15 @@ def profile_staged(model, x:Tensor, # the model (`install_staged` on it) and a w
             spent = time.perf_counter() - t
             times[name] = times.get(name, 0.) + spent - inner.pop()
             inner[-1] += spent
-    step.timer = timer  # the step's profiling hook: every pass of `PASSES`, timed where it runs
     try:
-        _train(model, x)
-        best = None
-        for _ in range(max(reps, 1)):
-            times.clear()
-            total = _fastest(lambda: _train(model, x), dev, 1)
-            if best is None or total < best['total']: best = dict(times, total=total)
-    finally:
-        step.timer = None
-        model.zero_grad(set_to_none=True)
+        with step.hooked(timer=timer):  # the step's profiling hook: every pass of `PASSES`, timed where it runs
+            _train(model, x)
+            best = None
+            for _ in range(max(reps, 1)):
+                times.clear()
+                total = _fastest(lambda: _train(model, x), dev, 1)
+                if best is None or total < best['total']: best = dict(times, total=total)
+    finally: model.zero_grad(set_to_none=True)
     best['other'] = best['total'] - sum(v for k, v in best.items() if k != 'total')
     return best
 
