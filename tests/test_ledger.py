@@ -54,10 +54,12 @@ class StoreTraffic(TorchDispatchMode):
 def counted_window(monkeypatch, model, x, chunk=2, budget=None, warm=0, writes=None, reads=None):
     """One staged window of `model` on `x` under `emulated_accelerator`, every op on the store counted independently
     (after `warm` windows not counted; copies issued by `writes` and `reads`, default as they come)."""
-    host, make = {_storage(x)}, WindowStore.new
+    host, make, alive = {_storage(x)}, WindowStore.new, []
     def recorded(self, *a, **k):
         t = make(self, *a, **k)
-        if t.device.type == 'cpu': host.add(_storage(t))
+        # held until the count ends: a freed store tensor's address would otherwise be reused by a device tensor
+        # (the emulated device is host memory too) and its math counted as the store's
+        if t.device.type == 'cpu': host.add(_storage(t)); alive.append(t)
         return t
     monkeypatch.setattr(WindowStore, 'new', recorded)
     with emulated_accelerator():
