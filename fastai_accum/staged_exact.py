@@ -58,7 +58,7 @@ class StagedConfig:
     reads:Copies|None=None # and its reads ahead
 
     def set(self, **changes):
-        "Change some settings (read from the step's next window on); an unknown name is an error naming the known ones."
+        "Change some settings; an unknown name is an error naming the known ones."
         known = [f.name for f in fields(self)]
         if unknown := [k for k in changes if k not in known]:
             raise TypeError(f"StagedConfig has no setting {unknown[0]!r}; its settings: {', '.join(known)}")
@@ -220,10 +220,10 @@ def forget_window(self:StagedStep): self.window = None  # the last window and it
 @patch
 @contextmanager
 def hooked(self:StagedStep, timer=None, on_host=None):
-    "Within: the profiler's `timer` and the meter's `on_host` hooks (see `StagedStep.__init__`) set, unset after."
-    self.timer, self.on_host = timer, on_host
+    "Within: the profiler's `timer` and the meter's `on_host` hooks (see `StagedStep.__init__`) set; as they were after."
+    before, (self.timer, self.on_host) = (self.timer, self.on_host), (timer, on_host)
     try: yield self
-    finally: self.timer, self.on_host = None, None
+    finally: self.timer, self.on_host = before
 
 # what tests and benchmarks read: the graph and its modules; of the last window, its cut, schedule, chunks, graphs kept,
 # ledger and device part

@@ -214,8 +214,9 @@ def test_windows_reuse_the_store_and_leave_the_output_alone():
     big = torchvision.models.resnet18(num_classes=5).double().train()
     st = copy.deepcopy(big)
     f = install_staged(st, chunk=3)
-    f.step.config.set(grow=False)  # every stage in chunks of 3: the output too is a tensor of the store
-    f.step.config.set(apart=True)  # as on an accelerator: the store in host memory, apart from the device's (a CPU's is not pooled)
+    # every stage in chunks of 3 (the output too is a tensor of the store); as on an accelerator, the store in host memory,
+    # apart from the device's (a CPU's is not pooled)
+    f.step.config.set(grow=False, apart=True)
     for i, n in enumerate((8, 8, 5)):
         x = torch.randn(n, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
         pooled = {id(t) for ts in f.step.pool.free.values() for t in ts}
