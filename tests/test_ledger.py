@@ -67,7 +67,7 @@ def counted_window(monkeypatch, model, x, chunk=2, budget=None, warm=0, writes=N
         f.step.config.set(writes=writes, reads=reads)
         try:
             for _ in range(warm): model(x).pow(2).mean().backward()
-            # store tensors of earlier windows count only as reused (a freed one's address may be a device tensor's now)
+            # store tensors of earlier windows count only where the store takes them again (`new`)
             host.intersection_update({_storage(x)})
             with StoreTraffic(host) as seen: model(x).pow(2).mean().backward()
         finally: uninstall_staged(model)
