@@ -14,29 +14,29 @@ and `fastai_accum`, the module, for the rest (`fastai_accum.wrap_bn`, ...).
 
 Contents (line: module: classes), dependencies first:
        55: stats: ChannelStats
-      281: distributed: -
-      316: helpers: ReplacedForward, ExactModeRefusedError
-      511: window: AccumulationWindow, WindowLoader
-      840: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
-     1315: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
-     1489: staged: GraphRunner, StagedGraph
-     2070: prepass: PrepassPlan, PreflightTable
-     2300: cost: OpCount, Card, WindowCounts, Prediction, RemadeTime
-     2514: stage_cut: StageCut
-     2807: probes: -
-     3043: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
-     3208: window_store: HostPool, DevicePart, WindowStore
-     3769: remade: -
-     3842: schedule: Chunk, StageSizes, Schedule
-     3931: chunk_sizer: ChunkSizer
-     4196: exact: Footprint, ExactModeMemoryError, ExactPlan
-     4621: window_stats: LayerStats, Projection, WindowStats
-     4726: staged_exact: StagedConfig, Window, StagedStep, StagedForward
-     5406: staged_check: -
-     5749: ghost: GhostForward
-     5804: plan: StagedMismatchError, TrainingPlan
-     6158: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     6783: callback: WindowPrefetch, GradientAccumulation
+      268: distributed: -
+      303: helpers: ReplacedForward, ExactModeRefusedError
+      498: window: AccumulationWindow, WindowLoader
+      827: batchnorm: GradPool, WindowNormFunction, AccumulateBatchNorm
+     1302: meters: ByteMeter, SavedTensorMeter, LayerMeter, LiveBytes
+     1476: staged: GraphRunner, StagedGraph
+     2057: prepass: PrepassPlan, PreflightTable
+     2287: cost: OpCount, Card, WindowCounts, Prediction, RemadeTime
+     2501: stage_cut: StageCut
+     2794: probes: -
+     3030: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
+     3195: window_store: HostPool, DevicePart, WindowStore
+     3756: remade: -
+     3829: schedule: Chunk, StageSizes, Schedule
+     3918: chunk_sizer: ChunkSizer
+     4183: exact: Footprint, ExactModeMemoryError, ExactPlan
+     4608: window_stats: LayerStats, Projection, WindowStats
+     4713: staged_exact: StagedConfig, Window, StagedStep, StagedForward
+     5393: staged_check: -
+     5736: ghost: GhostForward
+     5791: plan: StagedMismatchError, TrainingPlan
+     6145: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     6770: callback: WindowPrefetch, GradientAccumulation
 """
 def _load_module(source, lines_before=0, name='fastai_accum_single'):
     "Run `source` as the module `name` (in `sys.modules`, its lines in tracebacks those of this file); the module."
@@ -258,25 +258,12 @@ def project_(f:Tensor, # BatchNorm's input gradient with its statistics held fix
             ) -> Tensor:
     "BatchNorm's exact input gradient, written over `f`: f - mean(f) - (x - mean)·invstd·mean(f·x̂), in `mean_f`'s precision."
     # x is centred before it is scaled, as torch's kernel does: x·s - mean·s cancels where |mean| >> std (3x plain
-    # BatchNorm's error at |mean| = 1000 std). In place in blocks: no temporary the size of `f` (a staged chunk's
-    # backward holds no more than its graph), one block of at most a sixteenth of it
+    # BatchNorm's error at |mean| = 1000 std). One temporary the size of `f`, as `channel_sums` holds: cut into blocks it
+    # launched 16x the kernels for no lower peak (nbs/25_bench_dtype)
     shape, dt = [1, -1] + [1] * (f.dim() - 2), mean_f.dtype
     scale, centre = (invstd.to(dt) * mean_fx).view(shape), mean.to(dt).view(shape)
     if f.dtype != dt: return f.copy_((x.to(dt) - centre).mul_(scale).neg_().add_(f).sub_(mean_f.view(shape)))
-    f.sub_(mean_f.view(shape))
-    for fb, xb in zip(_blocks(f), _blocks(x)): fb.sub_((xb.to(dt) - centre).mul_(scale))
-    return f
-
-def _blocks(t:Tensor, parts:int=16) -> list:
-    "Views of `t` covering it once, each at most about `1/parts` of it: rows of dimension 0, else slices of dimension 2."
-    n = t.shape[0] if t.dim() else 1
-    if t.dim() < 2 or n == 0: return [t]
-    per_row, most = t[0].numel(), max(t.numel() // parts, 1)
-    if per_row <= most or t.dim() < 3:
-        rows = max(most // max(per_row, 1), 1)
-        return [t[a:a + rows] for a in range(0, n, rows)]
-    step = max(most // max(per_row // t.shape[2], 1), 1)
-    return [t[i:i + 1, :, h:h + step] for i in range(n) for h in range(0, t.shape[2], step)]
+    return f.sub_(mean_f.view(shape)).addcmul_(x.to(dt) - centre, scale, value=-1)
 
 # ======== fastai_accum/distributed.py ========
 # %% ../nbs/03b_distributed.ipynb #9359139a

@@ -1834,7 +1834,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                     'fastai_accum.stats.ChannelStats.merge': ('stats.html#channelstats.merge', 'fastai_accum/stats.py'),
                                     'fastai_accum.stats.ChannelStats.reset': ('stats.html#channelstats.reset', 'fastai_accum/stats.py'),
                                     'fastai_accum.stats.ChannelStats.var': ('stats.html#channelstats.var', 'fastai_accum/stats.py'),
-                                    'fastai_accum.stats._blocks': ('stats.html#_blocks', 'fastai_accum/stats.py'),
                                     'fastai_accum.stats.all_reduce_stats': ('stats.html#all_reduce_stats', 'fastai_accum/stats.py'),
                                     'fastai_accum.stats.channel_sums': ('stats.html#channel_sums', 'fastai_accum/stats.py'),
                                     'fastai_accum.stats.commit_stats': ('stats.html#commit_stats', 'fastai_accum/stats.py'),

@@ -210,22 +210,9 @@ def project_(f:Tensor, # BatchNorm's input gradient with its statistics held fix
             ) -> Tensor:
     "BatchNorm's exact input gradient, written over `f`: f - mean(f) - (x - mean)·invstd·mean(f·x̂), in `mean_f`'s precision."
     # x is centred before it is scaled, as torch's kernel does: x·s - mean·s cancels where |mean| >> std (3x plain
-    # BatchNorm's error at |mean| = 1000 std). In place in blocks: no temporary the size of `f` (a staged chunk's
-    # backward holds no more than its graph), one block of at most a sixteenth of it
+    # BatchNorm's error at |mean| = 1000 std). One temporary the size of `f`, as `channel_sums` holds: cut into blocks it
+    # launched 16x the kernels for no lower peak (nbs/25_bench_dtype)
     shape, dt = [1, -1] + [1] * (f.dim() - 2), mean_f.dtype
     scale, centre = (invstd.to(dt) * mean_fx).view(shape), mean.to(dt).view(shape)
     if f.dtype != dt: return f.copy_((x.to(dt) - centre).mul_(scale).neg_().add_(f).sub_(mean_f.view(shape)))
-    f.sub_(mean_f.view(shape))
-    for fb, xb in zip(_blocks(f), _blocks(x)): fb.sub_((xb.to(dt) - centre).mul_(scale))
-    return f
-
-def _blocks(t:Tensor, parts:int=16) -> list:
-    "Views of `t` covering it once, each at most about `1/parts` of it: rows of dimension 0, else slices of dimension 2."
-    n = t.shape[0] if t.dim() else 1
-    if t.dim() < 2 or n == 0: return [t]
-    per_row, most = t[0].numel(), max(t.numel() // parts, 1)
-    if per_row <= most or t.dim() < 3:
-        rows = max(most // max(per_row, 1), 1)
-        return [t[a:a + rows] for a in range(0, n, rows)]
-    step = max(most // max(per_row // t.shape[2], 1), 1)
-    return [t[i:i + 1, :, h:h + step] for i in range(n) for h in range(0, t.shape[2], step)]
+    return f.sub_(mean_f.view(shape)).addcmul_(x.to(dt) - centre, scale, value=-1)
