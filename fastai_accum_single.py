@@ -22,21 +22,21 @@ Contents (line: module: classes), dependencies first:
      1476: staged: GraphRunner, StagedGraph
      2057: prepass: PrepassPlan, PreflightTable
      2287: cost: OpCount, Card, WindowCounts, Prediction, RemadeTime
-     2501: stage_cut: StageCut
-     2794: probes: -
-     3030: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
-     3195: window_store: HostPool, DevicePart, WindowStore
-     3756: remade: -
-     3829: schedule: Chunk, StageSizes, Schedule
-     3918: chunk_sizer: ChunkSizer
-     4183: exact: Footprint, ExactModeMemoryError, ExactPlan
-     4608: window_stats: LayerStats, Projection, WindowStats
-     4713: staged_exact: StagedConfig, Window, StagedStep, StagedForward
-     5393: staged_check: -
-     5736: ghost: GhostForward
-     5791: plan: StagedMismatchError, TrainingPlan
-     6145: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
-     6770: callback: WindowPrefetch, GradientAccumulation
+     2503: stage_cut: StageCut
+     2796: probes: -
+     3032: link: Ledger, Copies, CudaCopies, DeferredCopies, Link
+     3197: window_store: HostPool, DevicePart, WindowStore
+     3758: remade: -
+     3831: schedule: Chunk, StageSizes, Schedule
+     3920: chunk_sizer: ChunkSizer
+     4185: exact: Footprint, ExactModeMemoryError, ExactPlan
+     4629: window_stats: LayerStats, Projection, WindowStats
+     4734: staged_exact: StagedConfig, Window, StagedStep, StagedForward
+     5415: staged_check: -
+     5758: ghost: GhostForward
+     5813: plan: StagedMismatchError, TrainingPlan
+     6168: core: AccumulationOptions, BatchNormInstaller, Accumulation, FrontEnd
+     6793: callback: WindowPrefetch, GradientAccumulation
 """
 def _load_module(source, lines_before=0, name='fastai_accum_single'):
     "Run `source` as the module `name` (in `sys.modules`, its lines in tracebacks those of this file); the module."
@@ -2423,19 +2423,21 @@ class RemadeTime:
 # %% ../nbs/01c_cost.ipynb #df90b5f7
 STEP_FLOPS, STEP_KERNELS, STAGED_KERNELS = 3., 2.2, 6.5  # a step per forward; a staged chunk per plain step (above)
 
-def estimate_counts(window:int, micro:int, chunk:int, # samples per window, micro-batch and (smallest) staged chunk
+def estimate_counts(window:int, micro:int, # samples per window and micro-batch
+                    chunks:float, # chunks a stage runs in, on average (`ExactPlan.chunks_a_stage`)
                     flops:float, ops:float, # FLOPs a sample and kernels of one training forward of a micro-batch
-                    kept:float, # bytes a staged window keeps between stages, values and gradients
+                    kept:float, # bytes of the values a staged window keeps between stages (their gradients as many)
                     inputs:float=0, # bytes of the window's inputs
                     saved:float=0, # bytes autograd saves for the whole window
                     amp:str='fp32',
                    ) -> WindowCounts:
     "A window's counts for `predict`, estimated from one forward's (see above)."
-    flops_micro, ops_micro = STEP_FLOPS * flops * micro, STEP_KERNELS * ops
-    chunks = -(-window // chunk)
+    # each kept value written once and read twice, its gradient written and read once; a stage's first chunk waits for
+    # its reads, the later chunks' are read ahead beside the compute
+    flops_micro, ops_micro, h2d = STEP_FLOPS * flops * micro, STEP_KERNELS * ops, 3 * kept + inputs
     return WindowCounts(window, micro, flops_micro, ops_micro, flops_staged=flops_micro * window / micro * 4 / 3,
-                        ops_staged=STAGED_KERNELS * ops_micro * chunks, h2d=1.5 * kept + inputs, d2h=kept,
-                        saved_whole=saved, amp=amp, estimated=True)
+                        ops_staged=STAGED_KERNELS * ops_micro * chunks, h2d=h2d, d2h=2 * kept,
+                        ahead=h2d * (1 - 1 / max(chunks, 1.)), saved_whole=saved, amp=amp, estimated=True)
 
 # %% ../nbs/01c_cost.ipynb #b9db1bb8
 def _timed(fn, device, reps:int=2) -> float:
@@ -4401,6 +4403,25 @@ def staged_host_needed(self:ExactPlan) -> int:
     "Bytes of values (and gradients) a staged step keeps between stages: measured, or the saved activations."
     return int(self.window * (self.footprint.saved if self.store is None else self.store))
 
+# %% ../nbs/02a_exact.ipynb #9b788a55
+@patch
+def chunks_a_stage(self:ExactPlan, stages:int, # stages the staged step cuts the model into (about one a BatchNorm)
+                  ) -> float:
+    "Chunks a stage of a staged window runs in, on average, estimated from the saved tensors split evenly over `stages`."
+    # each share holds its part of `saved` (a tensor two ops save is one block each: scaled back) and twice its largest
+    # tensor in its backward (`sample_cost`); its chunk as large as the chunk budget leaves beside what is held anyway
+    if self.chunk_budget is None: return 1.
+    fp, least = self.footprint, self.chunk or 1
+    blocks = list(fp.blocks) if fp.blocks and len(fp.blocks) >= stages > 1 else []
+    costs = [sample_cost(fp.saved, fp.working)]
+    if blocks:
+        scale, n = fp.saved / sum(blocks), len(blocks)
+        shares = [blocks[n * s // stages:n * (s + 1) // stages] for s in range(stages)]
+        costs = [sample_cost(sum(g) * scale, max(g)) for g in shares]
+    room = self.chunk_budget - self.stage_grads - (0 if self.on_accelerator else self.staged_host_needed)
+    sizes = [min(self.window, max(least, int(room // max(c, 1.)))) for c in costs]
+    return sum(-(-self.window // size) for size in sizes) / len(sizes)
+
 # %% ../nbs/02a_exact.ipynb #bb31445a
 @patch
 def describe(self:ExactPlan) -> str:
@@ -5090,7 +5111,7 @@ def _backward_made(self:StagedStep, s:int, env:dict, leaf) -> int|None:
     # the parameters' (asked for only where no input wants one, then taken off): a chunk's do not grow with its samples,
     # they are counted beside it (`_beside`). A stage's backward is plain arithmetic on what the forward saved: no
     # random numbers, no statistics; the model's backward hooks would see this run, so where it has some the rule's
-    # estimate stands
+    # estimate stands. At least its outputs' gradients, and one temporary the size of each a BatchNorm reads (`project_`)
     cut = self.window.cut
     if any(m._backward_hooks or m._backward_pre_hooks for m in self.model.modules()): return None
     outs = [t for n in cut.stage_out[s] if n in env for t in _tensors(env[n]) if t.requires_grad]
@@ -5101,7 +5122,8 @@ def _backward_made(self:StagedStep, s:int, env:dict, leaf) -> int|None:
     with LiveBytes() as meter:
         got = torch.autograd.grad(outs, ins + params, [torch.zeros_like(t) for t in outs], allow_unused=True)
     del got
-    return max(meter.peak - _nbytes(params), 0)
+    projected = {b.args[0] for b in cut.bars if b is not None} & set(cut.stage_out[s]) & set(env)
+    return max(meter.peak - _nbytes(params), _nbytes(outs) + _nbytes([env[n] for n in projected]))
 
 # %% ../nbs/02b_staged_exact.ipynb #195244bf
 @patch
@@ -5958,7 +5980,8 @@ def predicted_time(plan:ExactPlan, # a plan that trains staged or offloaded
     classes; on a measured card whose host link binds the staged step, which stages it makes again: `RemadeTime`)"""
     amp, fp = _amp(autocast), plan.footprint
     inputs = sum(_nbytes(t) for t in xb if torch.is_tensor(t)) * plan.window / plan.micro
-    counts = estimate_counts(plan.window, plan.micro, plan.chunk, fp.flops, fp.ops, plan.staged_host_needed, inputs,
+    chunks = plan.chunks_a_stage(len(bn_layers(model)) + 1)  # a stage opens at each BatchNorm
+    counts = estimate_counts(plan.window, plan.micro, chunks, fp.flops, fp.ops, plan.staged_host_needed, inputs,
                              fp.saved * plan.window, amp)
     card = _this_card(model, xb, plan, amp, autocast)
     line = time_line(counts, 'staged exact' if plan.staged else 'exact, offloaded', card or None)

@@ -650,6 +650,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                    'fastai_accum/exact.py'),
                                     'fastai_accum.exact.ExactPlan.chunk_needed': ( 'exact.html#exactplan.chunk_needed',
                                                                                    'fastai_accum/exact.py'),
+                                    'fastai_accum.exact.ExactPlan.chunks_a_stage': ( 'exact.html#exactplan.chunks_a_stage',
+                                                                                     'fastai_accum/exact.py'),
                                     'fastai_accum.exact.ExactPlan.describe': ('exact.html#exactplan.describe', 'fastai_accum/exact.py'),
                                     'fastai_accum.exact.ExactPlan.device_needed': ( 'exact.html#exactplan.device_needed',
                                                                                     'fastai_accum/exact.py'),

@@ -144,19 +144,21 @@ class RemadeTime:
 # %% ../nbs/01c_cost.ipynb #df90b5f7
 STEP_FLOPS, STEP_KERNELS, STAGED_KERNELS = 3., 2.2, 6.5  # a step per forward; a staged chunk per plain step (above)
 
-def estimate_counts(window:int, micro:int, chunk:int, # samples per window, micro-batch and (smallest) staged chunk
+def estimate_counts(window:int, micro:int, # samples per window and micro-batch
+                    chunks:float, # chunks a stage runs in, on average (`ExactPlan.chunks_a_stage`)
                     flops:float, ops:float, # FLOPs a sample and kernels of one training forward of a micro-batch
-                    kept:float, # bytes a staged window keeps between stages, values and gradients
+                    kept:float, # bytes of the values a staged window keeps between stages (their gradients as many)
                     inputs:float=0, # bytes of the window's inputs
                     saved:float=0, # bytes autograd saves for the whole window
                     amp:str='fp32',
                    ) -> WindowCounts:
     "A window's counts for `predict`, estimated from one forward's (see above)."
-    flops_micro, ops_micro = STEP_FLOPS * flops * micro, STEP_KERNELS * ops
-    chunks = -(-window // chunk)
+    # each kept value written once and read twice, its gradient written and read once; a stage's first chunk waits for
+    # its reads, the later chunks' are read ahead beside the compute
+    flops_micro, ops_micro, h2d = STEP_FLOPS * flops * micro, STEP_KERNELS * ops, 3 * kept + inputs
     return WindowCounts(window, micro, flops_micro, ops_micro, flops_staged=flops_micro * window / micro * 4 / 3,
-                        ops_staged=STAGED_KERNELS * ops_micro * chunks, h2d=1.5 * kept + inputs, d2h=kept,
-                        saved_whole=saved, amp=amp, estimated=True)
+                        ops_staged=STAGED_KERNELS * ops_micro * chunks, h2d=h2d, d2h=2 * kept,
+                        ahead=h2d * (1 - 1 / max(chunks, 1.)), saved_whole=saved, amp=amp, estimated=True)
 
 # %% ../nbs/01c_cost.ipynb #b9db1bb8
 def _timed(fn, device, reps:int=2) -> float:

@@ -236,6 +236,25 @@ def staged_host_needed(self:ExactPlan) -> int:
     "Bytes of values (and gradients) a staged step keeps between stages: measured, or the saved activations."
     return int(self.window * (self.footprint.saved if self.store is None else self.store))
 
+# %% ../nbs/02a_exact.ipynb #9b788a55
+@patch
+def chunks_a_stage(self:ExactPlan, stages:int, # stages the staged step cuts the model into (about one a BatchNorm)
+                  ) -> float:
+    "Chunks a stage of a staged window runs in, on average, estimated from the saved tensors split evenly over `stages`."
+    # each share holds its part of `saved` (a tensor two ops save is one block each: scaled back) and twice its largest
+    # tensor in its backward (`sample_cost`); its chunk as large as the chunk budget leaves beside what is held anyway
+    if self.chunk_budget is None: return 1.
+    fp, least = self.footprint, self.chunk or 1
+    blocks = list(fp.blocks) if fp.blocks and len(fp.blocks) >= stages > 1 else []
+    costs = [sample_cost(fp.saved, fp.working)]
+    if blocks:
+        scale, n = fp.saved / sum(blocks), len(blocks)
+        shares = [blocks[n * s // stages:n * (s + 1) // stages] for s in range(stages)]
+        costs = [sample_cost(sum(g) * scale, max(g)) for g in shares]
+    room = self.chunk_budget - self.stage_grads - (0 if self.on_accelerator else self.staged_host_needed)
+    sizes = [min(self.window, max(least, int(room // max(c, 1.)))) for c in costs]
+    return sum(-(-self.window // size) for size in sizes) / len(sizes)
+
 # %% ../nbs/02a_exact.ipynb #bb31445a
 @patch
 def describe(self:ExactPlan) -> str:

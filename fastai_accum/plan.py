@@ -186,7 +186,8 @@ def predicted_time(plan:ExactPlan, # a plan that trains staged or offloaded
     classes; on a measured card whose host link binds the staged step, which stages it makes again: `RemadeTime`)"""
     amp, fp = _amp(autocast), plan.footprint
     inputs = sum(_nbytes(t) for t in xb if torch.is_tensor(t)) * plan.window / plan.micro
-    counts = estimate_counts(plan.window, plan.micro, plan.chunk, fp.flops, fp.ops, plan.staged_host_needed, inputs,
+    chunks = plan.chunks_a_stage(len(bn_layers(model)) + 1)  # a stage opens at each BatchNorm
+    counts = estimate_counts(plan.window, plan.micro, chunks, fp.flops, fp.ops, plan.staged_host_needed, inputs,
                              fp.saved * plan.window, amp)
     card = _this_card(model, xb, plan, amp, autocast)
     line = time_line(counts, 'staged exact' if plan.staged else 'exact, offloaded', card or None)

@@ -398,7 +398,7 @@ def _backward_made(self:StagedStep, s:int, env:dict, leaf) -> int|None:
     # the parameters' (asked for only where no input wants one, then taken off): a chunk's do not grow with its samples,
     # they are counted beside it (`_beside`). A stage's backward is plain arithmetic on what the forward saved: no
     # random numbers, no statistics; the model's backward hooks would see this run, so where it has some the rule's
-    # estimate stands
+    # estimate stands. At least its outputs' gradients, and one temporary the size of each a BatchNorm reads (`project_`)
     cut = self.window.cut
     if any(m._backward_hooks or m._backward_pre_hooks for m in self.model.modules()): return None
     outs = [t for n in cut.stage_out[s] if n in env for t in _tensors(env[n]) if t.requires_grad]
@@ -409,7 +409,8 @@ def _backward_made(self:StagedStep, s:int, env:dict, leaf) -> int|None:
     with LiveBytes() as meter:
         got = torch.autograd.grad(outs, ins + params, [torch.zeros_like(t) for t in outs], allow_unused=True)
     del got
-    return max(meter.peak - _nbytes(params), 0)
+    projected = {b.args[0] for b in cut.bars if b is not None} & set(cut.stage_out[s]) & set(env)
+    return max(meter.peak - _nbytes(params), _nbytes(outs) + _nbytes([env[n] for n in projected]))
 
 # %% ../nbs/02b_staged_exact.ipynb #195244bf
 @patch

@@ -111,7 +111,7 @@ def test_a_staged_plan_says_its_predicted_time_on_each_named_card():
     assert acc.path == 'staged exact' and plan.footprint.flops > 0 and plan.footprint.ops > 0
     line = "predicted time per window against naive accumulation's (estimated from one forward; a prediction, not a measurement): "
     assert line in str(acc) and line in plan.describe()
-    counts = estimate_counts(plan.window, plan.micro, plan.chunk, plan.footprint.flops, plan.footprint.ops,
+    counts = estimate_counts(plan.window, plan.micro, plan.chunks_a_stage(3), plan.footprint.flops, plan.footprint.ops,
                              plan.staged_host_needed, 4 * 3 * 8 * 8 * 8 * 2, plan.footprint.saved * plan.window)
     for name, card in cards.items():
         p = predict(counts, card)
