@@ -245,7 +245,7 @@ def chunks_a_stage(self:ExactPlan, stages:int, # stages the staged step cuts the
     # tensor in its backward (`sample_cost`); its chunk as large as the chunk budget leaves beside what is held anyway
     if self.chunk_budget is None: return 1.
     fp, least = self.footprint, self.chunk or 1
-    blocks = list(fp.blocks) if fp.blocks and len(fp.blocks) >= stages > 1 else []
+    blocks = list(fp.blocks) if sum(fp.blocks) > 0 and len(fp.blocks) >= stages > 1 else []
     costs = [sample_cost(fp.saved, fp.working)]
     if blocks:
         scale, n = fp.saved / sum(blocks), len(blocks)
