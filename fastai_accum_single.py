@@ -258,8 +258,8 @@ def project_(f:Tensor, # BatchNorm's input gradient with its statistics held fix
             ) -> Tensor:
     "BatchNorm's exact input gradient, written over `f`: f - mean(f) - (x - mean)·invstd·mean(f·x̂), in `mean_f`'s precision."
     # x is centred before it is scaled, as torch's kernel does: x·s - mean·s cancels where |mean| >> std (3x plain
-    # BatchNorm's error at |mean| = 1000 std). One temporary the size of `f`, as `channel_sums` holds: cut into blocks it
-    # launched 16x the kernels for no lower peak (nbs/25_bench_dtype)
+    # BatchNorm's error at |mean| = 1000 std). One temporary the size of `f`, as `channel_sums` holds, which the chunk
+    # sizer counts (`StagedStep._backward_made`): cut into blocks it launched 16x the kernels (nbs/25_bench_dtype)
     shape, dt = [1, -1] + [1] * (f.dim() - 2), mean_f.dtype
     scale, centre = (invstd.to(dt) * mean_fx).view(shape), mean.to(dt).view(shape)
     if f.dtype != dt: return f.copy_((x.to(dt) - centre).mul_(scale).neg_().add_(f).sub_(mean_f.view(shape)))

@@ -121,6 +121,18 @@ def test_a_staged_plan_says_its_predicted_time_on_each_named_card():
     for x, y in whole.batches(windows(n_win=1, n_step=2)): whole.backward(F.mse_loss(model(x), y))
     assert whole.path == 'exact' and whole.plan.predicted is None and 'predicted time' not in str(whole)
 
+def test_the_preflight_benchmark_runs():
+    """`nbs/bench_preflight.py` (the pre-flight's line beside the ledger's count, nbs/01c) on its smallest row, so that it
+    does not rot: a staged plan, each stage estimated in fewer chunks than the micro-batches (the step sizes each stage's
+    chunk from its own bytes), its line said."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location('bench_preflight', Path(__file__).parents[1]/'nbs'/'bench_preflight.py')
+    bench = importlib.util.module_from_spec(spec); spec.loader.exec_module(bench)
+    r = bench.preflight('resnet18', 64, 16, 150_000_000)
+    assert r['path'] == 'staged exact' and 1 <= r['chunks'] < 16 / 2 and r['need'] <= r['budget'], r
+    assert 'RTX-3060-12GB class' in r['predicted'], r['predicted']
+
 def test_a_plan_on_a_card_whose_link_binds_makes_stages_again(monkeypatch):
     """On a measured card whose host link binds the staged step (a slow link stands in for a GPU's), the plan asks the
     cost model which stages to make again (`RemadeTime`), says so in its time line, the step makes some again, and
